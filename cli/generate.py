@@ -1,0 +1,149 @@
+"""`specexec generate`: decode one prompt with a target (+ draft) and stream the continuation to stdout.
+
+Contract (scripts and benchmarks rely on it): plain mode writes the continuation to stdout as it is produced,
+flushed per step, and everything else (load summary, stats, warnings) to stderr. `--json` writes ONE compact
+JSON line to stdout: {"text", "token_ids" (generated ids only, EOS kept, at most --max-new-tokens), "stats":
+{steps, tokens_per_step, prefill_tok_s, decode_tok_s, draft_ms, target_ms, tree_size, budget, builder}}.
+
+Does not know: how models load or how a step works (specexec.runtime), what values are valid
+(specexec.config checks every one of them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from specexec.config import (BUILDERS, DTYPES, ConfigError, EngineConfig, SamplingParams, check_chat_options,
+                             check_draft_choice)
+from specexec.runtime import Detokenizer, ModelInfo, Runtime, builder_needs_draft
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", help="decode one prompt and stream the continuation",
+                       description="Decode one prompt with the target model, drafting with --draft.")
+    p.add_argument("--model", required=True, metavar="PATH", help="target checkpoint directory (or a cached Hub id)")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--draft", metavar="PATH", help="draft checkpoint directory (same tokenizer as the target)")
+    draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", metavar="TEXT", help="system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="at most N new tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K best (0 = all)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--budget", type=int, metavar="N", help="draft tree size in tokens (default 64)")
+    p.add_argument("--builder", metavar="NAME", help=f"tree builder: {', '.join(BUILDERS)} (default specexec)")
+    p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--stop", nargs="+", default=[], metavar="STR", help="end before the first of these strings")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read pickle (.bin) weights with torch.load(weights_only=True)")
+    p.add_argument("--json", action="store_true", help="print one JSON line (text, token_ids, stats) to stdout")
+    return p
+
+
+def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
+    """Every value checked (by specexec.config) before anything is loaded."""
+    engine_kw = {k: v for k, v in (("budget", args.budget), ("builder", args.builder), ("device", args.device),
+                                   ("dtype", args.dtype), ("max_new_tokens", args.max_new_tokens)) if v is not None}
+    config = EngineConfig(**engine_kw)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
+    check_chat_options(args.chat, args.system)
+    return config, sampling
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
+
+
+def _human(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(int(n))
+
+
+def print_load_summary(console: Console, runtime: Runtime) -> None:
+    def line(role: str, info: ModelInfo) -> None:
+        console.print(f"[bold]{role}[/] {info.path} · {info.args.family} · {info.args.n_layers} layers · "
+                      f"{_human(info.params)} params · {info.dtype} · {info.device} · loaded in {info.load_s:.2f} s",
+                      markup=True, highlight=False)
+
+    line("target", runtime.target_info)
+    if runtime.draft_info is not None:
+        line("draft ", runtime.draft_info)
+    if runtime.engine.builder is None:
+        console.print("no draft: decoding with the target alone", highlight=False)
+    else:
+        console.print(f"builder {runtime.builder_name} · budget {runtime.config.budget} tokens", highlight=False)
+
+
+def _write(text: str) -> None:
+    """Write model text to stdout, flushed; characters the terminal cannot encode become '?'."""
+    try:
+        sys.stdout.write(text)
+    except UnicodeEncodeError:
+        enc = sys.stdout.encoding or "ascii"
+        sys.stdout.write(text.encode(enc, errors="replace").decode(enc))
+    sys.stdout.flush()
+
+
+def stream(runtime: Runtime, prompt_ids: list[int], sampling: SamplingParams, stop: list[str],
+           echo: bool) -> tuple[list[int], str]:
+    """Run generation; with echo, write the new text after each step. Returns (ids, text)."""
+    detok = Detokenizer(runtime.tokenizer, prompt_ids)
+    ids: list[int] = []
+    shown = 0
+    for new in runtime.generate_ids(prompt_ids, runtime.config.max_new_tokens, sampling, stop):
+        ids += new
+        if echo:
+            text = detok.stable_text(ids)
+            if len(text) > shown:
+                _write(text[shown:])
+                shown = len(text)
+    text = detok.text(ids)
+    if echo:
+        _write(text[shown:] + "\n")
+    return ids, text
+
+
+def _stats_line(stats: dict, n_tokens: int) -> str:
+    rate = f"{stats['decode_tok_s']} tok/s" if stats["decode_tok_s"] else "n/a"
+    return (f"{n_tokens} tokens in {stats['steps']} steps ({stats['tokens_per_step']} tokens/step) · decode "
+            f"{rate} · prefill {stats['prefill_tok_s']} tok/s · per step: draft {stats['draft_ms']} ms, "
+            f"target {stats['target_ms']} ms, tree {stats['tree_size']} · builder {stats['builder']}")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True, soft_wrap=True)
+    config, sampling = _configs(args)
+    prompt = read_prompt(args)
+    with console.status("loading") as status:          # a transient spinner: nothing is left on stderr
+        runtime = Runtime.load(args.model, args.draft, config, args.allow_pickle,
+                               progress=lambda msg: status.update(msg))
+    prompt_ids = runtime.encode(prompt, args.chat, args.system)
+    runtime.check_prompt(prompt_ids)
+    print_load_summary(console, runtime)
+    ids, text = stream(runtime, prompt_ids, sampling, list(args.stop), echo=not args.json)
+    stats = runtime.stats()
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": ids, "stats": stats}, separators=(",", ":")), flush=True)
+    else:
+        console.print(_stats_line(stats, len(ids)), highlight=False, style="dim")
+    return 0

@@ -1,0 +1,65 @@
+"""`specexec` entry point: parses the command line, runs one subcommand, maps failures to exit codes.
+
+Every failure a user can cause ends as ONE line `error: ...` on stderr and exit code 2 (1 for a bug, 130 for
+Ctrl-C); `--debug` (before or after the subcommand) shows the traceback instead. Subcommands live in their own
+modules with `add_parser(subparsers)` and `run(args) -> int`.
+
+Does not know: models, tokenizers or generation; the subcommands do.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import NoReturn
+
+from cli import demo, generate
+from cli.errors import INTERRUPT_EXIT, UsageError, report
+
+COMMANDS = (generate, demo)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line) instead of printing a usage banner and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="specexec", description="Speculative decoding with large draft trees for "
+                    "Llama-family models (Llama 2/3, Mistral, Qwen2/2.5, Qwen3).")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    for command in COMMANDS:
+        p = command.add_parser(sub)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+        p.set_defaults(handler=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default sys.argv[1:]); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv[: argv.index("--")] if "--" in argv else "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.handler(args) or 0)
+    except SystemExit as e:                       # --help, --version: argparse's own exits
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return INTERRUPT_EXIT
+    except Exception as e:                        # noqa: BLE001 -- the one place exceptions become exit codes
+        if debug:
+            traceback.print_exc()
+        return report(e)
+
+
+def run() -> NoReturn:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

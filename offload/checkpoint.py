@@ -1,0 +1,112 @@
+"""Read tensors from a Hugging Face safetensors checkpoint by name, without loading everything.
+
+Handles a single `model.safetensors` or a sharded one (`model.safetensors.index.json`). Files are opened
+lazily through safetensors' memory map, so reading one layer touches only that layer's bytes. Pickle
+checkpoints (`*.bin`, `*.pt`) are never unpickled here: they are named in the error so the caller can decide.
+
+Does not know: model architectures, tokens, or what the tensors mean.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message says which file and why."""
+
+
+def pickle_files(directory: Path) -> list[Path]:
+    """Pickle-format weight files in `directory` (never opened)."""
+    found: list[Path] = []
+    for pattern in PICKLE_PATTERNS:
+        found += [p for p in sorted(directory.glob(pattern)) if p not in found]
+    return found
+
+
+class SafetensorsCheckpoint:
+    """Name -> tensor access over one or more safetensors files."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self._handles: dict[Path, object] = {}
+        self._where = self._index()          # tensor name -> file
+        self._check_headers()
+
+    def _index(self) -> dict[str, Path]:
+        index, single = self.directory / INDEX, self.directory / SINGLE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            where = {name: self.directory / fname for name, fname in weight_map.items()}
+            for f in sorted(set(where.values())):
+                if not f.is_file():
+                    raise CheckpointError(f"{index} names the shard {f.name}, which is missing in {self.directory}")
+            return where
+        if single.is_file():
+            return {name: single for name in self._open(single).keys()}
+        pickles = pickle_files(self.directory)
+        if pickles:
+            raise CheckpointError(f"{self.directory} has only pickle weights ({pickles[0].name}); "
+                                  "convert them to safetensors, or pass --allow-pickle to load them with "
+                                  "torch.load(weights_only=True)")
+        raise CheckpointError(f"{self.directory} has no {SINGLE} or {INDEX}")
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:        # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._handles[path]
+
+    def _check_headers(self) -> None:
+        """Open every shard once and check it holds what the index says (truncated files fail here)."""
+        for f in sorted(set(self._where.values())):
+            names = set(self._open(f).keys())
+            size = f.stat().st_size
+            missing = [n for n, g in self._where.items() if g == f and n not in names]
+            if missing:
+                raise CheckpointError(f"{f.name} lacks {missing[0]!r}, which the index places there")
+            end = _data_end(f)
+            if end > size:
+                raise CheckpointError(f"{f}: truncated ({size} bytes, the header needs {end})")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor as stored (CPU)."""
+        if name not in self._where:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} is missing")
+        try:
+            return self._open(self._where[name]).get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{self._where[name]}: cannot read {name!r} ({e})") from None
+
+    def items(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names if names is not None else self.names():
+            yield name, self.get(name)
+
+
+def _data_end(path: Path) -> int:
+    """Byte offset where the last tensor of a safetensors file ends, from its header."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends, default=0)

@@ -1,0 +1,61 @@
+"""The TreeBuilder interface and the draft-side state every model-based builder shares.
+
+A builder turns (draft model + its KV cache, the tokens the draft has not seen yet, a node budget, sampling
+params) into a TokenTree. `DraftState` holds the draft model, its cache and the "pending" tokens: accepted
+tokens the draft never processed (leaves it did not expand, and the bonus token), the last of which is the
+next root. The builder feeds them with its first draft pass, so the draft never runs a pass just to catch up.
+
+Does not know: the target model, verification, or how the engine commits the target's cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..config import SamplingParams
+from ..kv_cache import KVCache
+from ..model import Transformer
+from ..tree import TokenTree
+
+
+@dataclass
+class DraftState:
+    """The draft model, its cache (committed prefix) and pending tokens (not yet in the cache; last = root)."""
+
+    model: Transformer
+    cache: KVCache
+    pending: list[int] = field(default_factory=list)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """tokens, positions, slots [b]; mask bool [b, S] over cache slots -> fp32 logits [b, V]."""
+        hidden = self.model(tokens[None], positions[None], mask[None, None], self.cache, slots)
+        return self.model.logits(hidden)
+
+    def commit(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
+        """After verification: keep the draft KV of accepted nodes the draft processed (an ancestor-closed
+        prefix of the path) and queue the rest of the path plus the bonus token as pending."""
+        slots = tree.draft_slots
+        if slots is None:                                    # builder ran no draft passes (e.g. recycling)
+            self.pending = self.pending[:-1] + [int(t) for t in tree.tokens[accepted_nodes].tolist()] + [bonus]
+            return
+        path_slots = slots[accepted_nodes].tolist()
+        n_done = next((i for i, s in enumerate(path_slots) if s < 0), len(path_slots))
+        self.cache.keep(torch.tensor(path_slots[:n_done], dtype=torch.long, device=self.cache.k.device))
+        self.pending = [int(t) for t in tree.tokens[accepted_nodes[n_done:]].tolist()] + [bonus]
+
+
+class TreeBuilder(Protocol):
+    """One way to grow a draft tree. `drafting` names how children are chosen ("deterministic" distinct
+    tokens, or "without_replacement" samples in draw order): it decides which verification rules are exact."""
+
+    name: str
+    drafting: str
+    needs_draft: bool
+
+    def build(self, draft: DraftState | None, root_token: int, budget: int, sampling: SamplingParams,
+              rng: torch.Generator | None) -> TokenTree: ...
+
+    def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None: ...

@@ -1,0 +1,232 @@
+"""Frozen configuration built once at the edge, and the ONE place where user input is validated.
+
+ModelArgs comes from a checkpoint's config.json; SamplingParams and EngineConfig from CLI flags (or a server
+request, or models.yaml). Every check of a user-supplied value lives here and raises ConfigError with the
+offending value and what to do instead; callers never re-validate.
+
+Does not know: how weights are loaded or anything about trees; which devices exist only in check_device,
+which asks torch lazily.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message is one line saying what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape and maths options of one Llama-family decoder (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3)."""
+
+    family: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None   # frozen form of HF's rope_scaling dict
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        """Build from a parsed config.json; raises ConfigError for architectures outside the family."""
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            shown = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
+            raise ConfigError(f"unsupported architecture {shown}; supported: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            return cls._from_family(family, cfg)
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks the field {e.args[0]!r} needed for a {family} model") from None
+
+    @classmethod
+    def _from_family(cls, family: str, cfg: dict[str, Any]) -> "ModelArgs":
+        n_heads = int(cfg["num_attention_heads"])
+        dim = int(cfg["hidden_size"])
+        rope = cfg.get("rope_parameters") or {}          # transformers >= 5 folds rope_theta in here
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ("default", "llama3", "linear"):
+                raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+            scaling = tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict))))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        return cls(
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            dim=dim,
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or dim // n_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling or None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=int(window) if window else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """'48GB' -> 48e9 bytes, '512MiB' -> 512*2**20, '1.5G' -> 1.5e9. Raises ConfigError for anything else."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"{what}: {text!r} is not a size; write it like 48GB, 512MB or 1.5GiB")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ConfigError(f"{what}: {text!r} must be larger than zero")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one token is chosen from the (processed) logits. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check_number("temperature", self.temperature, low=0.0, high=100.0)
+        check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        check_number("top_k", self.top_k, low=0, high=10**7)
+        check_number("min_p", self.min_p, low=0.0, high=1.0)
+        check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
+        if self.seed is not None:
+            check_number("seed", self.seed, low=0, high=2**63 - 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    """Raise ConfigError unless value is a finite number in [low, high] (or (low, high] when low_open)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise ConfigError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+
+
+BUILDERS = ("specexec",)          # grows as tree builders land; validated here, implemented in builders/
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_BUDGET = 16384
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: tree budget and builder, device and dtype. Validated on construction."""
+
+    budget: int = 64
+    builder: str = "specexec"
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_new_tokens: int = 128
+    prefill_chunk: int = 512
+    builder_options: tuple[tuple[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        check_number("budget", self.budget, low=1, high=MAX_BUDGET)
+        check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
+        check_number("prefill_chunk", self.prefill_chunk, low=1, high=10**6)
+        if self.builder not in BUILDERS:
+            raise ConfigError(f"unknown builder {self.builder!r}; choose one of: {', '.join(BUILDERS)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"unknown device {self.device!r}; use cpu or cuda")
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        known = {f.name for f in fields(self)}
+        bad = set(changes) - known
+        if bad:
+            raise ConfigError(f"unknown engine option(s): {', '.join(sorted(bad))}")
+        return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def check_device(device: str) -> None:
+    """Raise ConfigError when `device` names CUDA but torch sees no CUDA device (or not that many)."""
+    if not device.startswith("cuda"):
+        return
+    import torch                                     # only here: the rest of this module is torch-free
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} but torch sees no CUDA device; use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device} but torch sees only {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_draft_choice(draft: str | None, no_draft: bool, builder: str, builder_needs_draft: bool) -> None:
+    """--draft PATH and --no-draft exclude each other; a builder that needs a draft needs one of them."""
+    if draft and no_draft:
+        raise ConfigError("--draft and --no-draft exclude each other; pass one of them")
+    if not draft and not no_draft and builder_needs_draft:
+        raise ConfigError(f"the {builder!r} builder needs a draft model: pass --draft PATH, "
+                          "or --no-draft to decode with the target alone")
+
+
+def check_prompt_length(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """Raise ConfigError unless the prompt is not empty and, plus max_new_tokens, fits the model's context."""
+    if prompt_tokens == 0:
+        raise ConfigError("the prompt is empty (0 tokens); pass some text")
+    if prompt_tokens + max_new_tokens > context:
+        raise ConfigError(f"the prompt has {prompt_tokens} tokens; with max_new_tokens {max_new_tokens} that "
+                          f"exceeds the model's context of {context} tokens (at most "
+                          f"{max(context - max_new_tokens, 0)} prompt tokens); shorten the prompt or lower "
+                          "--max-new-tokens")
+
+
+def check_chat_options(chat: bool, system: str | None) -> None:
+    """A system message only exists inside a chat template."""
+    if system is not None and not chat:
+        raise ConfigError("--system applies only with --chat; add --chat or drop --system")

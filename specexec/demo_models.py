@@ -1,0 +1,137 @@
+"""Small random-weight Llama-family checkpoints written as REAL Hugging Face checkpoints (for `specexec demo`,
+and usable by tests): config.json + model.safetensors via transformers' own classes, plus a byte-level BPE
+tokenizer trained in memory with `tokenizers` (tokenizer.json, tokenizer_config.json, a jinja chat template).
+
+Weights are not transformers' default init (which gives near-uniform next-token distributions): the std is
+larger and the LM head is scaled so next tokens are peaked, and biases / norm weights are random. A draft is
+the target plus relative gaussian noise, so it agrees with the target often but not always.
+
+Does not know: the specexec runtime; it only writes files. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")              # ids 0..3
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")         # ids 4..6
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A draft model proposes a tree of tokens and the target model
+checks the whole tree in one pass; the longest path that the target agrees with is emitted.
+Speculative decoding keeps the output of the target model exactly: greedy decoding matches token for token,
+and sampling keeps the distribution. The weights of the large model live in memory or on a disk and stream
+to the accelerator layer by layer, so one pass costs about the same for one token as for a thousand tokens.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris is the capital.
+Once upon a time there was a little model that wanted to think faster than the big model it served.
+def main(): return sum(x * x for x in range(10))  # numbers 0123456789 and symbols +-*/=<>()[]{}
+user: tell me a story. assistant: there once was a tree with many branches, and every branch was a guess.
+"""
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
+
+
+def write_tokenizer(dest: Path, vocab_size: int = 320, corpus: str = CORPUS,
+                    special: tuple[str, ...] = SPECIAL_TOKENS) -> int:
+    """Train a Llama-style byte-level BPE tokenizer (BOS added on encode, chat template) into `dest`; return
+    its size (at most vocab_size: a small corpus allows only so many merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special) + list(CHAT_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1,
+                                  show_progress=False)
+    tok.train_from_iterator([corpus] * 4, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        additional_special_tokens=list(CHAT_TOKENS), chat_template=CHAT_TEMPLATE, model_max_length=2048,
+        clean_up_tokenization_spaces=False)
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(dest)
+    return tok.get_vocab_size()
+
+
+def _classes(family: str) -> tuple[type, type]:
+    import transformers as tf
+
+    table = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+             "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
+    if family not in table:
+        raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+    return table[family]
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int, std: float, head_std: float) -> None:
+    """Peaked logits; random biases and norm weights (see the module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        elif "norm" in name:
+            p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    head = model.get_output_embeddings().weight
+    head.mul_(head_std / std)
+
+
+def write_model(dest: Path, family: str = "llama", seed: int = 0, n_layers: int = 4, hidden: int = 256,
+                n_heads: int = 4, n_kv_heads: int = 2, intermediate: int = 688, vocab_size: int = 320,
+                std: float | None = None, head_scale: float = 1.0, **config_overrides: Any) -> Path:
+    """Write a random float32 checkpoint with its tokenizer into `dest`; return `dest`.
+
+    std defaults to 1.6 / sqrt(hidden); the LM head's std is head_scale * 4 / sqrt(hidden) (logits std ~4).
+    config_overrides go to the transformers config class (e.g. rope_scaling, tie_word_embeddings)."""
+    dest = Path(dest)
+    tok_size = write_tokenizer(dest, vocab_size)
+    config_cls, model_cls = _classes(family)
+    kw: dict[str, Any] = dict(
+        vocab_size=max(vocab_size, tok_size), hidden_size=hidden, num_hidden_layers=n_layers,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=hidden // n_heads,
+        intermediate_size=intermediate, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    if family in ("qwen2", "qwen3"):
+        kw["use_sliding_window"] = False
+    kw.update(config_overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).to(torch.float32).eval()
+    std = std if std is not None else 1.6 / hidden ** 0.5
+    randomize(model, seed, std, head_scale * 4.0 / hidden ** 0.5)
+    model.save_pretrained(dest, safe_serialization=True)
+    return dest
+
+
+def write_perturbed(dest: Path, base: Path, perturb: float, seed: int = 0) -> Path:
+    """Copy the checkpoint at `base` into `dest` with gaussian noise of std perturb * rms(w) on every weight."""
+    from safetensors.torch import load_file, save_file
+
+    dest, base = Path(dest), Path(base)
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"base checkpoint {base} has no config.json")
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(base, dest)
+    gen = torch.Generator().manual_seed(seed)
+    for file in sorted(dest.glob("*.safetensors")):
+        tensors = load_file(file)
+        for name in sorted(tensors):
+            w = tensors[name]
+            if w.is_floating_point():
+                rms = w.float().pow(2).mean().sqrt()
+                tensors[name] = (w + torch.randn(w.shape, generator=gen) * rms * perturb).to(w.dtype).contiguous()
+        save_file(tensors, file, metadata={"format": "pt"})
+    return dest

@@ -1,0 +1,140 @@
+"""Local HF checkpoint directory (or a Hub id already in the local cache) -> resident Transformer.
+
+The model is built on the meta device and filled tensor by tensor from safetensors (assign=True), so the
+weights exist once in memory, cast to the run dtype. Names, shapes and the tensor set are checked against the
+config before anything is used. Pickle checkpoints are refused unless the caller allows them, and even then
+are read with torch.load(weights_only=True).
+
+Does not know: offloading (the offload runtime builds on the same checkpoint reader), tokens, trees.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from offload.checkpoint import CheckpointError, SafetensorsCheckpoint, pickle_files
+
+from .config import ConfigError, ModelArgs
+from .model import Transformer, rope_inv_freq
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A local directory as given, or a Hub id `org/name` found in huggingface_hub's local cache."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ConfigError(f"{spec} is a file; pass the checkpoint directory (with config.json) instead")
+    if HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+            return Path(snapshot_download(spec, local_files_only=True))
+        except Exception:
+            raise ConfigError(f"{spec} is not in the local Hugging Face cache and this runtime does not "
+                              f"download; download it first and pass its directory, e.g. --model /path/to/{spec.split('/')[-1]}") from None
+    raise ConfigError(f"model path {spec} does not exist; pass a local checkpoint directory")
+
+
+def read_args(path: Path) -> ModelArgs:
+    """ModelArgs from path/config.json with one-line errors for a missing or unreadable file."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_file} must hold a JSON object")
+    return ModelArgs.from_hf_config(cfg)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on CUDA and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the Transformer for `args` (built on meta, nothing allocated)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+
+def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+               allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Checked tensors by model parameter name, cast to dtype on device, one tensor at a time."""
+    expected = expected_shapes(args)
+    source = _open_weights(path, allow_pickle)
+    state: dict[str, torch.Tensor] = {}
+    for raw in source.names():
+        name = raw.removeprefix("model.")
+        if name == "lm_head.weight" and args.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor {raw!r} for a {args.family} model of this config")
+        if source.shape(raw) != expected[name]:
+            raise CheckpointError(f"{path}: {raw} has shape {list(source.shape(raw))}, "
+                                  f"config.json implies {list(expected[name])}")
+        tensor = source.get(raw)
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{path}: {raw} has dtype {tensor.dtype}; expected floating-point weights")
+        state[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    return state
+
+
+def load_model(path: Path, device: str | torch.device = "cpu", dtype: str = "auto",
+               allow_pickle: bool = False) -> Transformer:
+    """A resident Transformer in eval mode with every weight from the checkpoint at `path`."""
+    device = torch.device(device)
+    args = read_args(path)
+    state = read_state(path, args, resolve_dtype(dtype, device), device, allow_pickle)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval().requires_grad_(False)
+
+
+class _PickleSource:
+    """Pickle weights read with torch.load(weights_only=True): only when the user asked for it."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                self.tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+            except Exception as e:
+                raise CheckpointError(f"{f}: cannot read it as plain tensors ({e})") from None
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def _open_weights(path: Path, allow_pickle: bool) -> SafetensorsCheckpoint | _PickleSource:
+    has_safetensors = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()
+    pickles = pickle_files(path)
+    if not has_safetensors and pickles:
+        if not allow_pickle:
+            raise CheckpointError(f"{path} holds pickle weights ({pickles[0].name}), which can run code when "
+                                  "loaded; convert them to safetensors, or pass --allow-pickle to read them "
+                                  "with torch.load(weights_only=True)")
+        return _PickleSource(pickles)
+    return SafetensorsCheckpoint(path)

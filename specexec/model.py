@@ -1,0 +1,195 @@
+"""One Llama-family decoder (Llama 2/3/3.x incl. llama3 rope scaling, Mistral, Qwen2/2.5, Qwen3): pure maths.
+
+`forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
+positions are explicit (tree siblings share one), the boolean mask says which cache slots each token sees,
+and `slots` says where each token's K/V is written. Parameter names follow the HF checkpoints without the
+leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
+caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB).
+
+Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
+offloading (OffloadedTransformer overrides `layer_modules`), trees or sampling.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs
+from .kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] with the checkpoint's rope scaling (default, linear, llama3)."""
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    scaling = args.rope_scaling_dict or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
+    return inv
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos, sin [B, 1, T, D] (HF rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        d, h, kv = args.head_dim, args.n_heads, args.n_kv_heads
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(args.dim, h * d, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.norm_eps)
+            self.k_norm = RMSNorm(d, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if cache is not None:
+            cache.write(layer, slots, k, v)
+            k, v = cache.view(layer, mask.shape[-1])
+        out = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """GQA without copying K/V: q [B, H, T, D] is folded to [B, H_kv, G*T, D]; mask [B, 1, T, S] bool."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    qg = q.reshape(B, k.shape[1], G * T, D)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=T > 1)
+        return out
+    m = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m)
+    return out.reshape(B, H, T, D)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention and SwiGLU MLP with residuals."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding, decoder blocks, final norm and LM head. See the module docstring for the call contract."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[V, D] LM head weight (the embedding when tied)."""
+        return self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+
+    def layer_modules(self) -> Iterator[tuple[int, Block]]:
+        """(index, block) in order; the offloaded model streams them instead."""
+        return enumerate(self.layers)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim], computed in fp32 then cast."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions [B, T]; mask bool [B, 1, T, S] over cache slots [0, S) (None: causal, no cache);
+        slots [T]: where each token's K/V goes (default cache.length + arange(T)). Returns hidden [B, T, D]
+        after the final norm. Cache length is NOT advanced here: commit with cache.keep()."""
+        if cache is not None:
+            if slots is None:
+                slots = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)
+            if mask is None:
+                raise ValueError("a cached forward needs an explicit mask over the cache slots")
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in self.layer_modules():
+            x = layer(x, cos, sin, mask, cache, i, slots)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., D] -> fp32 logits [R, V] for `rows` of the flattened hidden (all rows when None)."""
+        h = hidden.reshape(-1, hidden.shape[-1])
+        if rows is not None:
+            h = h.index_select(0, rows)
+        return F.linear(h, self.head_weight).float()
+
+
+def prefix_tree_mask(n_prefix: int, tree_mask: torch.Tensor, window: int | None = None,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention mask [1, 1, T, n_prefix + T] for T new tokens after a committed prefix: all of the prefix
+    plus the token's own ancestors `tree_mask` [T, T] (a lower-triangular matrix for a plain sequence).
+    With a sliding `window`, keys further back than window - 1 positions are hidden (positions [T] needed)."""
+    T = tree_mask.shape[0]
+    left = torch.ones(T, n_prefix, dtype=torch.bool, device=tree_mask.device)
+    mask = torch.cat([left, tree_mask], dim=1)
+    if window is not None and positions is not None:
+        key_pos = torch.cat([torch.arange(n_prefix, device=positions.device), positions])
+        mask &= (positions.unsqueeze(1) - key_pos.unsqueeze(0)) < window
+    return mask.view(1, 1, T, n_prefix + T)

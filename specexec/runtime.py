@@ -1,0 +1,228 @@
+"""Runtime: a loaded target (+ optional draft), their tokenizer and an Engine, ready to generate.
+
+`Runtime.load()` is the one place that turns user-facing choices (model paths, EngineConfig) into running
+objects: it resolves the checkpoint paths, reads their configs (unsupported architectures fail before any
+weight is read), loads and cross-checks the tokenizers, loads both models on the configured device and dtype,
+and picks the tree builder from a small registry. `generate_ids()` adds what the engine deliberately leaves
+out: the context-length check and stop strings (which need the tokenizer). `Detokenizer` turns generated ids
+into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
+
+Does not know: argument parsing, terminal output, chat history, offloading (models are resident).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .builders.base import TreeBuilder
+from .builders.specexec import SpecExecBuilder
+from .config import (ConfigError, EngineConfig, ModelArgs, SamplingParams, check_device,
+                     check_prompt_length)
+from .engine import Engine
+from .loading import load_model, read_args, resolve_dtype, resolve_model_path
+from .model import Transformer
+from .tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
+
+# Builder name -> factory. config.BUILDERS validates the names; add a builder in both places.
+BUILDERS: dict[str, Callable[[], TreeBuilder]] = {
+    "specexec": SpecExecBuilder,
+}
+
+Progress = Callable[[str], None]
+
+
+def make_builder(name: str) -> TreeBuilder:
+    """A fresh builder by name (ConfigError for a name the registry lacks)."""
+    if name not in BUILDERS:
+        raise ConfigError(f"unknown builder {name!r}; choose one of: {', '.join(BUILDERS)}")
+    return BUILDERS[name]()
+
+
+def builder_needs_draft(name: str) -> bool:
+    """Whether the named builder grows its tree with a draft model."""
+    return bool(make_builder(name).needs_draft)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded, for the load summary."""
+
+    path: Path
+    args: ModelArgs
+    params: int
+    dtype: str
+    device: str
+    load_s: float
+
+    def describe(self) -> dict:
+        return {"path": str(self.path), "family": self.args.family, "layers": self.args.n_layers,
+                "params": self.params, "dtype": self.dtype, "device": self.device,
+                "load_s": round(self.load_s, 2)}
+
+
+def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool) -> tuple[Transformer, ModelInfo]:
+    t0 = time.perf_counter()
+    model = load_model(path, config.device, config.dtype, allow_pickle)
+    dtype = str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch.")
+    params = sum(p.numel() for p in model.parameters())
+    return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
+
+
+def _make_engine(target: Transformer, draft: Transformer | None, config: EngineConfig,
+                 eos: tuple[int, ...]) -> Engine:
+    """The configured builder; none (target-only decoding) when it needs a draft and there is none."""
+    builder: TreeBuilder | None = make_builder(config.builder)
+    if builder.needs_draft and draft is None:
+        builder = None
+    return Engine(target, draft, config, builder, eos)
+
+
+class Runtime:
+    """A target (+ draft), the shared tokenizer and the Engine that runs them. Build it with Runtime.load()."""
+
+    def __init__(self, engine: Engine, tokenizer, target: ModelInfo, draft: ModelInfo | None,
+                 config: EngineConfig) -> None:
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.target_info, self.draft_info = target, draft
+
+    @classmethod
+    def load(cls, model: str, draft: str | None, config: EngineConfig, allow_pickle: bool = False,
+             progress: Progress | None = None) -> "Runtime":
+        """Load the target at `model` and, unless `draft` is None, the draft at `draft`. Without a draft the
+        engine decodes with the target alone (when the configured builder needs a draft model)."""
+        say = progress or (lambda _msg: None)
+        check_device(config.device)
+        t_path = resolve_model_path(model)
+        t_args = read_args(t_path)
+        d_path = resolve_model_path(draft) if draft is not None else None
+        d_args = read_args(d_path) if d_path is not None else None
+        say(f"loading tokenizer from {t_path}")
+        tokenizer = load_tokenizer(t_path)
+        if d_path is not None:
+            check_compatible(tokenizer, load_tokenizer(d_path), t_args.vocab_size, d_args.vocab_size)
+        else:
+            check_compatible(tokenizer, tokenizer, t_args.vocab_size, t_args.vocab_size)
+        say(f"loading target {t_path}")
+        target, t_info = _load_one(t_path, t_args, config, allow_pickle)
+        draft_model, d_info = None, None
+        if d_path is not None:
+            say(f"loading draft {d_path}")
+            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle)
+        engine = _make_engine(target, draft_model, config, eos_ids(tokenizer, t_args.eos_token_ids))
+        return cls(engine, tokenizer, t_info, d_info, config)
+
+    def variant(self, config: EngineConfig, use_draft: bool = True) -> "Runtime":
+        """The same loaded models and tokenizer under another budget/builder, or without the draft."""
+        if (config.device, config.dtype) != (self.config.device, self.config.dtype):
+            raise ConfigError(f"a variant keeps the loaded device/dtype ({self.config.device}/{self.config.dtype}); "
+                              f"got {config.device}/{config.dtype}")
+        draft = self.engine.draft if use_draft else None
+        engine = _make_engine(self.engine.target, draft, config, tuple(sorted(self.engine.eos_ids)))
+        return Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config)
+
+    @property
+    def context(self) -> int:
+        """Longest sequence (prompt + generated) every loaded model supports."""
+        infos = [i for i in (self.target_info, self.draft_info) if i is not None]
+        return min(i.args.max_position_embeddings for i in infos)
+
+    @property
+    def builder_name(self) -> str:
+        return self.engine.builder.name if self.engine.builder is not None else "none"
+
+    def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
+        """Prompt ids: the tokenizer's default encoding, or the chat template when chat=True."""
+        return encode_prompt(self.tokenizer, text, chat, system)
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> None:
+        """ConfigError unless the prompt plus max_new_tokens fit every loaded model's context."""
+        check_prompt_length(len(prompt_ids), max_new_tokens or self.config.max_new_tokens, self.context)
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
+                     sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = ()) -> Iterator[list[int]]:
+        """Yield new token ids as they are accepted. With stop strings, tokens that could still be the start
+        of one are held back until they cannot; generation ends before the first stop string (excluded)."""
+        limit = max_new_tokens or self.config.max_new_tokens
+        self.check_prompt(prompt_ids, limit)
+        stops = [s for s in stop if s]
+        if not stops:
+            yield from self.engine.generate(prompt_ids, limit, sampling)
+            return
+        watcher = StopWatcher(Detokenizer(self.tokenizer, prompt_ids), stops)
+        ids: list[int] = []
+        emitted = 0
+        for new in self.engine.generate(prompt_ids, limit, sampling, should_stop=watcher):
+            ids += new
+            if watcher.keep is None:
+                safe = watcher.safe_count(ids, emitted)
+                if safe > emitted:
+                    yield ids[emitted:safe]
+                    emitted = safe
+        if watcher.keep is not None:
+            ids = ids[:max(watcher.keep, emitted)]
+        if len(ids) > emitted:
+            yield ids[emitted:]
+
+    def stats(self) -> dict:
+        """Summary of the last generate_ids() call (see GenerationStats.summary)."""
+        budget = self.config.budget if self.engine.builder is not None else 0
+        return self.engine.stats.summary(budget, self.builder_name)
+
+
+class Detokenizer:
+    """Text of generated ids. They are decoded after the last few prompt tokens, so tokenizers that drop a
+    word's leading space at the start of a decode (SentencePiece) keep it; special tokens are skipped."""
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.prefix = list(prompt_ids[-self.CONTEXT:])
+        self.prefix_text = self._decode(self.prefix)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def text(self, ids: Sequence[int]) -> str:
+        full = self._decode(self.prefix + list(ids))
+        if full.startswith(self.prefix_text):
+            return full[len(self.prefix_text):]
+        return self._decode(list(ids))
+
+    def stable_text(self, ids: Sequence[int]) -> str:
+        """text(ids) without a trailing replacement character (an incomplete multi-byte character)."""
+        return self.text(ids).rstrip("\ufffd")
+
+
+class StopWatcher:
+    """Engine.generate's should_stop callback for stop strings: on the first stop string in the decoded text,
+    keep the tokens whose text ends before it (a token that holds part of the stop string is dropped)."""
+
+    def __init__(self, detok: Detokenizer, stops: Sequence[str]) -> None:
+        self.detok, self.stops = detok, list(stops)
+        self.longest = max(len(s) for s in self.stops)
+        self.keep: int | None = None
+
+    def __call__(self, ids: list[int]) -> int | None:
+        text = self.detok.text(ids)
+        hits = [text.find(s) for s in self.stops if s in text]
+        if not hits:
+            return None
+        self.keep = self._tokens_within(ids, min(hits), 0)
+        return self.keep
+
+    def safe_count(self, ids: list[int], start: int) -> int:
+        """How many leading tokens cannot be part of a stop string that the next tokens may complete."""
+        boundary = len(self.detok.text(ids)) - (self.longest - 1)
+        return self._tokens_within(ids, boundary, start)
+
+    def _tokens_within(self, ids: list[int], n_chars: int, start: int) -> int:
+        """The largest k >= start with len(text(ids[:k])) <= n_chars (k = start when none is)."""
+        k = start
+        while k < len(ids) and len(self.detok.text(ids[:k + 1])) <= n_chars:
+            k += 1
+        return k

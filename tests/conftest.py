@@ -1,0 +1,126 @@
+"""Shared fixtures: tiny random Llama-family checkpoints written once per test session, and the `gpu` marker.
+
+Every model fixture returns the Path of a real Hugging Face checkpoint directory (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json, chat_template.jinja) in a session-scoped temporary directory; see
+tests/tiny_models.py for the shapes, the tokenizer and the weight init. Nothing is downloaded: the Hub is
+switched offline before transformers is imported.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import DRAFT_PERTURB, LLAMA3_ROPE, write_tiny_model
+
+# Tiny models: one thread is fastest, and on a shared 2-core machine two threads oversubscribe badly.
+torch.set_num_threads(1)
+
+# name -> (family, seed, config overrides); seeds differ so no two fixtures share weights.
+SINGLE_MODELS: dict[str, tuple[str, int, dict]] = {
+    "llama": ("llama", 0, {}),
+    "llama3": ("llama", 1, {"rope_scaling": LLAMA3_ROPE}),
+    "qwen2": ("qwen2", 2, {}),
+    "qwen2_tied": ("qwen2", 3, {"tie_word_embeddings": True}),
+    "mistral": ("mistral", 4, {}),
+    "qwen3": ("qwen3", 5, {}),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked `gpu` when there is no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_transformers() -> None:
+    """No progress bars from save_pretrained/from_pretrained in test output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's directory that holds every tiny checkpoint."""
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+def _single(root: Path, name: str) -> Path:
+    family, seed, overrides = SINGLE_MODELS[name]
+    return write_tiny_model(root / name, family, seed=seed, n_layers=2, **overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_root: Path) -> Path:
+    """Llama, 2 layers, plain RoPE."""
+    return _single(tiny_root, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tiny_root: Path) -> Path:
+    """Llama, 2 layers, Llama-3.1-style rope_scaling (rope_type llama3, factor 8, original max 64)."""
+    return _single(tiny_root, "llama3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_root: Path) -> Path:
+    """Qwen2, 2 layers: q/k/v biases, untied head."""
+    return _single(tiny_root, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tied(tiny_root: Path) -> Path:
+    """Qwen2, 2 layers, tie_word_embeddings=True (no lm_head.weight in the safetensors file)."""
+    return _single(tiny_root, "qwen2_tied")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tiny_root: Path) -> Path:
+    """Mistral, 2 layers, sliding_window null (as in Mistral v0.2+)."""
+    return _single(tiny_root, "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_root: Path) -> Path:
+    """Qwen3, 2 layers: per-head q_norm/k_norm, explicit head_dim 16."""
+    return _single(tiny_root, "qwen3")
+
+
+@pytest.fixture(scope="session", params=list(SINGLE_MODELS))
+def tiny_model(request: pytest.FixtureRequest) -> Path:
+    """Each single-model fixture in turn (test ids: llama, llama3, qwen2, qwen2_tied, mistral, qwen3)."""
+    return request.getfixturevalue(f"tiny_{request.param}")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_root: Path) -> tuple[Path, Path]:
+    """(target, draft): Llama 4 layers and Llama 2 layers, same tokenizer, unrelated random weights."""
+    target = write_tiny_model(tiny_root / "pair-target", "llama", seed=10, n_layers=4)
+    draft = write_tiny_model(tiny_root / "pair-draft", "llama", seed=11, n_layers=2)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_perturbed_draft(tiny_root: Path, tiny_pair: tuple[Path, Path]) -> Path:
+    """A copy of tiny_pair's target with relative noise DRAFT_PERTURB on every weight (~78% top-1 agreement)."""
+    return write_tiny_model(tiny_root / "pair-target-perturbed", perturb=DRAFT_PERTURB, base=tiny_pair[0], seed=12)
+
+
+@pytest.fixture(scope="session")
+def tiny_mismatched_draft(tiny_root: Path) -> Path:
+    """A Llama 2-layer draft whose tokenizer disagrees with every other fixture's (vocab 288, other ids)."""
+    return write_tiny_model(tiny_root / "mismatched-draft", "llama", seed=13, n_layers=2, tokenizer="other")

@@ -1,0 +1,125 @@
+"""The dependency rule `cli -> specexec -> offload -> torch`, checked by reading imports with `ast`.
+
+offload/ imports neither specexec nor cli; specexec/ never imports cli. Every import counts: top-level,
+inside functions, under TYPE_CHECKING, relative (`from .. import specexec`), and string-literal dynamic imports
+(`importlib.import_module("cli.main")`, `__import__("cli")`). Packages that are empty or not there yet pass.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "offload": frozenset({"specexec", "cli"}),
+    "specexec": frozenset({"cli"}),
+}
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) for every import in `source`, the code of module `module` (dotted)."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, filename=module)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                up = node.level - 1
+                if up > len(package):
+                    raise ValueError(f"{module}:{node.lineno}: relative import goes above the top-level package")
+                base = package[:len(package) - up]
+            else:
+                base = []
+            if node.module:
+                found.append((node.lineno, ".".join(base + node.module.split("."))))
+            else:                                   # `from . import x`: each name may be a module
+                found += [(node.lineno, ".".join(base + [alias.name])) for alias in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str) and _call_name(node.func) in ("import_module", "__import__")):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def _call_name(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return None
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """'module:line imports name' for each import that breaks the rule for module's top-level package."""
+    banned = FORBIDDEN.get(module.split(".")[0], frozenset())
+    return [f"{module}:{line} imports {name}" for line, name in imported_modules(source, module, is_package)
+            if name.split(".")[0] in banned]
+
+
+def package_violations(top: str, root: Path = ROOT) -> list[str]:
+    out: list[str] = []
+    for path in sorted((root / top).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        out += violations(path.read_text(encoding="utf-8"), ".".join(parts), is_package)
+    return out
+
+
+@pytest.mark.parametrize("top", sorted(FORBIDDEN))
+def test_package_respects_layering(top: str) -> None:
+    bad = package_violations(top)
+    assert not bad, f"{top}/ may not import {', '.join(sorted(FORBIDDEN[top]))}:\n" + "\n".join(bad)
+
+
+def test_checker_finds_every_kind_of_import() -> None:
+    source = """
+import os, torch
+import specexec.tree
+from specexec import tree
+from cli.main import run
+from . import pager
+from .. import specexec
+from ..cli import chat
+import importlib
+importlib.import_module("cli.chat")
+__import__("specexec")
+def late():
+    from specexec.engine import Engine
+"""
+    assert violations(source, "offload.pager") == [
+        "offload.pager:3 imports specexec.tree",
+        "offload.pager:4 imports specexec",
+        "offload.pager:5 imports cli.main",
+        "offload.pager:7 imports specexec",
+        "offload.pager:8 imports cli",
+        "offload.pager:10 imports cli.chat",
+        "offload.pager:11 imports specexec",
+        "offload.pager:13 imports specexec.engine",
+    ]
+    assert violations(source, "specexec.engine") == [
+        "specexec.engine:5 imports cli.main",
+        "specexec.engine:8 imports cli",
+        "specexec.engine:10 imports cli.chat",
+    ]
+    assert violations(source, "cli.main") == []
+
+
+def test_checker_resolves_relative_imports() -> None:
+    assert imported_modules("from . import pager", "offload.tiers") == [(1, "offload.pager")]
+    assert imported_modules("from .pager import LayerPager", "offload", is_package=True) == [(1, "offload.pager")]
+    assert imported_modules("from ..tree import TokenTree", "specexec.builders.chain") == [(1, "specexec.tree")]
+    assert violations("from ... import cli", "specexec.builders.chain") == ["specexec.builders.chain:1 imports cli"]
+    with pytest.raises(ValueError, match="above the top-level"):
+        imported_modules("from .... import x", "specexec.builders.chain")
+
+
+def test_checker_scans_files(tmp_path: Path) -> None:
+    (tmp_path / "offload" / "sub").mkdir(parents=True)
+    (tmp_path / "offload" / "__init__.py").write_text("from .sub import thing\n")
+    (tmp_path / "offload" / "sub" / "bad.py").write_text("import torch\n\nfrom ...specexec import model\n")
+    assert package_violations("offload", tmp_path) == ["offload.sub.bad:3 imports specexec"]
+    assert package_violations("specexec", tmp_path) == []          # absent package: nothing to check

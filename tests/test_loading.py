@@ -1,0 +1,182 @@
+"""specexec.loading on real (tiny) HF checkpoints: logits equal transformers', pickle weights are never
+unpickled by default (and never executed even when allowed), and every broken checkpoint fails with one
+clear CheckpointError / ConfigError instead of a traceback from deep inside torch or safetensors."""
+from __future__ import annotations
+
+import builtins
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from offload.checkpoint import CheckpointError
+from specexec.config import ConfigError
+from specexec.loading import load_model, resolve_model_path
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def _rewrite(path: Path, change) -> None:
+    """Load model.safetensors, let `change(tensors)` edit the dict, write it back."""
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------------------------------ correctness
+
+def test_load_model_matches_transformers_logits(tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(tiny_model, "cpu", "float32")
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    tokens = torch.randint(7, ours.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(24).expand(2, -1)
+    with torch.no_grad():
+        got = ours.logits(ours(tokens, positions)).view(2, 24, -1)
+        want = ref(tokens).logits.float()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    assert all(not p.requires_grad and p.dtype == torch.float32 for p in ours.parameters())
+
+
+def test_dtype_is_applied(tiny_llama: Path) -> None:
+    model = load_model(tiny_llama, "cpu", "bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------ pickle
+
+class _Evil:
+    """Unpickling this creates `marker` (through builtins.open): proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return builtins.open, (self.marker, "w")
+
+
+def _pickle_checkpoint(tiny: Path, dest: Path, payload: dict) -> Path:
+    dest.mkdir()
+    shutil.copy(tiny / "config.json", dest / "config.json")
+    torch.save(payload, dest / "pytorch_model.bin")
+    return dest
+
+
+def test_pickle_checkpoint_is_refused_and_never_unpickled(tiny_llama: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    path = _pickle_checkpoint(tiny_llama, tmp_path / "ckpt", {"model.embed_tokens.weight": _Evil(marker)})
+    with pytest.raises(CheckpointError, match="pickle.*--allow-pickle") as info:
+        load_model(path)
+    assert "\n" not in str(info.value)
+    assert not marker.exists()
+
+
+def test_allowed_pickle_is_read_weights_only(tiny_llama: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    path = _pickle_checkpoint(tiny_llama, tmp_path / "ckpt", {"model.embed_tokens.weight": _Evil(marker)})
+    with pytest.raises(CheckpointError, match="plain tensors.*(?i:weights.only|unsupported global)"):
+        load_model(path, allow_pickle=True)
+    assert not marker.exists()
+    torch.load(path / "pytorch_model.bin", weights_only=False)        # the control: the payload is live
+    assert marker.exists()
+
+
+def test_allowed_plain_pickle_loads_the_same_weights(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _pickle_checkpoint(tiny_llama, tmp_path / "ckpt", load_file(tiny_llama / "model.safetensors"))
+    a, b = load_model(tiny_llama), load_model(path, allow_pickle=True)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+# ------------------------------------------------------------------------------------------ broken safetensors
+
+def test_truncated_safetensors(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_model(path)
+
+
+def test_corrupted_header(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:24] = b"this is not json"
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(path)
+
+
+def test_missing_tensor(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    _rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match="missing tensor 'layers.1.mlp.up_proj.weight'"):
+        load_model(path)
+
+
+def test_extra_tensor(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    _rewrite(path, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(4, 4)}))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.mlp.extra.weight'"):
+        load_model(path)
+
+
+def test_wrong_shape(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    _rewrite(path, lambda t: t.update({"model.norm.weight": torch.ones(63)}))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight has shape \[63\].*\[64\]"):
+        load_model(path)
+
+
+def test_index_names_a_missing_shard(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    names = list(load_file(path / "model.safetensors"))
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    weight_map = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors, which is missing"):
+        load_model(path)
+
+
+# ------------------------------------------------------------------------------------------ paths and configs
+
+def test_hub_id_not_in_cache_names_a_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="not in the local Hugging Face cache.*--model /path/to/no-such-model"):
+        resolve_model_path("no-such-org/no-such-model")
+
+
+def test_missing_directory_and_file_instead_of_directory(tiny_llama: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match="is a file; pass the checkpoint directory"):
+        resolve_model_path(str(tiny_llama / "config.json"))
+
+
+def test_unsupported_architecture(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported architecture GPT2LMHeadModel"):
+        load_model(path)
+
+
+def test_missing_or_invalid_config(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_model(path)
+    (path / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_model(path)

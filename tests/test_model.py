@@ -1,0 +1,109 @@
+"""specexec.model against transformers' own implementation of the same tiny checkpoints (fp32).
+
+Covers a prefill, a cached one-token decode step and a tree forward (each node's logits equal the reference
+run on its root-to-node path), for every family fixture, plus a Mistral sliding window.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specexec.kv_cache import KVCache
+from specexec.loading import load_model
+from specexec.model import Transformer, prefix_tree_mask
+from specexec.tree import TokenTree
+from tests.tiny_models import write_tiny_model
+
+TOL = 1e-4
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def new_cache(model: Transformer, capacity: int = 128) -> KVCache:
+    a = model.args
+    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, "cpu")
+
+
+def causal(T: int) -> torch.Tensor:
+    return torch.ones(T, T, dtype=torch.bool).tril()
+
+
+def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
+    T = ids.numel()
+    pos = torch.arange(cache.length, cache.length + T)
+    mask = prefix_tree_mask(cache.length, causal(T), model.args.sliding_window, pos)
+    hidden = model(ids[None], pos[None], mask, cache)
+    cache.advance(T)
+    return model.logits(hidden)
+
+
+@torch.inference_mode()
+def test_prefill_and_decode_match_transformers(tiny_model: Path) -> None:
+    ours, ref = load_model(tiny_model), hf_model(tiny_model)
+    ids = torch.randint(0, ours.args.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    want = ref(ids[None]).logits[0]
+    cache = new_cache(ours)
+    got_prefill = prefill(ours, cache, ids[:-1])
+    got_decode = prefill(ours, cache, ids[-1:])
+    assert (got_prefill - want[:-1]).abs().max() < TOL
+    assert (got_decode - want[-1:]).abs().max() < TOL
+    assert (ours.logits(ours(ids[None], torch.arange(24)[None])) - want).abs().max() < TOL   # no-cache path
+
+
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 6]
+
+
+@torch.inference_mode()
+def test_tree_forward_equals_each_path_run_sequentially(tiny_model: Path) -> None:
+    ours, ref = load_model(tiny_model), hf_model(tiny_model)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, ours.args.vocab_size, (10,), generator=g)
+    tokens = torch.randint(0, ours.args.vocab_size, (len(TREE_PARENTS),), generator=g).tolist()
+    tree = TokenTree.from_lists(tokens, TREE_PARENTS)
+    cache = new_cache(ours)
+    prefill(ours, cache, prompt)
+    L = cache.length
+    positions = tree.positions(L)
+    hidden = ours(tree.tokens[None], positions[None], prefix_tree_mask(L, tree.ancestor_mask()), cache)
+    got = ours.logits(hidden)
+    for node in range(len(TREE_PARENTS)):
+        path = torch.cat([prompt, tree.tokens[tree.path(node)]])
+        want = ref(path[None]).logits[0, -1]
+        assert (got[node] - want).abs().max() < TOL, f"node {node}"
+
+
+def test_ancestor_mask_and_positions() -> None:
+    tree = TokenTree.from_lists(list(range(9)), TREE_PARENTS)
+    mask = tree.ancestor_mask()
+    for i in range(9):
+        assert mask[i].nonzero().flatten().tolist() == sorted(tree.path(i))
+    assert tree.positions(5).tolist() == [5, 6, 6, 7, 7, 7, 8, 8, 9]
+
+
+@torch.inference_mode()
+def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "mistral-window", "mistral", seed=7, n_layers=2, sliding_window=6)
+    ours, ref = load_model(path), hf_model(path)
+    assert ours.args.sliding_window == 6
+    ids = torch.randint(0, ours.args.vocab_size, (20,), generator=torch.Generator().manual_seed(2))
+    want = ref(ids[None]).logits[0]
+    cache = new_cache(ours)
+    got = torch.cat([prefill(ours, cache, ids[:12]), prefill(ours, cache, ids[12:])])
+    assert (got - want).abs().max() < TOL
+
+
+def test_kv_cache_keep_moves_rows_without_touching_the_prefix() -> None:
+    cache = KVCache(1, 1, 2, 16, torch.float32, "cpu")
+    rows = torch.arange(10, dtype=torch.float32).view(1, 1, 10, 1).expand(1, 1, 10, 2)
+    cache.write(0, torch.arange(10), rows, rows)
+    cache.advance(3)
+    cache.keep(torch.tensor([3, 5, 8]))
+    assert cache.length == 6
+    assert cache.k[0, 0, 0, :6, 0].tolist() == [0, 1, 2, 3, 5, 8]
+    with pytest.raises(RuntimeError):
+        cache.keep(torch.arange(6, 17))
