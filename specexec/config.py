@@ -157,6 +157,7 @@ def check_number(name: str, value: Any, low: float, high: float, low_open: bool 
         raise ConfigError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
 
 
+VERIFIERS = ("auto", "greedy", "sample_match", "rrs", "rrs_wor")   # see verify.RULES
 BUILDERS = ("specexec",)          # grows as tree builders land; validated here, implemented in builders/
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BUDGET = 16384
@@ -172,6 +173,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_new_tokens: int = 128
     prefill_chunk: int = 512
+    verifier: str = "auto"
     builder_options: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -180,6 +182,8 @@ class EngineConfig:
         check_number("prefill_chunk", self.prefill_chunk, low=1, high=10**6)
         if self.builder not in BUILDERS:
             raise ConfigError(f"unknown builder {self.builder!r}; choose one of: {', '.join(BUILDERS)}")
+        if self.verifier not in VERIFIERS:
+            raise ConfigError(f"unknown verifier {self.verifier!r}; choose one of: {', '.join(VERIFIERS)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .builders.base import DraftState, TreeBuilder
-from .config import EngineConfig, SamplingParams
+from .config import ConfigError, EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .model import Transformer, prefix_tree_mask
-from .sampling import greedy, make_generator, process_logits, sample
+from .sampling import greedy, make_generator, node_histories, process_logits, sample
 from .tree import TokenTree
-from .verify import Accepted, accept_greedy
+from .verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
 
 LOGIT_CHUNK = 256        # rows of the LM head computed at once: 256 x 152k fp32 = 155 MB
 
@@ -39,7 +39,8 @@ class StepRecord:
 class GenerationStats:
     """What one generate() call did; filled in as it runs."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0          # prompt tokens prefilled by this call
+    reused_tokens: int = 0          # prompt tokens whose KV was kept from the previous call (shared prefix)
     prefill_s: float = 0.0
     generated: int = 0
     steps: list[StepRecord] = field(default_factory=list)
@@ -58,6 +59,7 @@ class GenerationStats:
             "draft_ms": round(1000 * sum(s.draft_s for s in self.steps) / n, 2),
             "target_ms": round(1000 * sum(s.target_s for s in self.steps) / n, 2),
             "tree_size": round(sum(s.tree_size for s in self.steps) / n, 1),
+            "reused_tokens": self.reused_tokens,
             "budget": budget,
             "builder": builder,
         }
@@ -75,23 +77,29 @@ class Engine:
         self.device = next(target.parameters()).device
         self.stats = GenerationStats()
         self._caches: tuple[KVCache, KVCache | None] | None = None
+        self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
 
-    def _new_caches(self, total: int) -> tuple[KVCache, KVCache | None]:
-        """Caches sized for `total` committed tokens plus one tree (and the draft's pending tokens)."""
-        extra = 2 * self.config.budget + 4 if self.builder is not None else 2
-        cached = self._caches
-        if cached is not None and cached[0].capacity >= total + extra:
-            for c in cached:
-                if c is not None:
-                    c.reset()
-            return cached
-
-        def make(model: Transformer) -> KVCache:
-            a, p = model.args, next(model.parameters())
-            return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, total + extra, p.dtype, p.device)
-
-        self._caches = (make(self.target), make(self.draft) if self.draft is not None and self.builder else None)
+    def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
+        """Caches with room for `total` committed tokens plus one tree (and the draft's pending tokens);
+        existing caches are kept (and grown if needed) so a shared prompt prefix can be reused."""
+        need = total + (2 * self.config.budget + 4 if self.builder is not None else 2)
+        if self._caches is None:
+            def make(model: Transformer) -> KVCache:
+                a, p = model.args, next(model.parameters())
+                return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, need, p.dtype, p.device)
+            with_draft = self.draft is not None and self.builder is not None
+            self._caches = (make(self.target), make(self.draft) if with_draft else None)
+        for cache in self._caches:
+            if cache is not None and cache.capacity < need:
+                cache.grow(max(need, 2 * cache.capacity))
         return self._caches
+
+    def reset(self) -> None:
+        """Forget the cached conversation (the next generate() prefills everything)."""
+        self._context = []
+        for cache in self._caches or ():
+            if cache is not None:
+                cache.reset()
 
     def prefill(self, model: Transformer, cache: KVCache, ids: list[int]) -> None:
         """Run ids through `model` in chunks of config.prefill_chunk and commit them to `cache`."""
@@ -114,13 +122,14 @@ class Engine:
             raise ValueError("the prompt is empty: at least one token is needed")
         limit = max_new_tokens or self.config.max_new_tokens
         rng = make_generator(sampling.seed, self.device)
-        self.stats = stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.stats = stats = GenerationStats()
+        rule = self.rule_for(sampling)
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
             generated: list[int] = []
             root = prompt_ids[-1]
             while len(generated) < limit:
-                acc = self._step(state, root, sampling, rng, stats)
+                acc = self._step(state, root, sampling, rule, rng, stats)
                 new, stop = self._trim(acc.tokens, generated, limit, should_stop)
                 generated += new
                 stats.generated = len(generated)
@@ -131,12 +140,20 @@ class Engine:
                 root = acc.tokens[-1]
 
     def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> tuple[KVCache, DraftState | None]:
+        """Prefill what the caches do not already hold: the longest common prefix with the previous call's
+        context is kept (chat turns), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
         t0 = time.perf_counter()
-        target_cache, draft_cache = self._new_caches(len(prompt_ids) + limit)
-        self.prefill(self.target, target_cache, prompt_ids[:-1])
+        target_cache, draft_cache = self._caches_for(len(prompt_ids) + limit)
+        shared = _common_prefix(self._context, prompt_ids[:-1])
+        self._context = list(prompt_ids)
+        target_cache.truncate(min(shared, target_cache.length))
+        stats.reused_tokens = target_cache.length
+        stats.prompt_tokens = len(prompt_ids) - 1 - target_cache.length
+        self.prefill(self.target, target_cache, prompt_ids[target_cache.length:-1])
         draft = None
         if draft_cache is not None:
-            self.prefill(self.draft, draft_cache, prompt_ids[:-1])
+            draft_cache.truncate(min(shared, draft_cache.length))
+            self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1])
             draft = DraftState(self.draft, draft_cache, [prompt_ids[-1]])
         self._sync()
         stats.prefill_s = time.perf_counter() - t0
@@ -156,7 +173,7 @@ class Engine:
                 return new[: max(keep - len(generated), 0)], True
         return new, stop
 
-    def _step(self, state: tuple[KVCache, DraftState | None], root: int, sampling: SamplingParams,
+    def _step(self, state: tuple[KVCache, DraftState | None], root: int, sampling: SamplingParams, rule: Rule,
               rng: torch.Generator, stats: GenerationStats) -> Accepted:
         cache, draft = state
         t0 = time.perf_counter()
@@ -166,8 +183,9 @@ class Engine:
             tree = self.builder.build(draft, root, self.config.budget, sampling, rng)
         self._sync()
         t1 = time.perf_counter()
-        acc = self._verify(tree, cache, sampling, rng)
+        acc = self._verify(tree, cache, sampling, rule, rng)
         cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
+        self._context += acc.tokens
         if draft is not None:
             draft.commit(tree, acc.nodes, acc.tokens[-1])
         if self.builder is not None:
@@ -176,27 +194,80 @@ class Engine:
         stats.steps.append(StepRecord(tree.size, tree.max_depth(), len(acc.tokens), t1 - t0, t2 - t1))
         return acc
 
-    def _verify(self, tree: TokenTree, cache: KVCache, sampling: SamplingParams, rng: torch.Generator) -> Accepted:
+    def rule_for(self, sampling: SamplingParams) -> Rule:
+        """The acceptance rule: greedy at T = 0; else config.verifier ('auto': the builder's default), which
+        must be exact for the builder's drafting scheme (ALGORITHMS.md §0.3)."""
+        drafting = self.builder.drafting if self.builder is not None else "deterministic"
+        if sampling.greedy:
+            return RULES["greedy"]
+        name = self.config.verifier
+        if name == "auto":
+            name = default_rule(drafting, sampling)
+        if name not in exact_rules_for(drafting, sampling):
+            raise ConfigError(f"verifier {name!r} is not exact for {drafting} trees at temperature > 0; "
+                              f"use one of: {', '.join(exact_rules_for(drafting, sampling))}")
+        return RULES[name]
+
+    def _verify(self, tree: TokenTree, cache: KVCache, sampling: SamplingParams, rule: Rule,
+                rng: torch.Generator) -> Accepted:
         """One target forward over the whole tree, then the acceptance rule."""
         L = cache.length
         positions = tree.positions(L)
         mask = prefix_tree_mask(L, tree.ancestor_mask(), self.target.args.sliding_window, positions)
         slots = torch.arange(L, L + tree.tokens.numel(), device=self.device)
         hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
-        choice = self._target_choices(hidden, sampling, rng)
-        acc = accept_greedy(tree, choice)
+        history = None
+        if sampling.repetition_penalty != 1.0:
+            history = node_histories(tree, torch.tensor(self._context[:L], dtype=torch.long, device=self.device))
+        if rule.target != "probs":
+            acc = accept_greedy(tree, self._target_choices(hidden, sampling, rng, history))
+        else:
+            acc = rule.fn(tree, self._probs_fn(hidden, sampling, history), *self._draft_probs(rule, tree), rng)
         self._sync()
         return acc
 
-    def _target_choices(self, hidden: torch.Tensor, sampling: SamplingParams, rng: torch.Generator) -> torch.Tensor:
+    def _probs_fn(self, hidden: torch.Tensor, sampling: SamplingParams, history: torch.Tensor | None):
+        """node -> the target's processed probabilities [V] there, computed lazily (only visited nodes)."""
+        def probs(node: int) -> torch.Tensor:
+            logits = self.target.logits(hidden[node:node + 1])
+            hist = None if history is None else history[node:node + 1]
+            return process_logits(logits, sampling, hist).exp()[0]
+        return probs
+
+    def _draft_probs(self, rule: Rule, tree: TokenTree) -> tuple:
+        if not rule.needs_draft:
+            return ()
+        fn = getattr(self.builder, "draft_probs", None)
+        if fn is None:
+            raise ConfigError(f"verifier {rule.name!r} needs the draft's probabilities, which builder "
+                              f"{self.builder.name!r} does not keep")
+        return (lambda node: fn(tree, node),)
+
+    def _target_choices(self, hidden: torch.Tensor, sampling: SamplingParams, rng: torch.Generator,
+                        history: torch.Tensor | None) -> torch.Tensor:
         """hidden [N+1, D] -> one target choice per node [N+1]: the argmax (greedy) or an independent sample
-        of the processed distribution (sample-and-match). The LM head runs in chunks of LOGIT_CHUNK rows."""
+        of the processed distribution (sample-and-match). The LM head runs in chunks of LOGIT_CHUNK rows;
+        history [N+1, H] (repetition penalty per node over prefix + ancestors) when a penalty is set."""
         out = []
         for start in range(0, hidden.shape[0], LOGIT_CHUNK):
             logits = self.target.logits(hidden[start:start + LOGIT_CHUNK])
-            out.append(greedy(logits) if sampling.greedy else sample(process_logits(logits, sampling), rng))
+            if history is None and sampling.greedy:
+                out.append(greedy(logits))
+                continue
+            hist = None if history is None else history[start:start + LOGIT_CHUNK]
+            logp = process_logits(logits, sampling, hist)
+            out.append(greedy(logp) if sampling.greedy else sample(logp, rng))
         return torch.cat(out)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

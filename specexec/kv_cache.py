@@ -53,6 +53,17 @@ class KVCache:
             raise RuntimeError(f"KV cache overflow: {self.length} + {n} > capacity {self.capacity}")
         self.length += n
 
+    def grow(self, capacity: int) -> None:
+        """Reallocate with a larger capacity, keeping the committed prefix (used when a chat outgrows it)."""
+        if capacity <= self.capacity:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:3] + (capacity,) + old.shape[4:])
+            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
     def truncate(self, length: int) -> None:
         """Forget everything from `length` on (used to reuse a shared prompt prefix)."""
         if not 0 <= length <= self.length:

@@ -57,7 +57,7 @@ def test_generate_json_contract(capsys, tiny_pair, tiny_perturbed_draft) -> None
     obj = _generate(capsys, "--model", str(target), "--draft", str(tiny_perturbed_draft), "--prompt", "Hello",
                     "--max-new-tokens", "12", "--budget", "8")
     assert set(obj) == {"text", "token_ids", "stats"}
-    assert set(obj["stats"]) == STATS_KEYS
+    assert STATS_KEYS <= set(obj["stats"])          # the contract: at least these keys
     assert 1 <= len(obj["token_ids"]) <= 12 and all(isinstance(t, int) for t in obj["token_ids"])
     stats = obj["stats"]
     assert stats["builder"] == "specexec" and stats["budget"] == 8 and 0 < stats["tree_size"] <= 8
