@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 
-from specexec.config import (BUILDERS, DTYPES, ConfigError, EngineConfig, SamplingParams, check_chat_options,
-                             check_draft_choice)
+from specexec.config import (BUILDERS, DTYPES, VERIFIERS, ConfigError, EngineConfig, SamplingParams,
+                             check_chat_options, check_draft_choice, check_number)
 from specexec.runtime import Detokenizer, ModelInfo, Runtime, builder_needs_draft
 
 
@@ -38,7 +39,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K best (0 = all)")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens below P x the top probability (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="penalise tokens already in the context, per tree node (1 = off)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling (sample i uses S + i)")
+    p.add_argument("--n", type=int, default=1, metavar="N",
+                   help="N independent samples of the same prompt (loaded and prefilled once)")
+    p.add_argument("--verifier", metavar="RULE",
+                   help=f"acceptance rule at T > 0: {', '.join(VERIFIERS)} (default auto: the builder's own)")
     p.add_argument("--budget", type=int, metavar="N", help="draft tree size in tokens (default 64)")
     p.add_argument("--builder", metavar="NAME", help=f"tree builder: {', '.join(BUILDERS)} (default specexec)")
     p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
@@ -53,9 +62,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     """Every value checked (by specexec.config) before anything is loaded."""
     engine_kw = {k: v for k, v in (("budget", args.budget), ("builder", args.builder), ("device", args.device),
-                                   ("dtype", args.dtype), ("max_new_tokens", args.max_new_tokens)) if v is not None}
+                                   ("dtype", args.dtype), ("max_new_tokens", args.max_new_tokens),
+                                   ("verifier", args.verifier)) if v is not None}
     config = EngineConfig(**engine_kw)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    check_number("--n", args.n, low=1, high=10_000)
     check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
     check_chat_options(args.chat, args.system)
     return config, sampling
@@ -140,10 +152,17 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = runtime.encode(prompt, args.chat, args.system)
     runtime.check_prompt(prompt_ids)
     print_load_summary(console, runtime)
-    ids, text = stream(runtime, prompt_ids, sampling, list(args.stop), echo=not args.json)
-    stats = runtime.stats()
+    results = []
+    for i in range(args.n):
+        if args.n > 1 and not args.json:
+            console.print(f"--- sample {i + 1}/{args.n}", highlight=False, style="bold")
+        seeded = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i)
+        ids, text = stream(runtime, prompt_ids, seeded, list(args.stop), echo=not args.json)
+        stats = runtime.stats()
+        results.append({"text": text, "token_ids": ids, "stats": stats})
+        if not args.json:
+            console.print(_stats_line(stats, len(ids)), highlight=False, style="dim")
     if args.json:
-        print(json.dumps({"text": text, "token_ids": ids, "stats": stats}, separators=(",", ":")), flush=True)
-    else:
-        console.print(_stats_line(stats, len(ids)), highlight=False, style="dim")
+        out = results[0] if args.n == 1 else results
+        print(json.dumps(out, separators=(",", ":")), flush=True)
     return 0

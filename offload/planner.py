@@ -1,0 +1,278 @@
+"""Memory planner: from a GPU budget, a RAM budget and the sizes of everything a run holds, decide the tier of
+each of the target's decoder layers (resident | ram | ssd) and what one streamed pass is expected to cost.
+
+`plan()` is a pure function of its arguments (no torch, no psutil): tests call it with made-up sizes.
+`default_budgets()` is the only part that asks the machine (torch.cuda.mem_get_info, psutil) what is free.
+
+What pays for what (see ../shared/DESIGN.md, "Memory tiers"):
+- CUDA: the GPU budget pays, in order, the target's embeddings/norm/head, the draft, both KV caches, the
+  activations of the largest tree and the streaming slots (only when something streams); then as many target
+  layers as fit stay resident. The RAM budget holds the next layers as pinned packed buffers, plus the pinned
+  bounce buffers the SSD reader fills when any layer lives on the SSD. The rest stream from the SSD.
+- CPU: there is no device memory: --ram-budget bounds everything held in memory (fixed costs, resident layers,
+  the slots that streamed layers are read into) and the remaining layers stream from the SSD tier. The RAM
+  tier on CPU (a second copy of a layer in plain memory) is only used when asked for (--offload ram).
+
+Does not know: models, tokens, how bytes move (tiers.py/pager.py), or where the sizes came from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TIERS = ("resident", "ram", "ssd")
+OFFLOAD_MODES = ("auto", "none", "ram", "ssd")
+GB = 1e9
+
+
+class PlanError(ValueError):
+    """Budgets that cannot hold the run; the message is one line saying what would fit."""
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Bytes per second of each streaming tier into a device slot (assumed unless measured).
+
+    ram: host region -> slot (pinned H2D over PCIe on CUDA; a memcpy on CPU).
+    ssd: the disk read (the bounce -> device hop overlaps with it and is bounded by `ram`)."""
+
+    ram: float = 20e9
+    ssd: float = 2e9
+    measured: bool = False
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Sizes in bytes of what one run holds.
+
+    layer_bytes: packed size of each target decoder layer (as stored in the tiers).
+    fixed_bytes: the device-side (GPU, or RAM on CPU) costs that do not depend on the plan, by name
+        (e.g. {"target embed/norm/head": .., "draft": .., "KV caches": .., "activations": ..}).
+    n_slots: device slots streamed layers go through; n_bounce: host bounce buffers for the SSD reader (CUDA)."""
+
+    layer_bytes: tuple[int, ...]
+    fixed_bytes: tuple[tuple[str, int], ...] = ()
+    n_slots: int = 2
+    n_bounce: int = 2
+
+    @property
+    def fixed(self) -> int:
+        return sum(b for _, b in self.fixed_bytes)
+
+    @property
+    def max_layer(self) -> int:
+        return max(self.layer_bytes, default=0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Each layer's tier and what every budget holds. `describe()` is the text printed before generation."""
+
+    device: str                                  # "cuda" or "cpu"
+    tiers: tuple[str, ...]                       # one of TIERS per decoder layer
+    needs: Needs
+    gpu_budget: int | None                       # None on CPU
+    ram_budget: int
+    bandwidths: Bandwidths = Bandwidths()
+    warnings: tuple[str, ...] = ()
+    mode: str = "auto"
+
+    def layers_in(self, tier: str) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if t == tier]
+
+    def tier_bytes(self, tier: str) -> int:
+        return sum(b for b, t in zip(self.needs.layer_bytes, self.tiers) if t == tier)
+
+    @property
+    def streams(self) -> bool:
+        return any(t != "resident" for t in self.tiers)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Size of one streaming slot: the largest streamed layer (0 when nothing streams)."""
+        return max((b for b, t in zip(self.needs.layer_bytes, self.tiers) if t != "resident"), default=0)
+
+    @property
+    def n_slots(self) -> int:
+        return self.needs.n_slots if self.streams else 0
+
+    @property
+    def n_bounce(self) -> int:
+        """Host bounce buffers for the SSD reader (CUDA only: on CPU the reader fills the slots directly)."""
+        return self.needs.n_bounce if self.device == "cuda" and "ssd" in self.tiers else 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Held on the device (GPU; on CPU: everything in memory except the RAM tier's region)."""
+        return self.needs.fixed + self.tier_bytes("resident") + self.n_slots * self.slot_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Held in host RAM for streaming: the RAM tier's region and the bounce buffers."""
+        return self.tier_bytes("ram") + self.n_bounce * self.slot_bytes
+
+    @property
+    def expected_s(self) -> float:
+        """Seconds one pass spends streaming weights (compute assumed hidden behind the copies)."""
+        return self.tier_bytes("ram") / self.bandwidths.ram + self.tier_bytes("ssd") / self.bandwidths.ssd
+
+    def summary(self) -> dict:
+        """JSON-able counts and sizes (for stats lines and benchmarks)."""
+        return {"device": self.device, "mode": self.mode,
+                **{f"{t}_layers": len(self.layers_in(t)) for t in TIERS},
+                **{f"{t}_bytes": self.tier_bytes(t) for t in TIERS},
+                "device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
+                "expected_s_per_pass": round(self.expected_s, 4)}
+
+    def describe(self) -> str:
+        """Human-readable plan: layers and GB per tier, what each budget holds, expected seconds per pass."""
+        where = "GPU" if self.device == "cuda" else "RAM"
+        lines = [f"offload plan ({self.mode}, {len(self.tiers)} target layers, device {self.device}):"]
+        names = {"resident": f"resident ({where})", "ram": "RAM tier" + (" (pinned)" if self.device == "cuda" else ""),
+                 "ssd": "SSD tier"}
+        for t in TIERS:
+            ids = self.layers_in(t)
+            if ids:
+                lines.append(f"  {names[t]:<18} {len(ids):>4} layers {_span(ids):<12} {self.tier_bytes(t) / GB:8.2f} GB")
+        fixed = ", ".join(f"{n} {b / GB:.2f}" for n, b in self.needs.fixed_bytes)
+        budget = self.gpu_budget if self.device == "cuda" else self.ram_budget
+        lines.append(f"  {where} holds {self.device_bytes / GB:.2f} of {budget / GB:.2f} GB: {fixed or 'nothing fixed'}"
+                     + (f", {self.n_slots} slots x {self.slot_bytes / GB:.3f}" if self.streams else ""))
+        if self.device == "cuda" and self.host_bytes:
+            lines.append(f"  RAM holds {self.host_bytes / GB:.2f} of {self.ram_budget / GB:.2f} GB (pinned)")
+        if self.streams:
+            src = "measured" if self.bandwidths.measured else "assumed"
+            lines.append(f"  expected {self.expected_s:.3f} s per pass streaming weights ({src} RAM "
+                         f"{self.bandwidths.ram / GB:.1f} GB/s, SSD {self.bandwidths.ssd / GB:.1f} GB/s)")
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _span(ids: list[int]) -> str:
+    return f"[{ids[0]}..{ids[-1]}]" if len(ids) > 1 else f"[{ids[0]}]"
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+def plan(needs: Needs, device: str, ram_budget: int, gpu_budget: int | None = None, mode: str = "auto",
+         bandwidths: Bandwidths = Bandwidths()) -> Plan:
+    """Assign every decoder layer a tier. device: "cuda" or "cpu". mode: auto (from the budgets), none (all
+    resident), ram (all streamed from RAM), ssd (all streamed from disk). Raises PlanError when the budgets
+    cannot hold the run, saying what would fit."""
+    if mode not in OFFLOAD_MODES:
+        raise PlanError(f"unknown offload mode {mode!r}; choose one of: {', '.join(OFFLOAD_MODES)}")
+    if device not in ("cuda", "cpu"):
+        raise PlanError(f"unknown device kind {device!r}; the planner knows cuda and cpu")
+    if device == "cuda" and gpu_budget is None:
+        raise PlanError("a CUDA plan needs a GPU budget")
+    warnings: tuple[str, ...] = ()
+    if device == "cpu" and gpu_budget is not None:
+        warnings = ("--gpu-budget means nothing without CUDA: it is ignored; --ram-budget bounds what is held "
+                    "in memory",)
+        gpu_budget = None
+    tiers = _assign_cuda(needs, gpu_budget, ram_budget, mode) if device == "cuda" else _assign_cpu(needs, ram_budget, mode)
+    return Plan(device, tiers, needs, gpu_budget, ram_budget, bandwidths, warnings, mode)
+
+
+def _assign_cuda(needs: Needs, gpu: int, ram: int, mode: str) -> tuple[str, ...]:
+    n, sizes = len(needs.layer_bytes), needs.layer_bytes
+    if mode == "none" or (mode == "auto" and needs.fixed + sum(sizes) <= gpu):
+        _check(needs.fixed + sum(sizes), gpu, "--gpu-budget", _fixed_text(needs) + f" and all {n} target layers "
+               f"resident ({_gb(sum(sizes))})", _resident_hint(needs, gpu))
+        return ("resident",) * n
+    slots = needs.n_slots * needs.max_layer
+    _check(needs.fixed + slots, gpu, "--gpu-budget", _fixed_text(needs) + f" and {needs.n_slots} streaming slots "
+           f"({_gb(slots)})", "lower --budget (smaller trees need less activation memory) or use a smaller draft")
+    if mode in ("ram", "ssd"):
+        streamed = (mode,) * n
+    else:
+        k = _fit_prefix(sizes, gpu - needs.fixed - slots)
+        streamed = ("resident",) * k + _ram_then_ssd(sizes[k:], ram, needs.n_bounce * needs.max_layer)
+    bounce = needs.n_bounce * needs.max_layer if "ssd" in streamed else 0
+    host = sum(b for b, t in zip(sizes, streamed) if t == "ram") + bounce
+    what = (f"{streamed.count('ram')} pinned layers" if "ram" in streamed else "") + \
+           (f"{' and ' if 'ram' in streamed else ''}{needs.n_bounce} SSD bounce buffers ({_gb(bounce)})" if bounce else "")
+    _check(host, ram, "--ram-budget", what, "use --offload ssd or auto to stream from disk instead"
+           if mode == "ram" else "free some RAM")
+    return streamed
+
+
+def _assign_cpu(needs: Needs, ram: int, mode: str) -> tuple[str, ...]:
+    n, sizes = len(needs.layer_bytes), needs.layer_bytes
+    if mode == "none" or (mode == "auto" and needs.fixed + sum(sizes) <= ram):
+        _check(needs.fixed + sum(sizes), ram, "--ram-budget", _fixed_text(needs) + f" and all {n} target layers "
+               f"({_gb(sum(sizes))})", _resident_hint(needs, ram))
+        return ("resident",) * n
+    slots = needs.n_slots * needs.max_layer
+    if mode == "ram":
+        _check(needs.fixed + slots + sum(sizes), ram, "--ram-budget", _fixed_text(needs) + f", {needs.n_slots} "
+               f"slots ({_gb(slots)}) and a RAM tier of all {n} layers ({_gb(sum(sizes))})",
+               "use --offload ssd or auto to stream from disk instead")
+        return ("ram",) * n
+    _check(needs.fixed + slots, ram, "--ram-budget", _fixed_text(needs) + f" and {needs.n_slots} streaming slots "
+           f"({_gb(slots)})", "lower --budget or use a smaller draft")
+    if mode == "ssd":
+        return ("ssd",) * n
+    k = _fit_prefix(sizes, ram - needs.fixed - slots)
+    return ("resident",) * k + ("ssd",) * (n - k)
+
+
+def _ram_then_ssd(sizes: tuple[int, ...], ram: int, bounce: int) -> tuple[str, ...]:
+    """Streamed layers: as many as fit in RAM go there; the rest on the SSD (which then needs bounce buffers)."""
+    k = _fit_prefix(sizes, ram)
+    if k == len(sizes):
+        return ("ram",) * k
+    k = _fit_prefix(sizes, ram - bounce)
+    return ("ram",) * k + ("ssd",) * (len(sizes) - k)
+
+
+def _fit_prefix(sizes: tuple[int, ...], room: int) -> int:
+    """How many leading layers fit in `room` bytes."""
+    used = 0
+    for k, b in enumerate(sizes):
+        if used + b > room:
+            return k
+        used += b
+    return len(sizes)
+
+
+def _fixed_text(needs: Needs) -> str:
+    parts = [f"{name} ({_gb(b)})" for name, b in needs.fixed_bytes if b]
+    return ", ".join(parts) if parts else "nothing fixed"
+
+
+def _resident_hint(needs: Needs, budget: int) -> str:
+    k = _fit_prefix(needs.layer_bytes, budget - needs.fixed)
+    return f"use --offload auto to stream layers (at most {k} of {len(needs.layer_bytes)} fit resident)"
+
+
+def _check(need: int, budget: int, flag: str, what: str, hint: str) -> None:
+    if need > budget:
+        raise PlanError(f"{flag} {_gb(budget)} cannot hold {what}: {_gb(need)} needed; raise {flag} to at least "
+                        f"{_gb(need)} or {hint}")
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Default budgets of this machine: what is free now minus a safety margin (bytes; gpu None without CUDA)."""
+
+    gpu: int | None
+    ram: int
+    notes: tuple[str, ...] = field(default=())
+
+
+def default_budgets(device: str) -> Budgets:
+    """Free GPU memory (torch.cuda.mem_get_info) and available RAM (psutil), each minus a margin: 5% of the
+    total and at least 512 MiB on the GPU, 10% of the total and at least 1 GiB in RAM."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    ram = int(vm.available - max(0.10 * vm.total, 2**30))
+    gpu = None
+    if device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        gpu = int(free - max(0.05 * total, 2**29))
+    return Budgets(gpu, max(ram, 0), ())

@@ -1,0 +1,112 @@
+"""Sampling exactness end to end on tiny models: the speculative loop's emitted tokens are distributed as the
+target's own processed distribution, for every exact verifier, and history-dependent penalties are applied
+per tree node exactly as target-only decoding applies them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specexec.builders.specexec import SpecExecBuilder
+from specexec.config import ConfigError, EngineConfig, SamplingParams
+from specexec.engine import Engine
+from specexec.loading import load_model
+from specexec.sampling import process_logits
+
+TRIALS = 800
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path):
+    target, draft = tiny_pair
+    return load_model(target), load_model(tiny_perturbed_draft), load_model(draft)
+
+
+PROMPT = [1, 40, 41, 42, 43, 44, 45, 46]
+
+
+@torch.inference_mode()
+def exact_pairs(target, sampling: SamplingParams) -> torch.Tensor:
+    """Exact joint target distribution [V, V] of the first two sampled tokens after PROMPT."""
+    ids = torch.tensor(PROMPT)
+    T = ids.numel()
+    p1 = process_logits(target.logits(target(ids[None], torch.arange(T)[None]))[-1:], sampling).exp()[0]
+    V = p1.numel()
+    seqs = torch.cat([ids.expand(V, -1), torch.arange(V)[:, None]], dim=1)
+    logits = target.logits(target(seqs, torch.arange(T + 1).expand(V, -1)))
+    p2 = process_logits(logits.view(V, T + 1, -1)[:, -1], sampling).exp()
+    return p1[:, None] * p2
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, trials: int) -> float:
+    """Pearson chi-square p-value, cells with expected count < 5 lumped together."""
+    from scipy.stats import chi2
+    expected = probs.flatten() * trials
+    obs = counts.flatten().double()
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    o = torch.cat([obs[big], obs[~big].sum().reshape(1)])
+    keep = e > 0
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+def sample_pairs(engine: Engine, sampling: SamplingParams, trials: int) -> torch.Tensor:
+    V = engine.target.args.vocab_size
+    counts = torch.zeros(V, V)
+    for seed in range(trials):
+        out = [t for s in engine.generate(PROMPT, 2, SamplingParams(**{**sampling.__dict__, "seed": seed})) for t in s]
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("verifier,draft_index,temperature", [
+    ("sample_match", 1, 1.0), ("rrs", 1, 0.6), ("rrs", 2, 1.0)])
+def test_first_two_tokens_follow_the_target_distribution(models, verifier: str, draft_index: int,
+                                                         temperature: float) -> None:
+    pytest.importorskip("scipy")
+    target, draft = models[0], models[draft_index]
+    sampling = SamplingParams(temperature=temperature, top_p=0.95)
+    engine = Engine(target, draft, EngineConfig(budget=6, verifier=verifier), SpecExecBuilder())
+    counts = sample_pairs(engine, sampling, TRIALS)
+    assert chi_square_p(counts, exact_pairs(target, sampling), TRIALS) > 1e-3
+
+
+def test_the_chi_square_check_can_fail(models) -> None:
+    """Negative control: samples at the wrong temperature are rejected by the same check."""
+    pytest.importorskip("scipy")
+    target = models[0]
+    engine = Engine(target, models[1], EngineConfig(budget=6), SpecExecBuilder())
+    counts = sample_pairs(engine, SamplingParams(temperature=1.0), TRIALS)
+    assert chi_square_p(counts, exact_pairs(target, SamplingParams(temperature=0.6)), TRIALS) < 1e-6
+
+
+def test_greedy_with_repetition_penalty_equals_target_only(models) -> None:
+    target, draft = models[0], models[1]
+    sampling = SamplingParams(repetition_penalty=1.8)
+    base = Engine(target, None, EngineConfig(budget=1), None)
+    want = [t for s in base.generate(PROMPT, 40, sampling) for t in s]
+    plain = [t for s in base.generate(PROMPT, 40) for t in s]
+    assert want != plain                                   # the penalty changes this decode
+    for budget in (1, 8, 32):
+        engine = Engine(target, draft, EngineConfig(budget=budget), SpecExecBuilder())
+        assert [t for s in engine.generate(PROMPT, 40, sampling) for t in s] == want
+
+
+def test_a_verifier_that_is_not_exact_for_the_builder_is_refused(models) -> None:
+    engine = Engine(models[0], models[1], EngineConfig(verifier="rrs_wor"), SpecExecBuilder())
+    with pytest.raises(ConfigError, match="not exact"):
+        next(engine.generate(PROMPT, 4, SamplingParams(temperature=0.7)))
+
+
+def test_second_call_reuses_the_shared_prefix(models) -> None:
+    engine = Engine(models[0], models[1], EngineConfig(budget=8), SpecExecBuilder())
+    first = [t for s in engine.generate(PROMPT, 10) for t in s]
+    assert engine.stats.reused_tokens == 0 and engine.stats.prompt_tokens == len(PROMPT) - 1
+    follow_up = PROMPT + first + [50, 51]
+    second = [t for s in engine.generate(follow_up, 10) for t in s]
+    assert engine.stats.reused_tokens >= len(PROMPT) + len(first) - 2
+    fresh = Engine(models[0], None, EngineConfig(budget=1), None)
+    assert second == [t for s in fresh.generate(follow_up, 10) for t in s]
