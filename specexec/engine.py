@@ -9,7 +9,6 @@ target may be resident or an OffloadedTransformer with the same forward signatur
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ from .builders.base import DraftState, TreeBuilder
 from .config import ConfigError, EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .model import Transformer, prefix_tree_mask
+from .profiler import Profiler
 from .sampling import greedy, make_generator, node_histories, process_logits, sample
 from .tree import TokenTree
 from .verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
@@ -69,12 +69,14 @@ class Engine:
     """Owns the target, the optional draft and their caches; generate() is the only way to run them."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
-                 builder: TreeBuilder | None, eos_ids: tuple[int, ...] = ()) -> None:
+                 builder: TreeBuilder | None, eos_ids: tuple[int, ...] = (),
+                 profiler: Profiler | None = None) -> None:
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
         self.eos_ids = set(eos_ids)
         self.device = next(target.parameters()).device
+        self.profiler = profiler or Profiler(self.device)   # spans/counters/steps of the last generate()
         self.stats = GenerationStats()
         self._caches: tuple[KVCache, KVCache | None] | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
@@ -82,7 +84,9 @@ class Engine:
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
         """Caches with room for `total` committed tokens plus one tree (and the draft's pending tokens);
         existing caches are kept (and grown if needed) so a shared prompt prefix can be reused."""
-        need = total + (2 * self.config.budget + 4 if self.builder is not None else 2)
+        budget = self.config.budget
+        tree_slots = budget + 1 + (self.builder.kv_slots(budget) + budget if self.builder is not None else 0)
+        need = total + tree_slots + 1                 # + the draft's pending tokens (at most a path + bonus)
         if self._caches is None:
             def make(model: Transformer) -> KVCache:
                 a, p = model.args, next(model.parameters())
@@ -123,6 +127,7 @@ class Engine:
         limit = max_new_tokens or self.config.max_new_tokens
         rng = make_generator(sampling.seed, self.device)
         self.stats = stats = GenerationStats()
+        self.profiler.begin()
         rule = self.rule_for(sampling)
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
@@ -133,6 +138,7 @@ class Engine:
                 new, stop = self._trim(acc.tokens, generated, limit, should_stop)
                 generated += new
                 stats.generated = len(generated)
+                self.profiler.count(generated=len(new))
                 if new:
                     yield new
                 if stop:
@@ -142,7 +148,7 @@ class Engine:
     def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> tuple[KVCache, DraftState | None]:
         """Prefill what the caches do not already hold: the longest common prefix with the previous call's
         context is kept (chat turns), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
-        t0 = time.perf_counter()
+        span = self.profiler.start("prefill")
         target_cache, draft_cache = self._caches_for(len(prompt_ids) + limit)
         shared = _common_prefix(self._context, prompt_ids[:-1])
         self._context = list(prompt_ids)
@@ -156,7 +162,8 @@ class Engine:
             self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1])
             draft = DraftState(self.draft, draft_cache, [prompt_ids[-1]])
         self._sync()
-        stats.prefill_s = time.perf_counter() - t0
+        stats.prefill_s = span.stop().seconds
+        self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
         return target_cache, draft
 
     def _trim(self, tokens: list[int], generated: list[int], limit: int,
@@ -176,13 +183,14 @@ class Engine:
     def _step(self, state: tuple[KVCache, DraftState | None], root: int, sampling: SamplingParams, rule: Rule,
               rng: torch.Generator, stats: GenerationStats) -> Accepted:
         cache, draft = state
-        t0 = time.perf_counter()
+        draft_span = self.profiler.start("draft")
         if self.builder is None:
             tree = TokenTree.root_only(root, self.device)
         else:
             tree = self.builder.build(draft, root, self.config.budget, sampling, rng)
         self._sync()
-        t1 = time.perf_counter()
+        draft_span.stop()
+        target_span = self.profiler.start("target")
         acc = self._verify(tree, cache, sampling, rule, rng)
         cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
         self._context += acc.tokens
@@ -190,8 +198,10 @@ class Engine:
             draft.commit(tree, acc.nodes, acc.tokens[-1])
         if self.builder is not None:
             self.builder.observe(tree, acc.nodes, acc.tokens[-1])
-        t2 = time.perf_counter()
-        stats.steps.append(StepRecord(tree.size, tree.max_depth(), len(acc.tokens), t1 - t0, t2 - t1))
+        target_span.stop()
+        draft_s, target_s = draft_span.seconds, target_span.seconds
+        self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s)
+        stats.steps.append(StepRecord(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s))
         return acc
 
     def rule_for(self, sampling: SamplingParams) -> Rule:

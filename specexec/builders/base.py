@@ -59,3 +59,6 @@ class TreeBuilder(Protocol):
               rng: torch.Generator | None) -> TokenTree: ...
 
     def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None: ...
+
+    def kv_slots(self, budget: int) -> int:
+        """Draft-cache slots one tree of this budget may write beyond the committed prefix."""

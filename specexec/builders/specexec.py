@@ -51,6 +51,12 @@ class _Growth:
         self.proc = torch.cat([self.proc, torch.full((k,), -1, dtype=torch.long, device=tokens.device)])
 
 
+def processed_capacity(budget: int) -> int:
+    """Draft KV slots one tree may use: the root plus up to 2 x budget expanded nodes (some expanded nodes
+    drop out of the best `budget` when better ones appear)."""
+    return 2 * budget + 1
+
+
 @dataclass
 class SpecExecBuilder:
     """Paper defaults: 128 beams per pass, top-32 children, at most 32 draft passes, depth decay 0.95."""
@@ -59,6 +65,8 @@ class SpecExecBuilder:
     max_branch: int = 32
     max_passes: int = 32
     decay: float = 0.95
+    beam_fraction: int = 8          # expand at most budget / beam_fraction nodes per pass (>= 1): a narrow
+                                    # frontier grows deeper trees per draft FLOP (measured on the Qwen pair)
     name: str = "specexec"
     drafting: str = "deterministic"
     needs_draft: bool = True
@@ -73,13 +81,14 @@ class SpecExecBuilder:
         g = _Growth(torch.tensor([root_token], device=dev), torch.tensor([-1], device=dev),
                     torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, device=dev),
                     torch.ones(1, dtype=torch.bool, device=dev), torch.zeros(1, dtype=torch.long, device=dev))
-        cap = budget + 1                                    # processed nodes (draft KV slots) per tree
+        cap = processed_capacity(budget)                    # processed nodes (draft KV slots) per tree
+        beams = max(1, min(self.max_beams, budget // self.beam_fraction))
         anc = torch.zeros(cap, cap, dtype=torch.bool, device=dev)
         anc[0, 0] = True
         n_proc, frontier = 1, torch.zeros(1, dtype=torch.long, device=dev)
         for _ in range(self.max_passes - 1):
             threshold = self._add_children(g, frontier, logq, budget, log_decay)
-            frontier = self._next_frontier(g, threshold, log_decay, min(self.max_beams, budget, cap - n_proc))
+            frontier = self._next_frontier(g, threshold, log_decay, min(beams, cap - n_proc))
             if frontier.numel() == 0:
                 break
             logq = self._expand(draft, g, frontier, anc, n_proc, L0, sampling)
@@ -154,3 +163,6 @@ class SpecExecBuilder:
 
     def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
         """SpecExec learns nothing from the target."""
+
+    def kv_slots(self, budget: int) -> int:
+        return processed_capacity(budget)
