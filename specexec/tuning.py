@@ -1,0 +1,219 @@
+"""`--budget auto`: pick each step's tree budget from this machine's measured costs and this conversation's
+acceptance (ALGORITHMS.md §6.3 does it offline for Sequoia; here it is online).
+
+tokens/s(n) = E[tokens per step | budget n] / (draft_s(n) + target_s(n)).
+
+- CostModel: target pass seconds and draft seconds per step as functions of the tree size, each a monotone
+  piecewise-linear fit of measured (size, seconds) points (calibration passes plus every real step); it can
+  be saved/loaded as JSON keyed by a fingerprint of the model/device/quantization/plan.
+- AcceptanceModel: how many tree nodes of each score rank the target accepted. Builders keep the best-scoring
+  nodes, so a budget-n tree holds the nodes of rank < n and E[tokens | n] = 1 + sum_{r<n} P(rank r accepted).
+  Ranks beyond the largest tree seen are extrapolated with a log-linear tail. Exponential forgetting lets it
+  follow the text (code accepts far more than open chat).
+- BudgetTuner: each step picks, from a geometric grid, the budget maximising expected tokens/s, moving at
+  most one grid step up or down per step (bounded changes), and probes a larger size now and then so the
+  models keep seeing data beyond the current choice.
+
+Does not know: models, trees beyond their scores and accepted nodes, or how passes are timed (callers pass
+seconds in).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class CurveFit:
+    """Monotone piecewise-linear seconds(size) over measured points; running mean per size."""
+
+    points: dict[int, tuple[float, int]] = field(default_factory=dict)   # size -> (mean seconds, count)
+
+    def add(self, size: int, seconds: float, weight_cap: int = 20) -> None:
+        mean, n = self.points.get(size, (0.0, 0))
+        n = min(n + 1, weight_cap)                    # a capped count keeps following a drifting machine
+        self.points[size] = (mean + (seconds - mean) / n, n)
+
+    def __call__(self, size: int) -> float:
+        if not self.points:
+            return 0.0
+        xs = sorted(self.points)
+        ys = _monotone([self.points[x][0] for x in xs])
+        if size <= xs[0]:
+            return ys[0]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if size <= x1:
+                return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+        if len(xs) == 1:
+            return ys[0]
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return ys[-1] + slope * (size - xs[-1])
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """Running maximum: a bigger tree never costs less (smooths timing noise)."""
+    out, best = [], -math.inf
+    for y in ys:
+        best = max(best, y)
+        out.append(best)
+    return out
+
+
+@dataclass
+class CostModel:
+    target: CurveFit = field(default_factory=CurveFit)
+    draft: CurveFit = field(default_factory=CurveFit)
+
+    def step_seconds(self, budget: int) -> float:
+        return self.target(budget + 1) + self.draft(budget)
+
+    def to_json(self) -> dict:
+        return {"target": {str(k): v for k, v in self.target.points.items()},
+                "draft": {str(k): v for k, v in self.draft.points.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        def curve(d: dict) -> CurveFit:
+            return CurveFit({int(k): (float(v[0]), int(v[1])) for k, v in d.items()})
+        return cls(curve(data.get("target", {})), curve(data.get("draft", {})))
+
+    def save(self, path: Path, fingerprint: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"fingerprint": fingerprint, **self.to_json()}))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, fingerprint: str) -> "CostModel | None":
+        """The saved model if it was measured for this fingerprint; None when absent, stale or unreadable."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("fingerprint") != fingerprint:
+            return None
+        try:
+            return cls.from_json(data)
+        except (TypeError, ValueError, IndexError):
+            return None
+
+
+@dataclass
+class AcceptanceModel:
+    """Per score rank r: decayed counts of trees that had rank r, and of those where rank r was accepted."""
+
+    decay: float = 0.9
+    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    accepted: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+
+    def observe(self, scores: torch.Tensor, accepted_nodes: list[int]) -> None:
+        """scores [N+1] of one tree (root first); accepted_nodes: accepted node indices (root included)."""
+        n = scores.numel() - 1
+        if n <= 0:
+            return
+        order = torch.sort(scores[1:].double().cpu(), descending=True, stable=True).indices + 1
+        rank_of = torch.empty(n + 1, dtype=torch.long)
+        rank_of[order] = torch.arange(n)
+        hit = torch.zeros(n, dtype=torch.float64)
+        nodes = [a for a in accepted_nodes if a > 0]
+        if nodes:
+            hit[rank_of[torch.tensor(nodes)]] = 1.0
+        self._grow(n)
+        self.seen *= self.decay
+        self.accepted *= self.decay
+        self.seen[:n] += 1.0
+        self.accepted[:n] += hit
+
+    def _grow(self, n: int) -> None:
+        if self.seen.numel() < n:
+            pad = n - self.seen.numel()
+            self.seen = torch.cat([self.seen, torch.zeros(pad, dtype=torch.float64)])
+            self.accepted = torch.cat([self.accepted, torch.zeros(pad, dtype=torch.float64)])
+
+    prior_weight: float = 1.0       # pseudo-trees of the prior P(rank r accepted) = prior_top / (r + 1)
+    prior_top: float = 0.7
+
+    def rate(self, n: int | None = None) -> torch.Tensor:
+        """P(rank r accepted) for ranks r < n (default: the ranks seen), data blended with a weak prior."""
+        n = self.seen.numel() if n is None else n
+        self._grow(n)
+        prior = self.prior_top / torch.arange(1, n + 1, dtype=torch.float64)
+        w = self.prior_weight
+        return (self.accepted[:n] + w * prior) / (self.seen[:n] + w)
+
+    def expected_tokens(self, budget: int) -> float:
+        """1 (the bonus token) + the expected number of accepted tree nodes in a budget-`budget` tree."""
+        known = min(budget, max(int((self.seen > 0.05).sum()), 4))
+        rate = self.rate(known)
+        total = 1.0 + float(rate[:budget].sum())
+        if budget > known:
+            total += self._tail(rate, known, budget)
+        return total
+
+    @staticmethod
+    def _tail(rate: torch.Tensor, known: int, budget: int) -> float:
+        """Ranks beyond the data: the last quarter's mean rate decays like 1/rank (a log-shaped gain)."""
+        last = float(rate[3 * known // 4: known].mean())
+        return last * (known - 1) * math.log((budget - 1 + 1e-9) / (known - 1))
+
+
+def budget_grid(max_budget: int, min_budget: int = 1) -> list[int]:
+    """Powers of two from min_budget up to max_budget (max_budget itself included)."""
+    grid, b = [], max(1, min_budget)
+    while b < max_budget:
+        grid.append(b)
+        b *= 2
+    return grid + [max_budget]
+
+
+@dataclass
+class BudgetTuner:
+    """Chooses the next step's budget; `observe` feeds it each finished step."""
+
+    max_budget: int
+    costs: CostModel = field(default_factory=CostModel)
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    start_budget: int = 16
+    probe_every: int = 8
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.grid = budget_grid(self.max_budget)
+        self.index = min(range(len(self.grid)), key=lambda i: abs(self.grid[i] - self.start_budget))
+
+    @property
+    def budget(self) -> int:
+        return self.grid[self.index]
+
+    def rate(self, budget: int) -> float:
+        """Expected tokens per second for a budget under the current models (0 when costs are unknown)."""
+        seconds = self.costs.step_seconds(budget)
+        return self.acceptance.expected_tokens(budget) / seconds if seconds > 0 else 0.0
+
+    def next_budget(self) -> int:
+        """The best grid budget within one grid step of the current one (moving only for a > 2 % gain),
+        with a probe one step upward every `probe_every` steps."""
+        self.steps += 1
+        lo, hi = max(self.index - 1, 0), min(self.index + 1, len(self.grid) - 1)
+        if self.steps % self.probe_every == 0 and hi > self.index:
+            self.index = hi
+            return self.budget
+        current = self.rate(self.budget)
+        best = max(range(lo, hi + 1), key=lambda i: self.rate(self.grid[i]))
+        if self.rate(self.grid[best]) > 1.02 * current:
+            self.index = best
+        return self.budget
+
+    def best_budget(self) -> int:
+        """The global optimum over the grid (what next_budget converges to)."""
+        return max(self.grid, key=self.rate)
+
+    def observe(self, tree_size: int, scores: torch.Tensor, accepted_nodes: list[int],
+                draft_s: float, target_s: float) -> None:
+        self.costs.target.add(tree_size + 1, target_s)
+        self.costs.draft.add(max(tree_size, 1), draft_s)
+        self.acceptance.observe(scores, accepted_nodes)

@@ -1,0 +1,92 @@
+"""The budget optimiser on synthetic cost and acceptance curves (no models): flat pass cost -> a large budget,
+linear pass cost -> a small one, and it moves down when acceptance drops."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specexec.tuning import AcceptanceModel, BudgetTuner, CostModel, CurveFit, budget_grid
+
+MAX = 1024
+
+
+def fit(fn, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1025)) -> CurveFit:
+    c = CurveFit()
+    for n in sizes:
+        c.add(n, fn(n))
+    return c
+
+
+def feed(tuner: BudgetTuner, accept_prob, steps: int = 40, size: int = MAX, seed: int = 0) -> None:
+    """Trees of `size` nodes scored by rank; rank r is accepted as part of a chain with prob accept_prob(r)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.cat([torch.zeros(1), -torch.arange(1, size + 1, dtype=torch.float32)])
+    for _ in range(steps):
+        accepted = [0]
+        for r in range(size):
+            if torch.rand(1, generator=g).item() >= accept_prob(r):
+                break
+            accepted.append(r + 1)
+        tuner.acceptance.observe(scores, accepted)
+
+
+def converge(tuner: BudgetTuner, steps: int = 60) -> int:
+    for _ in range(steps):
+        tuner.next_budget()
+    return tuner.best_budget()
+
+
+def test_flat_pass_cost_picks_a_large_budget() -> None:
+    tuner = BudgetTuner(MAX, CostModel(fit(lambda n: 1.5), fit(lambda n: 0.05)))
+    feed(tuner, lambda r: 0.97 ** (r / 8))
+    assert converge(tuner) >= 256
+
+
+def test_linear_pass_cost_picks_a_small_budget() -> None:
+    tuner = BudgetTuner(MAX, CostModel(fit(lambda n: 0.02 + 0.004 * n), fit(lambda n: 0.002 * n)))
+    feed(tuner, lambda r: 0.97 ** (r / 8))
+    assert converge(tuner) <= 32
+
+
+def test_budget_moves_down_when_acceptance_drops() -> None:
+    tuner = BudgetTuner(MAX, CostModel(fit(lambda n: 0.2 + 0.0008 * n), fit(lambda n: 0.0002 * n)))
+    feed(tuner, lambda r: 0.99)
+    high = converge(tuner)
+    feed(tuner, lambda r: 0.0, steps=60, seed=1)
+    low = converge(tuner)
+    assert low < high and low <= 16, (high, low)
+
+
+def test_next_budget_moves_one_grid_step_at_a_time() -> None:
+    tuner = BudgetTuner(MAX, CostModel(fit(lambda n: 1.0), fit(lambda n: 0.0)), start_budget=16)
+    feed(tuner, lambda r: 0.999)
+    seen = [tuner.budget] + [tuner.next_budget() for _ in range(10)]
+    for a, b in zip(seen, seen[1:]):
+        assert b in (a, a * 2, a // 2, MAX) or a == MAX
+    assert seen[-1] > 16
+
+
+def test_expected_tokens_matches_the_observed_rank_rates() -> None:
+    model = AcceptanceModel(decay=1.0, prior_weight=0.0)
+    scores = torch.tensor([0.0, -1.0, -2.0, -3.0, -4.0])
+    for _ in range(10):
+        model.observe(scores, [0, 1, 2])          # the two best-ranked nodes are always accepted
+    assert abs(model.expected_tokens(2) - 3.0) < 1e-6
+    assert abs(model.expected_tokens(4) - 3.0) < 1e-6
+
+
+def test_cost_model_round_trips_and_rejects_a_stale_fingerprint(tmp_path: Path) -> None:
+    costs = CostModel(fit(lambda n: 0.1 * n), fit(lambda n: 0.01))
+    costs.save(tmp_path / "costs.json", "fp-1")
+    again = CostModel.load(tmp_path / "costs.json", "fp-1")
+    assert again is not None and abs(again.step_seconds(64) - costs.step_seconds(64)) < 1e-9
+    assert CostModel.load(tmp_path / "costs.json", "fp-2") is None
+    (tmp_path / "costs.json").write_text("{not json")
+    assert CostModel.load(tmp_path / "costs.json", "fp-1") is None
+
+
+def test_grid_and_curve_fit_basics() -> None:
+    assert budget_grid(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    c = fit(lambda n: 1.0 + n, sizes=(1, 10))
+    assert c(5) == 6.0 and c(20) == 21.0 and c(0) == 2.0
