@@ -19,8 +19,10 @@ seconds in).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,3 +219,24 @@ class BudgetTuner:
         self.costs.target.add(tree_size + 1, target_s)
         self.costs.draft.add(max(tree_size, 1), draft_s)
         self.acceptance.observe(scores, accepted_nodes)
+
+
+def calibration_sizes(max_budget: int) -> list[int]:
+    """Tree sizes timed once per machine/model/plan: 1, 16, 64, 256, 1024, ... up to max_budget."""
+    sizes = [1] + [n for n in (16, 64, 256, 1024, 4096, 16384) if n < max_budget]
+    return sizes + ([max_budget] if max_budget > 1 else [])
+
+
+def cost_fingerprint(target: torch.nn.Module) -> str:
+    """What the target's pass time depends on: its shapes, dtype, device and (if offloaded) the plan."""
+    p = next(target.parameters())
+    args = getattr(target, "args", None)
+    parts = [type(target).__name__, repr(args), str(p.dtype), str(p.device),
+             str(getattr(target, "plan_fingerprint", "")), str(torch.get_num_threads())]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def default_cost_path(fingerprint: str) -> Path:
+    root = os.environ.get("SPECEXEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specexec")
+    return Path(root) / "costs" / f"{fingerprint}.json"
