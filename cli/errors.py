@@ -1,7 +1,7 @@
 """Turning an exception into the one line a user sees (`error: ...`) and the exit code.
 
-User mistakes (ConfigError, CheckpointError, a file that cannot be read, bad command-line syntax) exit with 2;
-anything else is a bug and exits with 1, still in one line unless --debug asks for the traceback.
+User mistakes (ConfigError, CheckpointError, CacheError, a file that cannot be read, bad command-line syntax)
+exit with 2; anything else is a bug and exits with 1, still in one line unless --debug asks for the traceback.
 
 Does not know: which command ran or what it was doing.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from offload.cache import CacheError
 from offload.checkpoint import CheckpointError
 from specexec.config import ConfigError
 
@@ -28,7 +29,7 @@ def one_line(text: str) -> str:
 
 def describe(exc: BaseException) -> tuple[str, int]:
     """(message, exit code) for an exception that ends a command."""
-    if isinstance(exc, (ConfigError, CheckpointError)):
+    if isinstance(exc, (ConfigError, CheckpointError, CacheError)):
         return one_line(exc), USAGE_EXIT
     if isinstance(exc, OSError) and exc.filename is not None:
         reason = exc.strerror or type(exc).__name__

@@ -18,55 +18,42 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specexec.config import (BUILDERS, DTYPES, VERIFIERS, ConfigError, EngineConfig, SamplingParams,
-                             check_chat_options, check_draft_choice, check_number)
+from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sampling_args, apply_catalog_defaults,
+                      engine_config, offload_config, sampling_params)
+from specexec.config import (VERIFIERS, ConfigError, EngineConfig, SamplingParams,
+                             check_chat_options, check_draft_choice, check_number, parse_draft_vocab)
 from specexec.runtime import Detokenizer, ModelInfo, Runtime, builder_needs_draft
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="decode one prompt and stream the continuation",
                        description="Decode one prompt with the target model, drafting with --draft.")
-    p.add_argument("--model", required=True, metavar="PATH", help="target checkpoint directory (or a cached Hub id)")
-    draft = p.add_mutually_exclusive_group()
-    draft.add_argument("--draft", metavar="PATH", help="draft checkpoint directory (same tokenizer as the target)")
-    draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
+    add_model_args(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", metavar="TEXT", help="system message (with --chat)")
-    p.add_argument("--max-new-tokens", type=int, metavar="N", help="at most N new tokens (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K best (0 = all)")
-    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                   help="drop tokens below P x the top probability (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                   help="penalise tokens already in the context, per tree node (1 = off)")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling (sample i uses S + i)")
+    add_sampling_args(p)
     p.add_argument("--n", type=int, default=1, metavar="N",
                    help="N independent samples of the same prompt (loaded and prefilled once)")
     p.add_argument("--verifier", metavar="RULE",
                    help=f"acceptance rule at T > 0: {', '.join(VERIFIERS)} (default auto: the builder's own)")
-    p.add_argument("--budget", type=int, metavar="N", help="draft tree size in tokens (default 64)")
-    p.add_argument("--builder", metavar="NAME", help=f"tree builder: {', '.join(BUILDERS)} (default specexec)")
-    p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
+    add_engine_args(p)
+    p.add_argument("--draft-vocab", metavar="N|auto",
+                   help="VocabTrim: the draft proposes only the N tokens the target samples most (measured once "
+                        "on the built-in prompts, cached); auto picks N; output is unchanged")
     p.add_argument("--stop", nargs="+", default=[], metavar="STR", help="end before the first of these strings")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="read pickle (.bin) weights with torch.load(weights_only=True)")
     p.add_argument("--json", action="store_true", help="print one JSON line (text, token_ids, stats) to stdout")
+    add_offload_args(p)
     return p
 
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     """Every value checked (by specexec.config) before anything is loaded."""
-    engine_kw = {k: v for k, v in (("budget", args.budget), ("builder", args.builder), ("device", args.device),
-                                   ("dtype", args.dtype), ("max_new_tokens", args.max_new_tokens),
-                                   ("verifier", args.verifier)) if v is not None}
-    config = EngineConfig(**engine_kw)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    config = engine_config(args, **({"verifier": args.verifier} if args.verifier is not None else {}),
+                           draft_vocab=parse_draft_vocab(args.draft_vocab))
+    sampling = sampling_params(args)
     check_number("--n", args.n, low=1, high=10_000)
     check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
     check_chat_options(args.chat, args.system)
@@ -103,7 +90,9 @@ def print_load_summary(console: Console, runtime: Runtime) -> None:
     if runtime.engine.builder is None:
         console.print("no draft: decoding with the target alone", highlight=False)
     else:
-        console.print(f"builder {runtime.builder_name} · budget {runtime.config.budget} tokens", highlight=False)
+        c = runtime.config
+        budget = f"auto (up to {c.budget} tokens)" if c.auto_budget else f"{c.budget} tokens"
+        console.print(f"builder {runtime.builder_name} · budget {budget}", highlight=False)
 
 
 def _write(text: str) -> None:
@@ -144,14 +133,19 @@ def _stats_line(stats: dict, n_tokens: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
+    apply_catalog_defaults(args, console)
     config, sampling = _configs(args)
+    offload = offload_config(args)
     prompt = read_prompt(args)
     with console.status("loading") as status:          # a transient spinner: nothing is left on stderr
         runtime = Runtime.load(args.model, args.draft, config, args.allow_pickle,
-                               progress=lambda msg: status.update(msg))
+                               progress=lambda msg: status.update(msg), offload=offload)
     prompt_ids = runtime.encode(prompt, args.chat, args.system)
     runtime.check_prompt(prompt_ids)
     print_load_summary(console, runtime)
+    notice = runtime.plan.notice() if runtime.plan is not None else ""     # the offload plan, or its warnings
+    if notice:
+        console.print(notice, highlight=False)
     results = []
     for i in range(args.n):
         if args.n > 1 and not args.json:

@@ -13,10 +13,17 @@ import sys
 import traceback
 from typing import NoReturn
 
-from cli import demo, generate
+from cli import bench, chat, convert, demo, generate, serve
+from cli import models as models_cmd
+from cli import bench_stream
 from cli.errors import INTERRUPT_EXIT, UsageError, report
 
-COMMANDS = (generate, demo)
+COMMANDS = (chat, generate, serve, demo, convert, models_cmd)
+
+
+# `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
+# A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench.py.
+BENCH_COMMANDS = (bench_stream,)
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,7 +42,25 @@ def build_parser() -> Parser:
         p = command.add_parser(sub)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
         p.set_defaults(handler=command.run)
+    add_bench_group(sub)
     return parser
+
+
+def add_bench_group(sub: argparse._SubParsersAction) -> Parser:
+    """The `bench` command group: the end-to-end benchmark (cli/bench.py) when no name follows, else one
+    sub-subcommand per module in BENCH_COMMANDS."""
+    names = ", ".join(c.__name__.split("_")[-1] for c in BENCH_COMMANDS)
+    group = sub.add_parser("bench", help=f"end-to-end benchmark vs baselines (or: bench {names} ...)",
+                           description=bench.DESCRIPTION + f" Other benchmarks: `specexec bench {names} --help`.")
+    group.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    bench.add_run_arguments(group)
+    group.set_defaults(handler=bench.run)
+    benches = group.add_subparsers(dest="bench_command", metavar="BENCH", required=False, parser_class=Parser)
+    for command in BENCH_COMMANDS:
+        p = command.add_parser(benches)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+        p.set_defaults(handler=command.run)
+    return group
 
 
 def main(argv: list[str] | None = None) -> int:

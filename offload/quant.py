@@ -44,7 +44,15 @@ CONTRACT (used by storage/cache and by specexec/offloaded.py):
         (names as in module.named_parameters(); quantized weights under their "<name>.*" keys).
     def quantize_module(module: nn.Module, fmt: str, dtype: torch.dtype, double_quant: bool = False) -> None
         Resident use (draft, GPU-resident target layers): swap every nn.Linear for a QuantLinear that owns
-        its quantized weight, cast the other parameters to dtype.
+        its quantized weight (quantized on the module's device), cast the other parameters to dtype.
+
+    Lower level, also public:
+    quantize_weight(weight [out, in], fmt, dtype, double_quant=False) -> ({suffix: tensor}, weight meta)
+    dequantize(parts: {suffix: tensor}, weight meta) -> [out, in] in meta's dtype
+    weight_specs(shape, fmt, dtype, double_quant=False) / layer_specs(specs, fmt, dtype, linear_names,
+        double_quant=False): what quantize_weight / quantize_tensors produce, as {name: (dtype, shape)} + meta,
+        without quantizing (packed sizes for the planner, synthetic layers and the cache's disk-space check).
+    Tensors are quantized on the device they are on (CUDA is far faster than bitsandbytes' CPU path).
 
 Exactness: on every device the layer runs dequantize -> F.linear, for 1 token as for 4,096, so a layer's output
 depends only on its packed bytes and the input, never on which tier the bytes came from.
@@ -118,6 +126,48 @@ def quantize_weight(weight: torch.Tensor, fmt: str, dtype: torch.dtype, double_q
     return out, meta
 
 
+def weight_specs(shape: tuple[int, int], fmt: str, dtype: torch.dtype, double_quant: bool = False
+                 ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict]:
+    """What quantize_weight returns for a weight of `shape`, as ({suffix: (dtype, shape)}, meta), computed
+    without quantizing: packed sizes for planners, synthetic layers and the cache's disk-space check."""
+    check_format(fmt)
+    out_f, in_f = (int(s) for s in shape)
+    meta = {"format": fmt, "shape": [out_f, in_f], "dtype": dtype_name(dtype)}
+    if fmt == "none":
+        return {"": (dtype, (out_f, in_f))}, meta
+    meta["blocksize"] = BLOCKSIZE
+    n = out_f * in_f
+    blocks = -(-n // BLOCKSIZE)
+    f32 = torch.float32
+    if fmt == "int8":
+        return {".qdata": (torch.uint8, (out_f, in_f)), ".absmax": (f32, (blocks,)), ".code": (f32, (256,))}, meta
+    specs = {".qdata": (torch.uint8, ((n + 1) // 2, 1)), ".absmax": (torch.uint8 if double_quant else f32, (blocks,)),
+             ".code": (f32, (16,))}
+    if double_quant:
+        meta["nested_blocksize"] = NESTED_BLOCKSIZE
+        specs.update({".nested_absmax": (f32, (-(-blocks // NESTED_BLOCKSIZE),)), ".nested_code": (f32, (256,)),
+                      ".nested_offset": (f32, (1,))})
+    return specs, meta
+
+
+def layer_specs(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], fmt: str, dtype: torch.dtype,
+                linear_names: set[str] | frozenset[str], double_quant: bool = False
+                ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict]:
+    """quantize_tensors on shapes only: source {name: (dtype, shape)} -> ({packed name: (dtype, shape)}, meta),
+    the same names, order and meta that quantize_tensors produces (storage.plan_layout turns it into bytes)."""
+    check_format(fmt)
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    weights: dict[str, dict] = {}
+    dq = bool(double_quant and fmt in ("nf4", "fp4"))
+    for name, (src_dtype, shape) in specs.items():
+        if name in linear_names:
+            parts, weights[name] = weight_specs(tuple(shape), fmt, dtype, dq)
+            out.update({name + suffix: spec for suffix, spec in parts.items()})
+        else:
+            out[name] = (dtype if src_dtype.is_floating_point else src_dtype, tuple(shape))
+    return out, {"format": fmt, "dtype": dtype_name(dtype), "double_quant": dq, "weights": weights}
+
+
 def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
                      linear_names: set[str] | frozenset[str], double_quant: bool = False
                      ) -> tuple[dict[str, torch.Tensor], dict]:
@@ -128,15 +178,14 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, dtype: torch.dt
         raise ValueError(f"linear weight {missing[0]!r} is not among the layer's tensors")
     out: dict[str, torch.Tensor] = {}
     weights: dict[str, dict] = {}
+    dq = bool(double_quant and fmt in ("nf4", "fp4"))
     for name, t in tensors.items():
         if name in linear_names:
-            parts, weights[name] = quantize_weight(t, fmt, dtype, double_quant)
+            parts, weights[name] = quantize_weight(t, fmt, dtype, dq)
             out.update({name + suffix: v.contiguous() for suffix, v in parts.items()})
         else:
             out[name] = (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous()
-    meta = {"format": fmt, "dtype": dtype_name(dtype), "double_quant": bool(double_quant and fmt in ("nf4", "fp4")),
-            "weights": weights}
-    return out, meta
+    return out, {"format": fmt, "dtype": dtype_name(dtype), "double_quant": dq, "weights": weights}
 
 
 def dequantize(parts: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:

@@ -155,7 +155,8 @@ def pack_into(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], layout: La
     for e in layout.entries:
         t = tensors[e.name]
         if _dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
-            raise ValueError(f"{e.name}: {t.dtype} {list(t.shape)} does not match the layout ({e.dtype} {list(e.shape)})")
+            raise ValueError(f"{e.name}: {t.dtype} {list(t.shape)} does not match the layout "
+                             f"({e.dtype} {list(e.shape)})")
         _view(buffer, e).copy_(t)
     return buffer
 

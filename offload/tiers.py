@@ -6,7 +6,7 @@
   caching host allocator, which rounds blocks up to a power of two, never doubles it) split into layer slices.
 - `PackedFile`: a file of packed layers at 4 KiB-aligned offsets read with O_DIRECT (falling back to buffered
   reads followed by posix_fadvise(DONTNEED), so the page cache does not keep a second copy of what was read).
-  Any object with the `LayerSource` protocol (e.g. the disk cache of offload/cache.py) serves the SSD tier.
+  Any object with the `LayerReader` protocol (e.g. the disk cache of offload/cache.py) serves the SSD tier.
 
 Also: aligned host buffers (`host_buffer`), pinning, and raw bandwidth probes used by the benchmark.
 
@@ -28,7 +28,7 @@ from .storage import ALIGN, round_up
 READ_CHUNK = 64 * 2**20           # bytes per read syscall: large and sequential
 
 
-class LayerSource(Protocol):
+class LayerReader(Protocol):
     """Packed layers readable by index (the SSD tier): `nbytes(i)` multiple of ALIGN; `read_layer(i, out)`
     fills out[:nbytes(i)] (uint8, CPU, ALIGN-aligned start) with layer i's packed bytes."""
 
@@ -106,7 +106,7 @@ class RamTier:
         return self.buffers[i]
 
 
-def fill(buffers: dict[int, torch.Tensor], source: LayerSource, bounce: torch.Tensor | None = None) -> None:
+def fill(buffers: dict[int, torch.Tensor], source: LayerReader, bounce: torch.Tensor | None = None) -> None:
     """Load every layer of a tier from `source` (at startup). Host buffers are read into directly; device
     buffers go through `bounce` (a host buffer >= the largest layer)."""
     for i, buf in buffers.items():
@@ -188,7 +188,7 @@ def read_exact(fd: int, out: torch.Tensor, offset: int, fadvise_drop: bool = Fal
 
 # ----------------------------------------------------------------------------------------- bandwidth probes
 
-def probe_read(source: LayerSource, ids: Sequence[int], out: torch.Tensor) -> float:
+def probe_read(source: LayerReader, ids: Sequence[int], out: torch.Tensor) -> float:
     """Bytes per second reading layers `ids` from `source` into `out` one after another (the SSD tier's raw
     rate: same reader, same file, same page-cache state as the pager)."""
     t0, total = time.perf_counter(), 0

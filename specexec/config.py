@@ -137,11 +137,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         check_number("temperature", self.temperature, low=0.0, high=100.0)
         check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        check_number("top_k", self.top_k, low=0, high=10**7)
+        check_integer("top_k", self.top_k, low=0, high=10**7)
         check_number("min_p", self.min_p, low=0.0, high=1.0)
         check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
         if self.seed is not None:
-            check_number("seed", self.seed, low=0, high=2**63 - 1)
+            check_integer("seed", self.seed, low=0, high=2**63 - 1)
 
     @property
     def greedy(self) -> bool:
@@ -157,17 +157,40 @@ def check_number(name: str, value: Any, low: float, high: float, low_open: bool 
         raise ConfigError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
 
 
+def check_integer(name: str, value: Any, low: int, high: int) -> None:
+    """Raise ConfigError unless value is an integer (not a bool, not 2.5) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    check_number(name, value, low=low, high=high)
+
+
 VERIFIERS = ("auto", "greedy", "sample_match", "rrs", "rrs_wor")   # see verify.RULES
-BUILDERS = ("specexec",)          # grows as tree builders land; validated here, implemented in builders/
+BUILDERS = ("specexec", "chain", "static", "dynamic", "optree", "rsd", "rsd-c", "recycling")   # runtime.BUILDERS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BUDGET = 16384
+AUTO_MAX_BUDGET = 1024              # the largest tree --budget auto tries unless --max-budget says otherwise
+
+
+def budget_options(value: str | int | None, max_budget: int | None = None) -> dict[str, Any]:
+    """--budget N|auto -> EngineConfig keywords ({} when not given). 'auto' searches up to max_budget."""
+    if value is None:
+        return {}
+    if str(value).strip().lower() == "auto":
+        top = AUTO_MAX_BUDGET if max_budget is None else max_budget
+        check_number("--max-budget", top, low=1, high=MAX_BUDGET)
+        return {"budget": top, "auto_budget": True}
+    try:
+        return {"budget": int(str(value).strip())}
+    except ValueError:
+        raise ConfigError(f"--budget {value!r} is not a number of tree tokens or 'auto'") from None
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: tree budget and builder, device and dtype. Validated on construction."""
 
-    budget: int = 64
+    budget: int = 64                # the tree budget, or with auto_budget the largest budget tried
+    auto_budget: bool = False       # --budget auto: specexec.tuning picks each step's budget
     builder: str = "specexec"
     device: str = "cpu"
     dtype: str = "auto"
@@ -175,9 +198,11 @@ class EngineConfig:
     prefill_chunk: int = 512
     verifier: str = "auto"
     builder_options: tuple[tuple[str, Any], ...] = field(default=())
+    draft_vocab: int | str | None = None   # VocabTrim: the draft head keeps N target-frequent tokens, or "auto"
 
     def __post_init__(self) -> None:
         check_number("budget", self.budget, low=1, high=MAX_BUDGET)
+        check_draft_vocab(self.draft_vocab)
         check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
         check_number("prefill_chunk", self.prefill_chunk, low=1, high=10**6)
         if self.builder not in BUILDERS:
@@ -195,6 +220,75 @@ class EngineConfig:
         if bad:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(bad))}")
         return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+QUANT_CHOICES = ("auto", "none", "nf4", "fp4", "int8")   # offload.quant.FORMATS plus auto
+DRAFT_QUANT_CHOICES = ("none", "nf4", "fp4", "int8")
+OFFLOAD_CHOICES = ("auto", "none", "ram", "ssd")          # offload.planner.OFFLOAD_MODES
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where the target's decoder layers live and how they are stored. Validated on construction.
+
+    quant: target layer format; auto = none while every layer stays resident, nf4 once any layer streams.
+    draft_quant: the (always resident) draft's linear layers. offload: auto = the planner decides from the
+    budgets; none / ram / ssd put every target layer resident / in pinned RAM / in the on-disk cache.
+    gpu_budget, ram_budget: bytes (None: what is free now minus a margin). cache_dir: layer cache root (None:
+    $SPECEXEC_CACHE or ~/.cache/specexec)."""
+
+    quant: str = "auto"
+    draft_quant: str = "none"
+    offload: str = "auto"
+    gpu_budget: int | None = None
+    ram_budget: int | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        for flag, value, choices in (("--quant", self.quant, QUANT_CHOICES),
+                                     ("--draft-quant", self.draft_quant, DRAFT_QUANT_CHOICES),
+                                     ("--offload", self.offload, OFFLOAD_CHOICES)):
+            if value not in choices:
+                raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+        for flag, value in (("--gpu-budget", self.gpu_budget), ("--ram-budget", self.ram_budget)):
+            if value is not None:
+                check_number(flag, value, low=1, high=2**62)
+        if self.cache_dir is not None and not str(self.cache_dir).strip():
+            raise ConfigError("--cache-dir is empty; pass a directory or leave it out")
+
+    @classmethod
+    def from_flags(cls, quant: str | None = None, draft_quant: str | None = None, offload: str | None = None,
+                   gpu_budget: str | None = None, ram_budget: str | None = None,
+                   cache_dir: str | None = None) -> "OffloadConfig":
+        """From command-line strings (None = default); sizes like 20GB, 512MiB."""
+        kw: dict[str, Any] = {k: v for k, v in (("quant", quant), ("draft_quant", draft_quant),
+                                                 ("offload", offload), ("cache_dir", cache_dir)) if v is not None}
+        if gpu_budget is not None:
+            kw["gpu_budget"] = parse_size(gpu_budget, "--gpu-budget")
+        if ram_budget is not None:
+            kw["ram_budget"] = parse_size(ram_budget, "--ram-budget")
+        return cls(**kw)
+
+
+def parse_draft_vocab(text: str | None) -> int | str | None:
+    """--draft-vocab N|auto -> N, "auto" or None (not given)."""
+    if text is None:
+        return None
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"--draft-vocab {text!r} is not a number of tokens or 'auto'") from None
+
+
+def check_draft_vocab(value: int | str | None, vocab_size: int | None = None) -> None:
+    """None, "auto", or a token count in [1, vocab_size] (the draft's vocabulary, once it is known)."""
+    if value is None or value == "auto":
+        return
+    if isinstance(value, str):
+        raise ConfigError(f"--draft-vocab {value!r} is not a number of tokens or 'auto'")
+    check_number("--draft-vocab", value, low=1, high=vocab_size or 10**7)
 
 
 def check_device(device: str) -> None:
@@ -234,3 +328,52 @@ def check_chat_options(chat: bool, system: str | None) -> None:
     """A system message only exists inside a chat template."""
     if system is not None and not chat:
         raise ConfigError("--system applies only with --chat; add --chat or drop --system")
+
+
+def parse_budget_list(text: str, auto_supported: bool) -> tuple[int | str, ...]:
+    """'16,64,256' -> (16, 64, 256); 'auto' is kept as 'auto' when this build can pick budgets itself."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"--budgets {text!r} lists no budget; write them like 16,64,256")
+    out: list[int | str] = []
+    for item in items:
+        if item.lower() == "auto":
+            if not auto_supported:
+                raise ConfigError("--budgets: 'auto' needs the budget tuner, which this build does not have; "
+                                  "list integer budgets such as 16,64,256")
+            out.append("auto")
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise ConfigError(f"--budgets: {item!r} is not an integer or 'auto'; write them like 16,64,256") from None
+        check_number("budget", value, low=1, high=MAX_BUDGET)
+        out.append(value)
+    return tuple(dict.fromkeys(out))
+
+
+def with_field(obj: Any, name: str, text: str) -> Any:
+    """A copy of the frozen dataclass `obj` with field `name` parsed from `text` ('none' for an optional
+    field), validated by the dataclass itself. For `/set temperature 0.7` and the like."""
+    known = {f.name: str(f.type) for f in fields(obj)}
+    key = name.strip().replace("-", "_")
+    if key not in known:
+        raise ConfigError(f"unknown setting {name!r}; settable: {', '.join(known)}")
+    kind, raw = known[key], text.strip()
+    if raw.lower() in ("none", "null") and "None" in kind:
+        value: Any = None
+    elif kind.startswith("int"):
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got {raw!r}") from None
+    elif kind.startswith("float"):
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {raw!r}") from None
+    elif kind.startswith("str"):
+        value = raw
+    else:
+        raise ConfigError(f"{key} cannot be set from text")
+    return type(obj)(**{**{f.name: getattr(obj, f.name) for f in fields(obj)}, key: value})

@@ -9,6 +9,7 @@ target may be resident or an OffloadedTransformer with the same forward signatur
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from .model import Transformer, prefix_tree_mask
 from .profiler import Profiler
 from .sampling import greedy, make_generator, node_histories, process_logits, sample
 from .tree import TokenTree
+from .tuning import BudgetTuner, CostModel, calibration_sizes, cost_fingerprint, default_cost_path
 from .verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
 
 LOGIT_CHUNK = 256        # rows of the LM head computed at once: 256 x 152k fp32 = 155 MB
@@ -80,6 +82,10 @@ class Engine:
         self.stats = GenerationStats()
         self._caches: tuple[KVCache, KVCache | None] | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
+        self.tuner = BudgetTuner(config.budget) if config.auto_budget and builder is not None else None
+        self.observe_topk = int(getattr(builder, "observe_topk", 0) or 0)   # builders learning from the target
+        if self.observe_topk:
+            builder.bind(target.args.vocab_size, self.device)
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
         """Caches with room for `total` committed tokens plus one tree (and the draft's pending tokens);
@@ -91,7 +97,7 @@ class Engine:
             def make(model: Transformer) -> KVCache:
                 a, p = model.args, next(model.parameters())
                 return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, need, p.dtype, p.device)
-            with_draft = self.draft is not None and self.builder is not None
+            with_draft = self.draft is not None and self.builder is not None and self.builder.needs_draft
             self._caches = (make(self.target), make(self.draft) if with_draft else None)
         for cache in self._caches:
             if cache is not None and cache.capacity < need:
@@ -163,8 +169,30 @@ class Engine:
             draft = DraftState(self.draft, draft_cache, [prompt_ids[-1]])
         self._sync()
         stats.prefill_s = span.stop().seconds
+        if self.tuner is not None and not self.tuner.costs.target.points:
+            self._calibrate(target_cache)
         self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
         return target_cache, draft
+
+    def _calibrate(self, cache: KVCache) -> None:
+        """Measure target pass seconds at a few tree sizes for the budget tuner (cached on disk per model,
+        dtype, device and offload plan); the trees are flat and written to scratch slots only."""
+        fingerprint = cost_fingerprint(self.target)
+        path = default_cost_path(fingerprint)
+        saved = CostModel.load(path, fingerprint)
+        if saved is not None:
+            self.tuner.costs.target = saved.target
+            return
+        root = self._context[-1]
+        for n in calibration_sizes(self.config.budget):
+            tree = TokenTree.from_lists([root] * (n + 1), [-1] + [0] * n, device=self.device)
+            seconds = []
+            for _ in range(2 if n == 1 else 1):          # the first pass also warms up
+                t0 = time.perf_counter()
+                self._verify(tree, cache, SamplingParams(), RULES["greedy"], None)
+                seconds.append(time.perf_counter() - t0)
+            self.tuner.costs.target.add(n + 1, seconds[-1])
+        CostModel(self.tuner.costs.target).save(path, fingerprint)
 
     def _trim(self, tokens: list[int], generated: list[int], limit: int,
               should_stop: Callable[[list[int]], int | None] | None) -> tuple[list[int], bool]:
@@ -187,7 +215,8 @@ class Engine:
         if self.builder is None:
             tree = TokenTree.root_only(root, self.device)
         else:
-            tree = self.builder.build(draft, root, self.config.budget, sampling, rng)
+            budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
+            tree = self.builder.build(draft, root, budget, sampling, rng)
         self._sync()
         draft_span.stop()
         target_span = self.profiler.start("target")
@@ -200,6 +229,8 @@ class Engine:
             self.builder.observe(tree, acc.nodes, acc.tokens[-1])
         target_span.stop()
         draft_s, target_s = draft_span.seconds, target_span.seconds
+        if self.tuner is not None:
+            self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
         self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s)
         stats.steps.append(StepRecord(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s))
         return acc
@@ -226,6 +257,8 @@ class Engine:
         mask = prefix_tree_mask(L, tree.ancestor_mask(), self.target.args.sliding_window, positions)
         slots = torch.arange(L, L + tree.tokens.numel(), device=self.device)
         hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
+        if self.observe_topk:                           # opt-in (Token Recycling): the target's top-k per node
+            self.builder.observe_target(tree, self._target_topk(hidden, self.observe_topk))
         history = None
         if sampling.repetition_penalty != 1.0:
             history = node_histories(tree, torch.tensor(self._context[:L], dtype=torch.long, device=self.device))
@@ -235,6 +268,11 @@ class Engine:
             acc = rule.fn(tree, self._probs_fn(hidden, sampling, history), *self._draft_probs(rule, tree), rng)
         self._sync()
         return acc
+
+    def _target_topk(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """hidden [N+1, D] -> the target's top-k token ids after each node [N+1, k] (raw logits, chunked)."""
+        return torch.cat([self.target.logits(hidden[s:s + LOGIT_CHUNK]).topk(k, dim=-1).indices
+                          for s in range(0, hidden.shape[0], LOGIT_CHUNK)])
 
     def _probs_fn(self, hidden: torch.Tensor, sampling: SamplingParams, history: torch.Tensor | None):
         """node -> the target's processed probabilities [V] there, computed lazily (only visited nodes)."""

@@ -1,9 +1,12 @@
-"""Local HF checkpoint directory (or a Hub id already in the local cache) -> resident Transformer.
+"""Local HF checkpoint directory (or a Hub id already in the local cache), AWQ/GPTQ directory or .gguf file ->
+resident Transformer.
 
 The model is built on the meta device and filled tensor by tensor from safetensors (assign=True), so the
 weights exist once in memory, cast to the run dtype. Names, shapes and the tensor set are checked against the
 config before anything is used. Pickle checkpoints are refused unless the caller allows them, and even then
-are read with torch.load(weights_only=True).
+are read with torch.load(weights_only=True). Weights come through offload.sources, which picks the reader: plain
+safetensors, AWQ/GPTQ (by config.json's quantization_config; dequantized to float32 tensor by tensor) or GGUF
+(dequantized likewise; its ModelArgs come from the file's metadata instead of a config.json).
 
 Does not know: offloading (the offload runtime builds on the same checkpoint reader), tokens, trees.
 """
@@ -15,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from offload.checkpoint import CheckpointError, SafetensorsCheckpoint, pickle_files
+from offload.checkpoint import CheckpointError, pickle_files
+from offload.sources import CheckpointSource, is_gguf, open_source
 
 from .config import ConfigError, ModelArgs
 from .model import Transformer, rope_inv_freq
@@ -25,12 +29,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model_path(spec: str) -> Path:
-    """A local directory as given, or a Hub id `org/name` found in huggingface_hub's local cache."""
+    """A local directory or .gguf file as given (a path always wins; a directory without config.json that holds
+    one .gguf file means that file), a models.yaml name present on this machine, or a Hub id `org/name` found
+    in huggingface_hub's local cache."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        return path.resolve()
+        return _gguf_in(path.resolve()) or path.resolve()
     if path.exists():
-        raise ConfigError(f"{spec} is a file; pass the checkpoint directory (with config.json) instead")
+        if is_gguf(path):
+            return path.resolve()
+        raise ConfigError(f"{spec} is a file; pass the checkpoint directory (with config.json) or a .gguf file instead")
+    from .models import resolve_name
+    named = resolve_name(spec)
+    if named is not None:
+        return named
     if HUB_ID.match(spec) and not spec.startswith((".", "/")):
         try:
             from huggingface_hub import snapshot_download
@@ -38,11 +50,27 @@ def resolve_model_path(spec: str) -> Path:
         except Exception:
             raise ConfigError(f"{spec} is not in the local Hugging Face cache and this runtime does not "
                               f"download; download it first and pass its directory, e.g. --model /path/to/{spec.split('/')[-1]}") from None
-    raise ConfigError(f"model path {spec} does not exist; pass a local checkpoint directory")
+    raise ConfigError(f"model path {spec} does not exist; pass a local checkpoint directory or a name that "
+                      "`specexec models` lists")
+
+
+def _gguf_in(directory: Path) -> Path | None:
+    """The one .gguf file of a directory without config.json (None when it has config.json or no .gguf)."""
+    if (directory / "config.json").exists():
+        return None
+    found = sorted(directory.glob("*.gguf"))
+    if len(found) > 1:
+        raise ConfigError(f"{directory} holds {len(found)} .gguf files ({', '.join(f.name for f in found[:3])}"
+                          f"{', ...' if len(found) > 3 else ''}); pass one of them as --model")
+    return found[0] if found else None
 
 
 def read_args(path: Path) -> ModelArgs:
-    """ModelArgs from path/config.json with one-line errors for a missing or unreadable file."""
+    """ModelArgs from path/config.json (or a .gguf file's metadata) with one-line errors for a missing or
+    unreadable file."""
+    if is_gguf(path):
+        from offload.gguf import open_gguf
+        return ModelArgs.from_hf_config(open_gguf(path).config())
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
@@ -128,7 +156,9 @@ class _PickleSource:
         return self.tensors[name]
 
 
-def _open_weights(path: Path, allow_pickle: bool) -> SafetensorsCheckpoint | _PickleSource:
+def _open_weights(path: Path, allow_pickle: bool) -> CheckpointSource | _PickleSource:
+    if is_gguf(path):
+        return open_source(path)
     has_safetensors = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()
     pickles = pickle_files(path)
     if not has_safetensors and pickles:
@@ -137,4 +167,4 @@ def _open_weights(path: Path, allow_pickle: bool) -> SafetensorsCheckpoint | _Pi
                                   "loaded; convert them to safetensors, or pass --allow-pickle to read them "
                                   "with torch.load(weights_only=True)")
         return _PickleSource(pickles)
-    return SafetensorsCheckpoint(path)
+    return open_source(path)                    # safetensors, or AWQ/GPTQ by config.json's quantization_config

@@ -7,39 +7,72 @@ and picks the tree builder from a small registry. `generate_ids()` adds what the
 out: the context-length check and stop strings (which need the tokenizer). `Detokenizer` turns generated ids
 into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
 
-Does not know: argument parsing, terminal output, chat history, offloading (models are resident).
+Offloading: with an OffloadConfig the target's decoder layers may be quantized and streamed (see
+specexec/offloaded.py): the draft loads first (resident, optionally quantized), the planner then places the
+target's layers from the budgets, and `plan` holds the result; stats() gains the pager's streaming figures.
+
+VocabTrim (--draft-vocab, EngineConfig.draft_vocab): the draft is wrapped in vocab_trim.TrimmedDraft, keeping
+the tokens the target samples most on the built-in prompts (measured once per target, cached).
+
+Does not know: argument parsing, terminal output, chat history, how layers are streamed (specexec.offloaded).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from offload.pager import stream_summary
+from offload.sources import is_gguf
+
 from .builders.base import TreeBuilder
+from .builders.chain import ChainBuilder
+from .builders.dynamic import DynamicBuilder
+from .builders.optree import OptTreeBuilder
+from .builders.recycling import RecyclingBuilder
+from .builders.rsd import RSDBuilder, RSDConstantBuilder
 from .builders.specexec import SpecExecBuilder
-from .config import (ConfigError, EngineConfig, ModelArgs, SamplingParams, check_device,
-                     check_prompt_length)
+from .builders.static import StaticBuilder
+from .config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
+                     check_draft_vocab, check_prompt_length)
 from .engine import Engine
-from .loading import load_model, read_args, resolve_dtype, resolve_model_path
+from .loading import expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
 from .model import Transformer
+from .offloaded import TargetPlan, load_target, plan_target, quantize_layers
 from .tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
+from .vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
 # Builder name -> factory. config.BUILDERS validates the names; add a builder in both places.
 BUILDERS: dict[str, Callable[[], TreeBuilder]] = {
     "specexec": SpecExecBuilder,
+    "chain": ChainBuilder,
+    "static": StaticBuilder,
+    "dynamic": DynamicBuilder,
+    "optree": OptTreeBuilder,
+    "rsd": RSDBuilder,
+    "rsd-c": RSDConstantBuilder,
+    "recycling": RecyclingBuilder,
 }
 
 Progress = Callable[[str], None]
 
 
-def make_builder(name: str) -> TreeBuilder:
-    """A fresh builder by name (ConfigError for a name the registry lacks)."""
+def make_builder(name: str, options: tuple[tuple[str, object], ...] = ()) -> TreeBuilder:
+    """A fresh builder by name, with EngineConfig.builder_options as keyword arguments (e.g. static's
+    acceptance_file); ConfigError for a name the registry lacks or an option the builder does not take."""
     if name not in BUILDERS:
         raise ConfigError(f"unknown builder {name!r}; choose one of: {', '.join(BUILDERS)}")
-    return BUILDERS[name]()
+    fixed = [k for k, _ in options if k in ("name", "drafting", "needs_draft") or k.startswith("_")]
+    if fixed:                                   # the drafting kind decides which verifiers are exact
+        raise ConfigError(f"builder option(s) {', '.join(fixed)} cannot be set")
+    try:
+        return BUILDERS[name](**dict(options))
+    except TypeError as e:
+        raise ConfigError(f"builder {name!r} does not take the options {dict(options)}: {e}") from None
 
 
 def builder_needs_draft(name: str) -> bool:
@@ -64,36 +97,94 @@ class ModelInfo:
                 "load_s": round(self.load_s, 2)}
 
 
-def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool) -> tuple[Transformer, ModelInfo]:
+def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool,
+              quant: str = "none") -> tuple[Transformer, ModelInfo]:
     t0 = time.perf_counter()
     model = load_model(path, config.device, config.dtype, allow_pickle)
     dtype = str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch.")
     params = sum(p.numel() for p in model.parameters())
+    quantize_layers(model, quant)
+    dtype += f" ({quant} layers)" if quant != "none" else ""
     return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
+
+
+def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: OffloadConfig,
+                 draft: Transformer | None, allow_pickle: bool) -> tuple[Transformer, ModelInfo, TargetPlan | None]:
+    """The resident loader when every layer stays resident and unquantized, else the offloaded target."""
+    plain = offload.quant in ("auto", "none") and offload.offload in ("auto", "none")
+    if plain and not (is_gguf(path) or any(path.glob("*.safetensors"))):   # pickle weights: resident only
+        return *_load_one(path, args, config, allow_pickle), None
+    t0 = time.perf_counter()
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    target_plan = plan_target(path, args, draft, offload, config, device, dtype)
+    if not target_plan.offloaded:
+        return *_load_one(path, args, config, allow_pickle), target_plan
+    model = load_target(path, args, target_plan, offload, device, dtype)
+    params = sum(math.prod(s) for s in expected_shapes(args).values())
+    name = f"{str(dtype).removeprefix('torch.')} ({target_plan.fmt} layers)"
+    return model, ModelInfo(path, args, params, name, config.device, time.perf_counter() - t0), target_plan
 
 
 def _make_engine(target: Transformer, draft: Transformer | None, config: EngineConfig,
                  eos: tuple[int, ...]) -> Engine:
     """The configured builder; none (target-only decoding) when it needs a draft and there is none."""
-    builder: TreeBuilder | None = make_builder(config.builder)
+    builder: TreeBuilder | None = make_builder(config.builder, config.builder_options)
     if builder.needs_draft and draft is None:
         builder = None
-    return Engine(target, draft, config, builder, eos)
+    engine = Engine(target, draft, config, builder, eos)
+    pager = getattr(target, "pager", None)
+    if pager is not None:                 # offloaded target: per step, the profiler records what streaming cost
+        engine.profiler.watch(pager.counters)
+    return engine
+
+
+VOCAB_CALIBRATION_TOKENS = 64     # --draft-vocab: target samples per built-in prompt (then cached)
+
+
+def _trim_draft(draft: Transformer, target: Transformer, tokenizer, t_path: Path, config: EngineConfig,
+                eos: tuple[int, ...], say: Progress) -> TrimmedDraft:
+    """VocabTrim: the draft head keeps the --draft-vocab tokens the target samples most often on the built-in
+    prompts (T = 1; drawn through speculative sampling, which is exact; counts cached per target)."""
+    from .prompts import load_prompts
+
+    vocab = draft.args.vocab_size
+    check_draft_vocab(config.draft_vocab, vocab)
+    prompts = [encode_prompt(tokenizer, p.prompt, True, p.system) for p in load_prompts()]
+    key = (f"draft-vocab|{t_path.resolve()}|{vocab}|{len(prompts)}|{sum(map(len, prompts))}|T=1|"
+           f"{VOCAB_CALIBRATION_TOKENS}")
+
+    def measure() -> torch.Tensor:
+        say(f"--draft-vocab: sampling the target on {len(prompts)} prompts to count its tokens (cached)")
+        calib = config.replace(budget=16, auto_budget=False, builder="specexec", draft_vocab=None, verifier="auto")
+        engine = Engine(target, draft, calib, SpecExecBuilder(), eos)
+        sampling = SamplingParams(temperature=1.0, seed=0)
+        return measure_counts(lambda ids: [t for s in engine.generate(ids, VOCAB_CALIBRATION_TOKENS, sampling)
+                                           for t in s], prompts, vocab)
+
+    counts = load_or_measure_counts(key, vocab, measure)
+    n = auto_size(counts) if config.draft_vocab == "auto" else int(config.draft_vocab)
+    always = set(eos) | set(getattr(tokenizer, "all_special_ids", None) or ())
+    return TrimmedDraft(draft, select_vocab(counts, n, sorted(t for t in always if 0 <= t < vocab)))
 
 
 class Runtime:
     """A target (+ draft), the shared tokenizer and the Engine that runs them. Build it with Runtime.load()."""
 
     def __init__(self, engine: Engine, tokenizer, target: ModelInfo, draft: ModelInfo | None,
-                 config: EngineConfig) -> None:
+                 config: EngineConfig, plan: TargetPlan | None = None) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.target_info, self.draft_info = target, draft
+        self.plan = plan                                  # where the target's layers live (None: not planned)
+        self._stream_base: dict[str, float] = {}
 
     @classmethod
     def load(cls, model: str, draft: str | None, config: EngineConfig, allow_pickle: bool = False,
-             progress: Progress | None = None) -> "Runtime":
+             progress: Progress | None = None, offload: OffloadConfig | None = None) -> "Runtime":
         """Load the target at `model` and, unless `draft` is None, the draft at `draft`. Without a draft the
-        engine decodes with the target alone (when the configured builder needs a draft model)."""
+        engine decodes with the target alone (when the configured builder needs a draft model). `offload`
+        (default OffloadConfig()) says how the target's layers are stored and where they live."""
+        offload = offload or OffloadConfig()
         say = progress or (lambda _msg: None)
         check_device(config.device)
         t_path = resolve_model_path(model)
@@ -106,14 +197,19 @@ class Runtime:
             check_compatible(tokenizer, load_tokenizer(d_path), t_args.vocab_size, d_args.vocab_size)
         else:
             check_compatible(tokenizer, tokenizer, t_args.vocab_size, t_args.vocab_size)
-        say(f"loading target {t_path}")
-        target, t_info = _load_one(t_path, t_args, config, allow_pickle)
         draft_model, d_info = None, None
-        if d_path is not None:
+        if d_path is not None:                  # first: the target's plan accounts for the draft's memory
             say(f"loading draft {d_path}")
-            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle)
-        engine = _make_engine(target, draft_model, config, eos_ids(tokenizer, t_args.eos_token_ids))
-        return cls(engine, tokenizer, t_info, d_info, config)
+            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant)
+        say(f"loading target {t_path}")
+        target, t_info, plan = _load_target(t_path, t_args, config, offload, draft_model, allow_pickle)
+        eos = eos_ids(tokenizer, t_args.eos_token_ids)
+        if config.draft_vocab is not None and draft_model is not None:       # VocabTrim (--draft-vocab)
+            draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
+            d_info = replace(d_info, dtype=f"{d_info.dtype} (head: {draft_model.n_kept} of "
+                                          f"{d_args.vocab_size} tokens)")
+        engine = _make_engine(target, draft_model, config, eos)
+        return cls(engine, tokenizer, t_info, d_info, config, plan)
 
     def variant(self, config: EngineConfig, use_draft: bool = True) -> "Runtime":
         """The same loaded models and tokenizer under another budget/builder, or without the draft."""
@@ -122,7 +218,8 @@ class Runtime:
                               f"got {config.device}/{config.dtype}")
         draft = self.engine.draft if use_draft else None
         engine = _make_engine(self.engine.target, draft, config, tuple(sorted(self.engine.eos_ids)))
-        return Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config)
+        return Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
+                       self.plan)
 
     @property
     def context(self) -> int:
@@ -148,6 +245,8 @@ class Runtime:
         of one are held back until they cannot; generation ends before the first stop string (excluded)."""
         limit = max_new_tokens or self.config.max_new_tokens
         self.check_prompt(prompt_ids, limit)
+        pager = getattr(self.engine.target, "pager", None)
+        self._stream_base = pager.counters() if pager is not None else {}
         stops = [s for s in stop if s]
         if not stops:
             yield from self.engine.generate(prompt_ids, limit, sampling)
@@ -169,8 +268,14 @@ class Runtime:
 
     def stats(self) -> dict:
         """Summary of the last generate_ids() call (see GenerationStats.summary)."""
-        budget = self.config.budget if self.engine.builder is not None else 0
-        return self.engine.stats.summary(budget, self.builder_name)
+        budget = (("auto" if self.config.auto_budget else self.config.budget)
+                  if self.engine.builder is not None else 0)
+        out = self.engine.stats.summary(budget, self.builder_name)
+        pager = getattr(self.engine.target, "pager", None)
+        if pager is not None:                 # offloaded target: what streaming cost during the last call
+            out.update(stream_summary(self._stream_base, pager.counters()))
+            out["offload"] = {"quant": self.plan.fmt, **self.plan.plan.summary()}
+        return out
 
 
 class Detokenizer:

@@ -49,7 +49,13 @@ class DraftState:
 
 class TreeBuilder(Protocol):
     """One way to grow a draft tree. `drafting` names how children are chosen ("deterministic" distinct
-    tokens, or "without_replacement" samples in draw order): it decides which verification rules are exact."""
+    tokens, or "without_replacement" samples in draw order): it decides which verification rules are exact.
+
+    Optional members, looked up by the engine only where needed:
+    - `draft_probs(tree, node) -> Tensor [V]`: the processed draft distribution a node's children were drawn
+      from (required for the rrs_wor rule, i.e. by "without_replacement" builders at T > 0);
+    - `observe_topk: int` (> 0 opts in), `bind(vocab_size, device)` and `observe_target(tree, topk [N+1, k])`:
+      builders that learn from the target's top-k at every verified node (Token Recycling)."""
 
     name: str
     drafting: str

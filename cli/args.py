@@ -1,0 +1,145 @@
+"""Command-line flags that several subcommands share (generate, chat, bench), defined once, and turning them
+into the frozen configs of specexec.config.
+
+Groups: model (--model --draft/--no-draft --allow-pickle), engine (--budget N|auto --max-budget --builder
+--device --dtype --max-new-tokens), sampling (--temperature --top-p --top-k --seed and the other SamplingParams fields),
+offload (--quant --draft-quant --offload --gpu-budget --ram-budget --cache-dir). `apply_catalog_defaults`
+fills what a models.yaml name implies (the recommended draft, budget and quantization) when the user left it
+out, and says so. `load_runtime` is the one place these commands load models (with a progress spinner on stderr).
+
+Does not know: what a value may be (specexec.config checks every one of them), how models load.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from rich.console import Console
+
+from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, OFFLOAD_CHOICES, QUANT_CHOICES, EngineConfig,
+                             OffloadConfig, SamplingParams, budget_options, check_draft_choice)
+from specexec.runtime import Runtime, builder_needs_draft
+
+# SamplingParams fields that get a flag here: name -> (type, metavar, help)
+SAMPLING_FLAGS = {
+    "temperature": (float, "T", "0 = greedy (default)"),
+    "top_p": (float, "P", "nucleus sampling mass (default 1)"),
+    "top_k": (int, "K", "sample among the K best (0 = all)"),
+    "min_p": (float, "P", "drop tokens below P x the best token's probability (default 0)"),
+    "repetition_penalty": (float, "R", "penalise tokens already in the context, per tree node (1 = off)"),
+    "seed": (int, "S", "random seed for sampling (generate --n: sample i uses S + i)"),
+}
+
+
+def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required, metavar="PATH|NAME",
+                   help="target checkpoint directory, a name from `specexec models`, or a cached Hub id")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--draft", metavar="PATH|NAME", help="draft checkpoint (same tokenizer as the target); "
+                       "default for a models.yaml target: its recommended draft")
+    draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read pickle (.bin) weights with torch.load(weights_only=True)")
+
+
+def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") -> None:
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help=f"at most N new tokens (default {max_new_default})")
+    p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens, or auto: picked per step from "
+                   "measured pass costs and acceptance (default 64, or the models.yaml entry's)")
+    p.add_argument("--max-budget", type=int, metavar="N", help="largest tree --budget auto tries (default 1024)")
+    p.add_argument("--builder", metavar="NAME", help=f"tree builder: {', '.join(BUILDERS)} (default specexec)")
+    p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    known = {f.name for f in fields(SamplingParams)}
+    for name, (kind, metavar, text) in SAMPLING_FLAGS.items():
+        if name in known:
+            p.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
+
+
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {' | '.join(QUANT_CHOICES)} (default auto, "
+                   "or the models.yaml entry's)")
+    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {' | '.join(DRAFT_QUANT_CHOICES)} "
+                   "(default none; the draft always stays resident)")
+    p.add_argument("--offload", metavar="TIER", help=f"where target layers live: {' | '.join(OFFLOAD_CHOICES)} "
+                   "(default auto: the planner decides from the budgets; none = all resident, ram = all streamed "
+                   "from (pinned) RAM, ssd = all streamed from the on-disk layer cache)")
+    p.add_argument("--gpu-budget", metavar="SIZE", help="GPU memory to use, e.g. 22GB (default: free minus a margin)")
+    p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 48GB (default: free minus a margin)")
+    p.add_argument("--cache-dir", metavar="DIR", help="root of the quantized layer cache (default $SPECEXEC_CACHE "
+                   "or ~/.cache/specexec)")
+
+
+def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True) -> None:
+    """Every shared group, in --help order: model, engine, sampling, offload."""
+    add_model_args(p, model_required)
+    add_engine_args(p, max_new_default)
+    add_sampling_args(p)
+    add_offload_args(p)
+
+
+def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
+    """EngineConfig from the engine flags; `defaults` fill flags the user left out."""
+    given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens")}
+    budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
+    return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the sampling flags (defaults for the ones left out)."""
+    given = {f.name: getattr(args, f.name, None) for f in fields(SamplingParams)}
+    return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+
+
+def offload_config(args: argparse.Namespace) -> OffloadConfig:
+    return OffloadConfig.from_flags(quant=getattr(args, "quant", None), offload=getattr(args, "offload", None),
+                                    draft_quant=getattr(args, "draft_quant", None),
+                                    gpu_budget=getattr(args, "gpu_budget", None),
+                                    ram_budget=getattr(args, "ram_budget", None),
+                                    cache_dir=getattr(args, "cache_dir", None))
+
+
+def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = None) -> None:
+    """--model NAME from models.yaml: use its recommended draft (unless --draft/--no-draft), default budget and
+    quantization (unless given). A directory path is never looked up."""
+    from specexec.models import find
+
+    entry = find(args.model)
+    if entry is None or entry.local_path() is None:       # not a name, or absent: loading says so in one line
+        return
+    notes = []
+    if not args.draft and not args.no_draft and entry.drafts:
+        args.draft = entry.drafts[0]
+        notes.append(f"draft {entry.drafts[0]}")
+    if getattr(args, "budget", None) is None and "budget" in vars(args):
+        args.budget = entry.budget
+        notes.append(f"budget {entry.budget}")
+    if getattr(args, "quant", None) is None and "quant" in vars(args) and entry.quant != "none":
+        args.quant = entry.quant
+        notes.append(f"quant {entry.quant}")
+    if notes and console is not None:
+        console.print(f"{entry.name}: using the models.yaml defaults: {', '.join(notes)}", style="dim",
+                      highlight=False)
+
+
+def check_draft(args: argparse.Namespace, config: EngineConfig) -> None:
+    check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
+
+
+def load_runtime(args: argparse.Namespace, config: EngineConfig, console: Console | None,
+                 offload: OffloadConfig | None = None) -> Runtime:
+    """Runtime.load with a transient spinner on `console` (None: silently); then the offload plan (or its
+    warnings) on `console`."""
+    draft = None if args.no_draft else args.draft
+    if console is None:
+        return Runtime.load(args.model, draft, config, args.allow_pickle, offload=offload)
+    with console.status("loading") as status:
+        runtime = Runtime.load(args.model, draft, config, args.allow_pickle, progress=lambda msg: status.update(msg),
+                               offload=offload)
+    notice = runtime.plan.notice() if runtime.plan is not None else ""
+    if notice:
+        console.print(notice, highlight=False, markup=False)
+    return runtime

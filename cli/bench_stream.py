@@ -1,0 +1,303 @@
+"""`specexec bench stream`: how fast decoder layers stream from each tier, and what one pass costs per tree size.
+
+No checkpoint is needed: decoder layers of a real architecture's shapes (Llama-3 70B / 8B / 1B) get random
+weights. A few DISTINCT layers are made (quantized layers are random codes with random block scales: the same
+bytes and kernels as real ones, without an hour of CPU quantization) and the N streamed layers cycle through
+them: the resident and RAM tiers hold the distinct layers once (aliased), while the SSD tier writes all N to a
+file, so every SSD read is a real read. The planner places the N layers from --offload and the budgets exactly
+as for a real model of N layers, and its plan is printed.
+
+For each tree size T in --tokens: the raw rate of the slowest tier used is measured first (tier_peak_gbps: the
+same reader on the same file in the same page-cache state, or a region -> slot copy for RAM), then one forward
+pass of T tokens through the N layers runs (no read-ahead carried over from the previous pass). Rows: tokens,
+seconds_per_pass, effective_gbps (bytes streamed / seconds_per_pass), tier_peak_gbps, ratio, stall_fraction
+(time compute waited for a layer / seconds_per_pass), tier. `--json` prints one line {"rows": [...], ...}.
+
+Does not know: tokens or trees (a pass is T random hidden rows with causal attention), checkpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from offload import quant, storage
+from offload.pager import LayerPager
+from offload.planner import Needs, Plan, PlanError, default_budgets, plan
+from offload.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read
+from specexec.config import ConfigError, ModelArgs, check_device, parse_size
+from specexec.loading import resolve_dtype
+from specexec.model import Block
+from specexec.offloaded import (ASSUMED, N_BOUNCE, N_SLOTS, OffloadedTransformer, activation_bytes,
+                                block_tensor_names)
+
+# Llama-3 shapes: hidden, intermediate, heads, kv heads, real layer count.
+ARCHS = {"70b": (8192, 28672, 64, 8, 80), "8b": (4096, 14336, 32, 8, 32), "1b": (2048, 8192, 32, 8, 16)}
+VOCAB = 256                      # the bench's embedding/head are tiny: only decoder layers are measured
+DEFAULT_TOKENS = {"cuda": "1,64,256,1024,4096", "cpu": "1,16,64"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("stream", help="weight streaming: seconds per pass by tree size, GB/s per tier",
+                       description="Stream random-weight decoder layers of a real architecture's shapes through the "
+                                   "pager and measure one pass per tree size against the tier's raw bandwidth.")
+    p.add_argument("--synthetic", required=True, choices=sorted(ARCHS), help="architecture shapes (Llama-3)")
+    p.add_argument("--quant", default="nf4", choices=quant.FORMATS, help="layer format (default nf4)")
+    p.add_argument("--offload", default="ssd", choices=("auto", "none", "ram", "ssd"),
+                   help="where the layers live (default ssd; auto = planned from the budgets)")
+    p.add_argument("--gpu-budget", metavar="SIZE", help="GPU memory for the plan (default: free minus a margin)")
+    p.add_argument("--ram-budget", metavar="SIZE", help="RAM for the plan (default: available minus a margin)")
+    p.add_argument("--tokens", metavar="LIST", help="tree sizes, comma-separated (default 1,64,256,1024,4096 on "
+                   "CUDA, 1,16,64 on CPU)")
+    p.add_argument("--layers", type=int, default=8, metavar="N", help="layers streamed per pass (default 8)")
+    p.add_argument("--distinct", type=int, default=2, metavar="D", help="distinct random layers (default 2)")
+    p.add_argument("--device", metavar="DEV", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", metavar="TYPE", help="compute dtype (default auto: bf16 on CUDA, "
+                   "fp32 on CPU)")
+    p.add_argument("--dir", metavar="DIR", help="where the SSD tier's file goes (default: a temporary directory, "
+                   "removed afterwards)")
+    p.add_argument("--json", action="store_true", help="print one JSON line with the rows")
+    return p
+
+
+def synthetic_args(name: str, n_layers: int) -> ModelArgs:
+    dim, inter, heads, kv, _ = ARCHS[name]
+    return ModelArgs(family="llama", vocab_size=VOCAB, dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=kv,
+                     head_dim=dim // heads, intermediate_size=inter, norm_eps=1e-5, rope_theta=500000.0,
+                     max_position_embeddings=131072)
+
+
+def parse_tokens(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"--tokens {text!r}: write tree sizes like 1,64,256") from None
+    if not values or any(v < 1 or v > 65536 for v in values):
+        raise ConfigError(f"--tokens {text!r}: give one or more sizes between 1 and 65536")
+    return values
+
+
+# ----------------------------------------------------------------------------------------- synthetic layers
+
+def layer_layout(args: ModelArgs, fmt: str, dtype: torch.dtype) -> storage.LayerLayout:
+    """The packed layout of one decoder layer of `args` in format fmt (from shapes alone)."""
+    names, linear = block_tensor_names(args)
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in Block(args).state_dict().items()}
+    specs, meta = quant.layer_specs({n: (dtype, shapes[n]) for n in names}, fmt, dtype, linear)
+    return storage.plan_layout(specs, meta)
+
+
+def random_layer(layout: storage.LayerLayout, fmt: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """uint8 [layout.nbytes]: random weights (std 0.02), unit norms, random 4/8-bit codes and block scales."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = {}
+    if fmt != "none":
+        codes = quant.quantize_weight(torch.randn(64, 64, generator=gen), fmt, dtype)[0]
+    tensors = {}
+    for e in layout.entries:
+        shape, dt = e.shape, getattr(torch, e.dtype)
+        if e.name.endswith(".code"):
+            tensors[e.name] = codes[".code"].to(dt)
+        elif e.name.endswith(".qdata"):
+            tensors[e.name] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        elif e.name.endswith(".absmax"):
+            tensors[e.name] = (0.01 + 0.04 * torch.rand(shape, generator=gen)).to(dt)
+        elif "norm" in e.name:
+            tensors[e.name] = torch.ones(shape, dtype=dt)
+        else:
+            tensors[e.name] = (0.02 * torch.randn(shape, generator=gen)).to(dt)
+    buf = host_buffer(layout.nbytes)
+    buf.zero_()
+    return storage.pack_into(buf, tensors, layout)
+
+
+class _Remapped:
+    """The SSD tier's reader: layer id -> its position in the bench's file of SSD layers."""
+
+    def __init__(self, file: PackedFile, ids: list[int]) -> None:
+        self.file, self.pos = file, {i: k for k, i in enumerate(ids)}
+
+    def nbytes(self, i: int) -> int:
+        return self.file.nbytes(self.pos[i])
+
+    def read_layer(self, i: int, out: torch.Tensor) -> None:
+        self.file.read_layer(self.pos[i], out)
+
+
+def _aliased(tier, ids: list[int], distinct: list[torch.Tensor]):
+    """Fill `tier`'s D distinct slices and serve layer i from slice i % D."""
+    base = [tier.buffers[k] for k in range(len(distinct))]
+    for dst, src in zip(base, distinct):
+        dst.copy_(src)
+    tier.buffers = {i: base[i % len(distinct)] for i in ids}
+    return tier
+
+
+# ----------------------------------------------------------------------------------------- the run
+
+def make_plan(ns: argparse.Namespace, args: ModelArgs, size: int, device: torch.device, dtype: torch.dtype,
+              max_tokens: int) -> Plan:
+    """The planner's placement of the N layers, as for a real model (activations of the largest pass only)."""
+    budgets = default_budgets(str(device))
+    gpu = parse_size(ns.gpu_budget, "--gpu-budget") if ns.gpu_budget else budgets.gpu
+    ram = parse_size(ns.ram_budget, "--ram-budget") if ns.ram_budget else budgets.ram
+    elem = torch.empty((), dtype=dtype).element_size()
+    fixed = (("activations", activation_bytes(args, max_tokens, max_tokens, elem, ns.quant)),)
+    needs = Needs((size,) * args.n_layers, fixed, N_SLOTS, N_BOUNCE)
+    try:
+        return plan(needs, device.type, ram, gpu if device.type == "cuda" or ns.gpu_budget else None, ns.offload,
+                    ASSUMED[device.type])
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+class StreamBench:
+    """The pager, model and probes of one `bench stream` run. close() removes the SSD file."""
+
+    def __init__(self, args: ModelArgs, the_plan: Plan, fmt: str, device: torch.device, dtype: torch.dtype,
+                 distinct: int, directory: str | None) -> None:
+        self.args, self.plan, self.device = args, the_plan, device
+        layout = layer_layout(args, fmt, dtype)
+        self.size = layout.nbytes
+        layers = [random_layer(layout, fmt, dtype, seed) for seed in range(min(distinct, args.n_layers))]
+        ids = {t: the_plan.layers_in(t) for t in ("resident", "ram", "ssd")}
+        self._tmp = tempfile.TemporaryDirectory(prefix="specexec-bench-", dir=directory) if ids["ssd"] else None
+        resident = _aliased(ResidentTier({k: self.size for k in range(len(layers))}, device), ids["resident"],
+                            layers) if ids["resident"] else None
+        self.ram = _aliased(RamTier({k: self.size for k in range(len(layers))}, device.type == "cuda"), ids["ram"],
+                            layers) if ids["ram"] else None
+        self.reader = self._write_file(ids["ssd"], layers) if ids["ssd"] else None
+        self.ids = ids
+        self.tier = "ssd" if ids["ssd"] else "ram" if ids["ram"] else "resident"
+        weights = {"embed_tokens.weight": 0.02 * torch.randn(VOCAB, args.dim), "norm.weight": torch.ones(args.dim),
+                   "lm_head.weight": 0.02 * torch.randn(VOCAB, args.dim)}
+        weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+
+        def factory(bind) -> LayerPager:
+            return LayerPager([self.size] * args.n_layers, device, resident, self.ram, self.reader, ids["ssd"],
+                              N_SLOTS, N_BOUNCE, bind)
+
+        self.model = OffloadedTransformer(args, weights, [layout] * args.n_layers, fmt, factory, prefetch=False)
+
+    def _write_file(self, ssd_ids: list[int], layers: list[torch.Tensor]) -> _Remapped:
+        """All SSD layers to one file (layer k = distinct k % D), then dropped from the page cache."""
+        need = self.size * len(ssd_ids)
+        free = shutil.disk_usage(self._tmp.name).free
+        if need + (256 << 20) > free:
+            raise ConfigError(f"the SSD tier's file needs {need / 1e9:.2f} GB in {self._tmp.name}, "
+                              f"{free / 1e9:.2f} GB free; lower --layers or pass --dir on a larger disk")
+        path = Path(self._tmp.name) / "layers.bin"
+        file = PackedFile.write(path, [layers[k % len(layers)] for k in range(len(ssd_ids))])
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):           # start from a cold page cache
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return _Remapped(file, ssd_ids)
+
+    def probe(self) -> float | None:
+        """Raw bytes/s of the slowest tier in use (None when everything is resident)."""
+        if self.tier == "ssd":
+            return probe_read(self.reader, self.ids["ssd"], host_buffer(self.size, pin=self.device.type == "cuda"))
+        if self.tier == "ram":
+            dst = torch.empty(self.size, dtype=torch.uint8, device=self.device)
+            return probe_copy([self.ram.buffer(i) for i in self.ids["ram"]], dst)
+        return None
+
+    def one_pass(self, tokens: int) -> dict:
+        """Time one forward of `tokens` rows; returns seconds, bytes streamed, stall seconds."""
+        x = torch.randint(0, VOCAB, (1, tokens), device=self.device)
+        pos = torch.arange(tokens, device=self.device)[None]
+        pager = self.model.pager
+        before = pager.counters()
+        self._sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.model(x, pos)
+        self._sync()
+        seconds = time.perf_counter() - t0
+        after = pager.counters()
+        return {"seconds": seconds, "bytes": after["bytes_streamed"] - before["bytes_streamed"],
+                "stall_s": after["stall_s"] - before["stall_s"]}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.model.close()
+        if self.reader is not None:
+            self.reader.file.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def measure(bench: StreamBench, token_list: list[int]) -> list[dict]:
+    """One row per tree size: the tier's raw rate just before, then one pass."""
+    bench.one_pass(1)                                   # warm-up: threads, allocator, kernels
+    rows = []
+    for tokens in token_list:
+        peak = bench.probe()
+        r = bench.one_pass(tokens)
+        eff = r["bytes"] / r["seconds"] / 1e9
+        rows.append({"tokens": tokens, "seconds_per_pass": round(r["seconds"], 4),
+                     "effective_gbps": round(eff, 3), "tier_peak_gbps": round(peak / 1e9, 3) if peak else None,
+                     "ratio": round(eff / (peak / 1e9), 3) if peak else None,
+                     "stall_fraction": round(min(r["stall_s"] / r["seconds"], 1.0), 3),
+                     "bytes_per_pass": int(r["bytes"]), "tier": bench.tier})
+    return rows
+
+
+def table(rows: list[dict], title: str):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in ("tokens", "s/pass", "effective GB/s", "tier peak GB/s", "ratio", "stall", "tier"):
+        t.add_column(col, justify="left" if col == "tier" else "right")
+    for r in rows:
+        peak = "–" if r["tier_peak_gbps"] is None else f"{r['tier_peak_gbps']:.2f}"
+        ratio = "–" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        t.add_row(str(r["tokens"]), f"{r['seconds_per_pass']:.3f}", f"{r['effective_gbps']:.2f}", peak, ratio,
+                  f"{100 * r['stall_fraction']:.0f}%", r["tier"])
+    return t
+
+
+def run(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    device_name = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device_name)
+    device = torch.device(device_name)
+    if ns.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {ns.dtype!r}: choose auto, float32, bfloat16 or float16")
+    if not 1 <= ns.layers <= 1024 or not 1 <= ns.distinct <= 64:
+        raise ConfigError(f"--layers must be in [1, 1024] and --distinct in [1, 64]; got {ns.layers}, {ns.distinct}")
+    dtype = resolve_dtype(ns.dtype, device)
+    token_list = parse_tokens(ns.tokens or DEFAULT_TOKENS[device.type])
+    args = synthetic_args(ns.synthetic, ns.layers)
+    size = layer_layout(args, ns.quant, dtype).nbytes
+    the_plan = make_plan(ns, args, size, device, dtype, max(token_list))
+    console = Console(stderr=True, soft_wrap=True)
+    console.print(f"{ns.synthetic} layers ({ns.quant}, {size / 1e6:.1f} MB each), {ns.layers} per pass, "
+                  f"{min(ns.distinct, ns.layers)} distinct · {device} {str(dtype).removeprefix('torch.')}\n"
+                  + the_plan.describe(), highlight=False)
+    bench = StreamBench(args, the_plan, ns.quant, device, dtype, ns.distinct, ns.dir)
+    try:
+        rows = measure(bench, token_list)
+    finally:
+        bench.close()
+    if ns.json:
+        out = {"arch": ns.synthetic, "quant": ns.quant, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+               "layers": ns.layers, "layer_bytes": size, "plan": the_plan.summary(), "rows": rows}
+        print(json.dumps(out, separators=(",", ":")), flush=True)
+    else:
+        Console().print(table(rows, f"bench stream · {ns.synthetic} · {ns.quant} · {bench.tier} tier"))
+    return 0

@@ -1,0 +1,58 @@
+"""`specexec convert`: quantize a checkpoint's decoder layers into the on-disk layer cache, explicitly.
+
+What `generate --quant ...` would otherwise do on its first offloaded run: read the checkpoint layer by layer,
+quantize, pack, and write the cache (offload.cache) with a progress bar on stderr; then print where it went and
+its size on stdout. --out is the cache ROOT (as $SPECEXEC_CACHE): the cache lands in a subdirectory named for
+the checkpoint and options, the one later runs with the same root find by themselves.
+
+Does not know: how a cache is laid out or validated (offload.cache), which tensors a layer has
+(specexec.offloaded.layer_names, the same naming the runtime uses, so both find the same cache).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from offload.cache import LayerCache, default_cache_root, human_bytes
+from offload.quant import FORMATS
+from specexec.config import DTYPES, check_device
+from specexec.loading import read_args, resolve_dtype, resolve_model_path
+from specexec.offloaded import layer_names
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("convert", help="quantize a checkpoint's layers into the on-disk layer cache",
+                       description="Quantize the decoder layers of a checkpoint once and write them, packed, to the "
+                                   "layer cache that offloaded runs stream from.")
+    p.add_argument("--model", required=True, metavar="PATH", help="checkpoint directory (or a cached Hub id)")
+    p.add_argument("--quant", required=True, choices=FORMATS, help="quantization format of the linear weights")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="dtype the layers compute in (default auto: bf16 for --device cuda, float32 for cpu)")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="the device the cache is meant for: decides --dtype auto, and cuda also quantizes on the "
+                        "GPU, which is much faster (default cpu)")
+    p.add_argument("--double-quant", action="store_true", help="also quantize the NF4/FP4 block scales")
+    p.add_argument("--out", metavar="DIR", help="cache root directory (default $SPECEXEC_CACHE, else "
+                                                "$XDG_CACHE_HOME/specexec, else ~/.cache/specexec)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    check_device(args.device)
+    path = resolve_model_path(args.model)
+    model_args = read_args(path)
+    dtype = resolve_dtype(args.dtype, torch.device(args.device))
+    root = Path(args.out).expanduser() if args.out else default_cache_root()
+    t0 = time.perf_counter()
+    cache = LayerCache.open_or_build(path, layer_names(path, model_args), args.quant, dtype, cache_root=root,
+                                     double_quant=args.double_quant, progress=not args.no_progress,
+                                     quantize_device=args.device if args.device.startswith("cuda") else None)
+    with cache:
+        what = "built" if cache.built else "already up to date"
+        print(f"{cache.path} ({what}): {cache.n_layers} layers, {args.quant}, {cache.dtype}, "
+              f"{human_bytes(cache.total_nbytes)} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0

@@ -1,0 +1,132 @@
+"""`specexec serve`: an OpenAI-compatible HTTP server over one loaded target (+ draft).
+
+Takes the model, engine, sampling and offload flags that `specexec chat` takes (cli/args.py); the sampling
+flags are the defaults for requests that leave a field out, --max-new-tokens the default max_tokens. Binds
+--host (default 127.0.0.1: loopback only) and --port (0 picks a free one) BEFORE loading the models, so a busy
+port fails at once, then prints `serving MODEL on http://HOST:PORT/v1` to stderr and serves until Ctrl-C or
+SIGTERM. --api-key (or $SPECEXEC_API_KEY) makes every route but /health want `Authorization: Bearer KEY`.
+
+The HTTP stack (starlette + uvicorn) is the optional `serve` extra, imported only here and only when serving:
+without it the command says `pip install 'specexec[serve]'`.
+
+Does not know: routes and request semantics (cli/serve_app.py, specexec/openai_api.py), generation.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from cli import args as common
+from specexec.config import ConfigError, check_integer
+
+DEFAULT_MAX_TOKENS = 512
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions, streaming)",
+                       description="Serve the target model (drafting with --draft) over the OpenAI HTTP API: "
+                                   "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
+                                   "One generation at a time; requests queue in arrival order.")
+    common.add_common_args(p, max_new_default=f"{DEFAULT_MAX_TOKENS}: max_tokens of requests that name none")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", metavar="ADDR",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default 8000; 0 = any free port)")
+    g.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (default "
+                   "$SPECEXEC_API_KEY; none: no key)")
+    g.add_argument("--served-model-name", metavar="NAME", help="model id in /v1/models and responses "
+                   "(default: the --model name or directory name)")
+    g.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for the engine before new ones get 429 (default 64)")
+    return p
+
+
+def require_serve_deps() -> None:
+    """ConfigError naming the extra to install when starlette or uvicorn is missing."""
+    missing = []
+    for module in ("starlette", "uvicorn", "anyio"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ConfigError(f"`specexec serve` needs {', '.join(missing)}, which are not installed: "
+                          "pip install 'specexec[serve]'")
+
+
+def model_id(model: str, served_name: str | None) -> str:
+    """The id clients see: --served-model-name, else a directory's name, else the --model string."""
+    if served_name:
+        return served_name
+    path = Path(model)
+    return path.resolve().name if path.is_dir() else model
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6); ConfigError when it cannot be had."""
+    check_integer("--port", port, 0, 65535)
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def run(args: argparse.Namespace) -> int:
+    require_serve_deps()
+    console = Console(stderr=True, soft_wrap=True)
+    check_integer("--max-queue", args.max_queue, 1, 100_000)
+    api_key = args.api_key or os.environ.get("SPECEXEC_API_KEY") or None
+    common.apply_catalog_defaults(args, console)
+    config = common.engine_config(args, max_new_tokens=DEFAULT_MAX_TOKENS)
+    sampling = common.sampling_params(args)
+    offload = common.offload_config(args)
+    common.check_draft(args, config)
+    sock = listen(args.host, args.port)
+    if not is_loopback(args.host) and api_key is None:
+        console.print(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine "
+                      "can use the model", style="yellow", highlight=False)
+    runtime = common.load_runtime(args, config, console if sys.stderr.isatty() else None, offload)
+    return serve(runtime, sock, model_id(args.model, args.served_model_name), sampling, api_key, args.max_queue,
+                 console)
+
+
+def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None, max_queue: int,
+          console: Console) -> int:
+    """Run the app on `sock` until Ctrl-C / SIGTERM."""
+    import uvicorn
+
+    from cli.generate import print_load_summary
+    from cli.serve_app import ServeSettings, build_app
+    from specexec.openai_api import ServerDefaults
+
+    print_load_summary(console, runtime)
+    defaults = ServerDefaults(name, sampling, runtime.config.max_new_tokens)
+    app = build_app(runtime, defaults, ServeSettings(api_key=api_key, max_queue=max_queue))
+    console.print(f"serving {name} on {url_of(sock)}/v1 (Ctrl-C stops)", highlight=False)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,65 @@
+"""Chain builder: classic speculative decoding, one sequence of k = budget draft tokens.
+
+Leviathan et al., ICML'23 (arXiv 2211.17192); Chen et al. (arXiv 2302.01318). Each draft pass extends the
+chain by one token: its argmax at temperature 0, else a sample from the processed draft distribution q. A
+sampled chain is a tree with one child per node drawn from q, i.e. a without-replacement sample of size 1, so
+V5 (rrs_wor, ALGORITHMS.md §0.3) is exactly ordinary speculative sampling (accept with min(1, p/q), else draw
+from norm(max(p - q, 0))). `draft_probs` hands the verifier the q each token was drawn from.
+
+`min_path_prob` (default 0: off) stops the chain once the draft's probability of the whole chain falls below
+it; the decision looks only at tokens already drawn, so exactness is unaffected.
+
+Does not know: the target model, verification, the draft's internals (layered.Passes runs it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..config import SamplingParams
+from ..tree import TokenTree
+from .layered import Growth, QStore, draft_passes, pick_children
+
+
+@dataclass
+class ChainBuilder:
+    min_path_prob: float = 0.0
+    name: str = "chain"
+    drafting: str = "without_replacement"
+    needs_draft: bool = True
+    _q: QStore = field(default_factory=QStore, repr=False)
+
+    def build(self, draft, root_token: int, budget: int, sampling: SamplingParams,
+              rng: torch.Generator | None = None) -> TokenTree:
+        """A chain of up to `budget` draft tokens under `root_token` (budget draft passes at most)."""
+        passes = draft_passes(draft, self.kv_slots(budget), sampling)
+        logq = passes.root(root_token)
+        self._q.reset(logq, keep=not sampling.greedy)
+        self._q.set_base(passes)
+        g = Growth.start(root_token, logq.device)
+        stop = math.log(self.min_path_prob) if self.min_path_prob > 0 else -math.inf
+        last = 0
+        for depth in range(1, budget + 1):
+            _, _, tok, lp = pick_children(logq, 1, not sampling.greedy, rng)
+            if tok.numel() == 0:
+                break
+            node = g.add(tok, torch.tensor([last], device=tok.device), g.scores[last:last + 1] + lp)
+            last = g.n - 1
+            if depth == budget or (stop > -math.inf and float(g.scores[last]) < stop):
+                break
+            logq = g.expand(passes, node)
+            self._q.add(logq)
+        return g.tree(passes)
+
+    def draft_probs(self, tree: TokenTree, node: int) -> Tensor:
+        """Processed draft probabilities [V] at `node` of the last chain built."""
+        return self._q.probs(tree, node)
+
+    def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
+        """Classic speculative decoding learns nothing from the target."""
+
+    def kv_slots(self, budget: int) -> int:
+        return budget + 1

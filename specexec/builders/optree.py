@@ -1,0 +1,78 @@
+"""OPT-Tree builder: grow the tree that maximises the expected acceptance length under the node budget.
+
+Wang et al., "OPT-Tree" (TACL'25, arXiv 2406.17276); ALGORITHMS.md §4. With the draft probability as the
+acceptance estimate, E(A) = sum over nodes of the product of draft probabilities on the path, and for a fixed
+candidate set the top-n nodes by path weight maximise it exactly.
+1. Layer 1 = the root's top-w tokens (w = min(n, max_branch)); weight = draft probability.
+2. Each next layer: the previous layer's nodes that can still matter (weight above the n-th best overall: a
+   child never outweighs its parent) are fed to the draft in one pass; each gets its top-w children (weight =
+   parent weight x probability); the layer keeps the best n of them.
+3. E_t = the sum of the n best weights over all layers so far; stop when E_t - E_{t-1} <= threshold (the
+   paper's delta, 0.5 by default: a draft pass must buy at least that many expected tokens), or at max_depth.
+4. The tree is the best n nodes over all layers (ancestor-closed: weights never increase along a path).
+
+max_branch caps the children per node (the paper uses n): with n = 1024 that is 1024 x 1024 candidates per
+layer, nearly all of them too improbable to matter. Log-weights are kept (deep trees underflow raw products).
+Children are distinct top-w tokens, so the tree is "deterministic" (greedy / sample-and-match / rrs exact).
+
+Does not know: the target, verification, the draft's internals (layered.Passes runs it, reusing its cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SamplingParams
+from ..tree import TokenTree
+from .layered import Growth, best_nodes, draft_passes, kth_best, pick_children
+
+
+@dataclass
+class OptTreeBuilder:
+    threshold: float = 0.5          # delta: the least gain in expected accepted tokens worth another layer
+    max_depth: int = 10
+    max_branch: int = 32
+    name: str = "optree"
+    drafting: str = "deterministic"
+    needs_draft: bool = True
+
+    def build(self, draft, root_token: int, budget: int, sampling: SamplingParams,
+              rng: torch.Generator | None = None) -> TokenTree:
+        """At most max_depth draft passes (the root's included); one host sync per pass."""
+        passes = draft_passes(draft, self.kv_slots(budget), sampling)
+        logq = passes.root(root_token)
+        g = Growth.start(root_token, logq.device)
+        layer = torch.zeros(1, dtype=torch.long, device=logq.device)
+        gain_before = 0.0
+        for depth in range(1, self.max_depth + 1):
+            layer = self._add_layer(g, layer, logq, budget)
+            theta = kth_best(g.scores, budget)
+            gain = torch.sort(g.scores[1:], descending=True).values[:budget].exp().sum()
+            alive = g.scores[layer] > theta
+            host = torch.cat([gain.reshape(1), alive.float()]).tolist()        # the one host sync per pass
+            if depth == self.max_depth or host[0] - gain_before <= self.threshold:
+                break
+            gain_before = host[0]
+            frontier = layer[torch.tensor(host[1:], device=layer.device) > 0]
+            room = min(int(sum(host[1:])), passes.capacity - passes.n_proc)
+            if room <= 0:
+                break
+            if room < frontier.numel():                     # out of draft slots: the best nodes first
+                frontier = torch.sort(frontier[g.scores[frontier].topk(room).indices]).values
+            logq, layer = g.expand(passes, frontier), frontier
+        return g.tree(passes, best_nodes(g, budget))
+
+    def _add_layer(self, g: Growth, parents: torch.Tensor, logq: torch.Tensor, budget: int) -> torch.Tensor:
+        """Top-w children of each of `parents` [b] (draft log-probs logq [b, V]); keep the best `budget`."""
+        w = min(budget, self.max_branch)
+        rows, _, tok, lp = pick_children(logq, w, False, None, keep_all=True)
+        scores = g.scores[parents[rows]] + lp
+        best = torch.sort(torch.topk(scores, min(budget, scores.numel())).indices).values   # keep proposal order
+        return g.add(tok[best], parents[rows[best]], scores[best])
+
+    def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
+        """OPT-Tree learns nothing from the target."""
+
+    def kv_slots(self, budget: int) -> int:
+        return 2 * budget + 1

@@ -1,0 +1,204 @@
+"""Static builder (Sequoia): the tree shape comes from a dynamic program over a positional acceptance vector;
+the draft only fills in the tokens.
+
+Chen et al., "Sequoia" (arXiv 2402.12374); ALGORITHMS.md §6. The acceptance vector p_k is the probability
+that the k-th child (in sampling order) of an accepted node is the one the target accepts. Under that model a
+node's value is the product of p over the child ranks on its path, E[tokens/step] = sum of values, and
+`tree_shape` finds the shape of at most `budget` nodes and depth <= max_depth that maximises it (depth-bounded
+DP, O(D * K * N^2) once per (budget, depth, vector), vectorised max-plus convolutions, cached).
+
+Drafting, one draft pass per level over the nodes the shape expands: temperature 0 takes each node's top-b
+tokens; temperature > 0 draws b children without replacement (Gumbel-top-b of the processed q, draw order),
+so the builder declares "without_replacement" and V5 (rrs_wor) with `draft_probs` is exact (Sequoia Alg. 2).
+Fewer children appear where q has fewer than b tokens with mass.
+
+The acceptance vector: DEFAULT_ACCEPTANCE (a plausible profile for a same-family pair), or a measured one
+from a JSON file (`load_acceptance`; written by `save_acceptance`, e.g. by a future `specexec bench accept`).
+
+Does not know: the target, verification, how the acceptance vector was measured.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..config import ConfigError, SamplingParams
+from ..tree import TokenTree
+from .layered import Growth, QStore, draft_passes, pick_children
+
+DEFAULT_ACCEPTANCE = (0.60, 0.12, 0.05, 0.03, 0.02, 0.014, 0.01, 0.008,
+                      0.006, 0.005, 0.004, 0.003, 0.0025, 0.002, 0.0015, 0.001)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A tree shape in BFS order: parents[i] < i (root -1), count[i] children of node i, which are nodes
+    first[i] .. first[i] + count[i] - 1 (child rank = position); log_value[i] = log prod p over the path."""
+
+    parents: tuple[int, ...]
+    count: tuple[int, ...]
+    first: tuple[int, ...]
+    depths: tuple[int, ...]
+    log_value: tuple[float, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.parents) - 1
+
+    @classmethod
+    def from_parents(cls, parents: list[int], log_value: list[float] | None = None) -> "Shape":
+        """From BFS-ordered parents (every node's children contiguous, parents[0] = -1)."""
+        count, first, depths = [0] * len(parents), [len(parents)] * len(parents), [0] * len(parents)
+        for i, p in enumerate(parents[1:], start=1):
+            count[p] += 1
+            first[p] = min(first[p], i)
+            depths[i] = depths[p] + 1
+        values = log_value if log_value is not None else [0.0] * len(parents)
+        return cls(tuple(parents), tuple(count), tuple(first), tuple(depths), tuple(values))
+
+    def expected_tokens(self) -> float:
+        return sum(math.exp(v) for v in self.log_value)
+
+
+def _maxplus(g: Tensor, f: Tensor, ymax: int) -> tuple[Tensor, Tensor]:
+    """h[s] = max(g[s], max_{1<=y<=min(s, ymax)} g[s-y] + f[y]) and the maximising y (0 = g[s]); g, f [S].
+    The [S, ymax + 1] candidate matrix is a strided (Toeplitz) view of g padded with -inf: no gather."""
+    S = g.numel()
+    padded = torch.cat([g.new_full((ymax,), -math.inf), g])            # padded[ymax + j] = g[j]
+    cand = padded.as_strided((S, ymax + 1), (1, 1)) + f[:ymax + 1].flip(0)[None, :]   # [s, t]: y = ymax - t
+    cand[:, ymax] = g
+    best, t = cand.max(dim=1)
+    return best, ymax - t
+
+
+def _dp(n: int, depth: int, acc: tuple[float, ...]) -> tuple[Tensor, Tensor]:
+    """F [depth+1, n+2]: best value of a subtree of m nodes (root included) and depth <= l; choice
+    [depth+1, K+1, n+1]: the subtree size given to child b at remaining size s (0 = no child b). Sizes of
+    children's subtrees never increase with rank in some optimal tree (swap them: p_b <= p_{b-1}), so rank b
+    only tries sizes up to n / b: O(D * N^2 * ln K) instead of O(D * N^2 * K)."""
+    K, S = len(acc), n + 1
+    F = torch.full((depth + 1, n + 2), -math.inf, dtype=torch.float32)
+    F[:, 1] = 1.0
+    choice = torch.zeros(depth + 1, K + 1, S, dtype=torch.long)
+    for l in range(1, depth + 1):
+        g = torch.full((S,), -math.inf, dtype=torch.float32)
+        g[0] = 0.0
+        for b in range(1, K + 1):          # child b's subtree has at most n / b nodes in some optimal tree
+            g, choice[l, b] = _maxplus(g, acc[b - 1] * F[l - 1, :S], max(1, n // b))
+        F[l, 1:] = 1.0 + g
+    return F, choice
+
+
+@functools.lru_cache(maxsize=64)
+def tree_shape(budget: int, max_depth: int, acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE) -> Shape:
+    """The shape of at most `budget` non-root nodes and depth <= max_depth maximising sum of node values."""
+    acc = tuple(a for a in acceptance if a > 0)[: max(budget, 1)]
+    if budget < 1 or max_depth < 1 or not acc:
+        return Shape((-1,), (0,), (1,), (0,), (0.0,))
+    F, choice = _dp(budget, max_depth, acc)
+    m = int(torch.argmax(F[max_depth, 1:budget + 2])) + 1             # best total size (root included)
+    parents, logv = [-1], [0.0]
+    queue = [(0, max_depth, m)]
+    for node, l, size in queue:                                       # BFS: children are appended in order
+        s, kids = size - 1, []
+        for b in range(len(acc), 0, -1):
+            y = int(choice[l, b, s]) if l > 0 else 0
+            if y > 0:
+                kids.append(y)
+                s -= y
+        for rank, y in enumerate(reversed(kids)):
+            queue.append((len(parents), l - 1, y))
+            parents.append(node)
+            logv.append(logv[node] + math.log(acc[rank]))
+    return Shape.from_parents(parents, logv)
+
+
+def load_acceptance(path: str | Path) -> tuple[float, ...]:
+    """A measured acceptance vector from JSON: a list, or an object with an "acceptance" list."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the acceptance vector {path}: {e}") from None
+    vec = data.get("acceptance") if isinstance(data, dict) else data
+    if (not isinstance(vec, list) or not vec or any(not isinstance(a, (int, float)) or not 0 <= a <= 1 for a in vec)
+            or sum(vec) > 1.0 + 1e-6):
+        raise ConfigError(f"{path}: the acceptance vector must be a non-empty list of probabilities summing to "
+                          f"at most 1, got {vec!r}")
+    return tuple(float(a) for a in vec)
+
+
+def save_acceptance(path: str | Path, acceptance: list[float], **meta: object) -> None:
+    """Write a measured acceptance vector (plus free-form metadata: pair, temperature, prompts) as JSON."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"acceptance": list(acceptance), **meta}, indent=1), encoding="utf-8")
+
+
+@dataclass
+class StaticBuilder:
+    acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
+    acceptance_file: str | None = None
+    max_depth: int = 16
+    name: str = "static"
+    drafting: str = "without_replacement"
+    needs_draft: bool = True
+    _q: QStore = field(default_factory=QStore, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.acceptance_file is not None:
+            self.acceptance = load_acceptance(self.acceptance_file)
+
+    def build(self, draft, root_token: int, budget: int, sampling: SamplingParams,
+              rng: torch.Generator | None = None) -> TokenTree:
+        """Fill the DP shape for `budget` level by level (one draft pass per level)."""
+        shape = self.shape_for(budget)
+        passes = draft_passes(draft, self.kv_slots(budget), sampling)
+        logq = passes.root(root_token)
+        self._q.reset(logq, keep=not sampling.greedy)
+        self._q.set_base(passes)
+        g = Growth.start(root_token, logq.device)
+        where = {0: 0}                                   # shape node -> growth node (absent: not drafted)
+        level = [0]
+        while True:
+            parents = [s for s in level if shape.count[s] > 0]
+            if not parents:
+                break
+            gp = torch.tensor([where[s] for s in parents], device=logq.device)
+            if parents != [0]:
+                logq = g.expand(passes, gp)
+                self._q.add(logq)
+            level = self._add_level(g, shape, parents, gp, where, logq, sampling, rng)
+        return g.tree(passes)
+
+    def shape_for(self, budget: int) -> Shape:
+        return tree_shape(budget, self.max_depth, tuple(self.acceptance))
+
+    def _add_level(self, g: Growth, shape: Shape, parents: list[int], gp: Tensor, where: dict[int, int],
+                   logq: Tensor, sampling: SamplingParams, rng: torch.Generator | None) -> list[int]:
+        """Children of the shape nodes `parents` (growth nodes gp [b], draft log-probs logq [b, V])."""
+        counts = [shape.count[s] for s in parents]
+        rows, ranks, tok, lp = pick_children(logq, torch.tensor(counts, device=logq.device), not sampling.greedy,
+                                             rng, max_count=max(counts))
+        new = g.add(tok, gp[rows], g.scores[gp[rows]] + lp)
+        level = []
+        rows_ranks = torch.stack([rows, ranks]).tolist()
+        for i, (r, k) in enumerate(zip(*rows_ranks)):
+            child = shape.first[parents[r]] + k
+            where[child] = g.n - new.numel() + i
+            level.append(child)
+        return level
+
+    def draft_probs(self, tree: TokenTree, node: int) -> Tensor:
+        """Processed draft probabilities [V] at `node` of the last tree built."""
+        return self._q.probs(tree, node)
+
+    def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
+        """The shape is fixed; acceptance statistics are measured offline."""
+
+    def kv_slots(self, budget: int) -> int:
+        return budget + 1

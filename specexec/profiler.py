@@ -1,0 +1,304 @@
+"""Profiler: named spans, counters and per-step records of one generation; a table for people and one JSON
+line for scripts.
+
+A span times one region: on CUDA with a pair of CUDA events recorded on the current stream (no host sync is
+added; the elapsed time is read when someone asks for it), on the CPU with time.perf_counter. Counters add up
+numbers (prompt tokens, generated tokens). Sources are callables that return cumulative counters (an offload
+pager's bytes streamed, copy and stall seconds); every step records how much they grew during that step, so
+the pager only has to keep running totals. `begin()` starts a new generation: spans, counters and steps are
+cleared and the clock for time-to-first-token starts.
+
+Also here: `PeakMemory`, which samples the process RSS on a thread and reads torch's CUDA peak, for benchmarks.
+
+Does not know: models, trees or the decoding loop (the engine says what a step was), where streamed bytes come
+from (a source reports them), terminals (`table()` returns a rich renderable for the caller to print).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+Source = Callable[[], Mapping[str, float]]
+STREAM_KEYS = ("bytes_streamed", "copy_s", "stall_s")     # the cumulative counters a stream source reports
+
+
+class Span:
+    """One timed region. Created by Profiler.start(); stop() ends it; seconds reads the elapsed time."""
+
+    __slots__ = ("name", "_events", "_t0", "_t1")
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self._events: tuple[Any, Any] | None = None
+        self._t1: float | None = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> "Span":
+        if self._events is not None:
+            self._events[1].record()
+        self._t1 = time.perf_counter()
+        return self
+
+    @property
+    def done(self) -> bool:
+        return self._t1 is not None
+
+    @property
+    def seconds(self) -> float:
+        """Elapsed seconds (CUDA: GPU time between the two events, waiting for the second one)."""
+        if self._t1 is None:
+            raise RuntimeError(f"span {self.name!r} was not stopped")
+        if self._events is None:
+            return self._t1 - self._t0
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1000.0
+
+    def __enter__(self) -> "Span":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._t1 is None:
+            self.stop()
+
+
+@dataclass(frozen=True)
+class StepStat:
+    """One decoding step: the tree the target verified and what it cost."""
+
+    tree_size: int           # non-root nodes the target verified
+    depth: int
+    accepted: int            # tokens the step produced (accepted path + bonus), before stop/limit trimming
+    draft_ms: float
+    target_ms: float
+    bytes_streamed: int | None = None    # weight bytes a stream source moved during the step (offloaded target)
+    stall_ms: float | None = None        # compute waiting for weights during the step
+
+
+class Profiler:
+    """Spans, counters and steps of the current generation (since begin())."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._sources: list[Source] = []
+        self.gauges: dict[str, float] = {}      # values that are not summed (e.g. the link's measured peak GB/s)
+        self.begin()
+
+    def begin(self) -> None:
+        """Start a new generation: clear spans, counters and steps; restart the clock."""
+        self.spans: list[Span] = []
+        self.counters: dict[str, float] = {}
+        self.steps: list[StepStat] = []
+        self._t0 = time.perf_counter()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._base = self._poll()
+        self._step_base = dict(self._base)
+
+    # ------------------------------------------------------------------ feeding
+    def start(self, name: str) -> Span:
+        """A running span named `name`; call .stop() on it (or use it as a context manager)."""
+        span = Span(name, self.device)
+        self.spans.append(span)
+        return span
+
+    def span(self, name: str) -> Span:
+        """Context-manager form: `with profiler.span("draft"): ...`."""
+        return self.start(name)
+
+    def count(self, **values: float) -> None:
+        """Add to named counters: count(prompt_tokens=12, generated=3)."""
+        for name, value in values.items():
+            self.counters[name] = self.counters.get(name, 0) + value
+
+    def watch(self, source: Source) -> None:
+        """Register a callable returning cumulative counters (see STREAM_KEYS); polled at each step."""
+        self._sources.append(source)
+        for k, v in source().items():
+            self._base[k] = self._base.get(k, 0) + float(v)
+            self._step_base[k] = self._step_base.get(k, 0) + float(v)
+
+    def first_token(self) -> None:
+        """Mark the moment the first new token is ready (the engine's first step does this itself)."""
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+        self._last = now
+
+    def step(self, tree_size: int, depth: int, accepted: int, draft_s: float, target_s: float) -> StepStat:
+        """Record one decoding step; stream sources' growth since the previous step is attributed to it."""
+        self.first_token()
+        now = self._poll()
+        delta = {k: v - self._step_base.get(k, 0) for k, v in now.items()}
+        self._step_base = now
+        stall = delta.get("stall_s")
+        rec = StepStat(tree_size, depth, accepted, 1000 * draft_s, 1000 * target_s,
+                       int(delta["bytes_streamed"]) if "bytes_streamed" in delta else None,
+                       1000 * stall if stall is not None else None)
+        self.steps.append(rec)
+        return rec
+
+    def _poll(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for source in self._sources:
+            for k, v in source().items():
+                out[k] = out.get(k, 0) + float(v)
+        return out
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from begin() to the first token (None before the first step)."""
+        return None if self._first is None else self._first - self._t0
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds from begin() to the last token (or to now, before any)."""
+        return (self._last if self._last is not None else time.perf_counter()) - self._t0
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        """Span name -> {"calls", "ms"} over the finished spans of this generation."""
+        out: dict[str, dict[str, float]] = {}
+        for span in self.spans:
+            if span.done:
+                t = out.setdefault(span.name, {"calls": 0, "ms": 0.0})
+                t["calls"] += 1
+                t["ms"] += 1000 * span.seconds
+        return {k: {"calls": v["calls"], "ms": round(v["ms"], 3)} for k, v in out.items()}
+
+    def streamed(self) -> dict[str, float]:
+        """Growth of the stream sources since begin() (empty without sources)."""
+        now = self._poll()
+        return {k: v - self._base.get(k, 0) for k, v in now.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """Everything about this generation as plain numbers (see summarize())."""
+        return summarize(self.totals(), self.counters, self.steps, self.streamed(), self.gauges,
+                         self.ttft_s, self.wall_s)
+
+    def json_line(self, steps: bool = False) -> str:
+        """summary() as one compact JSON line; steps=True adds the per-step records."""
+        obj = self.summary()
+        if steps:
+            obj["step_records"] = [asdict(s) for s in self.steps]
+        return json.dumps(obj, separators=(",", ":"))
+
+    def table(self, title: str = "profile"):
+        """A rich Table of the phases (prefill, draft, target, streaming) for people."""
+        return summary_table(self.summary(), title)
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def _per(total: float, n: float) -> float | None:
+    return total / n if n else None
+
+
+def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, float], steps: list[StepStat],
+              streamed: Mapping[str, float], gauges: Mapping[str, float], ttft_s: float | None,
+              wall_s: float) -> dict[str, Any]:
+    """The profile as one flat dict: token counts, rates, per-step averages, streaming totals and spans.
+    decode_s is the wall time after prefill (what a user waits for once the prompt is in)."""
+    n = len(steps)
+    prefill_s = totals.get("prefill", {}).get("ms", 0.0) / 1000
+    generated = int(counters.get("generated", sum(s.accepted for s in steps)))
+    prompt = int(counters.get("prompt_tokens", 0))
+    decode_s = max(wall_s - prefill_s, 0.0) if n else 0.0
+    target_s = sum(s.target_ms for s in steps) / 1000
+    nbytes = streamed.get("bytes_streamed")
+    return {
+        "prompt_tokens": prompt, "reused_tokens": int(counters.get("reused_tokens", 0)),
+        "generated": generated, "steps": n, "tokens_per_step": _r(_per(generated, n)),
+        "prefill_s": _r(prefill_s, 4), "prefill_tok_s": _r(_per(prompt, prefill_s), 2),
+        "decode_s": _r(decode_s, 4), "decode_tok_s": _r(_per(generated, decode_s), 2),
+        "ttft_s": _r(ttft_s, 4), "wall_s": _r(wall_s, 4),
+        "draft_ms": _r(_per(sum(s.draft_ms for s in steps), n), 3),
+        "target_ms": _r(_per(sum(s.target_ms for s in steps), n), 3),
+        "tree_size": _r(_per(sum(s.tree_size for s in steps), n), 1),
+        "depth": _r(_per(sum(s.depth for s in steps), n), 2),
+        "bytes_streamed": int(nbytes) if nbytes is not None else None,
+        "streamed_gb": _r(nbytes / 1e9, 6) if nbytes is not None else None,
+        "effective_gb_s": _r(_per(nbytes / 1e9, target_s), 3) if nbytes is not None else None,
+        "link_peak_gb_s": _r(gauges.get("link_peak_gb_s"), 3),
+        "stall_ms": _r(1000 * streamed["stall_s"], 2) if "stall_s" in streamed else None,
+        "spans": dict(totals),
+        "counters": {k: v for k, v in counters.items()},
+    }
+
+
+def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
+    return "–" if x is None else f"{x:,.{nd}f}{unit}"
+
+
+def summary_table(s: Mapping[str, Any], title: str = "profile"):
+    """A rich Table of one summary(): one row per phase, then the end-to-end rates."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("phase", "calls", "total ms", "ms/call", "notes"):
+        table.add_column(col, justify="left" if col in ("phase", "notes") else "right")
+    spans = s.get("spans", {})
+    notes = {
+        "prefill": f"{s['prompt_tokens']} tokens prefilled, {s['reused_tokens']} reused · "
+                   f"{_fmt(s['prefill_tok_s'], ' tok/s')}",
+        "draft": f"tree {_fmt(s['tree_size'])} nodes, depth {_fmt(s['depth'])}",
+        "target": f"{_fmt(s['tokens_per_step'], ' tokens/pass', 2)}",
+    }
+    for name, t in spans.items():
+        table.add_row(name, str(int(t["calls"])), _fmt(t["ms"]), _fmt(_per(t["ms"], t["calls"]), nd=2),
+                      notes.get(name, ""))
+    if s.get("streamed_gb") is not None:
+        peak = f" of {_fmt(s['link_peak_gb_s'], ' GB/s', 2)} peak" if s.get("link_peak_gb_s") else ""
+        table.add_row("stream", "", "", "", f"{_fmt(s['streamed_gb'], ' GB', 2)} · "
+                      f"{_fmt(s['effective_gb_s'], ' GB/s', 2)} effective{peak} · stalls {_fmt(s['stall_ms'], ' ms')}")
+    table.add_row("total", str(s["steps"]), _fmt(1000 * s["wall_s"]), "",
+                  f"{s['generated']} tokens · {_fmt(s['tokens_per_step'], ' tokens/pass', 2)} · "
+                  f"decode {_fmt(s['decode_tok_s'], ' tok/s', 2)} · "
+                  f"TTFT {_fmt(s['ttft_s'], ' s', 3)}")
+    return table
+
+
+class PeakMemory:
+    """Peak process RSS (sampled on a thread every `interval` s) and peak CUDA memory allocated by torch,
+    over a `with` block. Read .ram_bytes and .vram_bytes (None without CUDA) after the block."""
+
+    def __init__(self, device: torch.device | str = "cpu", interval: float = 0.01) -> None:
+        self.device = torch.device(device)
+        self.interval = interval
+        self.ram_bytes = 0
+        self.vram_bytes: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        import psutil
+
+        proc = psutil.Process()
+        while True:
+            self.ram_bytes = max(self.ram_bytes, proc.memory_info().rss)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._thread = threading.Thread(target=self._sample, name="peak-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.device.type == "cuda":
+            self.vram_bytes = int(torch.cuda.max_memory_allocated(self.device))

@@ -1,0 +1,203 @@
+"""Write a tiny HF checkpoint (tests/tiny_models.py) as a llama.cpp-style GGUF file with gguf.GGUFWriter.
+
+What llama.cpp's convert_hf_to_gguf.py does for the Llama family, reduced to what the tests need: llama.cpp
+tensor names, Q/K rows permuted for its rope layout on Llama/Mistral (its `LlamaModel.permute`, copied below),
+1-D tensors (norms, biases) kept F32, 2-D weights stored as the requested type (F32, F16, BF16, or a type the
+`gguf` package can quantize in Python: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), no output.weight when the head is tied,
+Llama-3 rope scaling as a rope_freqs tensor, and the byte-level BPE tokenizer as tokenizer.ggml.* metadata.
+K-quant types cannot be quantized in Python (gguf has only their dequantizers): `random_kquant_blocks` makes
+valid random blocks of them instead.
+
+Does not know: specexec (the tests compare what specexec reads against these files).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight"}
+BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GLOBAL:
+        return GLOBAL[hf]
+    _, _, layer, rest = hf.split(".", 3)                    # model.layers.N.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{BLOCK[module]}.{kind}"
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.permute, verbatim in numpy."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+def llama3_scaling(cfg: dict) -> dict | None:
+    """The llama3 rope scaling of a config.json (transformers >= 5 writes it as rope_parameters), else None."""
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    return rs if rs.get("rope_type", rs.get("type")) == "llama3" else None
+
+
+def rope_theta(cfg: dict) -> float:
+    return float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+
+
+def llama3_rope_freqs(cfg: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: the rope_freqs factors of a llama3 rope."""
+    rs = llama3_scaling(cfg)
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope_theta(cfg) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rs.get("factor", 8.0), rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+    old = rs.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def encode(arr: np.ndarray, qtype: str) -> tuple[np.ndarray, object]:
+    """(bytes or float array, raw_dtype) for GGUFWriter.add_tensor."""
+    import gguf
+
+    if qtype == "F32":
+        return arr.astype(np.float32), None
+    if qtype == "F16":
+        return arr.astype(np.float16), None
+    kind = gguf.GGMLQuantizationType[qtype]
+    return gguf.quants.quantize(arr.astype(np.float32), kind), kind
+
+
+def random_kquant_blocks(rows: int, cols: int, qtype: str, seed: int, scale: float) -> np.ndarray:
+    """uint8 [rows, cols/256*type_size] of random but valid K-quant blocks: random codes and sub-scales, and
+    super-block scales (fp16 d, dmin) set to `scale`-sized values so the weights are O(scale)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    d = np.full((raw.shape[0], 1), scale, dtype=np.float16).view(np.uint8)
+    dmin = np.full((raw.shape[0], 1), scale / 2, dtype=np.float16).view(np.uint8)
+    if qtype in ("Q4_K", "Q5_K"):                      # d, dmin, scales, [qh,] qs
+        raw[:, 0:2], raw[:, 2:4] = d, dmin
+    elif qtype == "Q2_K":                              # scales, qs, d, dmin
+        raw[:, size - 4:size - 2], raw[:, size - 2:] = d, dmin
+    elif qtype in ("Q6_K", "Q3_K"):                    # ..., d
+        raw[:, size - 2:] = d
+    else:
+        raise ValueError(f"no random-block layout for {qtype}")
+    return raw.reshape(rows, -1)
+
+
+def tokenizer_metadata(hf_dir: Path) -> dict:
+    """tokens / token types / merges / special ids / chat template of the tiny tokenizer, llama.cpp style."""
+    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+    cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = tj["model"]["vocab"]
+    for added in tj["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tj["added_tokens"] if a["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    template = cfg.get("chat_template")
+    if template is None and (hf_dir / "chat_template.jinja").is_file():
+        template = (hf_dir / "chat_template.jinja").read_text()
+    return {"tokens": tokens, "types": [3 if t in special else 1 for t in tokens], "merges": merges,
+            "template": template, "ids": {t: vocab[t] for t in ("<s>", "</s>", "<pad>", "<unk>")}}
+
+
+def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = True,
+               kquant: str | None = None) -> Path:
+    """Write hf_dir (a tiny checkpoint) as the GGUF file `dest`; 2-D weights as `qtype`.
+
+    kquant: instead of the checkpoint's values, store every 2-D decoder weight as random valid blocks of that
+    K-quant type (needs row lengths that are multiples of 256)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = ARCH[cfg["architectures"][0]]
+    writer = gguf.GGUFWriter(str(dest), arch)
+    _write_hparams(writer, cfg)
+    if tokenizer:
+        _write_tokenizer(writer, tokenizer_metadata(hf_dir))
+    tensors = load_file(hf_dir / "model.safetensors")
+    if llama3_scaling(cfg):
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        arr = _permuted(name, t.float().numpy(), cfg, arch)
+        if arr.ndim == 1:
+            data, raw = arr.astype(np.float32), None
+        elif kquant and name.startswith("model.layers."):
+            data = random_kquant_blocks(arr.shape[0], arr.shape[1], kquant, seed=i, scale=0.002)
+            raw = gguf.GGMLQuantizationType[kquant]
+        else:
+            data, raw = encode(arr, qtype)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
+
+
+def _permuted(name: str, arr: np.ndarray, cfg: dict, arch: str) -> np.ndarray:
+    if arch != "llama":
+        return arr
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return llama_cpp_permute(arr, cfg["num_attention_heads"], cfg["num_attention_heads"])
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return llama_cpp_permute(arr, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+    return arr
+
+
+def _write_hparams(writer, cfg: dict) -> None:
+    writer.add_name("tiny test model")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(rope_theta(cfg))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+
+
+def _write_tokenizer(writer, tok: dict) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    writer.add_bos_token_id(tok["ids"]["<s>"])
+    writer.add_eos_token_id(tok["ids"]["</s>"])
+    writer.add_pad_token_id(tok["ids"]["<pad>"])
+    writer.add_unk_token_id(tok["ids"]["<unk>"])
+    writer.add_add_bos_token(True)
+    if tok["template"]:
+        writer.add_chat_template(tok["template"])

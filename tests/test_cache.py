@@ -1,0 +1,296 @@
+"""offload.cache: build + reuse, byte-exact round trip against direct quantization, corruption and staleness
+detection (rebuilt with a message), atomicity under a crash mid-write, lock handling (dead holder, concurrent
+builder), disk-full handling, and the `specexec convert` command in-process."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli.main import main
+from offload import cache as C
+from offload.cache import CacheCorruptError, CacheError, LayerCache
+from offload.checkpoint import SafetensorsCheckpoint
+from offload.quant import QuantLinear, bind_module, quantize_tensors, swap_linears
+from offload.storage import ALIGN, unpack_layer
+from specexec.loading import read_args
+from specexec.model import Block
+from specexec.offloaded import layer_names
+
+
+@pytest.fixture()
+def model(tiny_llama: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny Llama (tests touch its files)."""
+    return Path(shutil.copytree(tiny_llama, tmp_path / "llama"))
+
+
+def build(model: Path, root: Path, fmt: str = "nf4", log: list[str] | None = None, **kw) -> LayerCache:
+    sources = layer_names(model, read_args(model))
+    return LayerCache.open_or_build(model, sources, fmt, torch.float32, cache_root=root, progress=False,
+                                    log=(log.append if log is not None else None), **kw)
+
+
+def fresh_process() -> None:
+    """Forget which files this process already verified (what a new process would see)."""
+    C._VERIFIED.clear()
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_build_then_reuse(model: Path, tmp_path: Path) -> None:
+    first = build(model, tmp_path / "c")
+    assert first.built and first.n_layers == 2 and first.file.name == "layers.bin"
+    assert first.file.stat().st_size == first.total_nbytes == sum(first.nbytes(i) for i in range(2))
+    assert all(first.offset(i) % ALIGN == 0 and first.nbytes(i) % ALIGN == 0 for i in range(2))
+    first.close()
+    fresh_process()
+    second = build(model, tmp_path / "c")
+    assert not second.built and second.path == first.path
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []   # no temp dirs
+
+
+@pytest.mark.parametrize("fmt,double_quant", [("nf4", False), ("nf4", True), ("fp4", False), ("int8", False),
+                                              ("none", False)])
+def test_every_layer_round_trips_to_direct_quantization(tiny_qwen2: Path, tmp_path: Path, fmt: str,
+                                                        double_quant: bool) -> None:
+    sources = layer_names(tiny_qwen2, read_args(tiny_qwen2))             # qwen2: q/k/v biases too
+    cache = LayerCache.open_or_build(tiny_qwen2, sources, fmt, torch.float32, cache_root=tmp_path,
+                                     double_quant=double_quant, progress=False)
+    ckpt = SafetensorsCheckpoint(tiny_qwen2)
+    for i, src in enumerate(sources):
+        direct, meta = quantize_tensors({p: ckpt.get(c) for p, c in src.tensors.items()}, fmt, torch.float32,
+                                        src.linear, double_quant)
+        views = unpack_layer(cache.read_layer(i), cache.layout(i))
+        assert cache.layout(i).meta == meta and list(views) == list(direct)
+        for name, t in direct.items():
+            assert torch.equal(views[name], t), (i, name)
+
+
+def test_cached_layer_binds_to_a_block(model: Path, tmp_path: Path) -> None:
+    args = read_args(model)
+    cache = build(model, tmp_path, "int8")
+    ref = Block(args)
+    with torch.device("meta"):
+        block = Block(args)
+    swap_linears(block, "int8", torch.float32)
+    buf = cache.read_layer(1)
+    bind_module(block, unpack_layer(buf, cache.layout(1)), cache.layout(1).meta)
+    assert isinstance(block.mlp.down_proj, QuantLinear)
+    ckpt = SafetensorsCheckpoint(model)
+    ref.load_state_dict({p: ckpt.get(c) for p, c in layer_names(model, args)[1].tensors.items()})
+    x = torch.randn(1, 5, args.dim)
+    assert torch.allclose(block.mlp(x), ref.mlp(x), rtol=0.05, atol=0.05 * ref.mlp(x).abs().max().item())
+
+
+def test_read_layer_into_given_buffers(model: Path, tmp_path: Path) -> None:
+    cache = build(model, tmp_path)
+    want = cache.read_layer(1, direct=False)
+    slot = C.aligned_empty(cache.max_nbytes + ALIGN)
+    got = cache.read_layer(1, slot)
+    assert got.data_ptr() == slot.data_ptr() and torch.equal(got, want)
+    odd = torch.zeros(cache.max_nbytes + 64, dtype=torch.uint8)[64:]      # 64-aligned, maybe not 4 KiB-aligned
+    assert torch.equal(cache.read_layer(1, odd), want)                    # falls back to a buffered read
+    if cache.direct_io:
+        assert torch.equal(cache.read_layer(1, slot, direct=True), want)
+        if odd.data_ptr() % ALIGN:
+            with pytest.raises(CacheError, match="O_DIRECT"):
+                cache.read_layer(1, odd, direct=True)
+    with pytest.raises(ValueError, match="holds"):
+        cache.read_layer(1, torch.zeros(16, dtype=torch.uint8))
+
+
+def test_flipped_byte_is_detected_and_rebuilt(model: Path, tmp_path: Path) -> None:
+    cache = build(model, tmp_path)
+    good = cache.read_layer(1).clone()
+    flip_byte(cache.file, cache.offset(1) + 100)
+    with pytest.raises(CacheCorruptError, match="layer 1 fails its checksum"):
+        cache.read_layer(1, verify=True)
+    with pytest.raises(CacheCorruptError):
+        cache.verify(1)
+    fresh_process()
+    with LayerCache.open(cache.path, verify=False) as unchecked:          # opt-out: structure only
+        with pytest.raises(CacheCorruptError):
+            unchecked.verify_all()
+    log: list[str] = []
+    again = build(model, tmp_path, log=log)
+    assert again.built and any("layer 1 fails its checksum" in m and "rebuilding" in m for m in log)
+    assert torch.equal(again.read_layer(1), good)
+
+
+def test_truncated_file_is_detected_even_without_checksums(model: Path, tmp_path: Path) -> None:
+    cache = build(model, tmp_path)
+    os.truncate(cache.file, cache.total_nbytes - 1000)
+    log: list[str] = []
+    again = build(model, tmp_path, log=log, verify=False)
+    assert again.built and any("truncated" in m for m in log)
+    assert again.file.stat().st_size == again.total_nbytes
+
+
+@pytest.mark.parametrize("garbage", [b"{not json", b"[]", b'{"version": 1}', b"\xff\xfe"])
+def test_garbage_manifest_is_detected(model: Path, tmp_path: Path, garbage: bytes) -> None:
+    cache = build(model, tmp_path)
+    (cache.path / "manifest.json").write_bytes(garbage)
+    log: list[str] = []
+    assert build(model, tmp_path, log=log).built
+    assert len(log) == 1 and "not a valid manifest" in log[0] and "rebuilding" in log[0]
+
+
+def test_changed_checkpoint_makes_the_cache_stale(model: Path, tmp_path: Path) -> None:
+    cache = build(model, tmp_path)
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    log: list[str] = []
+    again = build(model, tmp_path, log=log)
+    assert again.built and again.path == cache.path
+    assert log == [f"{cache.path} is stale: the checkpoint's files changed since it was built; rebuilding it"]
+
+
+def test_other_options_get_their_own_cache(model: Path, tmp_path: Path) -> None:
+    a, b = build(model, tmp_path, "nf4"), build(model, tmp_path, "int8")
+    c = build(model, tmp_path, "nf4", double_quant=True)
+    assert len({a.path, b.path, c.path}) == 3 and all(x.built for x in (a, b, c))
+
+
+def test_crash_mid_write_leaves_no_cache(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real, calls = C._write_layer, []
+
+    def crash_after_first(fd: int, buf: torch.Tensor, offset: int) -> None:
+        if calls:
+            raise RuntimeError("simulated crash")
+        calls.append(offset)
+        real(fd, buf, offset)
+
+    monkeypatch.setattr(C, "_write_layer", crash_after_first)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build(model, tmp_path / "c")
+    assert [p.suffix for p in (tmp_path / "c").iterdir()] == [".lock"]            # no final dir, temp dir removed
+    monkeypatch.setattr(C, "_write_layer", real)
+    assert build(model, tmp_path / "c").built
+
+
+def test_leftovers_of_a_killed_builder_are_ignored_and_removed(model: Path, tmp_path: Path) -> None:
+    cache = build(model, tmp_path)
+    shutil.rmtree(cache.path)
+    junk = cache.path.with_name(f".{cache.path.name}.tmp-4194304")
+    junk.mkdir()
+    (junk / "layers.bin").write_bytes(b"half a layer")
+    fresh_process()
+    again = build(model, tmp_path)
+    assert again.built and not junk.exists()
+
+
+def lock_path(model: Path, root: Path, fmt: str = "nf4") -> Path:
+    options = C.options_of(model.resolve(), layer_names(model, read_args(model)), fmt, torch.float32, False)
+    final = C.cache_dir_for(model.resolve(), options, root)
+    return final.with_name(final.name + ".lock")
+
+
+def test_lock_left_by_a_dead_process_is_recovered(model: Path, tmp_path: Path) -> None:
+    lock = lock_path(model, tmp_path)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    code = ("import fcntl, os, signal, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code, str(lock)])
+    assert proc.returncode == -signal.SIGKILL and lock.read_text().strip().isdigit()
+    log: list[str] = []
+    t0 = time.monotonic()
+    assert build(model, tmp_path, log=log, lock_timeout=10).built
+    assert time.monotonic() - t0 < 10 and not any("waiting" in m for m in log)
+
+
+def test_second_builder_waits_then_reuses(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real, started = C._write_layer, threading.Event()
+
+    def slow(fd: int, buf: torch.Tensor, offset: int) -> None:
+        started.set()
+        time.sleep(0.3)
+        real(fd, buf, offset)
+
+    monkeypatch.setattr(C, "_write_layer", slow)
+    results: dict[str, LayerCache] = {}
+    first = threading.Thread(target=lambda: results.update(a=build(model, tmp_path)))
+    first.start()
+    assert started.wait(30)
+    log: list[str] = []
+    results["b"] = build(model, tmp_path, log=log, lock_timeout=60)       # blocks on the lock meanwhile
+    first.join()
+    assert results["a"].built and not results["b"].built and results["a"].path == results["b"].path
+    assert any(m.startswith(f"waiting for process {os.getpid()}") for m in log)
+
+
+def test_lock_timeout_is_a_clear_error(model: Path, tmp_path: Path) -> None:
+    with C.exclusive_lock(lock_path(model, tmp_path)):
+        with pytest.raises(CacheError, match="timed out after 0.2 s waiting for the lock"):
+            build(model, tmp_path, lock_timeout=0.2)
+
+
+def test_not_enough_disk_space(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(C.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 5000, 5000))
+    with pytest.raises(CacheError, match=r"not enough disk space .*: needs [\d.]+ MB, 4.9 KB free"):
+        build(model, tmp_path / "c")
+    assert [p.suffix for p in (tmp_path / "c").iterdir()] == [".lock"]
+    monkeypatch.undo()
+    assert build(model, tmp_path / "c").built
+
+
+def test_disk_full_while_writing(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, buf: torch.Tensor, offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(C, "_write_layer", full)
+    with pytest.raises(CacheError, match="disk full while writing the layer cache"):
+        build(model, tmp_path / "c")
+    assert [p.suffix for p in (tmp_path / "c").iterdir()] == [".lock"]
+    monkeypatch.undo()
+    assert build(model, tmp_path / "c").built
+
+
+def test_default_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "a"))
+    assert C.default_cache_root() == tmp_path / "a"
+    monkeypatch.delenv("SPECEXEC_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert C.default_cache_root() == tmp_path / "x" / "specexec"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert C.default_cache_root() == Path.home() / ".cache" / "specexec"
+
+
+def test_convert_command(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "cache"
+    assert main(["convert", "--model", str(model), "--quant", "int8", "--out", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(str(root)) and "(built): 2 layers, int8, float32" in out
+    assert "quantizing to int8" in err                                     # the progress bar, on stderr
+    assert main(["convert", "--model", str(model), "--quant", "int8", "--out", str(root), "--no-progress"]) == 0
+    assert "already up to date" in capsys.readouterr().out
+    assert main(["convert", "--model", str(model), "--quant", "nf4", "--dtype", "bfloat16", "--double-quant",
+                 "--out", str(root), "--no-progress"]) == 0
+    assert "nf4, bfloat16" in capsys.readouterr().out
+
+
+def test_convert_errors_are_one_line(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert main(["convert", "--model", str(tmp_path / "nope"), "--quant", "nf4"]) == 2
+    assert capsys.readouterr().err.startswith("error: model path")
+    assert main(["convert", "--model", str(model), "--quant", "q3"]) == 2
+    assert "invalid choice: 'q3'" in capsys.readouterr().err
+    monkeypatch.setattr(C.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    assert main(["convert", "--model", str(model), "--quant", "nf4", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: not enough disk space") and err.count("\n") == 1

@@ -1,0 +1,264 @@
+"""`specexec chat`: KV reuse across turns, the /commands, Ctrl-C keeping the session, dropping old turns, the
+line reader; piped stdin printing only the answer (in-process and as a subprocess); and a real pseudo-terminal
+session with SIGINT mid-answer."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from cli.chat import ChatSession, read_message, repl
+from cli.main import main
+from specexec.config import EngineConfig, SamplingParams
+from specexec.runtime import Runtime
+from specexec.tokenizer import encode_messages
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+       "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "160"}
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_pair, tiny_perturbed_draft) -> Runtime:
+    return Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), EngineConfig(budget=8, dtype="float32"))
+
+
+class Screen:
+    """What a session shows: answer text (write) and everything else (console)."""
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.err = io.StringIO()
+        self.console = Console(file=self.err, width=200, no_color=True)
+
+    def write(self, text: str) -> None:
+        self.out.append(text)
+
+    @property
+    def answer_text(self) -> str:
+        return "".join(self.out)
+
+
+def _session(runtime: Runtime, max_new: int = 12, system: str | None = None) -> tuple[ChatSession, Screen]:
+    runtime.engine.reset()
+    screen = Screen()
+    return ChatSession(runtime, SamplingParams(), system, screen.console, screen.write, max_new), screen
+
+
+def test_second_turn_reuses_the_first_turns_cache(runtime) -> None:
+    chat, screen = _session(runtime)
+    first = chat.ask("Hello there")
+    p1 = first.profile
+    prompt1 = encode_messages(runtime.tokenizer, [{"role": "user", "content": "Hello there"}])
+    assert p1["reused_tokens"] == 0 and p1["prompt_tokens"] == len(prompt1) - 1
+    assert screen.answer_text == first.text + "\n" and first.ids and not first.interrupted
+    second = chat.ask("Tell me more")
+    prompt2 = encode_messages(runtime.tokenizer, chat.messages[:3])
+    p2 = second.profile
+    assert p2["reused_tokens"] >= len(prompt1) - 1                      # all of turn 1's prompt, at least
+    assert p2["prompt_tokens"] == len(prompt2) - 1 - p2["reused_tokens"]  # only the rest is prefilled
+    assert p2["prompt_tokens"] < len(prompt2) - 1
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] * 2
+    assert "tokens/pass" in screen.err.getvalue() and "reused" in screen.err.getvalue()
+
+
+def test_reset_forgets_history_and_cache(runtime) -> None:
+    chat, screen = _session(runtime)
+    chat.ask("Hello there")
+    assert chat.handle("/reset") is True
+    assert chat.messages == [] and "cleared" in screen.err.getvalue()
+    assert chat.ask("Hello there").profile["reused_tokens"] == 0
+
+
+def test_set_changes_sampling_and_rejects_bad_values(runtime) -> None:
+    chat, screen = _session(runtime)
+    chat.handle("/set temperature 0.7")
+    chat.handle("/set top-p 0.9")
+    chat.handle("/set seed 5")
+    chat.handle("/set max_new_tokens 7")
+    assert (chat.sampling.temperature, chat.sampling.top_p, chat.sampling.seed) == (0.7, 0.9, 5)
+    assert chat.max_new_tokens == 7
+    for bad, needle in (("/set top_p 2", "top_p"), ("/set temperature hot", "temperature"),
+                        ("/set colour red", "unknown setting"), ("/set budget 0", "budget"),
+                        ("/set temperature", "needs a value"), ("/frobnicate", "unknown command")):
+        before = (chat.sampling, chat.max_new_tokens)
+        assert chat.handle(bad) is True                       # the session goes on
+        assert needle in screen.err.getvalue().splitlines()[-1], bad
+        assert (chat.sampling, chat.max_new_tokens) == before
+    chat.handle("/set budget 4")
+    assert chat.runtime.config.budget == 4 and chat.runtime.engine.builder is not None
+    chat.handle("/set")
+    assert "budget 4" in screen.err.getvalue().splitlines()[-1]
+    assert len(chat.ask("Hello").ids) <= 7
+
+
+def test_save_and_load_round_trip(runtime, tmp_path) -> None:
+    chat, _ = _session(runtime, system="Be brief.")
+    chat.ask("Hello there")
+    chat.ask("And then?")
+    path = tmp_path / "chat.json"
+    chat.handle(f"/save {path}")
+    saved = json.loads(path.read_text())
+    assert saved["messages"] == chat.messages and saved["system"] == "Be brief."
+    follow_up = chat.ask("Why?").text
+
+    other, screen = _session(runtime)
+    other.handle(f"/load {path}")
+    assert other.messages == saved["messages"] and other.system == "Be brief."
+    assert other.ask("Why?").text == follow_up                     # same conversation, same greedy answer
+    path.write_text('{"format": "specexec-chat", "messages": [{"role": "assistant", "content": "x"}]}')
+    other.handle(f"/load {path}")
+    assert "message 0" in screen.err.getvalue().splitlines()[-1]
+    other.handle(f"/load {tmp_path / 'missing.json'}")
+    assert "missing.json" in screen.err.getvalue().splitlines()[-1]
+
+
+def test_retry_and_system(runtime) -> None:
+    chat, screen = _session(runtime)
+    chat.handle("/retry")
+    assert "nothing to retry" in screen.err.getvalue()
+    first = chat.ask("Hello there").text
+    chat.handle("/retry")
+    assert len(chat.messages) == 2 and chat.messages[1]["content"] == first        # T=0: the same answer
+    assert chat.last.profile["reused_tokens"] > 0
+    chat.handle("/system You are terse.")
+    assert chat.system == "You are terse."
+    chat.handle("/system -")
+    assert chat.system is None
+    chat.handle("/help")
+    assert "/retry" in screen.err.getvalue()
+
+
+def test_ctrl_c_keeps_the_shown_answer_and_the_session(runtime) -> None:
+    chat, screen = _session(runtime, max_new=40)
+    calls = []
+
+    def write(text: str) -> None:
+        calls.append(text)
+        screen.write(text)
+        if len(calls) == 2:
+            raise KeyboardInterrupt                 # as if Ctrl-C arrived while the 2nd piece was shown
+
+    chat.write = write
+    answer = chat.ask("Hello there")
+    assert answer.interrupted and answer.text == "".join(calls[:2])
+    assert chat.messages[-1] == {"role": "assistant", "content": answer.text}
+    assert "interrupted" in screen.err.getvalue()
+    chat.write = screen.write
+    after = chat.ask("Go on")
+    assert not after.interrupted and after.profile["reused_tokens"] > 0
+
+
+def test_history_outgrowing_the_context_drops_the_oldest_turns(runtime) -> None:
+    chat, screen = _session(runtime, max_new=60)
+    for i in range(3):
+        chat.ask(f"Message number {i}")
+    chat.max_new_tokens = runtime.context - 40          # now only the newest message fits
+    chat.ask("Last one")
+    assert "dropped the 3 oldest turn(s)" in screen.err.getvalue()
+    assert chat.messages[0]["content"] == "Last one" and len(chat.messages) == 2
+    chat.max_new_tokens = runtime.context - 2
+    chat.handle("/retry")                                    # too long even alone: an error, the session lives
+    assert "exceeds the context" in screen.err.getvalue().splitlines()[-1]
+
+
+def test_read_message_multiline() -> None:
+    def reader(lines):
+        it = iter(lines)
+
+        def read(prompt: str) -> str:
+            try:
+                return next(it)
+            except StopIteration:
+                raise EOFError from None
+        return read
+
+    assert read_message(reader(["one \\", "two \\", "three"])) == "one \ntwo \nthree"
+    assert read_message(reader(['"""', "a", "", "b", '"""'])) == "a\n\nb"
+    assert read_message(reader([])) is None
+
+
+def test_repl_runs_commands_until_end_of_input(runtime) -> None:
+    chat, screen = _session(runtime, max_new=5)
+    lines = iter(["Hello", "/stats", "//slash message", "/exit", "never read"])
+    assert repl(chat, lambda _p: next(lines)) == 0
+    assert next(lines) == "never read"
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["Hello", "/slash message"]
+    assert "profile of the last answer" in screen.err.getvalue()
+    lines = iter(["Hello"])
+
+    def read(_p: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    assert repl(chat, read) == 0                                  # Ctrl-D ends the session
+
+
+def test_piped_stdin_in_process(monkeypatch, capsys, tiny_pair, tiny_perturbed_draft) -> None:
+    common = ["--model", str(tiny_pair[0]), "--max-new-tokens", "10", "--dtype", "float32"]
+    assert main(["generate", *common, "--draft", str(tiny_perturbed_draft), "--chat", "--prompt", "Hello there",
+                 "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)["text"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n"))
+    assert main(["chat", *common, "--draft", str(tiny_perturbed_draft)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == expected + "\n" and captured.err == ""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("  \n"))
+    assert main(["chat", *common, "--no-draft"]) == 2
+    assert "stdin is empty" in capsys.readouterr().err
+
+
+def test_piped_stdin_subprocess_prints_only_the_answer(tiny_pair, tiny_perturbed_draft) -> None:
+    argv = ["--model", str(tiny_pair[0]), "--draft", str(tiny_perturbed_draft), "--max-new-tokens", "8"]
+    gen = subprocess.run([sys.executable, "-m", "cli.main", "generate", *argv, "--chat", "--prompt",
+                          "Line one\nLine two", "--json"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=240)
+    assert gen.returncode == 0, gen.stderr
+    chat = subprocess.run([sys.executable, "-m", "cli.main", "chat", *argv], input="Line one\nLine two\n", cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=240)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == json.loads(gen.stdout)["text"] + "\n" and chat.stderr == ""
+
+
+SLOW_CHAT = """
+import sys, time
+import specexec.engine as engine
+step = engine.Engine._step
+def slow(self, *a, **k):
+    time.sleep(0.05)                      # make the answer last long enough to interrupt it mid-way
+    return step(self, *a, **k)
+engine.Engine._step = slow
+from cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_in_a_terminal_returns_to_the_prompt(tiny_pair, tiny_perturbed_draft) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-c", SLOW_CHAT, "chat", "--model", str(tiny_pair[0]), "--draft",
+                                           str(tiny_perturbed_draft), "--budget", "4", "--max-new-tokens", "400"],
+                          cwd=str(ROOT), env=ENV, encoding="utf-8", timeout=120, dimensions=(40, 160))
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("Hello there")
+        child.expect_exact("Hello there\r\n")                  # the terminal's echo
+        child.expect(r"[^\r\n]")                                # the first piece of the answer
+        child.sendintr()
+        child.expect_exact("interrupted")
+        child.expect_exact("tokens/pass")
+        child.expect_exact(">>> ")
+        child.sendline("/stats")
+        child.expect_exact("profile of the last answer")
+        child.expect_exact(">>> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before

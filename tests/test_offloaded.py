@@ -1,0 +1,305 @@
+"""OffloadedTransformer: the same numbers as the resident model with the same quantization, for every tier mix
+(all resident, all RAM, all SSD, mixed) and every family; greedy decoding through the engine is unchanged;
+Runtime/CLI integration (quant auto, plans, stream stats, one-line budget errors); and peak memory with the
+SSD tier under a tight --ram-budget (anonymous RSS, measured in a fresh process)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli.main import main
+from offload.cache import LayerCache
+from offload.quant import QuantLinear, quantize_module
+from specexec.builders.specexec import SpecExecBuilder
+from specexec.config import ConfigError, EngineConfig, OffloadConfig
+from specexec.engine import Engine
+from specexec.kv_cache import KVCache
+from specexec.loading import load_model, read_args
+from specexec.model import prefix_tree_mask
+from specexec.offloaded import OffloadedTransformer, build_offloaded, layer_names
+from specexec.runtime import Runtime
+from tests.tiny_models import write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+MIXES = {
+    "resident": ["resident"] * 4,
+    "ram": ["ram"] * 4,
+    "ssd": ["ssd"] * 4,
+    "mixed": ["resident", "ssd", "ram", "ssd"],
+}
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("layer-cache")
+
+
+def open_cache(path: Path, fmt: str, root: Path) -> LayerCache:
+    return LayerCache.open_or_build(path, layer_names(path, read_args(path)), fmt, torch.float32, cache_root=root,
+                                    progress=False)
+
+
+def reference(path: Path, fmt: str) -> torch.nn.Module:
+    """The resident model with every decoder layer quantized the same way (QuantLinear owning its weights)."""
+    model = load_model(path)
+    for block in model.layers:
+        quantize_module(block, fmt, torch.float32)
+    return model
+
+
+def offloaded(path: Path, fmt: str, tiers: list[str], root: Path) -> OffloadedTransformer:
+    return build_offloaded(path, read_args(path), open_cache(path, fmt, root), tiers, CPU, torch.float32)
+
+
+def cached_forward(model, n_prefix: int = 9, n_tree: int = 6) -> torch.Tensor:
+    """Prefill a prefix into a KV cache, then one tree-shaped pass (siblings share positions): hidden of both."""
+    a = model.args
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, 32, torch.float32, CPU)
+    prefix = torch.randint(7, 300, (1, n_prefix), generator=gen)
+    pos = torch.arange(n_prefix)
+    h1 = model(prefix, pos[None], prefix_tree_mask(0, torch.ones(n_prefix, n_prefix).tril().bool()), cache)
+    cache.advance(n_prefix)
+    parents = [-1, 0, 0, 1, 1, 2][:n_tree]
+    anc = torch.zeros(n_tree, n_tree, dtype=torch.bool)
+    depth = []
+    for i, p in enumerate(parents):
+        anc[i, i] = True
+        if p >= 0:
+            anc[i] |= anc[p]
+        depth.append(0 if p < 0 else depth[p] + 1)
+    tree = torch.randint(7, 300, (1, n_tree), generator=gen)
+    tpos = n_prefix + torch.tensor(depth)
+    h2 = model(tree, tpos[None], prefix_tree_mask(n_prefix, anc), cache)
+    return torch.cat([h1, h2], dim=1)
+
+
+@pytest.mark.parametrize("fmt", ["none", "nf4"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_offloaded_forward_equals_resident_with_the_same_quantization(tiny_pair, cache_root, fmt: str,
+                                                                       mix: str) -> None:
+    target = tiny_pair[0]
+    want = cached_forward(reference(target, fmt))
+    model = offloaded(target, fmt, MIXES[mix], cache_root)
+    try:
+        for _ in range(2):                          # the second pass runs on prefetched slots
+            assert torch.equal(cached_forward(model), want)
+        streamed = [t for t in MIXES[mix] if t != "resident"]
+        assert (model.pager.stats.streamed > 0) == bool(streamed)
+    finally:
+        model.close()
+
+
+def test_every_family_mixed_tiers(tiny_model, cache_root) -> None:
+    """Biases (qwen2), tied head (qwen2_tied), q/k norms (qwen3), rope scaling (llama3): 2 layers, ram + ssd."""
+    want = cached_forward(reference(tiny_model, "int8"))
+    model = offloaded(tiny_model, "int8", ["ssd", "ram"], cache_root)
+    try:
+        assert torch.equal(cached_forward(model), want)
+        assert isinstance(next(model.layer_modules())[1].self_attn.q_proj, QuantLinear)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("budget", [1, 8, 32])
+def test_greedy_generation_through_the_offloaded_target_is_unchanged(tiny_pair, tiny_perturbed_draft, cache_root,
+                                                                     budget: int) -> None:
+    target = tiny_pair[0]
+    draft = load_model(tiny_perturbed_draft)
+    ids = torch.randint(7, 300, (14,), generator=torch.Generator().manual_seed(budget)).tolist()
+
+    def run(model, with_draft: bool) -> list[int]:
+        engine = Engine(model, draft if with_draft else None, EngineConfig(budget=budget),
+                        SpecExecBuilder() if with_draft else None)
+        return [t for step in engine.generate(ids, 30) for t in step]
+
+    ref = reference(target, "nf4")
+    want = run(ref, False)
+    assert run(ref, True) == want
+    model = offloaded(target, "nf4", MIXES["mixed"], cache_root)
+    try:
+        assert run(model, True) == want
+        assert run(model, False) == want
+    finally:
+        model.close()
+
+
+# ------------------------------------------------------------------------------------------------ Runtime
+
+def ids_of(rt: Runtime, text: str = "The quick brown fox", n: int = 12) -> list[int]:
+    return [t for step in rt.generate_ids(rt.encode(text), n) for t in step]
+
+
+def test_runtime_ssd_tier_matches_resident_and_reports_streaming(tiny_pair, tiny_perturbed_draft, cache_root) -> None:
+    config = EngineConfig(budget=8, max_new_tokens=12)
+    common = {"quant": "nf4", "cache_dir": str(cache_root)}
+    resident = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                            offload=OffloadConfig(offload="none", **common))
+    ssd = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                       offload=OffloadConfig(offload="ssd", **common))
+    assert ids_of(ssd) == ids_of(resident)
+    assert resident.plan.plan.layers_in("resident") == [0, 1, 2, 3]
+    assert ssd.plan.plan.layers_in("ssd") == [0, 1, 2, 3] and ssd.plan.fmt == "nf4"
+    stats = ssd.stats()
+    assert stats["bytes_streamed"] >= stats["passes"] * sum(ssd.plan.plan.needs.layer_bytes) > 0
+    assert stats["ssd_bytes"] == stats["bytes_streamed"] and stats["ssd_gbps"] > 0
+    assert stats["stall_ms"] >= 0 and stats["offload"]["ssd_layers"] == 4
+    assert {"steps", "tokens_per_step", "decode_tok_s"} <= set(stats)          # the engine's keys are kept
+    assert "SSD tier" in ssd.plan.notice() and "nf4" in ssd.plan.notice()
+    assert ssd.target_info.dtype == "float32 (nf4 layers)"
+    variant = ssd.variant(config.replace(budget=2), use_draft=False)
+    assert ids_of(variant) == ids_of(resident)
+
+
+def test_quant_auto_is_none_while_resident_and_nf4_once_streaming(tiny_pair, cache_root) -> None:
+    config = EngineConfig(max_new_tokens=4)
+    plain = Runtime.load(str(tiny_pair[0]), None, config, offload=OffloadConfig(cache_dir=str(cache_root)))
+    assert plain.plan.fmt == "none" and not plain.plan.offloaded
+    assert type(plain.engine.target).__name__ == "Transformer" and plain.plan.notice() == ""
+    streamed = Runtime.load(str(tiny_pair[0]), None, config,
+                            offload=OffloadConfig(offload="ram", cache_dir=str(cache_root)))
+    assert streamed.plan.fmt == "nf4" and isinstance(streamed.engine.target, OffloadedTransformer)
+    forced = Runtime.load(str(tiny_pair[0]), None, config,
+                          offload=OffloadConfig(offload="ram", quant="none", cache_dir=str(cache_root)))
+    assert forced.plan.fmt == "none" and ids_of(forced, n=4) == ids_of(plain, n=4)
+
+
+def test_draft_quant_keeps_greedy_output(tiny_pair, tiny_perturbed_draft, cache_root) -> None:
+    config = EngineConfig(budget=8, max_new_tokens=12)
+    base = Runtime.load(str(tiny_pair[0]), None, config)
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                      offload=OffloadConfig(draft_quant="int8", cache_dir=str(cache_root)))
+    assert isinstance(rt.engine.draft.layers[0].mlp.up_proj, QuantLinear)
+    assert "int8 layers" in rt.draft_info.dtype
+    assert ids_of(rt) == ids_of(base)
+
+
+def test_impossible_budget_is_one_config_error_line(tiny_pair, cache_root) -> None:
+    with pytest.raises(ConfigError) as e:
+        Runtime.load(str(tiny_pair[0]), None, EngineConfig(),
+                     offload=OffloadConfig(ram_budget=1000, cache_dir=str(cache_root)))
+    assert "\n" not in str(e.value) and "--ram-budget" in str(e.value) and "at least" in str(e.value)
+
+
+def test_cli_generate_offloaded(capsys, tiny_pair, cache_root) -> None:
+    argv = ["generate", "--model", str(tiny_pair[0]), "--no-draft", "--prompt", "Hello", "--max-new-tokens", "6",
+            "--offload", "ssd", "--quant", "nf4", "--cache-dir", str(cache_root), "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    stats = json.loads(captured.out)["stats"]
+    assert stats["bytes_streamed"] > 0 and "ssd_gbps" in stats and "stall_ms" in stats
+    assert "offload plan (ssd" in captured.err and "SSD tier" in captured.err
+    assert main(argv[:-1] + ["--quant", "q3"]) == 2
+    assert "--quant 'q3' is not one of" in capsys.readouterr().err
+    assert main(argv[:-1] + ["--ram-budget", "1kB"]) == 2
+    assert "error: --ram-budget" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import json, sys, threading, time
+    from pathlib import Path
+    import torch
+    torch.set_num_threads(1)
+    from specexec.config import EngineConfig, OffloadConfig
+    from specexec.engine import Engine
+    from specexec.loading import expected_shapes, read_args
+    from specexec.offloaded import load_target, plan_target
+
+    def anon():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+
+    path, root, budget = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    args, config = read_args(path), EngineConfig(budget=4, max_new_tokens=3)
+    offload = OffloadConfig(quant="none", ram_budget=budget, cache_dir=root)
+    expected_shapes(args)      # one-time library state (torch's meta-device registrations, ~65 MB): not run data
+    peak, done = [0], threading.Event()
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anon()); time.sleep(0.002)
+    base = anon()
+    threading.Thread(target=sample, daemon=True).start()
+    tp = plan_target(path, args, None, offload, config, torch.device("cpu"), torch.float32)
+    model = load_target(path, args, tp, offload, torch.device("cpu"), torch.float32)
+    ids = [t for step in Engine(model, None, config, None).generate(list(range(10, 30)), 3) for t in step]
+    done.set(); model.close()
+    print(json.dumps({"base": base, "peak": max(peak[0], anon()), "plan": tp.plan.summary(), "tokens": len(ids)}))
+""")
+OVERHEAD = 32 * 2**20       # stated overhead beyond --ram-budget: allocator slack, python objects, thread stacks
+
+
+def wide_checkpoint(dest: Path, n_layers: int) -> Path:
+    """A Llama checkpoint with 16 MB fp32 layers: one layer written by transformers, then n_layers random copies
+    of its shapes written straight to safetensors (initializing a wide model through transformers is slow)."""
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_model(dest, "llama", seed=3, n_layers=1, hidden_size=512, intermediate_size=2048,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    state = load_file(dest / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    layer0 = {k: v for k, v in state.items() if ".layers.0." in k}
+    for i in range(1, n_layers):
+        for k, v in layer0.items():
+            state[k.replace(".layers.0.", f".layers.{i}.")] = torch.randn(v.shape, generator=gen) * v.std()
+    save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n_layers}))
+    return dest
+
+
+def test_ssd_tier_peak_anonymous_memory_stays_within_the_ram_budget(tmp_path) -> None:
+    wide = wide_checkpoint(tmp_path / "wide", n_layers=8)
+    root = tmp_path / "cache"
+    cache = open_cache(wide, "none", root)
+    layer, total = cache.max_nbytes, cache.total_nbytes
+    cache.close()
+    budget = 64 * 2**20
+    assert total > budget + OVERHEAD and layer > 14 * 2**20       # all-resident would fail the check below
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(wide), str(root), str(budget)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["tokens"] == 3 and r["plan"]["ssd_layers"] >= 6 and r["plan"]["device_bytes"] <= budget
+    grown = r["peak"] - r["base"]
+    assert grown <= budget + OVERHEAD, f"anonymous RSS grew by {grown / 2**20:.1f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_cuda_offloaded_forward_equals_resident(tiny_pair, cache_root, mix: str) -> None:
+    target = tiny_pair[0]
+    cuda = torch.device("cuda")
+    ref = reference(target, "nf4").to(cuda)
+    model = build_offloaded(target, read_args(target), open_cache(target, "nf4", cache_root), MIXES[mix], cuda,
+                            torch.float32)
+    try:
+        tokens = torch.randint(7, 300, (1, 11), device=cuda)
+        pos = torch.arange(11, device=cuda)[None]
+        for _ in range(3):
+            assert torch.equal(model(tokens, pos), ref(tokens, pos))
+        if mix in ("ram", "mixed"):
+            assert model.pager.ram.region.is_pinned()
+    finally:
+        model.close()
+
+
+@pytest.mark.gpu
+def test_cuda_runtime_streams_and_matches(tiny_pair, tiny_perturbed_draft, cache_root) -> None:
+    config = EngineConfig(budget=8, max_new_tokens=12, device="cuda", dtype="float32")
+    common = {"quant": "nf4", "cache_dir": str(cache_root)}
+    a = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config, offload=OffloadConfig(offload="none", **common))
+    b = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config, offload=OffloadConfig(offload="ssd", **common))
+    assert ids_of(a) == ids_of(b)
+    assert b.stats()["bytes_streamed"] > 0

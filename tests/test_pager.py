@@ -1,0 +1,285 @@
+"""offload.pager and offload.tiers on random packed bytes: every tier mix hands out the exact bytes in order,
+stats count what moved, read-ahead overlaps a slow reader with compute, cancellation and errors are clean,
+the SSD file reads with and without O_DIRECT. `gpu` tests cover pinned memory, copy streams and events."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload.pager import LayerPager, build_pager, stream_summary
+from offload.storage import ALIGN
+from offload.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read, split
+
+SIZES = [3 * ALIGN, 2 * ALIGN, 5 * ALIGN, ALIGN, 4 * ALIGN, 2 * ALIGN]
+
+
+class MemoryReader:
+    """A LayerReader over in-memory buffers, optionally slow (sleeping releases the GIL like a disk read)."""
+
+    def __init__(self, buffers: list[torch.Tensor], delay: float = 0.0, fail_at: int | None = None) -> None:
+        self.buffers, self.delay, self.fail_at, self.reads = buffers, delay, fail_at, []
+
+    def nbytes(self, i: int) -> int:
+        return self.buffers[i].numel()
+
+    def read_layer(self, i: int, out: torch.Tensor) -> None:
+        if i == self.fail_at:
+            raise OSError(f"read error on layer {i}")
+        time.sleep(self.delay)
+        out[:self.buffers[i].numel()].copy_(self.buffers[i])
+        self.reads.append(i)
+
+
+@pytest.fixture(scope="module")
+def layers() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in SIZES]
+
+
+def check_pass(pager: LayerPager, layers: list[torch.Tensor], ids: list[int] | None = None) -> None:
+    ids = list(range(len(layers))) if ids is None else ids
+    seen = []
+    for i, buf in pager.layers(ids):
+        assert torch.equal(buf, layers[i]), f"layer {i}"
+        seen.append(i)
+    assert seen == ids
+
+
+MIXES = {
+    "resident": ["resident"] * 6,
+    "ram": ["ram"] * 6,
+    "ssd": ["ssd"] * 6,
+    "mixed": ["resident", "ram", "ssd", "ssd", "ram", "resident"],
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("n_slots", [1, 2, 3])
+def test_every_tier_mix_serves_exact_bytes_and_counts_them(layers, mix: str, n_slots: int) -> None:
+    tiers = MIXES[mix]
+    with build_pager(tiers, MemoryReader(layers), "cpu", n_slots=n_slots) as pager:
+        assert pager.tiers == tiers
+        for _ in range(3):
+            check_pass(pager, layers)
+        check_pass(pager, layers, [5, 2, 0, 3])                  # another order, a subset
+        streamed = {t: sum(n for n, ti in zip(SIZES, tiers) if ti == t) for t in ("ram", "ssd")}
+        subset = {t: sum(SIZES[i] for i in (5, 2, 0, 3) if tiers[i] == t) for t in ("ram", "ssd")}
+        assert pager.stats.bytes == {t: 3 * streamed[t] + subset[t] for t in ("ram", "ssd")}
+        assert pager.stats.passes == 4 and pager.stats.layers == 22
+
+
+def test_prefetch_loads_the_next_pass_once(layers) -> None:
+    reader = MemoryReader(layers)
+    with build_pager(["ssd"] * 6, reader, "cpu", n_slots=2) as pager:
+        check_pass(pager, layers)
+        pager.prefetch_start()
+        pager.prefetch_start()                                    # idempotent while queued
+        deadline = time.time() + 5
+        while len(reader.reads) < 8 and time.time() < deadline:   # the first 2 layers of the next pass arrive
+            time.sleep(0.01)
+        assert reader.reads == list(range(6)) + [0, 1]
+        check_pass(pager, layers)                                 # uses the prefetched job
+        assert reader.reads == list(range(6)) * 2
+        assert pager.stats.bytes["ssd"] == 2 * sum(SIZES)
+
+
+def test_prefetch_for_other_layers_is_replaced(layers) -> None:
+    reader = MemoryReader(layers)
+    with build_pager(["ssd"] * 6, reader, "cpu", n_slots=2) as pager:
+        pager.prefetch_start([4, 5])
+        check_pass(pager, layers, [0, 1, 2])
+        check_pass(pager, layers)
+
+
+def test_leaving_a_pass_early_cancels_the_read_ahead(layers) -> None:
+    reader = MemoryReader(layers, delay=0.01)
+    with build_pager(["ssd"] * 6, reader, "cpu", n_slots=2) as pager:
+        it = pager.layers()
+        i, _ = next(it)
+        it.close()
+        assert i == 0 and len(reader.reads) <= 3                  # at most the slots were filled
+        check_pass(pager, layers)                                 # and the next pass starts clean
+
+
+def test_a_read_error_reaches_the_consumer_and_the_pager_recovers(layers) -> None:
+    reader = MemoryReader(layers, fail_at=3)
+    with build_pager(["ssd"] * 6, reader, "cpu") as pager:
+        with pytest.raises(RuntimeError, match="loading layer 3 failed: read error on layer 3"):
+            check_pass(pager, layers)
+        reader.fail_at = None
+        check_pass(pager, layers)
+
+
+def test_read_ahead_overlaps_a_slow_reader_with_compute(layers) -> None:
+    delay, n = 0.04, 6
+    with build_pager(["ssd"] * n, MemoryReader(layers, delay=delay), "cpu", n_slots=2) as pager:
+        t0 = time.perf_counter()
+        for _ in pager.layers():
+            time.sleep(delay)                                     # "compute" as long as one read
+        elapsed = time.perf_counter() - t0
+        # serial would be 2 * n * delay; pipelined is about (n + 1) * delay
+        assert elapsed < 1.6 * n * delay, elapsed
+        s = pager.stats
+        assert s.stall_s < 0.5 * n * delay and s.compute_s >= n * delay * 0.9
+        assert s.copy_s["ssd"] >= n * delay * 0.9
+
+
+def test_stall_time_counts_waiting_for_a_slow_tier(layers) -> None:
+    delay = 0.03
+    with build_pager(["ssd"] * 6, MemoryReader(layers, delay=delay), "cpu") as pager:
+        check_pass(pager, layers)
+        assert pager.stats.stall_s >= 0.8 * 6 * delay
+        summary = pager.stats.summary()
+        assert summary["bytes_streamed"] == sum(SIZES) and summary["ssd_bytes"] == sum(SIZES)
+        assert summary["stall_ms"] >= 0.8 * 6 * delay * 1000 and "ssd_gbps" in summary
+
+
+def test_counters_diff_into_a_summary(layers) -> None:
+    with build_pager(["resident", "ram", "ssd", "ssd", "ram", "resident"], MemoryReader(layers), "cpu") as pager:
+        check_pass(pager, layers)
+        before = pager.counters()
+        check_pass(pager, layers)
+        s = stream_summary(before, pager.counters())
+        assert s["passes"] == 1
+        assert s["ram_bytes"] == SIZES[1] + SIZES[4] and s["ssd_bytes"] == SIZES[2] + SIZES[3]
+        assert s["bytes_streamed"] == s["ram_bytes"] + s["ssd_bytes"] and s["effective_gbps"] > 0
+
+
+def test_bind_turns_buffers_into_views(layers) -> None:
+    calls = []
+
+    def bind(i: int, slot: int, buf: torch.Tensor) -> tuple[int, int]:
+        calls.append((i, slot))
+        return i, int(buf[0])
+
+    with build_pager(["resident", "ssd", "ssd", "ssd", "ram", "resident"], MemoryReader(layers), "cpu",
+                     n_slots=2, bind=bind) as pager:
+        got = list(pager.layers())
+    assert got == [(i, (i, int(layers[i][0]))) for i in range(6)]
+    assert calls == [(0, -1), (1, 0), (2, 1), (3, 0), (4, 1), (5, -1)]
+
+
+def test_layer_in_no_tier_is_an_error(layers) -> None:
+    with pytest.raises(ValueError, match="layer 2 is in no tier"):
+        LayerPager(SIZES, "cpu", ResidentTier({0: SIZES[0], 1: SIZES[1]}, torch.device("cpu")))
+    with pytest.raises(ValueError, match="unknown tier"):
+        build_pager(["resident", "disk"], MemoryReader(layers), "cpu")
+
+
+# ------------------------------------------------------------------------------------------------ tiers
+
+def test_host_buffers_are_aligned_and_split_keeps_alignment() -> None:
+    buf = host_buffer(10 * ALIGN)
+    assert buf.data_ptr() % ALIGN == 0 and buf.numel() == 10 * ALIGN
+    parts = split(buf, [ALIGN, 3 * ALIGN, 2 * ALIGN])
+    assert [p.numel() for p in parts] == [ALIGN, 3 * ALIGN, 2 * ALIGN]
+    assert all(p.data_ptr() % ALIGN == 0 for p in parts)
+
+
+def test_ram_tier_is_one_region() -> None:
+    tier = RamTier({0: ALIGN, 3: 2 * ALIGN, 7: ALIGN}, pin=False)
+    assert tier.region.numel() == 4 * ALIGN and tier.nbytes == 4 * ALIGN
+    ptrs = sorted(b.data_ptr() for b in tier.buffers.values())
+    assert ptrs[0] == tier.region.data_ptr() and ptrs[-1] == tier.region.data_ptr() + 3 * ALIGN
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_packed_file_reads_layers(tmp_path: Path, layers, direct: bool) -> None:
+    f = PackedFile.write(tmp_path / "layers.bin", layers, direct=direct)
+    assert f.offsets == [sum(SIZES[:i]) for i in range(len(SIZES))]
+    out = host_buffer(max(SIZES))
+    for i in (3, 0, 5, 2):
+        f.read_layer(i, out)
+        assert torch.equal(out[:SIZES[i]], layers[i])
+    assert probe_read(f, range(len(SIZES)), out) > 0
+    f.close()
+
+
+def test_packed_file_truncated(tmp_path: Path, layers) -> None:
+    f = PackedFile.write(tmp_path / "layers.bin", layers)
+    with open(tmp_path / "layers.bin", "r+b") as fh:
+        fh.truncate(sum(SIZES) - ALIGN)
+    with pytest.raises(EOFError):
+        f.read_layer(len(SIZES) - 1, host_buffer(max(SIZES)))
+
+
+def test_probe_copy(layers) -> None:
+    dst = host_buffer(max(SIZES))
+    assert probe_copy(layers, dst) > 0
+    assert torch.equal(dst[:SIZES[-1]], layers[-1])
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_cuda_pager_serves_exact_bytes(layers, mix: str) -> None:
+    with build_pager(MIXES[mix], MemoryReader(layers), "cuda", n_slots=2) as pager:
+        if pager.ram is not None:
+            assert pager.ram.region.is_pinned()
+        for _ in range(3):
+            for i, buf in pager.layers():
+                assert buf.is_cuda and torch.equal(buf.cpu(), layers[i])
+            pager.prefetch_start()
+        s = pager.collect()
+        assert s.passes == 3 and s.compute_s > 0
+
+
+@pytest.mark.gpu
+def test_cuda_copies_overlap_compute() -> None:
+    """With big RAM-tier layers and a matmul per layer, a pass takes well under copy + compute time."""
+    n, size = 8, 64 * 2**20
+    bufs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(2)]
+    reader = MemoryReader([bufs[i % 2] for i in range(n)])
+    a = torch.randn(4096, 4096, device="cuda")
+    with build_pager(["ram"] * n, reader, "cuda", n_slots=2) as pager:
+        for _ in pager.layers():                                   # warm-up
+            a @ a
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _, buf in pager.layers():
+            for _ in range(4):
+                a @ a
+            buf[:16].sum()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        s = pager.collect()
+    copy = s.copy_s["ram"] / 2                                      # the second pass's copies
+    compute = s.compute_s / 2
+    assert wall < 0.9 * (copy + compute), (wall, copy, compute)
+
+
+# ------------------------------------------------------------------------------------------------ bench stream
+
+@pytest.mark.parametrize("offload", ["ssd", "ram"])
+def test_bench_stream_json_rows(capsys, tmp_path: Path, offload: str) -> None:
+    from cli.main import main
+
+    argv = ["bench", "stream", "--synthetic", "1b", "--layers", "2", "--distinct", "1", "--tokens", "1,4",
+            "--offload", offload, "--device", "cpu", "--dir", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["arch"] == "1b" and out["quant"] == "nf4" and out["plan"][f"{offload}_layers"] == 2
+    assert [r["tokens"] for r in out["rows"]] == [1, 4]
+    for r in out["rows"]:
+        assert r["tier"] == offload and r["seconds_per_pass"] > 0 and 0 <= r["stall_fraction"] <= 1
+        assert r["bytes_per_pass"] == 2 * out["layer_bytes"]
+        assert r["effective_gbps"] == pytest.approx(r["bytes_per_pass"] / r["seconds_per_pass"] / 1e9, rel=0.01)
+        assert r["tier_peak_gbps"] > 0
+    assert f"{offload.upper() if offload == 'ssd' else 'RAM'} tier" in captured.err
+    assert list(tmp_path.iterdir()) == []                          # the SSD file is removed afterwards
+
+
+def test_bench_stream_rejects_bad_flags(capsys) -> None:
+    from cli.main import main
+
+    assert main(["bench", "stream", "--synthetic", "1b", "--tokens", "0"]) == 2
+    assert "--tokens" in capsys.readouterr().err
+    assert main(["bench", "stream", "--synthetic", "3b"]) == 2
+    assert main(["bench", "stream", "--synthetic", "1b", "--ram-budget", "1MB", "--device", "cpu"]) == 2
+    assert "error: --ram-budget" in capsys.readouterr().err

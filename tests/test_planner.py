@@ -1,0 +1,159 @@
+"""offload.planner: which tier each layer gets for given budgets (pure function, made-up sizes), the overrides,
+the one-line errors for impossible budgets, and the text/summary of a plan. Also the OffloadConfig checks."""
+from __future__ import annotations
+
+import pytest
+
+from offload.planner import GB, Bandwidths, Needs, PlanError, default_budgets, plan
+from specexec.config import ConfigError, OffloadConfig
+
+MB = 10**6
+
+
+def needs(n: int = 10, layer: int = 100 * MB, fixed: int = 300 * MB, slots: int = 2, bounce: int = 2) -> Needs:
+    """n layers of `layer` bytes; fixed costs split over draft / KV / activations."""
+    return Needs((layer,) * n, (("draft", fixed // 3), ("KV caches", fixed // 3), ("activations", fixed - 2 * (fixed // 3))),
+                 slots, bounce)
+
+
+def counts(p) -> tuple[int, int, int]:
+    return len(p.layers_in("resident")), len(p.layers_in("ram")), len(p.layers_in("ssd"))
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+
+def test_cuda_everything_fits_stays_resident_without_slots() -> None:
+    p = plan(needs(), "cuda", ram_budget=0, gpu_budget=2 * GB)
+    assert counts(p) == (10, 0, 0)
+    assert not p.streams and p.n_slots == 0 and p.device_bytes == 300 * MB + 1000 * MB
+    assert p.expected_s == 0.0
+
+
+def test_cuda_budgets_fill_gpu_then_ram_then_ssd() -> None:
+    # GPU: 300 fixed + 200 slots + 3 layers = 800 <= 850; RAM: 2 bounce (200) + 4 layers (400) <= 650; rest SSD.
+    p = plan(needs(), "cuda", ram_budget=650 * MB, gpu_budget=850 * MB)
+    assert p.tiers == ("resident",) * 3 + ("ram",) * 4 + ("ssd",) * 3
+    assert p.device_bytes == 800 * MB and p.host_bytes == 600 * MB
+    assert p.slot_bytes == 100 * MB and p.n_bounce == 2
+
+
+def test_cuda_no_bounce_buffers_when_ram_holds_every_streamed_layer() -> None:
+    p = plan(needs(), "cuda", ram_budget=700 * MB, gpu_budget=850 * MB)
+    assert counts(p) == (3, 7, 0)
+    assert p.n_bounce == 0 and p.host_bytes == 700 * MB
+
+
+def test_cuda_expected_seconds_follow_the_bandwidths() -> None:
+    p = plan(needs(), "cuda", ram_budget=650 * MB, gpu_budget=850 * MB, bandwidths=Bandwidths(ram=10e9, ssd=1e9))
+    assert p.expected_s == pytest.approx(400 * MB / 10e9 + 300 * MB / 1e9)
+
+
+@pytest.mark.parametrize("mode, want", [("none", (10, 0, 0)), ("ram", (0, 10, 0)), ("ssd", (0, 0, 10))])
+def test_cuda_offload_mode_overrides_the_budgets(mode: str, want: tuple[int, int, int]) -> None:
+    p = plan(needs(), "cuda", ram_budget=100 * GB, gpu_budget=100 * GB, mode=mode)
+    assert counts(p) == want
+    assert p.mode == mode
+
+
+def test_cuda_gpu_budget_too_small_for_fixed_costs_and_slots_says_what_fits() -> None:
+    with pytest.raises(PlanError) as e:
+        plan(needs(), "cuda", ram_budget=100 * GB, gpu_budget=400 * MB)
+    msg = str(e.value)
+    assert "\n" not in msg and "--gpu-budget 0.40 GB" in msg and "at least 0.50 GB" in msg
+    assert "draft (0.10 GB)" in msg and "2 streaming slots (0.20 GB)" in msg
+
+
+def test_offload_none_that_does_not_fit_names_how_many_layers_would() -> None:
+    with pytest.raises(PlanError, match=r"--offload auto .*at most 5 of 10 fit resident"):
+        plan(needs(), "cuda", ram_budget=100 * GB, gpu_budget=800 * MB, mode="none")
+
+
+def test_offload_ram_that_does_not_fit_the_ram_budget() -> None:
+    with pytest.raises(PlanError, match=r"--ram-budget 0.50 GB cannot hold 10 pinned layers.*--offload ssd"):
+        plan(needs(), "cuda", ram_budget=500 * MB, gpu_budget=100 * GB, mode="ram")
+
+
+def test_ssd_needs_room_for_bounce_buffers() -> None:
+    with pytest.raises(PlanError, match=r"--ram-budget .* cannot hold 2 SSD bounce buffers"):
+        plan(needs(), "cuda", ram_budget=150 * MB, gpu_budget=100 * GB, mode="ssd")
+
+
+def test_uneven_layers_size_slots_by_the_largest_streamed_one() -> None:
+    n = Needs((50 * MB, 300 * MB, 100 * MB, 100 * MB, 150 * MB), (("draft", 0),), 2, 2)
+    p = plan(n, "cuda", ram_budget=10 * GB, gpu_budget=650 * MB)
+    # 700 MB do not fit; 2 slots of the largest layer take 600 MB, so only the first layer (50) stays resident
+    assert p.tiers == ("resident", "ram", "ram", "ram", "ram")
+    assert p.slot_bytes == 300 * MB
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+def test_cpu_ram_budget_bounds_everything_and_the_rest_streams_from_ssd() -> None:
+    # 300 fixed + 200 slots + 4 resident layers = 900 <= 950; the other 6 stream from the SSD.
+    p = plan(needs(), "cpu", ram_budget=950 * MB)
+    assert p.tiers == ("resident",) * 4 + ("ssd",) * 6
+    assert p.gpu_budget is None and p.n_bounce == 0 and p.host_bytes == 0
+    assert p.device_bytes == 900 * MB
+
+
+def test_cpu_never_picks_the_ram_tier_on_its_own() -> None:
+    for budget in (600, 900, 1250, 1299):
+        p = plan(needs(), "cpu", ram_budget=budget * MB)
+        assert "ram" not in p.tiers
+    assert counts(plan(needs(), "cpu", ram_budget=1300 * MB)) == (10, 0, 0)
+
+
+def test_cpu_gpu_budget_is_ignored_with_a_warning() -> None:
+    p = plan(needs(), "cpu", ram_budget=950 * MB, gpu_budget=1 * MB)
+    assert p.gpu_budget is None and counts(p) == (4, 0, 6)
+    assert any("--gpu-budget means nothing without CUDA" in w for w in p.warnings)
+    assert "warning: --gpu-budget" in p.describe()
+
+
+def test_cpu_budget_too_small_for_fixed_costs() -> None:
+    with pytest.raises(PlanError, match=r"--ram-budget 0.40 GB cannot hold .* at least 0.50 GB"):
+        plan(needs(), "cpu", ram_budget=400 * MB)
+
+
+def test_cpu_offload_ram_counts_the_region_and_the_slots() -> None:
+    p = plan(needs(), "cpu", ram_budget=1500 * MB, mode="ram")
+    assert counts(p) == (0, 10, 0) and p.host_bytes == 1000 * MB
+    with pytest.raises(PlanError):
+        plan(needs(), "cpu", ram_budget=1400 * MB, mode="ram")
+
+
+# ------------------------------------------------------------------------------------------------ misc
+
+def test_describe_and_summary() -> None:
+    p = plan(needs(), "cuda", ram_budget=650 * MB, gpu_budget=850 * MB)
+    text = p.describe()
+    assert "resident (GPU)" in text and "RAM tier (pinned)" in text and "SSD tier" in text
+    assert "[0..2]" in text and "[3..6]" in text and "[7..9]" in text and "s per pass" in text
+    s = p.summary()
+    assert (s["resident_layers"], s["ram_layers"], s["ssd_layers"]) == (3, 4, 3)
+    assert s["ssd_bytes"] == 300 * MB and s["device_bytes"] == 800 * MB
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(PlanError, match="unknown offload mode"):
+        plan(needs(), "cpu", ram_budget=GB, mode="disk")
+    with pytest.raises(PlanError, match="needs a GPU budget"):
+        plan(needs(), "cuda", ram_budget=GB)
+    assert issubclass(PlanError, ValueError)
+
+
+def test_default_budgets_leave_a_margin() -> None:
+    import psutil
+
+    b = default_budgets("cpu")
+    assert b.gpu is None and 0 <= b.ram < psutil.virtual_memory().available
+
+
+def test_offload_config_validates_flags() -> None:
+    c = OffloadConfig.from_flags(quant="nf4", offload="ssd", ram_budget="2GB", gpu_budget="512MiB")
+    assert (c.quant, c.offload, c.ram_budget, c.gpu_budget) == ("nf4", "ssd", 2 * 10**9, 512 * 2**20)
+    assert OffloadConfig() == OffloadConfig.from_flags()
+    for kw in ({"quant": "q4"}, {"offload": "disk"}, {"draft_quant": "auto"}, {"ram_budget": "lots"},
+               {"gpu_budget": "0GB"}, {"cache_dir": " "}):
+        with pytest.raises(ConfigError):
+            OffloadConfig.from_flags(**kw)

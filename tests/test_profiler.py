@@ -1,0 +1,121 @@
+"""specexec.profiler: spans, counters, per-step records with stream sources, the summary table and JSON line,
+the engine feeding it, and PeakMemory."""
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+import torch
+from rich.console import Console
+
+from specexec.config import EngineConfig
+from specexec.profiler import PeakMemory, Profiler, Span, summary_table
+from specexec.runtime import Runtime
+
+
+def test_spans_time_regions_and_sum_by_name() -> None:
+    prof = Profiler("cpu")
+    with prof.span("draft"):
+        time.sleep(0.02)
+    span = prof.start("draft")
+    time.sleep(0.01)
+    span.stop()
+    prof.start("never-stopped")
+    totals = prof.totals()
+    assert set(totals) == {"draft"}                       # unfinished spans are not counted
+    assert totals["draft"]["calls"] == 2
+    assert 28 <= totals["draft"]["ms"] < 1000
+    with pytest.raises(RuntimeError, match="not stopped"):
+        Span("x", torch.device("cpu")).seconds
+
+
+def test_counters_steps_and_stream_sources() -> None:
+    prof = Profiler("cpu")
+    pager = {"bytes_streamed": 1e9, "stall_s": 0.5, "copy_s": 0.1}     # cumulative, as a pager reports
+    prof.watch(lambda: dict(pager))
+    prof.begin()
+    prof.count(prompt_tokens=7, reused_tokens=3)
+    with prof.span("prefill"):
+        pass
+    pager.update(bytes_streamed=3e9, stall_s=0.6)
+    first = prof.step(tree_size=8, depth=3, accepted=4, draft_s=0.002, target_s=0.010)
+    pager.update(bytes_streamed=4e9)
+    time.sleep(0.01)
+    second = prof.step(tree_size=6, depth=2, accepted=2, draft_s=0.001, target_s=0.010)
+    prof.count(generated=6)
+    assert (first.bytes_streamed, second.bytes_streamed) == (2 * 10**9, 10**9)
+    assert first.stall_ms == pytest.approx(100.0) and second.stall_ms == pytest.approx(0.0)
+    assert (first.draft_ms, first.target_ms) == (pytest.approx(2.0), pytest.approx(10.0))
+    s = prof.summary()
+    assert s["prompt_tokens"] == 7 and s["reused_tokens"] == 3 and s["generated"] == 6
+    assert s["steps"] == 2 and s["tokens_per_step"] == 3.0 and s["tree_size"] == 7.0 and s["depth"] == 2.5
+    assert s["bytes_streamed"] == 3 * 10**9 and s["streamed_gb"] == pytest.approx(3.0)
+    assert s["stall_ms"] == pytest.approx(100.0)
+    assert s["effective_gb_s"] == pytest.approx(3.0 / 0.020, rel=1e-3)
+    assert s["ttft_s"] is not None and s["ttft_s"] <= s["wall_s"]
+    assert s["decode_tok_s"] == pytest.approx(6 / s["decode_s"], rel=1e-2)
+
+
+def test_json_line_and_table() -> None:
+    prof = Profiler("cpu")
+    prof.watch(lambda: {"bytes_streamed": 0, "stall_s": 0.0})
+    prof.begin()
+    with prof.span("prefill"):
+        pass
+    prof.step(4, 2, 3, 0.001, 0.002)
+    line = prof.json_line(steps=True)
+    assert "\n" not in line
+    obj = json.loads(line)
+    assert obj["steps"] == 1 and obj["step_records"][0]["tree_size"] == 4 and "prefill" in obj["spans"]
+    out = io.StringIO()
+    Console(file=out, width=160).print(prof.table("t"))
+    text = out.getvalue()
+    for needle in ("prefill", "total", "stream", "tokens/pass"):
+        assert needle in text, needle
+
+
+def test_table_without_steps_or_streams() -> None:
+    out = io.StringIO()
+    Console(file=out, width=160).print(summary_table(Profiler("cpu").summary()))
+    assert "total" in out.getvalue() and "stream" not in out.getvalue()
+
+
+def test_engine_feeds_the_profiler(tiny_pair, tiny_perturbed_draft) -> None:
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), EngineConfig(budget=8))
+    prompt = rt.encode("The quick brown fox")
+    ids = [t for step in rt.generate_ids(prompt, 12) for t in step]
+    s = rt.engine.profiler.summary()
+    stats = rt.engine.stats
+    assert s["generated"] == len(ids) == stats.generated
+    assert s["steps"] == len(stats.steps)
+    assert s["spans"]["draft"]["calls"] == s["spans"]["target"]["calls"] == s["steps"]
+    assert s["prompt_tokens"] == len(prompt) - 1 and s["reused_tokens"] == 0
+    assert stats.prefill_s * 1000 == pytest.approx(s["spans"]["prefill"]["ms"], abs=1e-3)
+    recs = rt.engine.profiler.steps
+    assert [r.tree_size for r in recs] == [r.tree_size for r in stats.steps]
+    assert all(r.bytes_streamed is None for r in recs)        # a resident target streams nothing
+    list(rt.generate_ids(prompt, 4))                          # a new call starts a new profile
+    assert rt.engine.profiler.summary()["generated"] <= 4
+
+
+def test_peak_memory_sees_an_allocation() -> None:
+    with PeakMemory("cpu", interval=0.001) as before:
+        time.sleep(0.01)
+    with PeakMemory("cpu", interval=0.001) as mem:
+        x = torch.ones(64 * 2**20 // 4)                        # 64 MiB, touched
+        time.sleep(0.05)
+        del x
+    assert mem.ram_bytes > 0 and mem.vram_bytes is None
+    assert mem.ram_bytes >= before.ram_bytes
+
+
+@pytest.mark.gpu
+def test_cuda_spans_use_events() -> None:
+    prof = Profiler("cuda")
+    a = torch.randn(2048, 2048, device="cuda")
+    with prof.span("matmul") as span:
+        for _ in range(10):
+            a = a @ a / 2048
+    assert span._events is not None and span.seconds > 0

@@ -1,0 +1,531 @@
+"""`specexec serve` over loopback with the tiny models, driven by the official `openai` client (and http.client
+for raw requests): chat and text completions, streaming, n > 1, seeds, stop strings, FIFO under concurrent
+clients, client disconnects that free the queue, KV-prefix reuse across turns, OpenAI-style 4xx bodies for
+malformed requests, the API key, /metrics, greedy output identical to `specexec generate --json`, and the command itself
+in a subprocess. Every server binds 127.0.0.1 on a free port and is stopped at the end of its module/test."""
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+import uvicorn
+
+from cli.main import main
+from cli.serve_app import ServeSettings, build_app
+from specexec.config import EngineConfig, SamplingParams
+from specexec.openai_api import ServerDefaults
+from specexec.runtime import Runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-pair"
+BUDGET, MAX_TOKENS = 8, 32
+MAX_BODY = 64 * 1024
+
+
+@contextlib.contextmanager
+def running(app) -> Iterator[str]:
+    """Serve `app` on 127.0.0.1:<free port> in a background thread; yields the base URL; stops it after."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_pair, tiny_perturbed_draft) -> Runtime:
+    return Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft),
+                        EngineConfig(budget=BUDGET, dtype="float32", max_new_tokens=MAX_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def url(runtime) -> Iterator[str]:
+    app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), MAX_TOKENS), ServeSettings(max_body=MAX_BODY))
+    with running(app) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client, content: str, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def connect(url: str, timeout: float = 30) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+
+
+def send(conn: http.client.HTTPConnection, method: str, path: str, body: Any = None,
+         headers: dict | None = None) -> http.client.HTTPResponse:
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    return conn.getresponse()
+
+
+def raw(url: str, method: str, path: str, body: Any = None, headers: dict | None = None,
+        timeout: float = 30) -> tuple[int, Any]:
+    """(status, parsed JSON or text) of one plain HTTP request (stdlib only, loopback)."""
+    conn = connect(url, timeout)
+    try:
+        resp = send(conn, method, path, body, headers)
+        text = resp.read().decode()
+        is_json = (resp.getheader("content-type") or "").startswith("application/json")
+        return resp.status, json.loads(text) if is_json else text
+    finally:
+        conn.close()
+
+
+def metrics(url: str) -> dict:
+    return raw(url, "GET", "/metrics?format=json")[1]
+
+
+def health(url: str) -> dict:
+    return raw(url, "GET", "/health")[1]
+
+
+def cli_generate(capsys, tiny_pair, draft, *argv: str) -> dict:
+    """`specexec generate --json` in-process with the server's model, draft, budget and dtype."""
+    code = main(["generate", "--model", str(tiny_pair[0]), "--draft", str(draft), "--budget", str(BUDGET),
+                 "--dtype", "float32", *argv, "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+# ------------------------------------------------------------------------------------------ endpoints
+
+def test_models_health_and_metrics(client, url) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    other = client.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert other.model == MODEL                                   # any name is accepted; the served one answers
+    assert client.models.retrieve(MODEL).owned_by == "specexec"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    state = health(url)
+    assert state["status"] == "ok" and state["model"] == MODEL and state["queue_depth"] == 0
+    chat(client, "Hello", max_tokens=8)
+    text = raw(url, "GET", "/metrics")[1]
+    for name in ("specexec_queue_depth 0", "specexec_tokens_per_step ", "specexec_tokens_per_second ",
+                 "specexec_generated_tokens_total ", 'specexec_jobs_total{outcome="completed"}',
+                 'specexec_requests_total{path="/v1/chat/completions",status="200"}'):
+        assert name in text, text
+    snap = metrics(url)
+    assert snap["generated_tokens"] >= 1 and snap["steps"] >= 1 and snap["tokens_per_step"] >= 1
+
+
+def test_chat_completion(client) -> None:
+    r = chat(client, "Hello", max_tokens=16, frequency_penalty=0, presence_penalty=0, user="u1", logprobs=False,
+             extra_body={"some_future_field": True})
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 16 and r.usage.prompt_tokens > 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    ext = r.model_extra["specexec"]
+    assert ext["builder"] == "specexec" and ext["budget"] == BUDGET and ext["steps"] >= 1
+    assert ext["tokens_per_step"] == pytest.approx(r.usage.completion_tokens / ext["steps"], abs=1e-3)
+    assert ext["choices"][0]["tree_size"] > 0
+
+
+def test_stream_arrives_in_chunks_before_the_end(client, url) -> None:
+    whole = chat(client, "Hello", max_tokens=48).choices[0].message.content
+    stream = chat(client, "Hello", max_tokens=48, stream=True, stream_options={"include_usage": True})
+    parts, times, busy_at_first, finish, usage = [], [], None, None, None
+    for chunk in stream:
+        times.append(time.perf_counter())
+        if chunk.usage is not None:
+            usage = chunk
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            if not parts:
+                busy_at_first = health(url)["busy"]
+            parts.append(delta.content)
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(parts) == whole
+    assert len(parts) >= 3 and busy_at_first is True      # text came while the engine was still generating
+    assert finish in ("stop", "length")
+    assert usage.choices == [] and usage.usage.completion_tokens >= len(parts)
+    assert usage.model_extra["specexec"]["steps"] >= 1
+
+
+def test_completions_n2_seed_and_echo(client) -> None:
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, n=2, temperature=1.0, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert a.object == "text_completion" and [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]        # same seed, same samples
+    assert 2 <= a.usage.completion_tokens <= 24 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert len(a.model_extra["specexec"]["choices"]) == 2
+    others = {tuple(c.text for c in client.completions.create(**{**kw, "seed": s}).choices) for s in (1, 2, 3)}
+    assert len(others | {tuple(c.text for c in a.choices)}) > 1               # the seed matters
+    echoed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, echo=True)
+    assert echoed.choices[0].text.startswith("Once upon a time")
+    chat_n = chat(client, "Hello", max_tokens=8, n=2)
+    assert [c.index for c in chat_n.choices] == [0, 1]
+    assert chat_n.choices[0].message.content == chat_n.choices[1].message.content    # greedy: identical
+
+
+def test_prompt_forms(client, runtime) -> None:
+    ids = runtime.encode("The quick brown fox")
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8)
+    by_text = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=["The quick brown fox", "Hello"], max_tokens=8)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == by_text.choices[0].text
+
+
+def test_stop_strings_match_cli(client, capsys, tiny_pair, tiny_perturbed_draft) -> None:
+    full = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24).choices[0].text
+    stop = next(full[i:i + 2] for i in range(4, len(full) - 2) if full[i:i + 2].strip() and full[i:i + 2].isprintable())
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24, stop=[stop, "@@@"])
+    text = r.choices[0].text
+    assert stop not in text and full.startswith(text) and r.choices[0].finish_reason == "stop"
+    cli = cli_generate(capsys, tiny_pair, tiny_perturbed_draft, "--prompt", "The quick brown fox",
+                       "--max-new-tokens", "24", "--stop", stop, "@@@")
+    assert text == cli["text"]
+    streamed = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_greedy_over_http_equals_cli_generate(client, capsys, tiny_pair, tiny_perturbed_draft) -> None:
+    prompt = "The quick brown fox"
+    cli = cli_generate(capsys, tiny_pair, tiny_perturbed_draft, "--prompt", prompt, "--max-new-tokens", "24")
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == cli["text"] and r.usage.completion_tokens == len(cli["token_ids"])
+    cli_chat = cli_generate(capsys, tiny_pair, tiny_perturbed_draft, "--prompt", "Hello", "--chat",
+                            "--max-new-tokens", "24")
+    c = chat(client, "Hello", max_tokens=24, temperature=0)
+    assert c.choices[0].message.content == cli_chat["text"]
+    assert c.usage.completion_tokens == len(cli_chat["token_ids"])
+
+
+def test_second_turn_reuses_the_kv_prefix(client) -> None:
+    first = [{"role": "user", "content": "Hello, how are you today?"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=12)
+    history = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                       {"role": "user", "content": "Tell me a story."}]
+    r2 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=12)
+    reused = r2.model_extra["specexec"]["reused_tokens"]
+    assert reused >= r1.usage.prompt_tokens - 1, (reused, r1.usage.prompt_tokens)
+    assert reused < r2.usage.prompt_tokens
+
+
+# ------------------------------------------------------------------------------------------ the queue
+
+def test_concurrent_clients_are_served_fifo_and_unmixed(client, url) -> None:
+    prompts = ["Hello", "The quick brown fox", "Once upon a time", "What is the capital", "def main():",
+               "A draft model"]
+    expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16).choices[0].text
+                for p in prompts}
+    got, finished, lock = {}, [], threading.Lock()
+    clients = {p: openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) for p in prompts}
+
+    def ask(p: str) -> None:
+        text = clients[p].completions.create(model=MODEL, prompt=p, max_tokens=16).choices[0].text
+        with lock:
+            got[p] = text
+            finished.append(p)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    submitted = metrics(url)["jobs_submitted"]
+    for t in threads:                    # arrival order = list order: each starts once the previous is queued
+        t.start()
+        submitted += 1
+        deadline = time.monotonic() + 10
+        while metrics(url)["jobs_submitted"] < submitted:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    for t in threads:
+        t.join(60)
+    assert got == expected
+    assert finished == prompts
+
+
+def _long_job(max_tokens: int = 64) -> dict:
+    """A request that keeps the worker busy for seconds whatever EOS does: 16 greedy choices."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": max_tokens, "n": 16}
+
+
+def _served_promptly(client, seconds: float) -> None:
+    t0 = time.perf_counter()
+    r = chat(client, "Hello", max_tokens=4)
+    assert r.choices[0].message.content is not None
+    assert time.perf_counter() - t0 < seconds, "the next request waited for the abandoned generation"
+
+
+def _wait_cancelled(url: str, before: int) -> None:
+    deadline = time.monotonic() + 10
+    while metrics(url)["jobs_cancelled"] <= before:
+        assert time.monotonic() < deadline, "the abandoned job was not cancelled"
+        time.sleep(0.02)
+
+
+def _give_up_after(url: str, seconds: float) -> None:
+    """Send a long non-streamed request, wait `seconds` for the answer, then close the connection."""
+    conn = connect(url, timeout=seconds)
+    try:
+        with pytest.raises(TimeoutError):
+            send(conn, "POST", "/v1/chat/completions", _long_job())
+    finally:
+        conn.close()
+
+
+def test_stream_disconnect_frees_the_queue(client, url) -> None:
+    t0 = time.perf_counter()
+    chat(client, "Hello", max_tokens=64)
+    one = time.perf_counter() - t0                           # one choice; the long job has 16
+    before = metrics(url)["jobs_cancelled"]
+    conn = connect(url)
+    try:
+        resp = send(conn, "POST", "/v1/chat/completions", {**_long_job(), "stream": True})
+        assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+        line = b""
+        while b'"content":"' not in line or b'"content":""' in line:
+            line = resp.readline()
+            assert line, "the stream ended before any text"
+        assert line.startswith(b"data: ")                   # generation is under way; now hang up
+    finally:
+        conn.close()
+    _wait_cancelled(url, before)
+    _served_promptly(client, max(3 * one, 2.0))
+    assert health(url)["queue_depth"] == 0
+
+
+def test_non_streamed_disconnect_frees_the_queue(client, url) -> None:
+    before = metrics(url)["jobs_cancelled"]
+    _give_up_after(url, 0.5)
+    _wait_cancelled(url, before)
+    _served_promptly(client, 3.0)
+
+
+def test_waiting_request_that_disconnects_leaves_the_queue(client, url) -> None:
+    before = metrics(url)["jobs_cancelled"]
+    done = threading.Event()
+
+    def long() -> None:
+        status, body = raw(url, "POST", "/v1/chat/completions", _long_job(24), timeout=60)
+        if status == 200 and len(body["choices"]) == 16:
+            done.set()
+
+    holder = threading.Thread(target=long)
+    holder.start()
+    time.sleep(0.2)
+    _give_up_after(url, 0.3)                        # queued behind `long`, gives up while waiting
+    _wait_cancelled(url, before)
+    assert health(url)["queue_depth"] == 0
+    holder.join(60)
+    assert done.is_set()
+
+
+def test_a_failing_generation_is_a_500_body_and_the_server_lives_on(client, url, runtime, monkeypatch) -> None:
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated engine failure")
+        yield                                                     # a generator, like the real one
+
+    monkeypatch.setattr(runtime, "generate_ids", boom)
+    code, reply = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+    assert code == 500 and reply["error"]["type"] == "server_error", reply
+    assert "simulated engine failure" in reply["error"]["message"]
+    code, text = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "stream": True})
+    assert code == 200 and "simulated engine failure" in text and text.endswith("data: [DONE]\n\n"), text
+    monkeypatch.undo()
+    assert chat(client, "Hello", max_tokens=4).usage.completion_tokens >= 1
+    assert metrics(url)["jobs_failed"] == 2
+
+
+# ------------------------------------------------------------------------------------------ bad requests
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b"\xff\xfe", 400, None),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"temperature": -1}, 400, "temperature"),
+    ({"temperature": 1e400}, 400, "temperature"),    # json reads it as inf
+    ({"top_p": 0}, 400, "top_p"),
+    ({"top_k": 2.5}, 400, "top_k"),
+    ({"seed": -3}, 400, "seed"),
+    ({"n": 0}, 400, "n"),
+    ({"n": True}, 400, "n"),
+    ({"max_tokens": "ten"}, 400, "max_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 100000}, 400, "messages"),
+    ({"stop": 5}, 400, "stop"),
+    ({"stream": "yes"}, 400, "stream"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"frequency_penalty": 1}, 400, "frequency_penalty"),
+    ({"logprobs": True}, 400, "logprobs"),
+    ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+]
+
+
+def test_malformed_requests_get_openai_error_bodies(url) -> None:
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    for body, status, param in BAD:
+        data = body if isinstance(body, bytes) else json.dumps({**base, **body}).encode()
+        code, reply = raw(url, "POST", "/v1/chat/completions", data)
+        assert code == status, (body, code, reply)
+        err = reply["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+    assert health(url)["status"] == "ok"
+
+
+def test_oversized_and_misrouted_requests(url, client) -> None:
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 80         # > 512 tokens of context
+    code, reply = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": long_prompt})
+    assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    code, reply = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]})
+    assert code == 400 and reply["error"]["param"] == "prompt", reply
+    code, reply = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": "x" * (MAX_BODY + 10)})
+    assert code == 413 and reply["error"]["code"] == "request_too_large", reply
+    code, reply = raw(url, "GET", "/v1/chat/completions")
+    assert code == 405 and "error" in reply, reply
+    code, reply = raw(url, "GET", "/v1/nothing")
+    assert code == 404 and reply["error"]["code"] == "not_found", reply
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "Hello", temperature=-2)
+    assert e.value.status_code == 400 and "temperature" in str(e.value)
+    assert chat(client, "Hello", max_tokens=4).choices[0].message.content is not None
+
+
+def test_api_key(runtime) -> None:
+    app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), 8), ServeSettings(api_key="s3cret"))
+    with running(app) as base:
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            code, reply = raw(base, "GET", "/v1/models", headers=headers)
+            assert code == 401 and reply["error"]["code"] == "invalid_api_key", reply
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert chat(good, "Hello", max_tokens=4).usage.completion_tokens >= 1
+        assert raw(base, "GET", "/health")[0] == 200                              # health stays open
+
+
+def test_a_full_queue_answers_429(runtime) -> None:
+    app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), 8), ServeSettings(max_queue=1))
+    with running(app) as base:
+        def hold() -> None:                        # a long job that hangs up after 3 s (cancelled then)
+            with contextlib.suppress(TimeoutError):
+                raw(base, "POST", "/v1/chat/completions", _long_job(), timeout=3)
+
+        holders = []
+        for expected in (1, 2):                    # one running, one waiting: the queue of 1 is full
+            holders.append(threading.Thread(target=hold))
+            holders[-1].start()
+            deadline = time.monotonic() + 10
+            while metrics(base)["jobs_submitted"] < expected:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        code, reply = raw(base, "POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+        assert code == 429 and reply["error"]["code"] == "queue_full", reply
+        for t in holders:
+            t.join(30)
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def test_serve_command_end_to_end(tiny_pair, tiny_perturbed_draft) -> None:
+    cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_pair[0]), "--draft",
+           str(tiny_perturbed_draft), "--budget", "8", "--port", "0", "--api-key", "k3y", "--max-new-tokens", "8"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = None
+        deadline = time.monotonic() + 120
+        while base is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "serve exited early"
+            m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)/v1", line)
+            if m:
+                assert m.group(1) == tiny_pair[0].name
+                base = m.group(2)
+        assert base is not None
+        assert raw(base, "GET", "/v1/models")[0] == 401
+        c = openai.OpenAI(base_url=base + "/v1", api_key="k3y", max_retries=0, timeout=60)
+        r = c.completions.create(model=tiny_pair[0].name, prompt="Hello", max_tokens=5)
+        assert r.usage.completion_tokens >= 1
+        c.close()
+        proc.send_signal(signal.SIGINT)                        # Ctrl-C: a clean stop, the CLI's exit code
+        assert proc.wait(30) == 130
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_without_the_serve_extra_the_error_says_what_to_install(capsys, monkeypatch, tiny_pair) -> None:
+    for module in ("starlette", "uvicorn"):
+        monkeypatch.setitem(sys.modules, module, None)          # `import starlette` now fails
+    assert main(["serve", "--model", str(tiny_pair[0]), "--no-draft"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'specexec[serve]'" in err and "Traceback" not in err, err
+
+
+def test_the_core_package_does_not_import_the_http_stack() -> None:
+    import ast
+
+    for path in (ROOT / "specexec").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] in ("starlette", "uvicorn", "fastapi") for n in names), path
+
+
+def test_bad_port_is_one_line_error(capsys, tiny_pair) -> None:
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        code = main(["serve", "--model", str(tiny_pair[0]), "--no-draft", "--port", str(busy.getsockname()[1])])
+    finally:
+        busy.close()
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: cannot listen on 127.0.0.1:"), err

@@ -1,0 +1,89 @@
+"""offload.storage: pack/unpack round trip for every dtype kind, alignment, views (no copies), layout JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from offload import storage
+from offload.storage import ALIGN, ENTRY_ALIGN, LayerLayout, pack_into, pack_layer, plan_layout, unpack_layer
+
+
+def sample() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w.qdata": torch.randint(0, 256, (1000, 1), dtype=torch.uint8, generator=g),
+        "w.absmax": torch.randn(31, generator=g),
+        "norm": torch.randn(77, generator=g).bfloat16(),
+        "half": torch.randn(3, 5, generator=g).half(),
+        "ids": torch.arange(-3, 10, dtype=torch.int64),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def test_round_trip_keeps_every_tensor() -> None:
+    tensors = sample()
+    buf, layout = pack_layer(tensors, {"format": "nf4"})
+    assert buf.dtype == torch.uint8 and buf.shape == (layout.nbytes,) and layout.nbytes % ALIGN == 0
+    assert all(e.offset % ENTRY_ALIGN == 0 for e in layout.entries)
+    out = unpack_layer(buf, layout)
+    assert list(out) == list(tensors)
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape and torch.equal(out[name], t), name
+    end = max(e.offset + e.nbytes for e in layout.entries)
+    assert int(buf[end:].sum()) == 0                                      # padding is zero
+
+
+def test_unpack_returns_views_into_the_buffer() -> None:
+    buf, layout = pack_layer(sample())
+    views = unpack_layer(buf, layout)
+    start, stop = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    for name, v in views.items():
+        if v.numel():
+            assert start <= v.data_ptr() < stop, name
+            assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    buf.zero_()                                                           # the views see the buffer's bytes
+    assert not views["ids"].any() and not views["norm"].float().any()
+
+
+def test_unpack_into_a_larger_slot_and_pack_into() -> None:
+    tensors = sample()
+    _, layout = pack_layer(tensors)
+    slot = torch.full((layout.nbytes + 3 * ALIGN,), 7, dtype=torch.uint8)
+    pack_into(slot, tensors, layout)
+    out = unpack_layer(slot, layout)
+    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+
+
+def test_layout_survives_json() -> None:
+    _, layout = pack_layer(sample(), {"weights": {"w": {"shape": [2, 3]}}})
+    again = LayerLayout.from_dict(json.loads(json.dumps(layout.to_dict())))
+    assert again == layout
+    assert again.entry("ids").shape == (13,) and again.names() == layout.names()
+    assert plan_layout({n: (t.dtype, tuple(t.shape)) for n, t in sample().items()}, layout.meta) == layout
+
+
+def test_bad_buffers_and_layouts_fail_loudly() -> None:
+    buf, layout = pack_layer(sample())
+    with pytest.raises(ValueError, match="too small"):
+        unpack_layer(buf[:ENTRY_ALIGN], layout)
+    with pytest.raises(ValueError, match="aligned"):
+        unpack_layer(torch.zeros(layout.nbytes + 8, dtype=torch.uint8)[8:], layout)
+    with pytest.raises(ValueError, match="uint8"):
+        unpack_layer(buf.view(torch.int32), layout)
+    bad = layout.to_dict()
+    bad["entries"][1]["offset"] = bad["entries"][0]["offset"]             # overlapping entries
+    with pytest.raises(ValueError, match="bad packed entry"):
+        LayerLayout.from_dict(bad)
+    with pytest.raises(ValueError, match="do not match"):
+        pack_into(buf, {"x": torch.zeros(1)}, layout)
+    with pytest.raises(TypeError):
+        plan_layout({"x": (torch.float32, (1,))}, {"not json": object()})
+
+
+def test_small_layers_still_take_one_aligned_block() -> None:
+    _, layout = pack_layer({"x": torch.zeros(1)})
+    assert layout.nbytes == storage.ALIGN
