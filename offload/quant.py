@@ -59,6 +59,7 @@ depends only on its packed bytes and the input, never on which tier the bytes ca
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -71,8 +72,9 @@ NESTED_BLOCKSIZE = 256         # bitsandbytes' fixed blocksize for double-quanti
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@functools.cache
 def _bnb():
-    """bitsandbytes.functional, imported lazily (only needed once a weight is (de)quantized)."""
+    """bitsandbytes.functional, imported lazily (only needed once a weight is (de)quantized), set up once."""
     # bitsandbytes' CPU backend warns at import that an optional hub kernel for its own 4-bit GEMV is not
     # installed; this module never calls that kernel (it dequantizes and runs F.linear), so the warning is noise.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
