@@ -13,7 +13,8 @@ Per row: tok_s = new tokens / decode seconds summed over prompts (decode = wall 
 so the first pass counts for specexec and for transformers alike); tokens_per_pass = new tokens / target
 forward passes (transformers: the prompt's pass too, since it emits a token); ttft_s = mean time to first
 token; peak RAM = process RSS during the row (sampled), peak VRAM = torch's CUDA peak; identical_to_baseline
-(temperature 0 only, vs no-draft) = every prompt's token ids equal, with `identical_prompts` "k/n".
+(temperature 0 only, vs no-draft) = every prompt's token ids equal, with `identical_prompts` "k/n" and
+`first_mismatch` (per prompt, the first new token that differs; null where identical).
 
 Does not know: how a step works (specexec.engine), how flags are validated (specexec.config), how models load
 (specexec.runtime; transformers for the hf-* rows).
@@ -385,21 +386,30 @@ def _round(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(x, nd)
 
 
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first new token where two outputs differ (None: identical)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def make_rows(results: list[Result], greedy: bool) -> list[dict]:
     """The JSON rows: one per configuration, with the identical-output check and speed-ups vs each baseline."""
     base = next((r for r in results if r.config == "no-draft"), None)
     baseline_tok_s = {r.config: r.tok_s for r in results if r.config in BASELINES}
     rows = []
     for r in results:
-        same = None
+        same = mismatch = None
         if greedy and base is not None:
             same = sum(a == b for a, b in zip(r.outputs, base.outputs))
+            mismatch = [first_mismatch(a, b) for a, b in zip(r.outputs, base.outputs)]
         rows.append({
             "config": r.config, "tok_s": _round(r.tok_s, 3),
             "tokens_per_pass": _round(r.new_tokens / r.passes if r.passes else None, 3),
             "ttft_s": _round(sum(r.ttfts) / len(r.ttfts) if r.ttfts else None, 4),
             "identical_to_baseline": None if same is None else same == len(base.outputs),
             "identical_prompts": None if same is None else f"{same}/{len(base.outputs)}",
+            "first_mismatch": mismatch,
             "peak_ram_gb": _gb(r.peak_ram), "peak_vram_gb": _gb(r.peak_vram),
             "new_tokens": r.new_tokens, "passes": r.passes, "decode_s": _round(r.decode_s, 4),
             "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
@@ -421,6 +431,8 @@ def make_table(rows: list[dict], title: str) -> Table:
     for r in rows:
         ident = "–" if r["identical_prompts"] is None else \
             f"{'yes' if r['identical_to_baseline'] else 'NO'} {r['identical_prompts']}"
+        at = sorted(i for i in r["first_mismatch"] or () if i is not None)
+        ident += f" (from token {', '.join(map(str, at))})" if at else ""
         t.add_row(r["config"], _cell(r["tok_s"], ".2f"), _cell(r["tokens_per_pass"], ".2f"),
                   _cell(r["ttft_s"], ".3f"), _cell(r["peak_ram_gb"], ".2f"), _cell(r["peak_vram_gb"], ".2f"), ident,
                   *[_cell(r["speedup"].get(b), ".2f") for b in baselines])
