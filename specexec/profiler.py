@@ -208,7 +208,8 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
               streamed: Mapping[str, float], gauges: Mapping[str, float], ttft_s: float | None,
               wall_s: float) -> dict[str, Any]:
     """The profile as one flat dict: token counts, rates, per-step averages, streaming totals and spans.
-    decode_s is the wall time after prefill (what a user waits for once the prompt is in)."""
+    decode_s is the wall time after prefill (what a user waits for once the prompt is in); streamed_gb counts
+    the prefill too, effective_gb_s only the steps' bytes over the steps' target time."""
     n = len(steps)
     prefill_s = totals.get("prefill", {}).get("ms", 0.0) / 1000
     generated = int(counters.get("generated", sum(s.accepted for s in steps)))
@@ -216,6 +217,8 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
     decode_s = max(wall_s - prefill_s, 0.0) if n else 0.0
     target_s = sum(s.target_ms for s in steps) / 1000
     nbytes = streamed.get("bytes_streamed")
+    per_step = [s.bytes_streamed for s in steps if s.bytes_streamed is not None]
+    step_bytes = sum(per_step) if per_step else None      # the verification passes' bytes (prefill excluded)
     return {
         "prompt_tokens": prompt, "reused_tokens": int(counters.get("reused_tokens", 0)),
         "generated": generated, "steps": n, "tokens_per_step": _r(_per(generated, n)),
@@ -228,7 +231,7 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
         "depth": _r(_per(sum(s.depth for s in steps), n), 2),
         "bytes_streamed": int(nbytes) if nbytes is not None else None,
         "streamed_gb": _r(nbytes / 1e9, 6) if nbytes is not None else None,
-        "effective_gb_s": _r(_per(nbytes / 1e9, target_s), 3) if nbytes is not None else None,
+        "effective_gb_s": _r(_per(step_bytes / 1e9, target_s), 3) if step_bytes is not None else None,
         "link_peak_gb_s": _r(gauges.get("link_peak_gb_s"), 3),
         "stall_ms": _r(1000 * streamed["stall_s"], 2) if "stall_s" in streamed else None,
         "spans": dict(totals),
