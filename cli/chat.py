@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from cli import args as common
+from cli.generate import write_text
 from specexec.config import ConfigError, SamplingParams, budget_options, with_field
 from specexec.profiler import summary_table
 from specexec.runtime import Detokenizer, Runtime
@@ -361,15 +362,6 @@ def repl(session: ChatSession, read_line: Callable[[str], str] = input) -> int:
 
 # -------------------------------------------------------------------- entry point
 
-def _write_stdout(text: str) -> None:
-    try:
-        sys.stdout.write(text)
-    except UnicodeEncodeError:
-        enc = sys.stdout.encoding or "ascii"
-        sys.stdout.write(text.encode(enc, errors="replace").decode(enc))
-    sys.stdout.flush()
-
-
 def _piped(session: ChatSession) -> int:
     """Non-terminal stdin: all of it is one user turn; only the answer goes to stdout."""
     text = sys.stdin.read()
@@ -389,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     common.check_draft(args, config)
     runtime = common.load_runtime(args, config, console if interactive else None, offload)
     quiet = Console(stderr=True, soft_wrap=True, quiet=not args.profile)
-    session = ChatSession(runtime, sampling, args.system, console if interactive else quiet, _write_stdout,
+    session = ChatSession(runtime, sampling, args.system, console if interactive else quiet, write_text,
                           args.max_new_tokens, args.profile)
     if not interactive:
         return _piped(session)

@@ -95,7 +95,7 @@ def print_load_summary(console: Console, runtime: Runtime) -> None:
         console.print(f"builder {runtime.builder_name} · budget {budget}", highlight=False)
 
 
-def _write(text: str) -> None:
+def write_text(text: str) -> None:
     """Write model text to stdout, flushed; characters the terminal cannot encode become '?'."""
     try:
         sys.stdout.write(text)
@@ -116,11 +116,11 @@ def stream(runtime: Runtime, prompt_ids: list[int], sampling: SamplingParams, st
         if echo:
             text = detok.stable_text(ids)
             if len(text) > shown:
-                _write(text[shown:])
+                write_text(text[shown:])
                 shown = len(text)
     text = detok.text(ids)
     if echo:
-        _write(text[shown:] + "\n")
+        write_text(text[shown:] + "\n")
     return ids, text
 
 

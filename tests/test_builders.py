@@ -23,6 +23,7 @@ from specexec.loading import load_model
 from specexec.runtime import BUILDERS, Runtime, builder_needs_draft, make_builder
 from specexec.sampling import process_logits
 from specexec.tree import TokenTree
+from tests.tiny_models import load_pair_models, prompt
 from specexec.vocab_trim import TrimmedDraft, auto_size, counts_from_tokens, select_vocab
 
 NEW_BUILDERS = [name for name in BUILDERS if name != "specexec"]
@@ -31,12 +32,7 @@ N_NEW = 32
 
 @pytest.fixture(scope="module")
 def models(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path):
-    target, draft = tiny_pair
-    return {"target": load_model(target), "random": load_model(draft), "perturbed": load_model(tiny_perturbed_draft)}
-
-
-def prompt(seed: int, n: int = 14) -> list[int]:
-    return torch.randint(7, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return load_pair_models(tiny_pair, tiny_perturbed_draft)
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,6 +16,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.loading import load_model
 from specexec.tree import TokenTree
+from tests.tiny_models import load_pair_models, prompt
 
 BUDGETS = [1, 2, 8, 32, 128]
 N_NEW = 40
@@ -23,12 +24,7 @@ N_NEW = 40
 
 @pytest.fixture(scope="module")
 def models(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path):
-    target, draft = tiny_pair
-    return {"target": load_model(target), "random": load_model(draft), "perturbed": load_model(tiny_perturbed_draft)}
-
-
-def prompt(seed: int, n: int = 14) -> list[int]:
-    return torch.randint(7, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return load_pair_models(tiny_pair, tiny_perturbed_draft)
 
 
 def run(target, draft, budget: int, ids: list[int], n_new: int = N_NEW) -> tuple[list[int], Engine]:

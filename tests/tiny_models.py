@@ -221,3 +221,14 @@ def _write_perturbed(dest: Path, base: Path, perturb: float, seed: int) -> Path:
                 tensors[name] = (w + torch.randn(w.shape, generator=gen) * rms * perturb).to(w.dtype).contiguous()
         save_file(tensors, file, metadata={"format": "pt"})
     return dest
+
+
+def load_pair_models(pair: tuple[Path, Path], perturbed: Path) -> dict:
+    """The tiny pair loaded through specexec: target, an unrelated random draft and a perturbed copy."""
+    from specexec.loading import load_model
+    return {"target": load_model(pair[0]), "random": load_model(pair[1]), "perturbed": load_model(perturbed)}
+
+
+def prompt(seed: int, n: int = 14) -> list[int]:
+    """A reproducible random prompt of n ordinary token ids."""
+    return torch.randint(7, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
