@@ -31,7 +31,7 @@ from offload import quant, storage
 from offload.pager import LayerPager
 from offload.planner import Needs, Plan, PlanError, default_budgets, plan
 from offload.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read
-from specexec.config import ConfigError, ModelArgs, check_device, parse_size
+from specexec.config import DTYPES, ConfigError, ModelArgs, check_choice, check_device, check_integer, parse_size
 from specexec.loading import resolve_dtype
 from specexec.model import Block
 from specexec.offloaded import (ASSUMED, N_BOUNCE, N_SLOTS, OffloadedTransformer, activation_bytes,
@@ -276,10 +276,9 @@ def run(ns: argparse.Namespace) -> int:
     device_name = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device_name)
     device = torch.device(device_name)
-    if ns.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"--dtype {ns.dtype!r}: choose auto, float32, bfloat16 or float16")
-    if not 1 <= ns.layers <= 1024 or not 1 <= ns.distinct <= 64:
-        raise ConfigError(f"--layers must be in [1, 1024] and --distinct in [1, 64]; got {ns.layers}, {ns.distinct}")
+    check_choice("--dtype", ns.dtype, DTYPES)                # specexec.config: the one place values are checked
+    check_integer("--layers", ns.layers, 1, 1024)
+    check_integer("--distinct", ns.distinct, 1, 64)
     dtype = resolve_dtype(ns.dtype, device)
     token_list = parse_tokens(ns.tokens or DEFAULT_TOKENS[device.type])
     args = synthetic_args(ns.synthetic, ns.layers)

@@ -1,8 +1,9 @@
 """`specexec` entry point: parses the command line, runs one subcommand, maps failures to exit codes.
 
 Every failure a user can cause ends as ONE line `error: ...` on stderr and exit code 2 (1 for a bug, 130 for
-Ctrl-C); `--debug` (before or after the subcommand) shows the traceback instead. Subcommands live in their own
-modules with `add_parser(subparsers)` and `run(args) -> int`.
+Ctrl-C, 143 for SIGTERM, after the same cleanups as Ctrl-C); `--debug` (before or after the subcommand) shows
+the traceback instead. Subcommands live in their own modules with `add_parser(subparsers)` and
+`run(args) -> int`.
 
 Does not know: models, tokenizers or generation; the subcommands do.
 """
@@ -15,15 +16,15 @@ from typing import NoReturn
 
 from cli import bench, chat, convert, demo, generate, serve
 from cli import models as models_cmd
-from cli import bench_stream
-from cli.errors import INTERRUPT_EXIT, UsageError, report
+from cli import bench_accept, bench_builders, bench_stream
+from cli.errors import INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, report, sigterm_raises
 
 COMMANDS = (chat, generate, serve, demo, convert, models_cmd)
 
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
 # A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench.py.
-BENCH_COMMANDS = (bench_stream,)
+BENCH_COMMANDS = (bench_builders, bench_accept, bench_stream)
 
 
 class Parser(argparse.ArgumentParser):
@@ -68,8 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv[: argv.index("--")] if "--" in argv else "--debug" in argv
     try:
-        args = build_parser().parse_args(argv)
-        return int(args.handler(args) or 0)
+        with sigterm_raises():
+            args = build_parser().parse_args(argv)
+            return int(args.handler(args) or 0)
+    except Terminated:
+        print("\nterminated", file=sys.stderr, flush=True)
+        return TERMINATED_EXIT
     except SystemExit as e:                       # --help, --version: argparse's own exits
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except KeyboardInterrupt:

@@ -11,8 +11,9 @@ Building (LayerCache.open_or_build): under an exclusive flock on "<dir>.lock" (t
 holder dies, so a lock left by a dead process never blocks; the file names the holder's pid for the waiting
 message), quantize layer by layer from the checkpoint (peak RAM about one layer), write into a temporary
 directory next to the final one, fsync, rename. Free space is checked first. A second process waits for the
-lock, then reuses what the first built. Any exception removes the temporary directory; one left by a killed
-process is removed by the next builder.
+lock, then reuses what the first built. Any exception (Ctrl-C and the CLI's SIGTERM included) removes the
+temporary directory; a disk that fills up or a file-size limit (EFBIG: ulimit -f) part-way is a one-line
+CacheError. One left by a killed process is removed by the next builder.
 
 Trust: every open checks the manifest, the version, the source fingerprint, the build options and the exact
 file size (a stale, truncated or garbled cache is rebuilt with a message, never used). With verify=True (the
@@ -448,7 +449,8 @@ def _pread_full(fd: int, buf: torch.Tensor, offset: int, path: Path) -> None:
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
-            raise CacheCorruptError(f"{path} ends at byte {offset + done}, inside a layer; the cache is truncated")
+            raise CacheCorruptError(f"{path} ends at byte {offset + done}, inside a layer; the cache is truncated "
+                                    "(the next run rebuilds it)")
         done += got
 
 
@@ -552,6 +554,11 @@ def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expe
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CacheError(f"disk full while writing the layer cache in {final.parent} (needs "
                              f"{human_bytes(total)}); nothing was kept — free space or set SPECEXEC_CACHE") from None
+        if e.errno == errno.EFBIG:          # RLIMIT_FSIZE (ulimit -f; SIGXFSZ is ignored by Python) or the fs's limit
+            raise CacheError(f"cannot write the layer cache in {final.parent}: {human_bytes(total)} exceeds the "
+                             "largest file this process may write (ulimit -f, or the file system's limit); nothing "
+                             "was kept — raise the limit, or point SPECEXEC_CACHE (or --out) at another file "
+                             "system") from None
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

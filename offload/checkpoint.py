@@ -61,6 +61,8 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self.directory} has only pickle weights ({pickles[0].name}); "
                                   "convert them to safetensors, or pass --allow-pickle to load them with "
                                   "torch.load(weights_only=True)")
+        if single.is_symlink():                  # present but unreadable: say so, not "has no model.safetensors"
+            raise CheckpointError(f"{single} is a symlink that leads nowhere (dangling, or a loop)")
         raise CheckpointError(f"{self.directory} has no {SINGLE} or {INDEX}")
 
     def _open(self, path: Path):

@@ -99,6 +99,7 @@ class _Job:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.taken = False
+        self.started = False        # the loader has taken it off the queue
 
 
 class LayerPager:
@@ -229,7 +230,7 @@ class LayerPager:
     def _take(self, streamed: list[int]) -> _Job:
         """The queued job if it loads exactly `streamed` and nothing consumed it yet; else a new one."""
         job = self._job
-        if job is None or job.taken or job.ids != streamed:
+        if job is None or job.taken or job.ids != streamed or self._orphan(job):
             job = self._submit(streamed)
         job.taken = True
         return job
@@ -251,11 +252,21 @@ class LayerPager:
     def _cancel(self, job: _Job) -> None:
         """Stop `job`, wait for the loader to let go of it, and mark every slot free and empty."""
         job.cancelled.set()
-        job.done.wait()
+        while not job.done.wait(WAIT_TICK):
+            if self._orphan(job):                   # nothing will run it; if the loader just took it, it sees
+                job.done.set()                      # `cancelled` before touching a slot
         for slot in self.slots:
             slot.ready.clear()
             slot.layer, slot.job = -1, None
             slot.free.set()
+
+    def _orphan(self, job: _Job) -> bool:
+        """A job that never reached the loader (Ctrl-C between `self._job = job` and put()): not done, not
+        started, not queued."""
+        if job.done.is_set() or job.started:
+            return False
+        with self._queue.mutex:
+            return job not in self._queue.queue
 
     def close(self) -> None:
         """Stop the loader thread (the pager can still be used: a new thread starts on demand)."""
@@ -276,6 +287,7 @@ class LayerPager:
 
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
+            job.started = True
             try:
                 self._run(job)
             except BaseException as e:          # noqa: BLE001 -- handed to the consumer, which raises it

@@ -152,7 +152,10 @@ def _span(ids: list[int]) -> str:
 
 
 def _gb(n: float) -> str:
-    return f"{n / GB:.2f} GB"
+    """Bytes for messages: GB with 2 decimals; below 10 MB in MB/kB/B (else a small budget reads '0.00 GB')."""
+    if abs(n) >= 0.01 * GB:
+        return f"{n / GB:.2f} GB"
+    return f"{n / 1e6:.2f} MB" if abs(n) >= 1e6 else f"{n / 1e3:.1f} kB" if abs(n) >= 1e3 else f"{int(n)} B"
 
 
 def plan(needs: Needs, device: str, ram_budget: int, gpu_budget: int | None = None, mode: str = "auto",

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from offload.checkpoint import CheckpointError, pickle_files
-from offload.sources import CheckpointSource, is_gguf, open_source
+from offload.sources import CheckpointSource, is_gguf, open_source, tensor_specs
 
 from .config import ConfigError, ModelArgs
 from .model import Transformer, rope_inv_freq
@@ -33,6 +33,8 @@ def resolve_model_path(spec: str) -> Path:
     one .gguf file means that file), a models.yaml name present on this machine, or a Hub id `org/name` found
     in huggingface_hub's local cache."""
     path = Path(spec).expanduser()
+    if path.is_symlink() and not path.exists():           # else "does not exist" would puzzle whoever sees it
+        raise ConfigError(f"{spec} is a symlink that leads nowhere (dangling, or a loop); pass the checkpoint itself")
     if path.is_dir():
         return _gguf_in(path.resolve()) or path.resolve()
     if path.exists():
@@ -72,6 +74,8 @@ def read_args(path: Path) -> ModelArgs:
         from offload.gguf import open_gguf
         return ModelArgs.from_hf_config(open_gguf(path).config())
     cfg_file = path / "config.json"
+    if cfg_file.is_symlink() and not cfg_file.exists():
+        raise ConfigError(f"{cfg_file} is a symlink that leads nowhere (dangling, or a loop)")
     if not cfg_file.is_file():
         raise ConfigError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
     try:
@@ -97,28 +101,44 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
 
-def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
-               allow_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """Checked tensors by model parameter name, cast to dtype on device, one tensor at a time."""
+def _ignored(name: str, args: ModelArgs) -> bool:
+    """Tensors a checkpoint may carry that the model does not use: a tied head's copy, RoPE's inv_freq."""
+    return name == "lm_head.weight" and args.tie_word_embeddings or name.endswith("rotary_emb.inv_freq")
+
+
+def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: ModelArgs) -> None:
+    """CheckpointError unless `source` holds exactly the tensors `args` implies: no unexpected name (an extra
+    tensor means the checkpoint is not the model config.json describes), the right shapes, floating-point
+    dtypes, nothing missing. Headers only, nothing read: the resident loader, the offload planner and
+    `convert` all call it before they load, plan or cache anything."""
     expected = expected_shapes(args)
-    source = _open_weights(path, allow_pickle)
-    state: dict[str, torch.Tensor] = {}
-    for raw in source.names():
+    seen: set[str] = set()
+    for raw, (dtype, shape) in tensor_specs(source).items():
         name = raw.removeprefix("model.")
-        if name == "lm_head.weight" and args.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
+        if _ignored(name, args):
             continue
         if name not in expected:
             raise CheckpointError(f"{path}: unexpected tensor {raw!r} for a {args.family} model of this config")
-        if source.shape(raw) != expected[name]:
-            raise CheckpointError(f"{path}: {raw} has shape {list(source.shape(raw))}, "
-                                  f"config.json implies {list(expected[name])}")
-        tensor = source.get(raw)
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{path}: {raw} has dtype {tensor.dtype}; expected floating-point weights")
-        state[name] = tensor.to(device=device, dtype=dtype)
-    missing = sorted(set(expected) - set(state))
+        if tuple(shape) != expected[name]:
+            raise CheckpointError(f"{path}: {raw} has shape {list(shape)}, config.json implies {list(expected[name])}")
+        if not dtype.is_floating_point:
+            raise CheckpointError(f"{path}: {raw} has dtype {dtype}; expected floating-point weights")
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+
+
+def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+               allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Checked tensors (check_tensors) by model parameter name, cast to dtype on device, one tensor at a time."""
+    source = _open_weights(path, allow_pickle)
+    check_tensors(path, source, args)
+    state: dict[str, torch.Tensor] = {}
+    for raw in source.names():
+        name = raw.removeprefix("model.")
+        if not _ignored(name, args):
+            state[name] = source.get(raw).to(device=device, dtype=dtype)
     return state
 
 
@@ -144,7 +164,11 @@ class _PickleSource:
             try:
                 self.tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
             except Exception as e:
-                raise CheckpointError(f"{f}: cannot read it as plain tensors ({e})") from None
+                raise CheckpointError(f"{f}: cannot read it as plain tensors ({_first_reason(e)})") from None
+        odd = next((k for k, v in self.tensors.items() if not isinstance(v, torch.Tensor)), None)
+        if odd is not None:                      # e.g. a training checkpoint: {"model": {...}, "step": 3}
+            raise CheckpointError(f"{files[0].parent}: pickle entry {odd!r} is not a tensor; expected a flat "
+                                  "name -> tensor state dict")
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -152,8 +176,19 @@ class _PickleSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
     def get(self, name: str) -> torch.Tensor:
         return self.tensors[name]
+
+
+def _first_reason(e: Exception) -> str:
+    """The telling part of torch.load's long weights_only refusal ("Unsupported global: ..."), else its first line."""
+    text = str(e)
+    start = text.find("Unsupported global")
+    return (text[start:].split(". ")[0] if start >= 0 else text.strip().splitlines()[0] if text.strip() else
+            type(e).__name__)
 
 
 def _open_weights(path: Path, allow_pickle: bool) -> CheckpointSource | _PickleSource:

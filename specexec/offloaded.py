@@ -30,8 +30,8 @@ from offload.planner import Bandwidths, Needs, Plan, PlanError, default_budgets,
 from offload.quant import bind_module, quantize_module, swap_linears
 from offload.storage import LayerLayout, unpack_layer
 
-from .config import ConfigError, EngineConfig, ModelArgs, OffloadConfig
-from .loading import expected_shapes
+from .config import ConfigError, EngineConfig, ModelArgs, OffloadConfig, check_budget_fits
+from .loading import check_tensors, expected_shapes
 from .model import Block, Transformer, rope_inv_freq
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
@@ -57,9 +57,12 @@ def checkpoint_prefix(names: Sequence[str]) -> str:
 
 def layer_names(path: Path, args: ModelArgs) -> list[LayerNames]:
     """For the layer cache: per decoder layer, packed name (as the Block binds it) -> checkpoint name, and
-    which of them are Linear weights. CheckpointError when the checkpoint lacks one."""
+    which of them are Linear weights. CheckpointError unless the checkpoint holds exactly what `args` implies
+    (check_tensors: the planner and `convert` call this before anything is cached)."""
     names, linear = block_tensor_names(args)
-    stored = set(open_source(path).names())
+    source = open_source(path)
+    check_tensors(path, source, args)          # before planning or caching: a bad checkpoint caches nothing
+    stored = set(source.names())
     prefix = checkpoint_prefix(list(stored))
     out = []
     for i in range(args.n_layers):
@@ -222,6 +225,7 @@ def plan_target(path: Path, args: ModelArgs, draft: Transformer | None, offload:
     """Pick the layer format (auto: none while everything stays resident, else nf4) and each layer's tier.
     ConfigError (one line, what would fit) when the budgets cannot hold the run."""
     names = layer_names(path, args)
+    _check_budgets_fit(offload, device)
     budgets = default_budgets(str(device))
     gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu      # None on CPU unless given
     ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
@@ -240,6 +244,15 @@ def plan_target(path: Path, args: ModelArgs, draft: Transformer | None, offload:
             continue                                  # auto: streaming layers go nf4
         return TargetPlan(fmt, chosen, names)
     raise AssertionError("unreachable")
+
+
+def _check_budgets_fit(offload: OffloadConfig, device: torch.device) -> None:
+    """Budgets above the machine's total RAM / the GPU's total memory are refused, not planned with."""
+    import psutil
+
+    check_budget_fits("--ram-budget", offload.ram_budget, psutil.virtual_memory().total, "RAM")
+    if device.type == "cuda":                      # on CPU --gpu-budget is ignored (the plan warns)
+        check_budget_fits("--gpu-budget", offload.gpu_budget, torch.cuda.mem_get_info(device)[1], "GPU memory")
 
 
 def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: OffloadConfig,

@@ -257,3 +257,5 @@ class GenerationQueue:
             self._running.cancelled.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.runtime.engine.close()          # an offloaded target's pager thread

@@ -105,6 +105,18 @@ def test_leaving_a_pass_early_cancels_the_read_ahead(layers) -> None:
         check_pass(pager, layers)                                 # and the next pass starts clean
 
 
+@pytest.mark.timeout(20)
+def test_a_job_interrupted_before_it_was_queued_does_not_hang_the_next_pass(layers) -> None:
+    from offload.pager import _Job
+
+    with build_pager(["ssd"] * 6, MemoryReader(layers), "cpu", n_slots=2) as pager:
+        check_pass(pager, layers)
+        pager._job = _Job(list(range(6)))          # what Ctrl-C between `_job = job` and put() leaves behind
+        t0 = time.time()
+        check_pass(pager, layers)                   # cancels the orphan instead of waiting for it forever
+        assert time.time() - t0 < 5
+
+
 def test_a_read_error_reaches_the_consumer_and_the_pager_recovers(layers) -> None:
     reader = MemoryReader(layers, fail_at=3)
     with build_pager(["ssd"] * 6, reader, "cpu") as pager:

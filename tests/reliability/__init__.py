@@ -1,0 +1,1 @@
+"""Reliability tests (issue 8): hostile inputs through the real CLI, faults, signals, concurrency, fuzzing."""
