@@ -27,6 +27,10 @@ SAMPLING_FLAGS = {
     "top_k": (int, "K", "sample among the K best (0 = all)"),
     "min_p": (float, "P", "drop tokens below P x the best token's probability (default 0)"),
     "repetition_penalty": (float, "R", "penalise tokens already in the context, per tree node (1 = off)"),
+    "presence_penalty": (float, "P", "OpenAI's: subtract P from every token this answer already generated, "
+                         "per tree node (-2..2, default 0)"),
+    "frequency_penalty": (float, "F", "OpenAI's: subtract F x the times this answer already generated a token, "
+                          "per tree node (-2..2, default 0)"),
     "seed": (int, "S", "random seed for sampling (generate --n: sample i uses S + i)"),
 }
 

@@ -9,6 +9,14 @@ the whole of stdin is one user turn and only the answer is printed (for scripts)
 
 Answer text goes to stdout; everything else (progress, notices, stats) goes to stderr through rich.
 
+Failures inside a turn: out of memory in a step (CUDA OOM or MemoryError) is reported in one line with the knobs
+to turn and the session goes on; the failed turn leaves nothing in the history (the engine's KV cache keeps only
+a prefix of what it was given, so the next turn reuses what is valid and prefills the rest). A layer cache that
+breaks under a running session (layers.bin truncated or overwritten) ends it with one line (exit 2): every later
+pass would fail the same way, and the next start rebuilds the cache. A cache directory deleted under a running
+session does not matter: the open file keeps serving it. The offloaded target's pager thread is stopped when
+the session ends, however it ends.
+
 Does not know: how a step works or how models load (specexec.runtime), what a setting may be
 (specexec.config validates /set values), terminal line editing (input() and readline do it).
 """
@@ -24,7 +32,7 @@ from pathlib import Path
 from rich.console import Console
 
 from cli import args as common
-from cli.generate import write_text
+from cli.generate import read_stdin, write_text
 from specexec.config import ConfigError, SamplingParams, budget_options, with_field
 from specexec.profiler import summary_table
 from specexec.runtime import Detokenizer, Runtime
@@ -41,7 +49,8 @@ line of its own to start and to end a block (for pastes). Start a message with /
   /reset                forget the conversation (keeps the system message and settings)
   /system [TEXT|-]      show, set, or (with -) clear the system message
   /set [NAME VALUE]     show settings, or change one: temperature, top_p, top_k, min_p, repetition_penalty,
-                        seed (none = random), max_new_tokens, budget (N or auto), e.g. /set temperature 0.7
+                        presence_penalty, frequency_penalty, seed (none = random), max_new_tokens, budget (N or
+                        auto), e.g. /set temperature 0.7
   /stats                the last answer's profile (per phase: draft, target, prefill, streaming)
   /save FILE            write the conversation as JSON
   /load FILE            read a conversation written by /save (replaces the current one)
@@ -156,12 +165,13 @@ class ChatSession:
         except OSError as e:
             self.console.print(f"error: {e.filename or ''}: {e.strerror or e}", style="red", highlight=False,
                                markup=False)
-        except RuntimeError as e:
-            if "out of memory" not in str(e).lower():
+        except (RuntimeError, MemoryError) as e:
+            if not _out_of_memory(e):
                 raise
             _free_cuda_cache()
             self.console.print("error: out of memory during a step; lower the tree budget (/set budget N) or "
-                               "offload more (--gpu-budget)", style="red", highlight=False, markup=False)
+                               "offload more (--gpu-budget / --ram-budget)", style="red", highlight=False,
+                               markup=False)
         return True
 
     def _handle(self, line: str) -> bool:
@@ -229,7 +239,8 @@ class ChatSession:
         budget = (f"auto (up to {c.budget})" if c.auto_budget else c.budget) \
             if self.runtime.engine.builder is not None else "- (no draft)"
         return (f"temperature {s.temperature} · top_p {s.top_p} · top_k {s.top_k} · min_p {s.min_p} · "
-                f"repetition_penalty {s.repetition_penalty} · seed {s.seed} · max_new_tokens "
+                f"repetition_penalty {s.repetition_penalty} · presence_penalty {s.presence_penalty} · "
+                f"frequency_penalty {s.frequency_penalty} · seed {s.seed} · max_new_tokens "
                 f"{self.max_new_tokens} · budget {budget}")
 
     def cmd_stats(self, _rest: str) -> None:
@@ -267,6 +278,17 @@ COMMANDS: dict[str, Callable[[ChatSession, str], bool | None]] = {
     "system": ChatSession.cmd_system, "set": ChatSession.cmd_set, "stats": ChatSession.cmd_stats,
     "save": ChatSession.cmd_save, "load": ChatSession.cmd_load, "retry": ChatSession.cmd_retry,
 }
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether `e` (or what it wraps, e.g. the pager's "loading layer i failed") is running out of memory."""
+    import torch
+
+    while e is not None:
+        if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or "out of memory" in str(e).lower():
+            return True
+        e = e.__cause__
+    return False
 
 
 def _free_cuda_cache() -> None:
@@ -364,7 +386,7 @@ def repl(session: ChatSession, read_line: Callable[[str], str] = input) -> int:
 
 def _piped(session: ChatSession) -> int:
     """Non-terminal stdin: all of it is one user turn; only the answer goes to stdout."""
-    text = sys.stdin.read()
+    text = read_stdin()                  # bytes decoded as UTF-8 here: invalid input is one ConfigError line
     if not text.strip():
         raise ConfigError("stdin is empty: pipe a message in, or run `specexec chat` in a terminal")
     answer = session.ask(text.rstrip("\n"))
@@ -380,6 +402,14 @@ def run(args: argparse.Namespace) -> int:
     offload = common.offload_config(args)
     common.check_draft(args, config)
     runtime = common.load_runtime(args, config, console if interactive else None, offload)
+    try:
+        return _session(args, runtime, sampling, console, interactive)
+    finally:
+        runtime.engine.close()                    # the offloaded target's pager thread
+
+
+def _session(args: argparse.Namespace, runtime: Runtime, sampling: SamplingParams, console: Console,
+             interactive: bool) -> int:
     quiet = Console(stderr=True, soft_wrap=True, quiet=not args.profile)
     session = ChatSession(runtime, sampling, args.system, console if interactive else quiet, write_text,
                           args.max_new_tokens, args.profile)

@@ -82,6 +82,7 @@ class Engine:
         self.stats = GenerationStats()
         self._caches: tuple[KVCache, KVCache | None] | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
+        self._generated_from = 0        # where this generate() call's own tokens begin in _context
         self.tuner = BudgetTuner(config.budget) if config.auto_budget and builder is not None else None
         self.observe_topk = int(getattr(builder, "observe_topk", 0) or 0)   # builders learning from the target
         if self.observe_topk:
@@ -110,6 +111,13 @@ class Engine:
         for cache in self._caches or ():
             if cache is not None:
                 cache.reset()
+
+    def close(self) -> None:
+        """Stop the target's background work (an offloaded target's pager thread); a later generate() starts
+        it again on demand."""
+        close = getattr(self.target, "close", None)
+        if close is not None:
+            close()
 
     def prefill(self, model: Transformer, cache: KVCache, ids: list[int]) -> None:
         """Run ids through `model` in chunks of config.prefill_chunk and commit them to `cache`."""
@@ -158,6 +166,7 @@ class Engine:
         target_cache, draft_cache = self._caches_for(len(prompt_ids) + limit)
         shared = _common_prefix(self._context, prompt_ids[:-1])
         self._context = list(prompt_ids)
+        self._generated_from = len(prompt_ids)   # earlier turns kept in the cache are prompt, not generated
         target_cache.truncate(min(shared, target_cache.length))
         stats.reused_tokens = target_cache.length
         stats.prompt_tokens = len(prompt_ids) - 1 - target_cache.length
@@ -212,6 +221,7 @@ class Engine:
               rng: torch.Generator, stats: GenerationStats) -> Accepted:
         cache, draft = state
         draft_span = self.profiler.start("draft")
+        budget = None
         if self.builder is None:
             tree = TokenTree.root_only(root, self.device)
         else:
@@ -231,7 +241,7 @@ class Engine:
         draft_s, target_s = draft_span.seconds, target_span.seconds
         if self.tuner is not None:
             self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
-        self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s)
+        self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s, budget)
         stats.steps.append(StepRecord(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s))
         return acc
 
@@ -259,27 +269,39 @@ class Engine:
         hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
         if self.observe_topk:                           # opt-in (Token Recycling): the target's top-k per node
             self.builder.observe_target(tree, self._target_topk(hidden, self.observe_topk))
-        history = None
-        if sampling.repetition_penalty != 1.0:
-            history = node_histories(tree, torch.tensor(self._context[:L], dtype=torch.long, device=self.device))
+        history, gen_from = self._histories(tree, L, sampling)
         if rule.target != "probs":
-            acc = accept_greedy(tree, self._target_choices(hidden, sampling, rng, history))
+            acc = accept_greedy(tree, self._target_choices(hidden, sampling, rng, history, gen_from))
         else:
-            acc = rule.fn(tree, self._probs_fn(hidden, sampling, history), *self._draft_probs(rule, tree), rng)
+            acc = rule.fn(tree, self._probs_fn(hidden, sampling, history, gen_from), *self._draft_probs(rule, tree),
+                          rng)
         self._sync()
         return acc
+
+    def _histories(self, tree: TokenTree, L: int, sampling: SamplingParams) -> tuple[torch.Tensor | None, int]:
+        """Per node, the ids target-only decoding would have seen before that node's next token, and the column
+        where this call's generated ids begin: ([N+1, H], generated_from), or (None, 0) when no penalty reads
+        them. The committed context [0, L) plus the root (context[L]) then the node's path below the root, each
+        id as often as in the sequence (frequency counts). Only the repetition penalty reads the prompt, so
+        without it the rows start where generation began (H = generated + depth)."""
+        if not sampling.needs_history:
+            return None, 0
+        start = 0 if sampling.repetition_penalty != 1.0 else min(self._generated_from, L + 1)
+        prefix = torch.tensor(self._context[start:L + 1], dtype=torch.long, device=self.device)
+        return node_histories(tree, prefix, with_root=False), self._generated_from - start
 
     def _target_topk(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """hidden [N+1, D] -> the target's top-k token ids after each node [N+1, k] (raw logits, chunked)."""
         return torch.cat([self.target.logits(hidden[s:s + LOGIT_CHUNK]).topk(k, dim=-1).indices
                           for s in range(0, hidden.shape[0], LOGIT_CHUNK)])
 
-    def _probs_fn(self, hidden: torch.Tensor, sampling: SamplingParams, history: torch.Tensor | None):
+    def _probs_fn(self, hidden: torch.Tensor, sampling: SamplingParams, history: torch.Tensor | None,
+                  generated_from: int = 0):
         """node -> the target's processed probabilities [V] there, computed lazily (only visited nodes)."""
         def probs(node: int) -> torch.Tensor:
             logits = self.target.logits(hidden[node:node + 1])
             hist = None if history is None else history[node:node + 1]
-            return process_logits(logits, sampling, hist).exp()[0]
+            return process_logits(logits, sampling, hist, generated_from).exp()[0]
         return probs
 
     def _draft_probs(self, rule: Rule, tree: TokenTree) -> tuple:
@@ -292,10 +314,10 @@ class Engine:
         return (lambda node: fn(tree, node),)
 
     def _target_choices(self, hidden: torch.Tensor, sampling: SamplingParams, rng: torch.Generator,
-                        history: torch.Tensor | None) -> torch.Tensor:
+                        history: torch.Tensor | None, generated_from: int = 0) -> torch.Tensor:
         """hidden [N+1, D] -> one target choice per node [N+1]: the argmax (greedy) or an independent sample
         of the processed distribution (sample-and-match). The LM head runs in chunks of LOGIT_CHUNK rows;
-        history [N+1, H] (repetition penalty per node over prefix + ancestors) when a penalty is set."""
+        history [N+1, H] (penalties per node over prefix + ancestors, see _histories) when a penalty is set."""
         out = []
         for start in range(0, hidden.shape[0], LOGIT_CHUNK):
             logits = self.target.logits(hidden[start:start + LOGIT_CHUNK])
@@ -303,7 +325,7 @@ class Engine:
                 out.append(greedy(logits))
                 continue
             hist = None if history is None else history[start:start + LOGIT_CHUNK]
-            logp = process_logits(logits, sampling, hist)
+            logp = process_logits(logits, sampling, hist, generated_from)
             out.append(greedy(logp) if sampling.greedy else sample(logp, rng))
         return torch.cat(out)
 

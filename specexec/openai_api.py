@@ -6,7 +6,9 @@ through specexec.config: SamplingParams and check_number/check_integer are the o
 `parse_messages` / `parse_prompts` read what to continue; `encode_chat` / `encode_text` turn them into ids;
 `make_job` checks lengths against the context and freezes everything into a Job. Fields that common clients
 send are accepted: unknown ones are ignored, known ones asking for something this engine cannot do exactly
-(non-zero presence/frequency penalties, logprobs, logit_bias, tools, JSON mode, suffix) are a 400 that says so.
+(logprobs, logit_bias, tools, JSON mode, suffix) are a 400 that says so. presence_penalty and frequency_penalty
+(in [-2, 2], else a 400) apply with OpenAI's semantics over the tokens this request generates, exactly per tree
+node (specexec.sampling); repetition_penalty (HF's, over the whole context) is accepted too.
 Omitted sampling fields take the server's defaults (its --temperature etc.), not OpenAI's temperature 1.
 
 Responses: `chat_response` / `completion_response` (non-streamed) and `chat_chunk` / `completion_chunk` /
@@ -34,7 +36,8 @@ MAX_STOP = 16              # stop strings per request
 MAX_PROMPTS = 64           # prompts in one /v1/completions request
 # request field -> SamplingParams field, for the fields a request may set per call
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "seed": "seed"}
+                   "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty", "seed": "seed"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -152,10 +155,6 @@ def _checked(param: str, check, *args: Any) -> None:
 
 def _unsupported(body: dict) -> None:
     """400 for known fields that ask for what this engine cannot do exactly; their neutral values pass."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _field(body, name, (int, float), 0) != 0:
-            raise ApiError(f"'{name}' other than 0 is not supported by this server (repetition_penalty is, "
-                           "applied exactly per tree node)", param=name, code="unsupported_parameter")
     checks = (("logprobs", (bool, int), lambda v: v in (False, 0)), ("top_logprobs", (int,), lambda v: v == 0),
               ("logit_bias", (dict,), lambda v: not v), ("tools", (list,), lambda v: not v),
               ("functions", (list,), lambda v: not v), ("suffix", (str,), lambda v: v == ""),

@@ -133,3 +133,14 @@ def test_node_histories() -> None:
     assert h.shape == (4, 2 + 3)
     rows = [sorted(t for t in r if t >= 0) for r in h.tolist()]
     assert rows == [[1, 2, 9], [1, 2, 4, 9], [1, 2, 5, 9], [1, 2, 5, 6, 9]]
+
+
+def test_node_histories_without_the_root_column_keep_multiplicity() -> None:
+    """with_root=False: the prefix already ends with the root; each id appears as often as in the sequence."""
+    tree = TokenTree.from_lists([9, 4, 9, 9], [-1, 0, 0, 2])
+    h = node_histories(tree, torch.tensor([1, 9, 9]), with_root=False)
+    assert h.shape == (4, 3 + 2)
+    rows = [sorted(t for t in r if t >= 0) for r in h.tolist()]
+    assert rows == [[1, 9, 9], [1, 4, 9, 9], [1, 9, 9, 9], [1, 9, 9, 9, 9]]
+    root_only = node_histories(TokenTree.from_lists([7], [-1]), torch.tensor([7]), with_root=False)
+    assert root_only.tolist() == [[7]]

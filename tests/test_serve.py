@@ -233,6 +233,23 @@ def test_greedy_over_http_equals_cli_generate(client, capsys, tiny_pair, tiny_pe
     assert c.usage.completion_tokens == len(cli_chat["token_ids"])
 
 
+def test_presence_and_frequency_penalties_match_cli_generate(client, url, capsys, tiny_pair,
+                                                              tiny_perturbed_draft) -> None:
+    """Non-zero OpenAI penalties are applied (exactly, per tree node), the same over HTTP as in the CLI."""
+    prompt, kw = "The quick brown fox", dict(model=MODEL, max_tokens=32, temperature=0)
+    plain = client.completions.create(prompt=prompt, **kw).choices[0].text
+    r = client.completions.create(prompt=prompt, frequency_penalty=1.5, presence_penalty=0.5, **kw)
+    cli = cli_generate(capsys, tiny_pair, tiny_perturbed_draft, "--prompt", prompt, "--max-new-tokens", "32",
+                       "--frequency-penalty", "1.5", "--presence-penalty", "0.5")
+    assert r.choices[0].text == cli["text"] and r.usage.completion_tokens == len(cli["token_ids"])
+    assert r.choices[0].text != plain                                # the penalty changes this greedy answer
+    c = chat(client, "Hello", max_tokens=8, frequency_penalty=-0.5, presence_penalty=2)
+    assert c.choices[0].finish_reason in ("stop", "length")
+    code, reply = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": prompt, "frequency_penalty": 3.0})
+    assert code == 400 and reply["error"]["param"] == "frequency_penalty", reply
+    assert reply["error"]["code"] == "invalid_value" and "[-2.0, 2.0]" in reply["error"]["message"]
+
+
 def test_second_turn_reuses_the_kv_prefix(client) -> None:
     first = [{"role": "user", "content": "Hello, how are you today?"}]
     r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=12)
@@ -390,8 +407,9 @@ BAD = [
     ({"max_tokens": 100000}, 400, "messages"),
     ({"stop": 5}, 400, "stop"),
     ({"stream": "yes"}, 400, "stream"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({"frequency_penalty": 1}, 400, "frequency_penalty"),
+    ({"presence_penalty": 3.0}, 400, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, 400, "frequency_penalty"),
+    ({"frequency_penalty": "lots"}, 400, "frequency_penalty"),
     ({"logprobs": True}, 400, "logprobs"),
     ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
