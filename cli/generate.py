@@ -21,7 +21,8 @@ from rich.console import Console
 from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sampling_args, apply_catalog_defaults,
                       engine_config, offload_config, sampling_params)
 from specexec.config import (VERIFIERS, ConfigError, EngineConfig, SamplingParams,
-                             check_chat_options, check_draft_choice, check_number, parse_draft_vocab)
+                             check_chat_options, check_draft_choice, check_number, check_prompt_text,
+                             parse_draft_vocab)
 from specexec.runtime import Detokenizer, ModelInfo, Runtime, builder_needs_draft
 
 
@@ -31,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_model_args(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text")
-    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8)")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8); - reads stdin")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", metavar="TEXT", help="system message (with --chat)")
     add_sampling_args(p)
@@ -57,18 +58,45 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     check_number("--n", args.n, low=1, high=10_000)
     check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
     check_chat_options(args.chat, args.system)
+    if args.system is not None:
+        check_prompt_text(args.system, "--system", allow_empty=True)
     return config, sampling
 
 
-def read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        return args.prompt
+def read_stdin(what: str = "stdin") -> str:
+    """All of stdin as UTF-8 text, decoded here from its bytes (whatever the locale's errors handler), so bytes
+    that are not UTF-8 end in one ConfigError instead of a UnicodeDecodeError or lone surrogates."""
+    stream = sys.stdin
+    if stream is None:
+        raise ConfigError(f"{what}: there is no standard input")
+    data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode("utf-8", "surrogateescape")
     try:
-        return Path(args.prompt_file).read_text(encoding="utf-8")
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text (--prompt, --prompt-file FILE or - for stdin), checked by config.check_prompt_text."""
+    if args.prompt is not None:
+        check_prompt_text(args.prompt, "--prompt")
+        return args.prompt
+    if args.prompt_file == "-":
+        text = read_stdin("the prompt on stdin (--prompt-file -)")
+        check_prompt_text(text, "the prompt on stdin (--prompt-file -)")
+        return text
+    text = _read_prompt_file(args.prompt_file)
+    check_prompt_text(text, f"--prompt-file {args.prompt_file}")
+    return text
+
+
+def _read_prompt_file(name: str) -> str:
+    try:
+        return Path(name).read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
+        raise ConfigError(f"--prompt-file {name} is not UTF-8 text") from None
+    except (OSError, ValueError) as e:            # ValueError: a NUL byte in the path
+        raise ConfigError(f"cannot read --prompt-file {name}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _human(n: float) -> str:
@@ -128,7 +156,9 @@ def _stats_line(stats: dict, n_tokens: int) -> str:
     rate = f"{stats['decode_tok_s']} tok/s" if stats["decode_tok_s"] else "n/a"
     return (f"{n_tokens} tokens in {stats['steps']} steps ({stats['tokens_per_step']} tokens/step) · decode "
             f"{rate} · prefill {stats['prefill_tok_s']} tok/s · per step: draft {stats['draft_ms']} ms, "
-            f"target {stats['target_ms']} ms, tree {stats['tree_size']} · builder {stats['builder']}")
+            f"target {stats['target_ms']} ms, tree {stats['tree_size']} · builder {stats['builder']}"
+            + (f" · budget per step {stats['budget_trace']}" if stats.get("budget") == "auto" and
+               stats.get("budget_trace") else ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,15 +177,18 @@ def run(args: argparse.Namespace) -> int:
     if notice:
         console.print(notice, highlight=False)
     results = []
-    for i in range(args.n):
-        if args.n > 1 and not args.json:
-            console.print(f"--- sample {i + 1}/{args.n}", highlight=False, style="bold")
-        seeded = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i)
-        ids, text = stream(runtime, prompt_ids, seeded, list(args.stop), echo=not args.json)
-        stats = runtime.stats()
-        results.append({"text": text, "token_ids": ids, "stats": stats})
-        if not args.json:
-            console.print(_stats_line(stats, len(ids)), highlight=False, style="dim")
+    try:
+        for i in range(args.n):
+            if args.n > 1 and not args.json:
+                console.print(f"--- sample {i + 1}/{args.n}", highlight=False, style="bold")
+            seeded = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i)
+            ids, text = stream(runtime, prompt_ids, seeded, list(args.stop), echo=not args.json)
+            stats = runtime.stats()
+            results.append({"text": text, "token_ids": ids, "stats": stats})
+            if not args.json:
+                console.print(_stats_line(stats, len(ids)), highlight=False, style="dim")
+    finally:
+        runtime.engine.close()          # an offloaded target's pager thread (in-process callers: tests, scripts)
     if args.json:
         out = results[0] if args.n == 1 else results
         print(json.dumps(out, separators=(",", ":")), flush=True)

@@ -81,6 +81,7 @@ class StepStat:
     target_ms: float
     bytes_streamed: int | None = None    # weight bytes a stream source moved during the step (offloaded target)
     stall_ms: float | None = None        # compute waiting for weights during the step
+    budget: int | None = None            # the tree budget the step asked for (--budget auto: the tuner's pick)
 
 
 class Profiler:
@@ -133,7 +134,8 @@ class Profiler:
             self._first = now
         self._last = now
 
-    def step(self, tree_size: int, depth: int, accepted: int, draft_s: float, target_s: float) -> StepStat:
+    def step(self, tree_size: int, depth: int, accepted: int, draft_s: float, target_s: float,
+             budget: int | None = None) -> StepStat:
         """Record one decoding step; stream sources' growth since the previous step is attributed to it."""
         self.first_token()
         now = self._poll()
@@ -142,7 +144,7 @@ class Profiler:
         stall = delta.get("stall_s")
         rec = StepStat(tree_size, depth, accepted, 1000 * draft_s, 1000 * target_s,
                        int(delta["bytes_streamed"]) if "bytes_streamed" in delta else None,
-                       1000 * stall if stall is not None else None)
+                       1000 * stall if stall is not None else None, budget)
         self.steps.append(rec)
         return rec
 
@@ -228,6 +230,9 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
         "draft_ms": _r(_per(sum(s.draft_ms for s in steps), n), 3),
         "target_ms": _r(_per(sum(s.target_ms for s in steps), n), 3),
         "tree_size": _r(_per(sum(s.tree_size for s in steps), n), 1),
+        "budget": _r(_per(sum(s.budget for s in steps if s.budget is not None),
+                          sum(s.budget is not None for s in steps)), 1),
+        "budget_trace": budget_trace(steps),
         "depth": _r(_per(sum(s.depth for s in steps), n), 2),
         "bytes_streamed": int(nbytes) if nbytes is not None else None,
         "streamed_gb": _r(nbytes / 1e9, 6) if nbytes is not None else None,
@@ -237,6 +242,23 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
         "spans": dict(totals),
         "counters": {k: v for k, v in counters.items()},
     }
+
+
+def budget_trace(steps: list[StepStat], limit: int = 12) -> str | None:
+    """The budget each step asked for, run-length encoded in step order: "64×3 128×2 256×10" (the last
+    `limit` runs, "…" before them when cut); None when no step had a tree."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if s.budget is None:
+            continue
+        if runs and runs[-1][0] == s.budget:
+            runs[-1][1] += 1
+        else:
+            runs.append([s.budget, 1])
+    if not runs:
+        return None
+    text = " ".join(f"{b}×{k}" if k > 1 else str(b) for b, k in runs[-limit:])
+    return ("… " if len(runs) > limit else "") + text
 
 
 def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
@@ -254,7 +276,8 @@ def summary_table(s: Mapping[str, Any], title: str = "profile"):
     notes = {
         "prefill": f"{s['prompt_tokens']} tokens prefilled, {s['reused_tokens']} reused · "
                    f"{_fmt(s['prefill_tok_s'], ' tok/s')}",
-        "draft": f"tree {_fmt(s['tree_size'])} nodes, depth {_fmt(s['depth'])}",
+        "draft": f"tree {_fmt(s['tree_size'])} nodes, depth {_fmt(s['depth'])}"
+                 + (f" · budget per step {s['budget_trace']}" if s.get("budget_trace") else ""),
         "target": f"{_fmt(s['tokens_per_step'], ' tokens/pass', 2)}",
     }
     for name, t in spans.items():

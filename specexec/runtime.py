@@ -29,6 +29,7 @@ import torch
 from offload.pager import stream_summary
 from offload.sources import is_gguf
 
+from . import acceptance
 from .builders.base import TreeBuilder
 from .builders.chain import ChainBuilder
 from .builders.dynamic import DynamicBuilder
@@ -42,6 +43,7 @@ from .config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, Sampli
 from .engine import Engine
 from .loading import expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
 from .model import Transformer
+from .profiler import budget_trace
 from .offloaded import TargetPlan, load_target, plan_target, quantize_layers
 from .tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from .vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
@@ -139,6 +141,17 @@ def _make_engine(target: Transformer, draft: Transformer | None, config: EngineC
     return engine
 
 
+def with_measured_acceptance(config: EngineConfig, pair: str | None) -> EngineConfig:
+    """--builder static without an acceptance_file option: the pair's vectors from `specexec bench accept`,
+    when they were measured (else the builder's default profile)."""
+    if config.builder != "static" or pair is None or any(k == "acceptance_file" for k, _ in config.builder_options):
+        return config
+    path = acceptance.default_path(pair)
+    if not path.is_file():
+        return config
+    return config.replace(builder_options=(*config.builder_options, ("acceptance_file", str(path))))
+
+
 VOCAB_CALIBRATION_TOKENS = 64     # --draft-vocab: target samples per built-in prompt (then cached)
 
 
@@ -176,6 +189,7 @@ class Runtime:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.target_info, self.draft_info = target, draft
         self.plan = plan                                  # where the target's layers live (None: not planned)
+        self.pair: str | None = None                      # draft/target fingerprint (acceptance vectors' key)
         self._stream_base: dict[str, float] = {}
 
     @classmethod
@@ -208,8 +222,12 @@ class Runtime:
             draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
             d_info = replace(d_info, dtype=f"{d_info.dtype} (head: {draft_model.n_kept} of "
                                           f"{d_args.vocab_size} tokens)")
-        engine = _make_engine(target, draft_model, config, eos)
-        return cls(engine, tokenizer, t_info, d_info, config, plan)
+        pair = (acceptance.pair_fingerprint(t_path, d_path, t_args, d_args, config.draft_vocab)
+                if d_path is not None else None)
+        engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos)
+        runtime = cls(engine, tokenizer, t_info, d_info, config, plan)
+        runtime.pair = pair
+        return runtime
 
     def variant(self, config: EngineConfig, use_draft: bool = True) -> "Runtime":
         """The same loaded models and tokenizer under another budget/builder, or without the draft."""
@@ -217,9 +235,12 @@ class Runtime:
             raise ConfigError(f"a variant keeps the loaded device/dtype ({self.config.device}/{self.config.dtype}); "
                               f"got {config.device}/{config.dtype}")
         draft = self.engine.draft if use_draft else None
-        engine = _make_engine(self.engine.target, draft, config, tuple(sorted(self.engine.eos_ids)))
-        return Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
-                       self.plan)
+        engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
+                              tuple(sorted(self.engine.eos_ids)))
+        runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
+                          self.plan)
+        runtime.pair = self.pair
+        return runtime
 
     @property
     def context(self) -> int:
@@ -271,6 +292,7 @@ class Runtime:
         budget = (("auto" if self.config.auto_budget else self.config.budget)
                   if self.engine.builder is not None else 0)
         out = self.engine.stats.summary(budget, self.builder_name)
+        out["budget_trace"] = budget_trace(self.engine.profiler.steps)      # what --budget auto picked, per step
         pager = getattr(self.engine.target, "pager", None)
         if pager is not None:                 # offloaded target: what streaming cost during the last call
             out.update(stream_summary(self._stream_base, pager.counters()))

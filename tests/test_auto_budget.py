@@ -33,3 +33,41 @@ def test_auto_budget_is_exact_and_calibrates_once(tiny_pair, tiny_perturbed_draf
     mtime = path.stat().st_mtime_ns
     assert [t for s in again.generate(ids, 40) for t in s] == want
     assert path.stat().st_mtime_ns == mtime                       # loaded, not re-measured
+
+
+def test_profiler_shows_the_budget_each_step_asked_for(tiny_pair, tiny_perturbed_draft, cache_dir: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from specexec.profiler import summary_table
+
+    target, draft = load_model(tiny_pair[0]), load_model(tiny_perturbed_draft)
+    engine = Engine(target, draft, EngineConfig(**budget_options("auto", 64)), SpecExecBuilder())
+    list(engine.generate([1, 30, 31, 32, 33, 34], 40))
+    asked = [s.budget for s in engine.profiler.steps]
+    assert all(b is not None and 1 <= b <= 64 for b in asked)
+    assert all(s.tree_size <= s.budget for s in engine.profiler.steps)
+    summary = engine.profiler.summary()
+    trace = summary["budget_trace"]
+    assert sum(int(part.split("×")[1]) if "×" in part else 1 for part in trace.split()) == len(asked)
+    out = io.StringIO()
+    Console(file=out, width=400).print(summary_table(summary))
+    assert f"budget per step {trace}" in out.getvalue()
+    fixed = Engine(target, draft, EngineConfig(budget=8), SpecExecBuilder())
+    list(fixed.generate([1, 30, 31, 32, 33, 34], 12))
+    assert {s.budget for s in fixed.profiler.steps} == {8}
+
+
+def test_generate_reports_the_budget_trace(capsys, tiny_pair, tiny_perturbed_draft, cache_dir: Path) -> None:
+    import json
+
+    from cli.main import main
+
+    argv = ["generate", "--model", str(tiny_pair[0]), "--draft", str(tiny_perturbed_draft), "--prompt", "The fox",
+            "--max-new-tokens", "16", "--budget", "auto", "--max-budget", "32"]
+    assert main(argv) == 0
+    assert "budget per step " in capsys.readouterr().err
+    assert main(argv + ["--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["budget"] == "auto" and stats["budget_trace"]

@@ -93,6 +93,8 @@ ERRORS = {
     "unknown config": (["--configs", "specexec,vllm"], "'vllm'"),
     "limit zero": (["--limit", "0"], "--limit"),
     "assisted without draft": (["--no-draft", "--configs", "hf-assisted"], "needs a draft"),
+    "hf with frequency penalty": (["--frequency-penalty", "0.5", "--configs", "no-draft,hf-offload"],
+                                  "transformers' generate() has no such penalty"),
 }
 
 
@@ -141,3 +143,11 @@ def test_stream_bench_still_has_its_subcommand(capsys) -> None:
     assert main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--budgets" in out and "stream" in out
+
+
+def test_repeat_keeps_each_configurations_fastest_round(capsys, tiny_pair, tiny_perturbed_draft) -> None:
+    captured, err = _bench(capsys, (tiny_pair[0], tiny_perturbed_draft), "--budgets", "4", "--configs",
+                           "specexec,no-draft", "--repeat", "2", "--json")
+    rows = json.loads(captured.out)["rows"]
+    assert [r["config"] for r in rows] == ["specexec budget=4", "no-draft"]
+    assert err.count("(round 2/2)") == 2 and rows[0]["identical_to_baseline"] is True

@@ -127,5 +127,5 @@ class RSDConstantBuilder(StaticBuilder):
     branching: tuple[int, ...] = ()
     name: str = "rsd-c"
 
-    def shape_for(self, budget: int) -> Shape:
+    def shape_for(self, budget: int, temperature: float | None = None) -> Shape:
         return branching_shape(budget, tuple(self.branching) or (2,) * self.max_depth)

@@ -12,8 +12,10 @@ tokens; temperature > 0 draws b children without replacement (Gumbel-top-b of th
 so the builder declares "without_replacement" and V5 (rrs_wor) with `draft_probs` is exact (Sequoia Alg. 2).
 Fewer children appear where q has fewer than b tokens with mass.
 
-The acceptance vector: DEFAULT_ACCEPTANCE (a plausible profile for a same-family pair), or a measured one
-from a JSON file (`load_acceptance`; written by `save_acceptance`, e.g. by a future `specexec bench accept`).
+The acceptance vector: DEFAULT_ACCEPTANCE (a plausible profile for a same-family pair), or measured ones from
+a JSON file (`acceptance_file`): a single vector (`save_acceptance`), or the per-temperature table that
+`specexec bench accept` measures on a pair (specexec/acceptance.py), from which each build uses the vector
+measured at the temperature nearest to its own. The runtime passes the pair's cached table when it exists.
 
 Does not know: the target, verification, how the acceptance vector was measured.
 """
@@ -121,11 +123,31 @@ def tree_shape(budget: int, max_depth: int, acceptance: tuple[float, ...] = DEFA
 
 def load_acceptance(path: str | Path) -> tuple[float, ...]:
     """A measured acceptance vector from JSON: a list, or an object with an "acceptance" list."""
+    table = load_acceptance_table(path)
+    if None not in table:
+        raise ConfigError(f"{path} holds acceptance vectors per temperature ({', '.join(map(str, table))}); "
+                          "use load_acceptance_table")
+    return table[None]
+
+
+def load_acceptance_table(path: str | Path) -> dict[float | None, tuple[float, ...]]:
+    """Measured acceptance vectors from JSON: {None: vector} for a single vector (a list, or an object with
+    an "acceptance" list), or {temperature: vector} for `specexec bench accept`'s {"vectors": {...}} file."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the acceptance vector {path}: {e}") from None
-    vec = data.get("acceptance") if isinstance(data, dict) else data
+    if isinstance(data, dict) and isinstance(data.get("vectors"), dict) and data["vectors"]:
+        try:
+            temps = [float(t) for t in data["vectors"]]
+        except ValueError:
+            raise ConfigError(f"{path}: temperatures must be numbers, got {list(data['vectors'])}") from None
+        return {t: _checked(path, v.get("acceptance") if isinstance(v, dict) else v)
+                for t, v in zip(temps, data["vectors"].values())}
+    return {None: _checked(path, data.get("acceptance") if isinstance(data, dict) else data)}
+
+
+def _checked(path: str | Path, vec: object) -> tuple[float, ...]:
     if (not isinstance(vec, list) or not vec or any(not isinstance(a, (int, float)) or not 0 <= a <= 1 for a in vec)
             or sum(vec) > 1.0 + 1e-6):
         raise ConfigError(f"{path}: the acceptance vector must be a non-empty list of probabilities summing to "
@@ -148,15 +170,20 @@ class StaticBuilder:
     drafting: str = "without_replacement"
     needs_draft: bool = True
     _q: QStore = field(default_factory=QStore, repr=False)
+    _by_temperature: dict[float, tuple[float, ...]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.acceptance_file is not None:
-            self.acceptance = load_acceptance(self.acceptance_file)
+            table = load_acceptance_table(self.acceptance_file)
+            if None in table:
+                self.acceptance = table[None]
+            else:
+                self._by_temperature = {float(t): v for t, v in table.items() if t is not None}
 
     def build(self, draft, root_token: int, budget: int, sampling: SamplingParams,
               rng: torch.Generator | None = None) -> TokenTree:
         """Fill the DP shape for `budget` level by level (one draft pass per level)."""
-        shape = self.shape_for(budget)
+        shape = self.shape_for(budget, sampling.temperature)
         passes = draft_passes(draft, self.kv_slots(budget), sampling)
         logq = passes.root(root_token)
         self._q.reset(logq, keep=not sampling.greedy)
@@ -175,8 +202,16 @@ class StaticBuilder:
             level = self._add_level(g, shape, parents, gp, where, logq, sampling, rng)
         return g.tree(passes)
 
-    def shape_for(self, budget: int) -> Shape:
-        return tree_shape(budget, self.max_depth, tuple(self.acceptance))
+    def shape_for(self, budget: int, temperature: float | None = None) -> Shape:
+        return tree_shape(budget, self.max_depth, self.vector_for(temperature))
+
+    def vector_for(self, temperature: float | None) -> tuple[float, ...]:
+        """The vector measured at the temperature nearest to `temperature` (None: the lowest), else the
+        single one."""
+        if not self._by_temperature:
+            return tuple(self.acceptance)
+        t = 0.0 if temperature is None else float(temperature)
+        return self._by_temperature[min(self._by_temperature, key=lambda x: (abs(x - t), x))]
 
     def _add_level(self, g: Growth, shape: Shape, parents: list[int], gp: Tensor, where: dict[int, int],
                    logq: Tensor, sampling: SamplingParams, rng: torch.Generator | None) -> list[int]:
