@@ -34,6 +34,7 @@ from cli import args as common
 from cli.bench_common import Plan, Result, config_name, encode_prompts, first_mismatch, run_variant, wide
 from cli.bench_hf import run_hf
 from specexec.config import ConfigError, EngineConfig, budget_options, check_number, parse_budget_list
+from specexec.profiler import budget_trace
 from specexec.prompts import load_prompts
 from specexec.runtime import Runtime
 
@@ -188,6 +189,7 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
             "new_tokens": r.new_tokens, "passes": r.passes, "decode_s": _round(r.decode_s, 4),
             "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
             "budget": r.budget, "builder": r.builder, "note": r.note or None,
+            "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
         })
     return rows
 
@@ -246,12 +248,14 @@ def run(args: argparse.Namespace) -> int:
     rows = make_rows(results, plan.sampling.greedy)
     title = (f"{len(prompt_ids)} prompts · up to {plan.config.max_new_tokens} new tokens · temperature "
              f"{plan.sampling.temperature} · {plan.config.device}")
+    out = wide(console if args.json else Console(soft_wrap=True))
+    out.print(make_table(rows, title))
+    for r in rows:
+        if r["budget_trace"]:
+            out.print(f"{r['config']}: budget per step {r['budget_trace']}", highlight=False, markup=False)
     if args.json:
-        wide(console).print(make_table(rows, title))
         print(json.dumps({"rows": rows, "prompts": len(prompt_ids), "max_new_tokens": plan.config.max_new_tokens,
                           "temperature": plan.sampling.temperature, "device": plan.config.device,
                           "dtype": plan.config.dtype, "model": str(paths[0]),
                           "draft": str(paths[1]) if paths[1] else None}, separators=(",", ":")), flush=True)
-    else:
-        wide(Console(soft_wrap=True)).print(make_table(rows, title))
     return 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -232,7 +232,7 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
         "tree_size": _r(_per(sum(s.tree_size for s in steps), n), 1),
         "budget": _r(_per(sum(s.budget for s in steps if s.budget is not None),
                           sum(s.budget is not None for s in steps)), 1),
-        "budget_trace": budget_trace(steps),
+        "budget_trace": budget_trace(s.budget for s in steps),
         "depth": _r(_per(sum(s.depth for s in steps), n), 2),
         "bytes_streamed": int(nbytes) if nbytes is not None else None,
         "streamed_gb": _r(nbytes / 1e9, 6) if nbytes is not None else None,
@@ -244,17 +244,17 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
     }
 
 
-def budget_trace(steps: list[StepStat], limit: int = 12) -> str | None:
-    """The budget each step asked for, run-length encoded in step order: "64×3 128×2 256×10" (the last
-    `limit` runs, "…" before them when cut); None when no step had a tree."""
+def budget_trace(budgets: Iterable[int | None], limit: int = 12) -> str | None:
+    """The budget each step asked for (None: a step without a tree), run-length encoded in step order:
+    "64×3 128×2 256×10" (the last `limit` runs, "…" before them when cut); None when no step had a tree."""
     runs: list[list[int]] = []
-    for s in steps:
-        if s.budget is None:
+    for b in budgets:
+        if b is None:
             continue
-        if runs and runs[-1][0] == s.budget:
+        if runs and runs[-1][0] == b:
             runs[-1][1] += 1
         else:
-            runs.append([s.budget, 1])
+            runs.append([b, 1])
     if not runs:
         return None
     text = " ".join(f"{b}×{k}" if k > 1 else str(b) for b, k in runs[-limit:])

@@ -292,7 +292,7 @@ class Runtime:
         budget = (("auto" if self.config.auto_budget else self.config.budget)
                   if self.engine.builder is not None else 0)
         out = self.engine.stats.summary(budget, self.builder_name)
-        out["budget_trace"] = budget_trace(self.engine.profiler.steps)      # what --budget auto picked, per step
+        out["budget_trace"] = budget_trace(s.budget for s in self.engine.profiler.steps)      # what --budget auto picked, per step
         pager = getattr(self.engine.target, "pager", None)
         if pager is not None:                 # offloaded target: what streaming cost during the last call
             out.update(stream_summary(self._stream_base, pager.counters()))

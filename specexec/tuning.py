@@ -31,9 +31,13 @@ import torch
 
 @dataclass
 class CurveFit:
-    """Monotone piecewise-linear seconds(size) over measured points; running mean per size."""
+    """Monotone piecewise-linear seconds(size) over measured points; running mean per size. Below the smallest
+    measured size the curve is flat, or with `origin` a line through (0, 0): a cost that vanishes with the
+    tree (drafting) then looks cheaper at unmeasured small sizes, so the tuner goes and measures them instead
+    of never trying a budget below where it started."""
 
     points: dict[int, tuple[float, int]] = field(default_factory=dict)   # size -> (mean seconds, count)
+    origin: bool = False
 
     def add(self, size: int, seconds: float, weight_cap: int = 20) -> None:
         mean, n = self.points.get(size, (0.0, 0))
@@ -46,7 +50,7 @@ class CurveFit:
         xs = sorted(self.points)
         ys = _monotone([self.points[x][0] for x in xs])
         if size <= xs[0]:
-            return ys[0]
+            return ys[0] * max(size, 0) / xs[0] if self.origin else ys[0]
         for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
             if size <= x1:
                 return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
@@ -68,7 +72,7 @@ def _monotone(ys: list[float]) -> list[float]:
 @dataclass
 class CostModel:
     target: CurveFit = field(default_factory=CurveFit)
-    draft: CurveFit = field(default_factory=CurveFit)
+    draft: CurveFit = field(default_factory=lambda: CurveFit(origin=True))      # no tree, no drafting
 
     def step_seconds(self, budget: int) -> float:
         return self.target(budget + 1) + self.draft(budget)
@@ -79,9 +83,9 @@ class CostModel:
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
-        def curve(d: dict) -> CurveFit:
-            return CurveFit({int(k): (float(v[0]), int(v[1])) for k, v in d.items()})
-        return cls(curve(data.get("target", {})), curve(data.get("draft", {})))
+        def curve(d: dict, origin: bool = False) -> CurveFit:
+            return CurveFit({int(k): (float(v[0]), int(v[1])) for k, v in d.items()}, origin)
+        return cls(curve(data.get("target", {})), curve(data.get("draft", {}), origin=True))
 
     def save(self, path: Path, fingerprint: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

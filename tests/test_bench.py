@@ -151,3 +151,16 @@ def test_repeat_keeps_each_configurations_fastest_round(capsys, tiny_pair, tiny_
     rows = json.loads(captured.out)["rows"]
     assert [r["config"] for r in rows] == ["specexec budget=4", "no-draft"]
     assert err.count("(round 2/2)") == 2 and rows[0]["identical_to_baseline"] is True
+
+
+def test_auto_row_reports_the_budget_per_step(capsys, tmp_path, monkeypatch, tiny_pair, tiny_perturbed_draft) -> None:
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
+    captured, err = _bench(capsys, (tiny_pair[0], tiny_perturbed_draft), "--budgets", "8,auto", "--max-budget", "32",
+                           "--configs", "specexec,no-draft", "--json")
+    rows = {r["config"]: r for r in json.loads(captured.out)["rows"]}
+    auto = rows["specexec budget=auto"]
+    assert auto["identical_to_baseline"] is True and auto["budget_trace"]
+    assert rows["specexec budget=8"]["budget_trace"] is None
+    steps = sum(int(p.split("×")[1]) if "×" in p else 1 for p in auto["budget_trace"].removeprefix("… ").split())
+    assert steps <= auto["passes"]
+    assert f"specexec budget=auto: budget per step {auto['budget_trace']}" in err

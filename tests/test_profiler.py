@@ -125,6 +125,6 @@ def test_budget_trace_is_run_length_encoded_in_step_order() -> None:
     from specexec.profiler import StepStat, budget_trace
 
     steps = [StepStat(4, 2, 3, 1.0, 1.0, budget=b) for b in (64, 64, 128, 256, 256, 256, 64)]
-    assert budget_trace(steps) == "64×2 128 256×3 64"
-    assert budget_trace([StepStat(0, 0, 1, 0.0, 1.0)]) is None            # target-only steps: no tree
-    assert budget_trace(steps, limit=2).startswith("… 256×3")
+    assert budget_trace(s.budget for s in steps) == "64×2 128 256×3 64"
+    assert budget_trace([StepStat(0, 0, 1, 0.0, 1.0).budget]) is None     # target-only steps: no tree
+    assert budget_trace([64, 64, 128, 256, 256, 256, 64], limit=2).startswith("… 256×3")

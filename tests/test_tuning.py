@@ -90,3 +90,14 @@ def test_grid_and_curve_fit_basics() -> None:
     assert budget_grid(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     c = fit(lambda n: 1.0 + n, sizes=(1, 10))
     assert c(5) == 6.0 and c(20) == 21.0 and c(0) == 2.0
+
+
+def test_an_unmeasured_smaller_budget_is_explored_when_drafting_cost_shrinks_with_it() -> None:
+    # Steps so far ran at 16 and 32 only; drafting costs ~1.5 ms per node and the pass is flat (a fast target).
+    draft = CurveFit(origin=True)
+    for n in (16, 32):
+        draft.add(n, 0.0015 * n)
+    tuner = BudgetTuner(MAX, CostModel(fit(lambda n: 0.005), draft), start_budget=16)
+    feed(tuner, lambda r: 0.6 ** (r + 1), size=32)
+    assert draft(4) < draft(16) and CurveFit({16: (0.024, 1)})(4) == 0.024     # flat without the origin anchor
+    assert tuner.next_budget() < 16                                             # it goes and measures below
