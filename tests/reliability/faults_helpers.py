@@ -21,17 +21,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
 from offload import cache as C
 from offload.cache import LayerCache
 from specexec.config import OffloadConfig, SamplingParams
 from specexec.loading import read_args
 from specexec.offloaded import layer_names
+from tests.test_chat import Screen  # noqa: F401 -- re-exported: what a ChatSession shows
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -202,16 +202,15 @@ class ScriptedTerminal(io.TextIOBase):
         return self.script.pop(0) + "\n" if self.script else ""       # "" = end of input (Ctrl-D)
 
 
-class Screen:
-    """What a ChatSession shows: answer pieces (write) and everything else (console)."""
+def streamed_runtime(pair: tuple[Path, Path], draft: Path, cache_root: Path, budget: int) -> Iterator[object]:
+    """A fixture body: the tiny pair with the target on the SSD tier under cache_root; the pager stops after."""
+    from specexec.config import EngineConfig
+    from specexec.runtime import Runtime
 
-    def __init__(self) -> None:
-        self.out: list[str] = []
-        self.err = io.StringIO()
-        self.console = Console(file=self.err, width=200, no_color=True)
-
-    def write(self, text: str) -> None:
-        self.out.append(text)
+    runtime = Runtime.load(str(pair[0]), str(draft), EngineConfig(budget=budget, dtype="float32"),
+                           offload=ssd(cache_root))
+    yield runtime
+    runtime.engine.close()
 
 
 def fresh_answer(runtime, messages: list[dict[str, str]], user: str, max_new: int,

@@ -24,7 +24,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime import Runtime
 from tests.reliability.faults_helpers import (Forked, Screen, ScriptedTerminal, cache_dir, entries, error_lines,
                                               fork_cli, fresh_answer, layer_digests, lock_is_free, pager_threads,
-                                              ssd)
+                                              streamed_runtime)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,11 +195,7 @@ def resident(tiny_pair, tiny_perturbed_draft) -> Runtime:
 
 @pytest.fixture(scope="module")
 def streamed(tiny_pair, tiny_perturbed_draft, tmp_path_factory) -> Runtime:
-    root = tmp_path_factory.mktemp("oom-cache")
-    runtime = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), EngineConfig(budget=4, dtype="float32"),
-                           offload=ssd(root))
-    yield runtime
-    runtime.engine.close()
+    yield from streamed_runtime(tiny_pair, tiny_perturbed_draft, tmp_path_factory.mktemp("oom-cache"), budget=4)
 
 
 def oom_in_forward(runtime: Runtime, monkeypatch, error: BaseException) -> None:

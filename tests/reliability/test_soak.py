@@ -14,9 +14,9 @@ import time
 import pytest
 
 from cli.chat import ChatSession
-from specexec.config import EngineConfig, SamplingParams
+from specexec.config import SamplingParams
 from specexec.runtime import Runtime
-from tests.reliability.faults_helpers import Screen, open_fds, pager_threads, rss_bytes, ssd
+from tests.reliability.faults_helpers import Screen, open_fds, pager_threads, rss_bytes, streamed_runtime
 
 BUILDERS = ("specexec", "chain", "dynamic", "rsd", "recycling")
 TEMPERATURES = (0.0, 0.6, 1.0)
@@ -28,11 +28,7 @@ RSS_SLACK = 30 << 20
 
 @pytest.fixture(scope="module")
 def runtime(tiny_pair, tiny_perturbed_draft, tmp_path_factory) -> Runtime:
-    root = tmp_path_factory.mktemp("soak-cache")
-    runtime = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), EngineConfig(budget=8, dtype="float32"),
-                           offload=ssd(root))
-    yield runtime
-    runtime.engine.close()
+    yield from streamed_runtime(tiny_pair, tiny_perturbed_draft, tmp_path_factory.mktemp("soak-cache"), budget=8)
 
 
 def conversation(runtime: Runtime, k: int, rng: random.Random, greedy: dict) -> int:
