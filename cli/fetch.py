@@ -78,10 +78,12 @@ def download_bar(console: Console, what: str) -> Iterator[Progress]:
             state["bar"], state["task"] = bar, bar.add_task(f"downloading {what}", total=max(total, 1))
         state["done"], state["total"] = done, total
         state["bar"].update(state["task"], completed=done, total=max(total, 1),
-                            description=f"downloading {what} ({name})" if done < total else f"downloaded {what}")
+                            description=f"downloading {what} ({name})")
 
     try:
         yield progress
+        if "bar" in state:
+            state["bar"].update(state["task"], description=f"downloaded {what}")
     except KeyboardInterrupt:
         if "bar" in state:
             state["bar"].stop()

@@ -233,6 +233,8 @@ def fetch(repo: str, opts: HubOptions) -> Path:
         fetch_file(listing, f, storage, opts, ticker)
     weights = weight_files(listing, snapshot, opts.gguf_file)
     ticker.total += sum(f.size for f in weights)
+    ticker.file = "checking free disk"
+    ticker.advance(0)
     check_disk(_still_to_fetch(weights, snapshot, storage), storage, snapshot, opts)
     for f in weights:
         fetch_file(listing, f, storage, opts, ticker)
