@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli import args as common
+from cli import plot
 from cli.bench_common import Plan, Result, config_name, encode_prompts, first_mismatch, run_variant, wide
 from cli.bench_hf import run_hf
 from specexec.config import ConfigError, EngineConfig, budget_options, check_number, parse_budget_list
@@ -65,6 +66,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "round-robin, and keep each one's fastest round (default 1; more evens out a noisy machine)")
     p.add_argument("--json", action="store_true", help="print one JSON line {\"rows\": [...]} to stdout "
                    "(the table goes to stderr)")
+    p.add_argument("--plot", metavar="FILE", help="also draw tok/s and tokens per pass against the budget, "
+                   "baselines as lines, into FILE.png or FILE.svg (needs matplotlib: pip install 'specexec[plot]')")
 
 
 # -------------------------------------------------------------------- plan
@@ -228,6 +231,7 @@ def _done_line(console: Console) -> Callable[[Result], None]:
 
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
+    figure = plot.check_target(args.plot)
     common.apply_catalog_defaults(args, console)
     plan = make_plan(args)
     runtime = common.load_runtime(args, plan.config, console, plan.offload)
@@ -253,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         if r["budget_trace"]:
             out.print(f"{r['config']}: budget per step {r['budget_trace']}", highlight=False, markup=False)
+    if figure is not None:
+        plot.save(plot.bench_figure(rows, title), figure, rows, title)
+        console.print(f"plot written to {figure}", style="dim", highlight=False)
     if args.json:
         print(json.dumps({"rows": rows, "prompts": len(prompt_ids), "max_new_tokens": plan.config.max_new_tokens,
                           "temperature": plan.sampling.temperature, "device": plan.config.device,
