@@ -22,6 +22,7 @@ disk the run needs once config.json is here), how a checkpoint loads (specexec.l
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -330,8 +331,9 @@ def _download(url: str, blob: Path, etag: str, size: int | None, ticker: "_Ticke
         out = _Checked(raw, etag, size)
         out.absorb(part, have)
         ticker.start_file(have)
-        http_get(url, out, resume_size=have, headers=build_hf_headers(), expected_size=size,
-                 tqdm_class=ticker.bar_class())
+        bar = {"tqdm_class": ticker.bar_class()} if "tqdm_class" in inspect.signature(http_get).parameters \
+            else {"_tqdm_bar": ticker.bar_class()(initial=have)}          # huggingface_hub releases before it
+        http_get(url, out, resume_size=have, headers=build_hf_headers(), expected_size=size, **bar)
         out.verify(part)
         raw.flush()
         os.fsync(raw.fileno())

@@ -244,3 +244,23 @@ def test_layer_cache_estimate_matches_the_cache_planner(tiny_llama: Path) -> Non
     assert [layer_bytes(args, "nf4", torch.float32)] * args.n_layers == [lay.nbytes for lay in planned]
     need = layer_cache_bytes(args, OffloadConfig(offload="ssd", quant="nf4"), engine)
     assert need == sum(lay.nbytes for lay in planned) + layer_cache.SPACE_MARGIN
+
+
+def test_older_http_get_without_tqdm_class_still_reports_and_resumes(online: LocalHub, tiny_llama: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import file_download
+
+    real = file_download.http_get
+
+    def old_style(url, temp_file, *, resume_size=0, headers=None, expected_size=None, _tqdm_bar=None, **retry):
+        """No tqdm_class parameter (retries inside the real one come back through here with theirs)."""
+        return real(url, temp_file, resume_size=resume_size, headers=headers, expected_size=expected_size,
+                    _tqdm_bar=_tqdm_bar, **retry)
+
+    monkeypatch.setattr(file_download, "http_get", old_style)
+    online.drop_after_half.add("model.safetensors")
+    seen: list[int] = []
+    path = fetch(REPO, HubOptions(progress=lambda d, t, n: seen.append(d)))
+    total = sum((tiny_llama / n).stat().st_size for n in LOADED)
+    assert seen[-1] == total and _sha(path / "model.safetensors") == online.by_sha("model.safetensors", REPO)
+    assert online.gets(online.by_sha("model.safetensors", REPO))[1].range.startswith("bytes=")
