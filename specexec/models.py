@@ -210,21 +210,6 @@ def hf_cache_path(hub_id: str) -> Path | None:
         return None
 
 
-def resolve_name(spec: str, catalog: Catalog | None = None) -> Path | None:
-    """The local directory of the catalogue entry named `spec`; None when `spec` names no entry; ConfigError
-    when it names one that is not on this machine (with where it was looked for)."""
-    entry = (catalog or load_catalog()).get(spec)
-    if entry is None:
-        return None
-    path = entry.local_path()
-    if path is None:
-        dirs = os.environ.get(DIRS_ENV) or "unset"
-        raise ConfigError(f"model {spec!r} ({entry.hub}) is not on this machine: not in the Hugging Face cache "
-                          f"and not under ${DIRS_ENV} ({dirs}); download it first (huggingface-cli download "
-                          f"{entry.hub}) or pass its checkpoint directory")
-    return path
-
-
 def find(spec: str | None, catalog: Catalog | None = None) -> ModelEntry | None:
     """The catalogue entry for a --model/--draft value, unless that value is an existing directory."""
     if not spec or Path(spec).expanduser().exists():

@@ -264,3 +264,9 @@ def test_older_http_get_without_tqdm_class_still_reports_and_resumes(online: Loc
     total = sum((tiny_llama / n).stat().st_size for n in LOADED)
     assert seen[-1] == total and _sha(path / "model.safetensors") == online.by_sha("model.safetensors", REPO)
     assert online.gets(online.by_sha("model.safetensors", REPO))[1].range.startswith("bytes=")
+
+
+def test_convert_downloads_a_hub_id_then_builds_its_cache(online: LocalHub, capsys, tmp_path: Path) -> None:
+    assert main(["convert", "--model", REPO, "--quant", "nf4", "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    assert "(built): 2 layers, nf4" in capsys.readouterr().out
+    assert len(online.gets(online.by_sha("model.safetensors", REPO))) == 1
