@@ -1,7 +1,7 @@
 """Command-line flags that several subcommands share (generate, chat, bench), defined once, and turning them
 into the frozen configs of specexec.config.
 
-Groups: model (--model --draft/--no-draft --allow-pickle), engine (--budget N|auto --max-budget --builder
+Groups: model (--model --draft/--no-draft --allow-pickle --offline --gguf-file), engine (--budget N|auto --max-budget --builder
 --device --dtype --max-new-tokens), sampling (--temperature --top-p --top-k --seed and the other SamplingParams fields),
 offload (--quant --draft-quant --offload --gpu-budget --ram-budget --cache-dir). `apply_catalog_defaults`
 fills what a models.yaml name implies (the recommended draft, budget and quantization) when the user left it
@@ -18,6 +18,7 @@ from rich.console import Console
 
 from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, OFFLOAD_CHOICES, QUANT_CHOICES, EngineConfig,
                              OffloadConfig, SamplingParams, budget_options, check_draft_choice)
+from cli.fetch import add_hub_args, fetch_model, target_reserve
 from specexec.runtime import Runtime, builder_needs_draft
 
 # SamplingParams fields that get a flag here: name -> (type, metavar, help)
@@ -37,13 +38,15 @@ SAMPLING_FLAGS = {
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required, metavar="PATH|NAME",
-                   help="target checkpoint directory, a name from `specexec models`, or a cached Hub id")
+                   help="target checkpoint directory, a name from `specexec models`, or a Hub id ORG/NAME "
+                        "(downloaded once into the Hugging Face cache: config, tokenizer, safetensors)")
     draft = p.add_mutually_exclusive_group()
     draft.add_argument("--draft", metavar="PATH|NAME", help="draft checkpoint (same tokenizer as the target); "
                        "default for a models.yaml target: its recommended draft")
     draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read pickle (.bin) weights with torch.load(weights_only=True)")
+    add_hub_args(p)
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") -> None:
@@ -107,13 +110,20 @@ def offload_config(args: argparse.Namespace) -> OffloadConfig:
 
 
 def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = None) -> None:
-    """--model NAME from models.yaml: use its recommended draft (unless --draft/--no-draft), default budget and
-    quantization (unless given). A directory path is never looked up."""
+    """Bring the target onto this machine (a Hub id or models.yaml name is downloaded when not cached, see
+    cli/fetch.py), then for a models.yaml name use its recommended draft (unless --draft/--no-draft), default
+    budget and quantization (unless given), then bring the draft. A directory path is never looked up."""
     from specexec.models import find
 
     entry = find(args.model)
-    if entry is None or entry.local_path() is None:       # not a name, or absent: loading says so in one line
-        return
+    fetch_model(args, "model", target_reserve(args))
+    if entry is not None:
+        _entry_defaults(args, entry, console)
+    if not getattr(args, "no_draft", False):
+        fetch_model(args, "draft")
+
+
+def _entry_defaults(args: argparse.Namespace, entry, console: Console | None) -> None:
     notes = []
     if not args.draft and not args.no_draft and entry.drafts:
         args.draft = entry.drafts[0]

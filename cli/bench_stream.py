@@ -63,6 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--dir", metavar="DIR", help="where the SSD tier's file goes (default: a temporary directory, "
                    "removed afterwards)")
     p.add_argument("--json", action="store_true", help="print one JSON line with the rows")
+    p.add_argument("--plot", metavar="FILE", help="also draw seconds per pass against tree tokens with the bytes "
+                   "÷ bandwidth line into FILE.png or FILE.svg (needs matplotlib)")
     return p
 
 
@@ -273,6 +275,9 @@ def table(rows: list[dict], title: str):
 def run(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from cli import plot
+
+    figure = plot.check_target(ns.plot)
     device_name = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device_name)
     device = torch.device(device_name)
@@ -293,6 +298,10 @@ def run(ns: argparse.Namespace) -> int:
         rows = measure(bench, token_list)
     finally:
         bench.close()
+    if figure is not None:
+        title = f"bench stream · {ns.synthetic} · {ns.quant} · {bench.tier} tier · {device}"
+        plot.save(plot.stream_figure(rows, title), figure, rows, title)
+        console.print(f"plot written to {figure}", style="dim", highlight=False)
     if ns.json:
         out = {"arch": ns.synthetic, "quant": ns.quant, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "layers": ns.layers, "layer_bytes": size, "plan": the_plan.summary(), "rows": rows}

@@ -19,6 +19,7 @@ import torch
 from offload.cache import LayerCache, default_cache_root, human_bytes
 from offload.quant import FORMATS
 from specexec.config import DTYPES, check_device
+from cli.fetch import fetch_model
 from specexec.loading import read_args, resolve_dtype, resolve_model_path
 from specexec.offloaded import layer_names
 
@@ -27,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="quantize a checkpoint's layers into the on-disk layer cache",
                        description="Quantize the decoder layers of a checkpoint once and write them, packed, to the "
                                    "layer cache that offloaded runs stream from.")
-    p.add_argument("--model", required=True, metavar="PATH", help="checkpoint directory (or a cached Hub id)")
+    p.add_argument("--model", required=True, metavar="PATH", help="checkpoint directory, or a Hub id ORG/NAME "
+                   "(downloaded when not cached)")
+    p.add_argument("--offline", action="store_true", help="never download (also HF_HUB_OFFLINE=1)")
     p.add_argument("--quant", required=True, choices=FORMATS, help="quantization format of the linear weights")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="dtype the layers compute in (default auto: bf16 for --device cuda, float32 for cpu)")
@@ -43,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     check_device(args.device)
+    fetch_model(args, "model")
     path = resolve_model_path(args.model)
     model_args = read_args(path)
     dtype = resolve_dtype(args.dtype, torch.device(args.device))
