@@ -323,17 +323,15 @@ def _plan_one(shape: RunShape, fmt: str, host: bool, reserve: int, ram: int, gpu
 def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str = "auto",
               bandwidths: Bandwidths | None = None) -> str | None:
     """The first change that makes the run fit, as flags with what the plan then holds (None: none found):
-    a 4-bit draft, then smaller tree budgets, then a shorter context, then no draft."""
+    a 4-bit draft, then a smaller tree budget, a shorter context, both, and last no draft at all."""
     tries: list[tuple[str, RunShape]] = []
     if shape.draft is not None and shape.draft_fmt == "none":
         tries.append(("--draft-quant nf4", replace(shape, draft_fmt="nf4")))
-    b = shape.budget // 2
-    while b >= 16:
-        tries.append((f"--budget {b}", replace(shape, budget=b)))
-        b //= 2
-    for c in (2048, 1024):
-        if c < shape.context:
-            tries.append((f"--context {c}", replace(shape, context=c)))
+    budgets = [b for b in (shape.budget // 2 ** k for k in range(1, 12)) if b >= 16]
+    contexts = [c for c in (2048, 1024) if c < shape.context]
+    tries += [(f"--budget {b}", replace(shape, budget=b)) for b in budgets]
+    tries += [(f"--context {c}", replace(shape, context=c)) for c in contexts]
+    tries += [(f"--budget {b} --context {c}", replace(shape, budget=b, context=c)) for c in contexts for b in budgets]
     if shape.draft is not None:
         tries.append(("no draft", replace(shape, draft=None, draft_kv=None)))
     for flags, candidate in tries:
