@@ -45,7 +45,7 @@ from .builders.static import StaticBuilder
 from .config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
                      check_draft_vocab, check_prompt_length)
 from .engine import Engine
-from .loading import expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
+from .loading import check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
 from .model import Transformer
 from .profiler import budget_trace
 from .offloaded import TargetPlan, load_target, plan_target, quantize_layers
@@ -245,6 +245,8 @@ class Runtime:
             check_compatible(tokenizer, load_tokenizer(d_path), t_args.vocab_size, d_args.vocab_size)
         else:
             check_compatible(tokenizer, tokenizer, t_args.vocab_size, t_args.vocab_size)
+        if d_path is not None:                  # a broken draft fails before the plan is shown
+            check_checkpoint(d_path, d_args, allow_pickle)
         say("planning memory")
         plan = _plan(t_path, t_args, d_args, config, offload)          # nothing of ours is loaded yet
         if plan is not None and on_plan is not None:
