@@ -73,7 +73,7 @@ def cuda_report(h2d_mb: int) -> dict:
         out["gpus"].append({"index": i, "name": props.name, "total_bytes": total, "free_bytes": free,
                             "capability": f"{props.major}.{props.minor}"})
     n = h2d_mb << 20
-    out["h2d_gbps"] = {"pinned": round(h2d_gbps(n, True, "cuda:0"), 2), "pageable": round(h2d_gbps(n, False, "cuda:0"), 2)}
+    out["h2d_gbps"] = {kind: round(h2d_gbps(n, kind == "pinned", "cuda:0"), 2) for kind in ("pinned", "pageable")}
     return out
 
 

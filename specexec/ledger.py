@@ -197,7 +197,7 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     if shape.draft is not None:
         dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype)
         device.append(("draft weights", sum(dw.values())))
-        notes["draft weights"] = f"{shape.draft.n_layers} layers {shape.draft_fmt}, embed/head {_dtype(shape.dtype)}"
+        notes["draft weights"] = f"{shape.draft.n_layers} layers {_fmt(shape.draft_fmt)}, embed/head {_dtype(shape.dtype)}"
         device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem)))
         notes["draft KV cache"] = f"{d_slots} slots" if d_slots else "none: the builder drafts without it"
     device += [("target KV cache", kv_bytes(t, t_slots, elem)), ("activations", act)]
@@ -245,8 +245,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         s = self.shape
-        head = (f"memory ledger: target {s.target.n_layers} layers {self.fmt}"
-                + (f", draft {s.draft.n_layers} layers {s.draft_fmt}" if s.draft is not None else ", no draft")
+        head = (f"memory ledger: target {s.target.n_layers} layers {_fmt(self.fmt)}"
+                + (f", draft {s.draft.n_layers} layers {_fmt(s.draft_fmt)}" if s.draft is not None else ", no draft")
                 + f", {_dtype(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens")
         streamed = "" if not self.plan.streams else f"; prefill: up to {self.prefill_tokens} tokens per pass"
         return head + streamed + "\n" + self.plan.describe()
@@ -358,6 +358,10 @@ def card_for(budget: int) -> int:
 
 def _gb(n: float) -> str:
     return f"{n / GB:.2f} GB" if abs(n) >= 0.01 * GB else f"{n / 1e6:.1f} MB"
+
+
+def _fmt(fmt: str) -> str:
+    return "unquantized" if fmt == "none" else fmt
 
 
 def _dtype(dtype: torch.dtype) -> str:
