@@ -1,8 +1,9 @@
 """How much disk a run will write besides its weights, known before the weights are here: the layer cache the
 offload plan builds, estimated from config.json alone (shapes -> packed layer sizes -> the planner).
 
-The estimate follows specexec.offloaded.plan_target: the format is --quant, or for auto `none` while every layer
-stays resident and nf4 once any layer streams; a layer cache is built whenever the target is offloaded (a
+The estimate is specexec.offloaded.plan_target's own ledger planning (specexec.ledger.plan_memory) without the
+draft: the format is --quant, or for auto `none` while every layer stays resident and the device's streamed
+format once any layer streams; a layer cache is built whenever the target is offloaded (a
 quantized format, or any streamed layer). The draft is not counted in the plan (its size is not known before
 it is fetched), so the plan may stream a little less than the real one; the cache is all layers either way.
 
@@ -14,23 +15,13 @@ from pathlib import Path
 
 import torch
 
-from offload import quant, storage
 from offload.cache import SPACE_MARGIN, default_cache_root
-from offload.planner import PlanError, default_budgets, plan
+from offload.planner import PlanError, default_budgets
 
 from .config import EngineConfig, ModelArgs, OffloadConfig
+from .ledger import layer_bytes, plan_memory
 from .loading import read_args, resolve_dtype
-from .model import Block
-from .offloaded import ASSUMED, block_tensor_names, target_needs
-
-
-def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype) -> int:
-    """Packed bytes of one decoder layer of `args` in format `fmt` (from shapes alone)."""
-    names, linear = block_tensor_names(args)
-    with torch.device("meta"):
-        shapes = {n: tuple(t.shape) for n, t in Block(args).state_dict().items()}
-    specs, meta = quant.layer_specs({n: (dtype, shapes[n]) for n in names}, fmt, dtype, linear)
-    return storage.plan_layout(specs, meta).nbytes
+from .offloaded import ASSUMED, run_shape, target_formats
 
 
 def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineConfig) -> int:
@@ -41,19 +32,15 @@ def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineCon
     budgets = default_budgets(device.type)
     gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu
     ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
-    elem = torch.empty((), dtype=dtype).element_size()
-    candidates = ["none", "nf4"] if offload.quant == "auto" else [offload.quant]
-    for k, fmt in enumerate(candidates):
-        size = layer_bytes(args, fmt, dtype)
-        needs = target_needs(args, [size] * args.n_layers, None, engine, elem, fmt)
-        try:
-            chosen = plan(needs, device.type, ram, gpu, offload.offload, ASSUMED[device.type])
-        except PlanError:
-            continue
-        if fmt == "none" and k + 1 < len(candidates) and chosen.streams:
-            continue
-        return size * args.n_layers + SPACE_MARGIN if (fmt != "none" or chosen.streams) else 0
-    return 0
+    shape = run_shape(args, None, engine, offload, device.type, dtype)
+    try:
+        memory = plan_memory(shape, target_formats(offload.quant, device.type), ram, gpu, offload.offload,
+                             ASSUMED[device.type])
+    except PlanError:
+        return 0
+    if memory.fmt == "none" and not memory.plan.streams:
+        return 0
+    return layer_bytes(args, memory.fmt, dtype) * args.n_layers + SPACE_MARGIN
 
 
 def reserve_for(offload: OffloadConfig, engine: EngineConfig):

@@ -26,6 +26,16 @@ from .tuning import BudgetTuner, CostModel, calibration_sizes, cost_fingerprint,
 from .verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
 
 LOGIT_CHUNK = 256        # rows of the LM head computed at once: 256 x 152k fp32 = 155 MB
+PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (EngineConfig.prefill_chunk overrides)
+KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
+
+
+def kv_slots_for(total: int, budget: int, draft_scratch: int | None) -> tuple[int, int]:
+    """(target, draft) KV slots for `total` committed tokens (prompt + answer), each sized for its own user:
+    the target holds one tree of `budget` nodes plus its root beyond them; the draft its builder's scratch
+    (builder.kv_slots(budget), which starts at the root) plus one. Pending tokens the draft has not seen are
+    part of the context, so they need no slot of their own. draft_scratch None: no draft cache (0)."""
+    return total + budget + 1, (0 if draft_scratch is None else total + draft_scratch + 1)
 
 
 @dataclass
@@ -72,10 +82,13 @@ class Engine:
 
     def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
                  builder: TreeBuilder | None, eos_ids: tuple[int, ...] = (),
-                 profiler: Profiler | None = None) -> None:
+                 profiler: Profiler | None = None, context: int | None = None) -> None:
+        """context: the tokens (prompt + answer) a memory plan reserved KV cache for; the caches are then
+        allocated for it at the first generate() (None: sized for each call's need, growing as it grows)."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
+        self.planned_context = context
         self.eos_ids = set(eos_ids)
         self.device = next(target.parameters()).device
         self.profiler = profiler or Profiler(self.device)   # spans/counters/steps of the last generate()
@@ -89,20 +102,25 @@ class Engine:
             builder.bind(target.args.vocab_size, self.device)
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
-        """Caches with room for `total` committed tokens plus one tree (and the draft's pending tokens);
-        existing caches are kept (and grown if needed) so a shared prompt prefix can be reused."""
+        """Caches with room for `total` committed tokens plus what each model writes beyond them
+        (kv_slots_for); existing caches are kept so a shared prompt prefix can be reused. They are allocated
+        for the planned context (self.planned_context) when there is one; past it they grow to what is
+        needed, in KV_GROW_QUANTUM steps, never doubling (KVCache.grow)."""
+        with_draft = self.draft is not None and self.builder is not None and self.builder.needs_draft
         budget = self.config.budget
-        tree_slots = budget + 1 + (self.builder.kv_slots(budget) + budget if self.builder is not None else 0)
-        need = total + tree_slots + 1                 # + the draft's pending tokens (at most a path + bonus)
+        scratch = self.builder.kv_slots(budget) if with_draft else None
+        need = kv_slots_for(total, budget, scratch)
         if self._caches is None:
-            def make(model: Transformer) -> KVCache:
+            planned = kv_slots_for(self.planned_context or 0, budget, scratch)
+
+            def make(model: Transformer, slots: int) -> KVCache:
                 a, p = model.args, next(model.parameters())
-                return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, need, p.dtype, p.device)
-            with_draft = self.draft is not None and self.builder is not None and self.builder.needs_draft
-            self._caches = (make(self.target), make(self.draft) if with_draft else None)
-        for cache in self._caches:
-            if cache is not None and cache.capacity < need:
-                cache.grow(max(need, 2 * cache.capacity))
+                return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device)
+            self._caches = (make(self.target, max(need[0], planned[0])),
+                            make(self.draft, max(need[1], planned[1])) if with_draft else None)
+        for cache, slots in zip(self._caches, need):
+            if cache is not None and cache.capacity < slots:
+                cache.grow(-(-slots // KV_GROW_QUANTUM) * KV_GROW_QUANTUM)
         return self._caches
 
     def reset(self) -> None:
@@ -119,9 +137,19 @@ class Engine:
         if close is not None:
             close()
 
+    def prefill_chunk(self, model: Transformer) -> int:
+        """Prompt tokens per prefill pass of `model`: a streamed target's planned `prefill_tokens` (one pass
+        streams the whole model, so as many as its memory plan allows), else PREFILL_CHUNK; a configured
+        EngineConfig.prefill_chunk replaces the default and caps the planned figure."""
+        planned = getattr(model, "prefill_tokens", None)
+        cap = self.config.prefill_chunk
+        if planned is None:
+            return cap or PREFILL_CHUNK
+        return min(planned, cap) if cap else planned
+
     def prefill(self, model: Transformer, cache: KVCache, ids: list[int]) -> None:
-        """Run ids through `model` in chunks of config.prefill_chunk and commit them to `cache`."""
-        chunk = self.config.prefill_chunk
+        """Run ids through `model` in chunks of prefill_chunk(model) and commit them to `cache`."""
+        chunk = self.prefill_chunk(model)
         for start in range(0, len(ids), chunk):
             part = torch.tensor(ids[start:start + chunk], device=self.device)
             T, L = part.numel(), cache.length

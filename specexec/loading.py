@@ -144,6 +144,12 @@ def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: Mo
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
 
 
+def check_checkpoint(path: Path, args: ModelArgs, allow_pickle: bool = False) -> None:
+    """check_tensors on the weights load_model would read (headers only for safetensors/GGUF), so a broken
+    checkpoint is refused before anything is planned or loaded."""
+    check_tensors(path, _open_weights(path, allow_pickle), args)
+
+
 def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
                allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Checked tensors (check_tensors) by model parameter name, cast to dtype on device, one tensor at a time."""

@@ -67,16 +67,17 @@ def _chat(hub: LocalHub, home: Path, *extra: str) -> str:
     return screen_text("".join(chunks))
 
 
-def test_first_chat_downloads_converts_plans_then_prompts(hub: LocalHub, tiny_pair, tmp_path: Path) -> None:
+def test_first_chat_downloads_plans_converts_then_prompts(hub: LocalHub, tiny_pair, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     screen = _chat(hub, home)
     total = sum((tiny_pair[0] / n).stat().st_size for n in LOADED) / 1000
     steps = [rf"downloaded {TARGET} .* {total:.1f}/{total:.1f} kB .*eta",
              rf"downloaded {DRAFT} .* kB .*eta",
-             r"quantizing to nf4 .* 4/4 layers \d:\d\d:\d\d \d:\d\d:\d\d",      # elapsed, then the ETA column
+             r"memory ledger: target 4 layers nf4",                         # the plan before any conversion
              r"offload plan \(ssd, 4 target layers",
              r"SSD tier +4 layers",
+             r"quantizing to nf4 .* 4/4 layers \d:\d\d:\d\d \d:\d\d:\d\d",      # elapsed, then the ETA column
              r"^>>> Hello"]
     at = []
     for step in steps:

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from cli.main import main
 from specexec import hub as hub_mod
 from specexec.config import ConfigError, EngineConfig, OffloadConfig
-from specexec.disk_need import layer_bytes, layer_cache_bytes
+from specexec.disk_need import layer_cache_bytes
+from specexec.ledger import layer_bytes
 from specexec.hub import HubOptions, cached, fetch
 from specexec.loading import load_model, read_args, resolve_model_path
 from tests.hub_server import LocalHub, serve, stop
