@@ -70,7 +70,8 @@ class Span:
             raise RuntimeError(f"span {self.name!r} was not stopped")
         if self._events is None:
             return self._t1 - self._t0
-        self._events[1].synchronize()
+        if not self._events[1].query():
+            self._events[1].synchronize()              # this event only; callers outside the step path
         return self._events[0].elapsed_time(self._events[1]) / 1000.0
 
     def __enter__(self) -> "Span":

@@ -128,3 +128,32 @@ def test_budget_trace_is_run_length_encoded_in_step_order() -> None:
     assert budget_trace(s.budget for s in steps) == "64×2 128 256×3 64"
     assert budget_trace([StepStat(0, 0, 1, 0.0, 1.0).budget]) is None     # target-only steps: no tree
     assert budget_trace([64, 64, 128, 256, 256, 256, 64], limit=2).startswith("… 256×3")
+
+
+def test_steps_timed_by_spans_settle_when_their_events_complete_never_by_waiting() -> None:
+    """CUDA spans are events the device completes later: recording a step never waits for them; their times
+    (and on_timed, the tuner's feed) arrive in step order once query() says done; `steps` waits if asked."""
+    from types import SimpleNamespace
+
+    from tests.test_pager import LagEvent
+
+    clock = SimpleNamespace(done=False, waits=0)
+    prof = Profiler("cpu")
+
+    def span(name: str, ms: float) -> Span:
+        s = prof.start(name)
+        s._events = (LagEvent(clock).record(), LagEvent(clock))
+        s.stop()
+        s._events[1].t = s._events[0].t + ms / 1000
+        return s
+
+    heard: list[tuple[float, float]] = []
+    assert prof.step(4, 2, 3, span("draft", 2), span("target", 10), on_timed=lambda d, t: heard.append((d, t))) is None
+    assert prof.step(6, 3, 2, 0.001, 0.004, on_timed=lambda d, t: heard.append((d, t))) is None   # behind step 1
+    assert heard == [] and clock.waits == 0
+    clock.done = True
+    prof.settle()
+    assert heard == [pytest.approx((0.002, 0.010)), pytest.approx((0.001, 0.004))] and clock.waits == 0
+    clock.done = False
+    prof.step(2, 1, 1, span("draft", 1), span("target", 3))
+    assert [round(s.target_ms, 3) for s in prof.steps] == [10.0, 4.0, 3.0] and clock.waits > 0
