@@ -109,6 +109,7 @@ class LayerPager:
         self._waiting: dict[str, Callable[[], bool]] = {}      # stage -> what it waits for
         self._threads: dict[str, threading.Thread] = {}
         self._pending: deque[PassTiming] = deque()             # passes not folded into stats yet
+        self.last_pass: PassTiming | None = None                # the latest pass's events (benchmarks, tests)
         self._stats_lock = threading.Lock()
         self._job: _Job | None = None
         self._last_ids: list[int] = list(range(len(self.sizes)))
@@ -176,6 +177,7 @@ class LayerPager:
             self.stats.passes += 1
             with self._stats_lock:
                 self._pending.append(timing)
+            self.last_pass = timing
             self.collect()
 
     def _serve(self, i: int, slot: int, buf: torch.Tensor, lt: LayerTiming) -> Iterator[tuple[int, Any]]:

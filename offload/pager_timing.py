@@ -126,7 +126,7 @@ class PassTiming:
 
     def ready(self) -> bool:
         """Every event has completed (cudaEventQuery: never blocks)."""
-        return all(e.query() for e in self.events())
+        return all(e.query() for e in reversed(self.events()))      # the latest first: usually decides
 
     def synchronize(self) -> None:
         """Wait for this pass's events (only these; outside the step path)."""

@@ -157,3 +157,38 @@ def test_steps_timed_by_spans_settle_when_their_events_complete_never_by_waiting
     clock.done = False
     prof.step(2, 1, 1, span("draft", 1), span("target", 3))
     assert [round(s.target_ms, 3) for s in prof.steps] == [10.0, 4.0, 3.0] and clock.waits > 0
+
+
+@pytest.mark.gpu
+def test_cuda_generation_never_synchronizes_the_device(tiny_pair, tiny_perturbed_draft, tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed target on CUDA: no torch.cuda.synchronize while generating (it would make the next pass's
+    prefetch finish before drafting instead of during it); step times still arrive, from CUDA events, and the
+    output equals the resident target's."""
+    from specexec.config import OffloadConfig
+
+    config = EngineConfig(budget=8, max_new_tokens=16, device="cuda", dtype="float32")
+    common = {"quant": "nf4", "cache_dir": str(tmp_path)}
+    streamed = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                            offload=OffloadConfig(offload="ssd", **common))
+    resident = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                            offload=OffloadConfig(offload="none", **common))
+    prompt = streamed.encode("The quick brown fox")
+    list(streamed.generate_ids(prompt, 4))                       # warm-up (cost calibration, kernels)
+    calls: list[tuple] = []
+    real = torch.cuda.synchronize
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", counted)
+    ids = [t for step in streamed.generate_ids(prompt, 16) for t in step]
+    monkeypatch.undo()
+    assert calls == []
+    steps = streamed.engine.profiler.steps
+    assert len(steps) >= 2 and all(s.draft_ms > 0 and s.target_ms > 0 for s in steps)
+    stats = streamed.stats()
+    assert stats["bytes_streamed"] > 0 and stats["effective_gbps"] > 0 and stats["passes"] >= len(steps)
+    assert ids == [t for step in resident.generate_ids(prompt, 16) for t in step]
+    streamed.engine.close()
