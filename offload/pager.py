@@ -310,7 +310,7 @@ class LayerPager:
         stages = {"copy": self._copy_loop, "read": self._read_loop} if self.staged else {"copy": self._copy_loop}
         for stage, target in stages.items():
             if stage not in self._threads:
-                self._threads[stage] = threading.Thread(target=target, name=f"layer-pager-{stage}", daemon=True)
+                self._threads[stage] = threading.Thread(target=target, name="layer-pager", daemon=True)
                 self._threads[stage].start()
 
     def _next(self, stage: str) -> _Job | None:

@@ -4,6 +4,7 @@ the SSD file reads with and without O_DIRECT. `gpu` tests cover pinned memory, c
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,6 +119,24 @@ def test_read_ahead_fills_every_buffer_before_the_next_pass(layers, n_slots: int
         assert pager.loaded()[:min(n_slots, n)] == ahead[:n_slots]          # the slots hold the first ones
         check_pass(pager, layers, order)
         assert reader.reads == order * 2 and pager.stats.bytes["ssd"] == 2 * sum(SIZES)
+
+
+def test_close_stops_both_loader_threads_and_they_restart_on_demand(layers) -> None:
+    def pager_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "layer-pager" and t.is_alive()}
+
+    before = pager_threads()
+    pager = build_pager(["ssd"] * 6, MemoryReader(layers), "cpu", staged=True)
+    check_pass(pager, layers)
+    pager.prefetch_start()                                        # both threads busy with the next pass
+    mine = pager_threads() - before
+    assert len(mine) == 2
+    pager.close()
+    assert not any(t.is_alive() for t in mine)
+    check_pass(pager, layers)
+    assert len(pager_threads() - before) == 2
+    pager.close()
+    assert pager_threads() <= before
 
 
 def test_the_ram_tier_reads_ahead_as_deep_as_the_slots(layers) -> None:
