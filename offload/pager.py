@@ -217,14 +217,15 @@ class LayerPager:
         wait for the pass. A no-op when nothing streams or a job is already queued for those layers."""
         ids = self._last_ids if ids is None else list(ids)
         streamed = [i for i in ids if self.tiers[i] != "resident"]
-        if not streamed or (self._job is not None and not self._job.taken and self._job.ids == streamed):
+        job = self._job
+        if not streamed or (job is not None and not job.taken and not job.stopped and job.ids == streamed):
             return
         self._submit(streamed)
 
     def _take(self, streamed: list[int]) -> _Job:
         """The queued job if it loads exactly `streamed` and nothing consumed it yet; else a new one."""
         job = self._job
-        if job is None or job.taken or job.ids != streamed or self._orphan(job):
+        if job is None or job.taken or job.stopped or job.ids != streamed or self._orphan(job):
             job = self._submit(streamed)
         job.taken = True
         return job
