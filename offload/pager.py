@@ -218,14 +218,15 @@ class LayerPager:
         ids = self._last_ids if ids is None else list(ids)
         streamed = [i for i in ids if self.tiers[i] != "resident"]
         job = self._job
-        if not streamed or (job is not None and not job.taken and not job.stopped and job.ids == streamed):
+        if not streamed or (job is not None and not job.taken and not job.cancelled and job.ids == streamed):
             return
         self._submit(streamed)
 
     def _take(self, streamed: list[int]) -> _Job:
-        """The queued job if it loads exactly `streamed` and nothing consumed it yet; else a new one."""
+        """The queued job if it loads exactly `streamed`, nothing consumed it yet and it was not cancelled (a
+        read-ahead that failed is taken: the pass raises its error); else a new one."""
         job = self._job
-        if job is None or job.taken or job.stopped or job.ids != streamed or self._orphan(job):
+        if job is None or job.taken or job.cancelled or job.ids != streamed or self._orphan(job):
             job = self._submit(streamed)
         job.taken = True
         return job

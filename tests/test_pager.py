@@ -139,6 +139,22 @@ def test_close_stops_both_loader_threads_and_they_restart_on_demand(layers) -> N
     assert pager_threads() <= before
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_a_read_error_during_read_ahead_is_raised_by_the_next_pass(layers, staged: bool) -> None:
+    """A layer that fails to load while the draft runs is not retried silently: the pass that needed it says
+    so (one error), and the pass after that starts clean."""
+    reader = MemoryReader(layers)
+    with build_pager(["ssd"] * 6, reader, "cpu", n_slots=2, n_bounce=2, staged=staged) as pager:
+        check_pass(pager, layers)
+        reader.fail_at = 1
+        pager.prefetch_start()
+        assert pager.wait_idle(10)
+        reader.fail_at = None
+        with pytest.raises(RuntimeError, match="loading layer 1 failed: read error on layer 1"):
+            check_pass(pager, layers)
+        check_pass(pager, layers)
+
+
 def test_the_ram_tier_reads_ahead_as_deep_as_the_slots(layers) -> None:
     with build_pager(["ram"] * 6, MemoryReader(layers), "cpu", n_slots=4) as pager:
         check_pass(pager, layers)
