@@ -146,26 +146,26 @@ class Engine:
         rule = self.rule_for(sampling)
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
-            try:
-                generated: list[int] = []
-                root = prompt_ids[-1]
-                while len(generated) < limit:
-                    acc = self._step(state, root, sampling, rule, rng, stats)
-                    new, stop = self._trim(acc.tokens, generated, limit, should_stop)
-                    generated += new
-                    stats.generated = len(generated)
-                    self.profiler.count(generated=len(new))
-                    if new:
-                        yield new
-                    if stop:
-                        return
-                    root = acc.tokens[-1]
-            finally:
-                self._settle(stats)
+            generated: list[int] = []
+            root = prompt_ids[-1]
+            while len(generated) < limit:
+                acc = self._step(state, root, sampling, rule, rng, stats)
+                new, stop = self._trim(acc.tokens, generated, limit, should_stop)
+                generated += new
+                stats.generated = len(generated)
+                self.profiler.count(generated=len(new))
+                if new:
+                    yield new
+                if stop:
+                    self._settle(stats)
+                    return
+                root = acc.tokens[-1]
+            self._settle(stats)
 
     def _settle(self, stats: GenerationStats) -> None:
         """The end of a generation: times still on the device's clock (CUDA events of the last steps) are
-        waited for and filled in. The only place the engine waits for timing; never inside a step."""
+        waited for and filled in. The only place the engine waits for timing; never inside a step. (A caller
+        that abandons the generator gets them when it reads profiler.steps or summary().)"""
         self.profiler.settle(wait=True)
         if self._prefill_span is not None:
             stats.prefill_s = self._prefill_span.seconds
