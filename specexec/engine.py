@@ -237,6 +237,7 @@ class Engine:
         if self.builder is None:
             tree = TokenTree.root_only(root, self.device)
         else:
+            self.profiler.settle()                   # the tuner hears finished steps' times (never waits)
             budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
             tree = self.builder.build(draft, root, budget, sampling, rng)
         draft_span.stop()                            # CUDA: events on the compute stream, no host sync
