@@ -19,7 +19,7 @@ from .builders.base import DraftState, TreeBuilder
 from .config import ConfigError, EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .model import Transformer, prefix_tree_mask
-from .profiler import Profiler
+from .profiler import Profiler, Span
 from .sampling import greedy, make_generator, node_histories, process_logits, sample
 from .tree import TokenTree
 from .tuning import BudgetTuner, CostModel, calibration_sizes, cost_fingerprint, default_cost_path
@@ -94,6 +94,7 @@ class Engine:
         self.profiler = profiler or Profiler(self.device)   # spans/counters/steps of the last generate()
         self.stats = GenerationStats()
         self._caches: tuple[KVCache, KVCache | None] | None = None
+        self._prefill_span: Span | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
         self._generated_from = 0        # where this generate() call's own tokens begin in _context
         self.tuner = BudgetTuner(config.budget) if config.auto_budget and builder is not None else None
@@ -184,8 +185,18 @@ class Engine:
                 if new:
                     yield new
                 if stop:
+                    self._settle(stats)
                     return
                 root = acc.tokens[-1]
+            self._settle(stats)
+
+    def _settle(self, stats: GenerationStats) -> None:
+        """The end of a generation: times still on the device's clock (CUDA events of the last steps) are
+        waited for and filled in. The only place the engine waits for timing; never inside a step. (A caller
+        that abandons the generator gets them when it reads profiler.steps or summary().)"""
+        self.profiler.settle(wait=True)
+        if self._prefill_span is not None:
+            stats.prefill_s = self._prefill_span.seconds
 
     def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> tuple[KVCache, DraftState | None]:
         """Prefill what the caches do not already hold: the longest common prefix with the previous call's
@@ -204,8 +215,9 @@ class Engine:
             draft_cache.truncate(min(shared, draft_cache.length))
             self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1])
             draft = DraftState(self.draft, draft_cache, [prompt_ids[-1]])
-        self._sync()
-        stats.prefill_s = span.stop().seconds
+        span.stop()                                  # CUDA: read at the end (_settle), never waited for here
+        self._prefill_span = span
+        stats.prefill_s = span.seconds if span.ready else 0.0
         if self.tuner is not None and not self.tuner.costs.target.points:
             self._calibrate(target_cache)
         self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
@@ -253,10 +265,10 @@ class Engine:
         if self.builder is None:
             tree = TokenTree.root_only(root, self.device)
         else:
+            self.profiler.settle()                   # the tuner hears finished steps' times (never waits)
             budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
             tree = self.builder.build(draft, root, budget, sampling, rng)
-        self._sync()
-        draft_span.stop()
+        draft_span.stop()                            # CUDA: events on the compute stream, no host sync
         target_span = self.profiler.start("target")
         acc = self._verify(tree, cache, sampling, rule, rng)
         cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
@@ -266,11 +278,15 @@ class Engine:
         if self.builder is not None:
             self.builder.observe(tree, acc.nodes, acc.tokens[-1])
         target_span.stop()
-        draft_s, target_s = draft_span.seconds, target_span.seconds
-        if self.tuner is not None:
-            self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
-        self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s, budget)
-        stats.steps.append(StepRecord(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s))
+        record = StepRecord(tree.size, tree.max_depth(), len(acc.tokens), 0.0, 0.0)
+        stats.steps.append(record)
+
+        def timed(draft_s: float, target_s: float) -> None:      # once the spans' events completed
+            record.draft_s, record.target_s = draft_s, target_s
+            if self.tuner is not None:
+                self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
+
+        self.profiler.step(record.tree_size, record.depth, record.accepted, draft_span, target_span, budget, timed)
         return acc
 
     def rule_for(self, sampling: SamplingParams) -> Rule:
@@ -303,8 +319,7 @@ class Engine:
         else:
             acc = rule.fn(tree, self._probs_fn(hidden, sampling, history, gen_from), *self._draft_probs(rule, tree),
                           rng)
-        self._sync()
-        return acc
+        return acc                                  # the host synced on the accepted tokens, nothing else
 
     def _histories(self, tree: TokenTree, L: int, sampling: SamplingParams) -> tuple[torch.Tensor | None, int]:
         """Per node, the ids target-only decoding would have seen before that node's next token, and the column
@@ -356,10 +371,6 @@ class Engine:
             logp = process_logits(logits, sampling, hist, generated_from)
             out.append(greedy(logp) if sampling.greedy else sample(logp, rng))
         return torch.cat(out)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
