@@ -16,6 +16,7 @@ Does not know: what the lock protects (offload/cache.py holds it while building 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -156,7 +157,8 @@ class _LockDir:
     def __init__(self, lock_path: Path) -> None:
         self.dir = lock_path.with_name(lock_path.name + ".d")
         self.breaker = lock_path.with_name(lock_path.name + ".d.break")
-        self.me = f"{os.getpid()} {socket.gethostname()} {secrets.token_hex(8)}"
+        self.token = secrets.token_hex(8)
+        self.me = f"{os.getpid()} {socket.gethostname()} {self.token}"
 
     def take(self) -> bool:
         for _ in range(2):                   # a second try right after breaking a dead owner's lock
@@ -168,7 +170,7 @@ class _LockDir:
                     return False
         else:
             return False
-        tmp = self.dir / f".{self.OWNER}.{self.me.rsplit(' ', 1)[1]}"
+        tmp = self.dir / f".{self.OWNER}.{self.token}"
         tmp.write_text(self.me + "\n")
         os.replace(tmp, self.dir / self.OWNER)
         return True
@@ -202,11 +204,9 @@ class _LockDir:
         try:
             os.mkdir(self.breaker)
         except FileExistsError:
-            try:                             # a breaker that died breaking (it takes milliseconds)
+            with contextlib.suppress(OSError):       # a breaker that died breaking (it takes milliseconds)
                 if time.time() - self.breaker.stat().st_mtime > ORPHAN_S:
                     os.rmdir(self.breaker)
-            except OSError:
-                pass
             return False
         try:
             if self._owner() != owner or not self._dead(owner):
@@ -216,9 +216,10 @@ class _LockDir:
         except FileNotFoundError:
             return False
         finally:
-            os.rmdir(self.breaker)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.breaker)
 
     def release(self) -> None:
-        if self._owner() == self.me:         # else a waiter took us for dead (another host's pid reuse)
+        if self._owner() == self.me:         # else a waiter judged us dead (only across pid namespaces)
             os.remove(self.dir / self.OWNER)
             os.rmdir(self.dir)
