@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from offload.cache import default_cache_root
+from offload.facilities import missing
+from offload.mounts import slow_mount_warnings
 from specexec.config import ConfigError, check_integer
 
 PROMPT = "The quick brown fox"
@@ -86,7 +88,8 @@ def disk_report(directory: Path, io_mb: int) -> dict:
     except OSError as e:
         return {"dir": str(directory), "ok": False, "error": f"{e.strerror or e}"}
     free = shutil.disk_usage(directory).free
-    return {"dir": str(directory), "ok": True, "read_gbps": round(gbps, 2), "o_direct": direct, "free_bytes": free}
+    return {"dir": str(directory), "ok": True, "read_gbps": round(gbps, 2), "o_direct": direct, "free_bytes": free,
+            "stand_ins": missing(), "warnings": list(slow_mount_warnings(None, directory))}
 
 
 def bnb_report() -> dict:
@@ -178,6 +181,9 @@ def describe(r: dict) -> str:
     if d["ok"]:
         how = "O_DIRECT" if d["o_direct"] else "buffered (O_DIRECT unsupported here), page cache dropped"
         lines.append(f"disk {d['dir']}: read {d['read_gbps']:.2f} GB/s ({how}), {_gb(d['free_bytes'])} free")
+        if d["stand_ins"]:
+            lines.append(f"platform: no {', '.join(d['stand_ins'])}: using stand-ins (README: Windows and WSL2)")
+        lines += [f"warning: {w}" for w in d["warnings"]]
     else:
         lines.append(f"disk {d['dir']}: FAILED: {d['error']}")
     kern = {None: "not applicable (no CUDA)", True: "loaded", False: f"NOT working ({b.get('error', '')})"}

@@ -3,8 +3,10 @@
 User mistakes (ConfigError, CheckpointError, CacheError, a file that cannot be read, bad command-line syntax)
 exit with 2, also when they reach the command wrapped (e.g. the pager's "loading layer i failed: <CacheError>"
 from its reader thread); anything else is a bug and exits with 1, still in one line unless --debug asks for the
-traceback. SIGTERM (`sigterm_raises`) becomes a `Terminated` exception in the main thread, so cleanups run
-(a half-written layer cache is removed, the pager thread stops); the command then exits with 143.
+traceback. SIGTERM (`sigterm_raises`, where the platform has it) becomes a `Terminated` exception in the main
+thread, so cleanups run (a half-written layer cache is removed, the pager thread stops); the command then exits
+with 143. (On Windows, which ends a process without a signal, the cleanups that matter happen at the next start:
+a builder's leftovers are removed, its lock is free.)
 
 Does not know: which command ran or what it was doing.
 """
@@ -63,17 +65,19 @@ class Terminated(BaseException):
 
 @contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """While inside: SIGTERM raises Terminated in the main thread (elsewhere, e.g. a command run in a thread,
-    nothing changes); the previous handler comes back on exit."""
-    if threading.current_thread() is not threading.main_thread():
+    """While inside: SIGTERM raises Terminated in the main thread (elsewhere, e.g. a command run in a thread, or
+    on a platform without SIGTERM, nothing changes; Ctrl-C is KeyboardInterrupt everywhere, as always); the
+    previous handler comes back on exit."""
+    sigterm = getattr(signal, "SIGTERM", None)
+    if sigterm is None or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: object) -> None:
         raise Terminated(f"signal {signum}")
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(sigterm, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        signal.signal(sigterm, signal.SIG_DFL if previous is None else previous)

@@ -16,11 +16,13 @@ import argparse
 import json
 import sys
 
+from offload.cache_identity import default_cache_root
+from offload.mounts import slow_mount_warnings
 from offload.planner import GB, Bandwidths, PlanError, default_budgets
 from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, OFFLOAD_CHOICES, QUANT_CHOICES, ConfigError,
                              budget_options, check_choice, check_integer, check_number, parse_size)
 from specexec.ledger import (ASSUMED, MemoryPlan, RunShape, card_budget, card_for, plan_context, plan_memory,
-                             what_fits)
+                             what_fits, with_warnings)
 from specexec.loading import read_args, resolve_model_path
 
 DEFAULT_LINK_GBPS = 25.0          # pinned host -> GPU over PCIe 4.0 x16, as measured by `specexec doctor`
@@ -133,10 +135,12 @@ def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
     bandwidths = _bandwidths(ns, device)
     formats = target_formats(quant, device)
     try:
-        return plan_memory(shape, formats, ram, gpu, mode, bandwidths), source
+        memory = plan_memory(shape, formats, ram, gpu, mode, bandwidths)
     except PlanError as e:
         hint = what_fits(shape, formats, ram, gpu, mode, bandwidths)
         raise ConfigError(_explain(e, ns) + (f"; {hint}" if hint else "; nothing smaller fits either")) from None
+    cache = default_cache_root() if memory.fmt != "none" or memory.plan.streams else None
+    return with_warnings(memory, slow_mount_warnings(resolve_model_path(ns.model), cache)), source
 
 
 def _explain(e: PlanError, ns: argparse.Namespace) -> str:

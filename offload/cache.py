@@ -7,12 +7,12 @@ One directory per (checkpoint path, format, dtype, double quant, layer naming) u
   manifest.json  version, source fingerprint (name, size, mtime and header hash of config.json, the index and
                  every safetensors file), format, dtype, and per layer: offset, nbytes, sha256, packed layout
 
-Building (LayerCache.open_or_build): under an exclusive flock on "<dir>.lock" (offload/locking.py: a lock left
-by a dead process never blocks), quantize layer by layer from the checkpoint (peak RAM about one layer), write
-into a temporary directory next to the final one, fsync, rename. Free space is checked first. A second process
-waits for the lock, then reuses what the first built. Any exception (Ctrl-C and the CLI's SIGTERM included)
-removes the temporary directory; a disk that fills up or a file-size limit (EFBIG: ulimit -f) part-way is a
-one-line CacheError. One left by a killed process is removed by the next builder.
+Building (LayerCache.open_or_build): under an exclusive lock on "<dir>.lock" (offload/locking.py: flock or the
+platform's stand-in; a lock left by a dead process never blocks), quantize layer by layer from the checkpoint
+(peak RAM about one layer), write into a temporary directory next to the final one, fsync, rename. Free space
+is checked first. A second process waits for the lock, then reuses what the first built. Any exception (Ctrl-C
+and the CLI's SIGTERM included) removes the temporary directory; a disk that fills up or a file-size limit
+(EFBIG: ulimit -f) part-way is a one-line CacheError. One left by a killed process is removed by the next builder.
 
 Trust: every open checks the manifest, the version, the source fingerprint, the build options and the exact
 file size (cache_manifest.py; a stale, truncated, garbled or marked-corrupt cache is rebuilt with a message,
@@ -72,6 +72,7 @@ from .cache_identity import (ST_DTYPES, LayerNames, cache_dir_for, default_cache
 from .cache_manifest import (CORRUPT, LAYERS_FILE, MANIFEST, VERSION, CacheCorruptError, CacheError,  # noqa: F401
                              check_expected, load_manifest, mark_corrupt)
 from .cache_reading import _VERIFIED, LayerFile, aligned_empty  # noqa: F401 -- _VERIFIED: tests clear it
+from .facilities import fsync_dir, pwrite_all
 from .locking import exclusive_lock as _exclusive_lock
 from .progress import progress_bar
 from .quant import check_format, layer_specs, quantize_tensors
@@ -89,7 +90,7 @@ def exclusive_lock(lock_path: Path, timeout: float | None = None, log: Callable[
 class LayerCache:
     """An opened, validated cache: layout(i), nbytes(i), offset(i), read_layer(i, out), verify(i).
 
-    Reads are positional (os.preadv), so one LayerCache may be read from several threads at once."""
+    Reads are positional (facilities.pread_into), so one LayerCache may be read from several threads at once."""
 
     def __init__(self, path: Path, manifest: dict, built: bool = False) -> None:
         self.path = Path(path)                          # the cache directory
@@ -282,7 +283,7 @@ def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expe
         manifest = dict(expect, file=LAYERS_FILE, file_nbytes=total, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                         layers=entries)
         _write_json(tmp / MANIFEST, manifest)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _replace_dir(tmp, final)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -323,7 +324,7 @@ def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames]
     ckpt = open_source(checkpoint_dir)
     dtype = getattr(torch, expect["dtype"])
     entries, offset = [], 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
     try:
         with progress_bar(progress, len(layers), f"quantizing to {expect['format']}") as advance:
             for i, (source, planned) in enumerate(zip(layers, layouts)):
@@ -352,10 +353,7 @@ def _quantize_layer(ckpt: CheckpointSource, source: LayerNames, fmt: str, dtype:
 
 def _write_layer(fd: int, buf: torch.Tensor, offset: int) -> None:
     """Write one packed layer at `offset` (loops over short writes)."""
-    view = memoryview(buf.numpy())
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
+    pwrite_all(fd, memoryview(buf.numpy()), offset)
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -365,15 +363,7 @@ def _write_json(path: Path, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Atomically publish tmp as final (final does not exist: _remove_leftovers removed an invalid one)."""
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)

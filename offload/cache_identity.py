@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 
@@ -116,9 +116,15 @@ def options_of(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dty
             "format": fmt, "dtype": dtype_name(dtype), "double_quant": dq, "sources": [s.to_dict() for s in layers]}
 
 
-def cache_dir_for(checkpoint_dir: Path, options: dict, cache_root: Path) -> Path:
-    """<root>/<checkpoint name>-<fmt>-<dtype>[-dq]-<16 hex of the options' hash>."""
+NAME_CHARS = 64                    # of the checkpoint's name in a cache directory's name (Windows: 260-char paths)
+
+
+def cache_dir_for(checkpoint_dir: PurePath, options: dict, cache_root: Path) -> Path:
+    """<root>/<checkpoint name>-<fmt>-<dtype>[-dq]-<16 hex of the options' hash>. The name part keeps letters,
+    digits and "._-" (anything else, e.g. the spaces, colons and backslashes of a Windows path, becomes "_"),
+    never starts with a dot and has at most NAME_CHARS characters: a valid file name on every platform."""
     key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
-    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in checkpoint_dir.name) or "model"
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in checkpoint_dir.name)
+    name = name.lstrip(".")[:NAME_CHARS] or "model"
     dq = "-dq" if options["double_quant"] else ""
     return cache_root / f"{name}-{options['format']}-{options['dtype']}{dq}-{key}"

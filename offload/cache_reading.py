@@ -1,7 +1,9 @@
 """Reading a layer cache's layers.bin: positional reads (O_DIRECT when the file system allows it), each layer's
 sha256 checked the first time this process reads it, and a full check on request.
 
-Reads are `os.preadv` on one descriptor per mode, so several threads may read at once. A layer's checksum is
+Reads are positional (facilities.pread_into: os.preadv, or its stand-in) on one descriptor per mode, so several
+threads may read at once; where the platform has no O_DIRECT (facilities.open_unbuffered) every read is buffered
+and its pages dropped from the page cache where posix_fadvise exists. A layer's checksum is
 checked on its first read in this process (memoized by the file's device, inode, size and mtime, and the
 layer), so startup reads nothing and a streamed layer is checked by the read-ahead thread that first reads
 it; a mismatch is a one-line CacheCorruptError and the cache is marked for rebuilding (cache_manifest).
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .cache_manifest import CacheCorruptError, CacheError
+from . import facilities
 from .progress import progress_bar
 from .storage import ALIGN
 
@@ -33,8 +36,8 @@ class LayerFile:
                  on_corrupt: Callable[[str], None] | None = None) -> None:
         self.file, self.offsets, self.sizes, self.sums = Path(file), list(offsets), list(sizes), list(sums)
         self.on_corrupt = on_corrupt
-        self._fd = os.open(self.file, os.O_RDONLY)
-        self._direct_fd: int | None = _open_direct(self.file)
+        self._fd = facilities.open_read(self.file)
+        self._direct_fd: int | None = facilities.open_unbuffered(self.file)
         self.key = file_key(self._fd, self.file)
 
     @property
@@ -57,7 +60,7 @@ class LayerFile:
             fd = self._fd
             _pread_full(fd, buf, self.offsets[i], self.file)
         if fd != self._direct_fd:
-            _drop_cached(fd, self.offsets[i], n)
+            facilities.drop_cached(fd, self.offsets[i], n)
         if verify or (verify is None and self.key + (i,) not in _VERIFIED):
             self.check(i, buf)
         return buf
@@ -125,28 +128,14 @@ def _check_out(out: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def _open_direct(path: Path) -> int | None:
-    """A second descriptor opened with O_DIRECT, or None where the platform or file system refuses it."""
-    if not hasattr(os, "O_DIRECT"):
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return None
-
-
 def _pread_full(fd: int, buf: torch.Tensor, offset: int, path: Path) -> None:
     """Fill buf (CPU uint8) from fd at offset, looping over short reads; CacheCorruptError at end of file."""
     view = memoryview(buf.numpy())
     done = 0
     while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
+        got = facilities.pread_into(fd, view[done:], offset + done)
         if got == 0:
             raise CacheCorruptError(f"{path} ends at byte {offset + done}, inside a layer; the cache is truncated "
                                     "(the next run rebuilds it)")
         done += got
 
-
-def _drop_cached(fd: int, offset: int, n: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)

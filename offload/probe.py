@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .facilities import drop_cached, open_read, open_unbuffered, pread_into
+
 ALIGN = 4096                      # O_DIRECT wants buffer, offset and length aligned to the logical block size
 CHUNK = 8 << 20                   # bytes per read() call
 
@@ -57,8 +59,7 @@ def direct_read_gbps(directory: str | os.PathLike, nbytes: int) -> tuple[float, 
         while left:
             left -= os.write(fd, block[:min(left, len(block))])
         os.fsync(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+        drop_cached(fd, 0, nbytes)
         os.close(fd)
         fd = -1
         return _timed_read(name, nbytes)
@@ -69,19 +70,15 @@ def direct_read_gbps(directory: str | os.PathLike, nbytes: int) -> tuple[float, 
 
 
 def _timed_read(name: str, nbytes: int) -> tuple[float, bool]:
-    direct = getattr(os, "O_DIRECT", 0)
-    try:
-        fd = os.open(name, os.O_RDONLY | direct) if direct else -1
-    except OSError:                                       # e.g. tmpfs: no O_DIRECT
-        fd = -1
-    used_direct = fd >= 0
-    if fd < 0:
-        fd = os.open(name, os.O_RDONLY)
+    fd = open_unbuffered(name)                            # None e.g. on tmpfs, or without O_DIRECT (Windows)
+    used_direct = fd is not None
+    if fd is None:
+        fd = open_read(name)
     buf = _aligned(CHUNK)
     try:
         t0, offset = time.perf_counter(), 0
         while offset < nbytes:
-            n = os.preadv(fd, [memoryview(buf)[:min(CHUNK, nbytes - offset)]], offset)
+            n = pread_into(fd, memoryview(buf)[:min(CHUNK, nbytes - offset)], offset)
             if n <= 0:
                 raise OSError(f"{name}: short read at {offset}")
             offset += n

@@ -4,9 +4,12 @@
   they are used in place, never copied.
 - `RamTier`: ONE host region (page-aligned; pinned with cudaHostRegister when CUDA is in use, so torch's
   caching host allocator, which rounds blocks up to a power of two, never doubles it) split into layer slices.
+  Where registration is unavailable or refused (some drivers, WSL2), the region comes from torch's pinned
+  allocator instead, as a few blocks whose sizes it does not round up much (`pinned_regions`).
 - `PackedFile`: a file of packed layers at 4 KiB-aligned offsets read with O_DIRECT (falling back to buffered
-  reads followed by posix_fadvise(DONTNEED), so the page cache does not keep a second copy of what was read).
-  Any object with the `LayerReader` protocol (e.g. the disk cache of offload/cache.py) serves the SSD tier.
+  reads followed by posix_fadvise(DONTNEED), so the page cache does not keep a second copy of what was read;
+  facilities.py has each platform's stand-ins). Any object with the `LayerReader` protocol (e.g. the disk
+  cache of offload/cache.py) serves the SSD tier.
 
 Also: aligned host buffers (`host_buffer`), pinning, and raw bandwidth probes used by the benchmark.
 
@@ -14,15 +17,16 @@ Does not know: what the bytes mean (storage.py), which layer goes where (planner
 """
 from __future__ import annotations
 
-import errno
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from . import facilities
 from .storage import ALIGN, round_up
 
 READ_CHUNK = 64 * 2**20           # bytes per read syscall: large and sequential
@@ -39,24 +43,109 @@ class LayerReader(Protocol):
 
 # ----------------------------------------------------------------------------------------- host memory
 
+class PinFallbackWarning(RuntimeWarning):
+    """cudaHostRegister was unavailable or refused: host memory is pinned by torch's allocator instead."""
+
+
 def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     """uint8 [nbytes] CPU tensor whose data starts on an ALIGN boundary (O_DIRECT-able), allocated once.
-    pin=True registers it with CUDA (page-locked) instead of going through torch's caching host allocator."""
+    pin=True page-locks it for CUDA (`pinned_regions`)."""
+    if pin and nbytes:
+        return pinned_regions([nbytes])[0]
+    return _aligned(nbytes)
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN
-    buf = raw[start:start + nbytes]
-    if pin and nbytes:
-        _register(buf)
-    return buf
+    return raw[start:start + nbytes]
 
 
-def _register(buf: torch.Tensor) -> None:
-    """Page-lock `buf` in place; it stays registered until the process ends (cudaHostUnregister is not
-    needed: the region lives as long as the tier, which lives as long as the model)."""
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+def pinned_regions(sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Page-locked host memory for consecutive slices of `sizes` bytes (each a multiple of ALIGN): ONE aligned
+    region registered in place with cudaHostRegister; where that is unavailable or refused, regions from
+    torch's pinned allocator (pin_memory), one per group of `pin_groups` (a PinFallbackWarning says so once)."""
+    total = sum(round_up(n, ALIGN) for n in sizes)
+    region = _aligned(total)
+    why = _register(region)
+    if why is None:
+        return [region]
+    del region
+    _warn_once(f"{why}; pinning host memory with torch's allocator instead (it may reserve more RAM)")
+    out = []
+    for group in pin_groups([round_up(n, ALIGN) for n in sizes]):
+        nbytes = sum(group)
+        try:
+            out.append(_pin_memory(nbytes))
+        except RuntimeError as e:
+            raise RuntimeError(f"pinning {nbytes} bytes of host memory failed ({e}); lower --ram-budget") from None
+    return out
+
+
+def pin_groups(sizes: Sequence[int]) -> list[list[int]]:
+    """`sizes` split into consecutive groups, one pinned block each, so that torch's pinned allocator, which
+    rounds every block up to a power of two, reserves as little as it can: one block when the total is just
+    under a power of two, else groups that each fill the largest power of two what is left reaches (each
+    wastes less than one size; about log2(len(sizes)) groups)."""
+    greedy: list[list[int]] = []
+    i = 0
+    while i < len(sizes):
+        cap = 1 << (sum(sizes[i:]).bit_length() - 1)           # largest power of two <= what is left
+        cap = max(cap, _pow2(sizes[i]))                        # at least the next size, rounded up
+        group, total = [], 0
+        while i < len(sizes) and total + sizes[i] <= cap:
+            group.append(sizes[i])
+            total += sizes[i]
+            i += 1
+        greedy.append(group)
+    return min([list(sizes)], greedy, key=lambda groups: (pinned_reserve(groups), len(groups)))
+
+
+def pinned_reserve(groups: Sequence[Sequence[int]]) -> int:
+    """Bytes torch's pinned allocator reserves for one block per group (each rounded up to a power of two)."""
+    return sum(_pow2(sum(g)) for g in groups if sum(g))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _pin_memory(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _register(buf: torch.Tensor) -> str | None:
+    """Page-lock `buf` in place (cudaHostRegister); None when done, else why not. It stays registered until the
+    process ends (the region lives as long as the tier, which lives as long as the model)."""
+    try:
+        register = torch.cuda.cudart().cudaHostRegister
+    except (AttributeError, RuntimeError, AssertionError, OSError) as e:
+        return f"cudaHostRegister is unavailable ({type(e).__name__}: {e})"
+    err = register(buf.data_ptr(), buf.numel(), 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed ({err}); lower --ram-budget")
+        _drain_cuda_error()
+        return f"cudaHostRegister of {buf.numel()} bytes failed ({err})"
+    return None
+
+
+def _drain_cuda_error() -> None:
+    """A failed CUDA runtime call stays cudaGetLastError's answer until read, and torch reads it after its next
+    kernel launch, reporting it as that kernel's error. torch's cudart bindings lack cudaGetLastError: launch
+    one tiny kernel here, where that error is expected, and let its launch check consume it."""
+    try:
+        torch.empty(1, device="cuda").fill_(1)
+    except RuntimeError:
+        pass
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    key = message.split(" (")[0]
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, PinFallbackWarning, stacklevel=3)
 
 
 def is_pinned(buf: torch.Tensor) -> bool:
@@ -69,6 +158,23 @@ def split(region: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     for n in sizes:
         out.append(region[offset:offset + n])
         offset += round_up(n, ALIGN)
+    return out
+
+
+def split_regions(regions: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Consecutive slices of the given sizes, filling each region in turn (the regions of `pinned_regions`)."""
+    out: list[torch.Tensor] = []
+    k = 0
+    for region in regions:
+        room = region.numel()
+        take = []
+        while k < len(sizes) and round_up(sizes[k], ALIGN) <= room:
+            take.append(sizes[k])
+            room -= round_up(sizes[k], ALIGN)
+            k += 1
+        out += split(region, take)
+    if k != len(sizes):
+        raise ValueError(f"regions of {[r.numel() for r in regions]} bytes cannot hold slices of {list(sizes)}")
     return out
 
 
@@ -91,16 +197,25 @@ class ResidentTier:
 
 
 class RamTier:
-    """Layers held in ONE host region (pinned when `pin`), one slice per layer; copied into device slots."""
+    """Layers held in ONE host region (pinned when `pin`; `pinned_regions` may need a few), one slice per layer;
+    copied into device slots."""
 
     name = "ram"
 
     def __init__(self, sizes: dict[int, int], pin: bool) -> None:
         ids = sorted(sizes)
-        total = sum(round_up(sizes[i], ALIGN) for i in ids)
-        self.region = host_buffer(total, pin=pin)
-        self.buffers: dict[int, torch.Tensor] = dict(zip(ids, split(self.region, [sizes[i] for i in ids])))
+        order = [sizes[i] for i in ids]
+        total = sum(round_up(n, ALIGN) for n in order)
+        self.regions = pinned_regions(order) if pin and total else [host_buffer(total)]
+        self.buffers: dict[int, torch.Tensor] = dict(zip(ids, split_regions(self.regions, order)))
         self.nbytes, self.pinned = total, pin
+
+    @property
+    def region(self) -> torch.Tensor:
+        """The one region (ValueError where pinning fell back to several)."""
+        if len(self.regions) != 1:
+            raise ValueError(f"the RAM tier is {len(self.regions)} pinned regions, not one")
+        return self.regions[0]
 
     def buffer(self, i: int) -> torch.Tensor:
         return self.buffers[i]
@@ -123,26 +238,20 @@ def fill(buffers: dict[int, torch.Tensor], source: LayerReader, bounce: torch.Te
 # ----------------------------------------------------------------------------------------- the file
 
 class PackedFile:
-    """A file of packed layers, layer i at offsets[i] (multiples of ALIGN), read with O_DIRECT when the file
-    system allows it. Thread-safe: reads use pread on one descriptor."""
+    """A file of packed layers, layer i at offsets[i] (multiples of ALIGN), read past the page cache (O_DIRECT)
+    when the platform and file system allow it. Thread-safe: reads are positional (facilities.pread_into)."""
 
     def __init__(self, path: str | os.PathLike, offsets: Sequence[int], sizes: Sequence[int],
                  direct: bool = True) -> None:
         self.path, self.offsets, self.sizes = Path(path), list(offsets), list(sizes)
         if any(o % ALIGN or s % ALIGN for o, s in zip(self.offsets, self.sizes)):
             raise ValueError(f"{self.path}: layer offsets and sizes must be multiples of {ALIGN}")
-        self.direct = False
-        self.fd = -1
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_DIRECT), True
-            except OSError as e:
-                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-        if self.fd < 0:
-            self.fd = os.open(self.path, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        fd = facilities.open_unbuffered(self.path) if direct else None
+        self.direct = fd is not None
+        if fd is None:
+            fd = facilities.open_read(self.path)
+            facilities.advise_sequential(fd)
+        self.fd = fd
 
     @classmethod
     def write(cls, path: str | os.PathLike, buffers: Sequence[torch.Tensor], direct: bool = True) -> "PackedFile":
@@ -178,12 +287,12 @@ def read_exact(fd: int, out: torch.Tensor, offset: int, fadvise_drop: bool = Fal
     view = memoryview(out.numpy()).cast("B")
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:done + READ_CHUNK]], offset + done)
+        n = facilities.pread_into(fd, view[done:done + READ_CHUNK], offset + done)
         if n == 0:
             raise EOFError(f"file ends at {offset + done}, {len(view) - done} bytes short of a packed layer")
         done += n
-    if fadvise_drop and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+    if fadvise_drop:
+        facilities.drop_cached(fd, offset, len(view))
 
 
 # ----------------------------------------------------------------------------------------- bandwidth probes

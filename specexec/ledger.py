@@ -260,7 +260,14 @@ class MemoryPlan:
                 "device": p.device, "format": self.fmt, "embed_on_host": self.embed_on_host,
                 "prefill_tokens": self.prefill_tokens, "read_ahead": p.read_ahead, "slots": p.n_slots,
                 "budget": self.shape.budget, "context": self.shape.context,
-                "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget}
+                "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget, "warnings": list(p.warnings)}
+
+
+def with_warnings(memory: MemoryPlan, warnings: tuple[str, ...]) -> MemoryPlan:
+    """The plan with more warning lines (printed with it, e.g. a path on a slow file system)."""
+    if not warnings:
+        return memory
+    return replace(memory, plan=replace(memory.plan, warnings=memory.plan.warnings + tuple(warnings)))
 
 
 def plan_memory(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str = "auto",

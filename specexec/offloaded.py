@@ -29,6 +29,7 @@ from torch import nn
 from offload import cache as layer_cache
 from offload.cache import LayerCache, LayerNames
 from offload.checkpoint import CheckpointError
+from offload.mounts import slow_mount_warnings
 from offload.sources import open_source
 from offload.pager import LayerPager, build_pager
 from offload.planner import PlanError, default_budgets
@@ -265,7 +266,9 @@ def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: O
     except PlanError as e:
         hint = what_fits(shape, formats, ram, gpu, offload.offload, ASSUMED[device.type])
         raise ConfigError(str(e) + (f"; {hint}" if hint else "")) from None
-    return TargetPlan(memory, names)
+    uses_cache = memory.fmt != "none" or memory.plan.streams
+    root = (offload.cache_dir or layer_cache.default_cache_root()) if uses_cache else None
+    return TargetPlan(ledger.with_warnings(memory, slow_mount_warnings(path, root)), names)
 
 
 def _check_budgets_fit(offload: OffloadConfig, device: torch.device) -> None:

@@ -45,6 +45,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# What a machine without the POSIX-only facilities lacks (Windows; offload/facilities.py has the stand-ins).
+POSIX_ONLY = ("O_DIRECT", "O_DIRECTORY", "preadv", "pread", "pwrite", "posix_fadvise")
+
+
+@pytest.fixture(params=["native", "fallback"])
+def posix_facilities(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: on this machine as it is, then with every POSIX-only facility taken away, as on
+    Windows: no O_DIRECT, O_DIRECTORY, os.preadv/pread/pwrite, os.posix_fadvise (reads go through lseek +
+    readinto, no page-cache hints); fcntl and msvcrt unimportable (locks are lock directories); no
+    cudaHostRegister (pinning goes through torch's allocator); no signal.SIGTERM. Returns the mode."""
+    if request.param == "fallback":
+        import signal
+        import sys
+        from types import SimpleNamespace
+
+        for name in POSIX_ONLY:
+            monkeypatch.delattr(os, name, raising=False)
+        monkeypatch.setitem(sys.modules, "fcntl", None)           # `import fcntl` raises ImportError
+        monkeypatch.setitem(sys.modules, "msvcrt", None)
+        monkeypatch.delattr(signal, "SIGTERM", raising=False)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace())
+    return request.param
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _quiet_transformers() -> None:
     """No progress bars from save_pretrained/from_pretrained in test output."""

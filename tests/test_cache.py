@@ -1,6 +1,7 @@
 """offload.cache: build + reuse, byte-exact round trip against direct quantization, corruption and staleness
 detection (rebuilt with a message), atomicity under a crash mid-write, lock handling (dead holder, concurrent
-builder), disk-full handling, and the `specexec convert` command in-process."""
+builder), disk-full handling, and the `specexec convert` command in-process; each with this machine's facilities
+and again without the POSIX-only ones (O_DIRECT, preadv, fadvise, flock, SIGTERM: what Windows lacks)."""
 from __future__ import annotations
 
 import errno
@@ -18,6 +19,7 @@ import torch
 
 from cli.main import main
 from offload import cache as C
+from offload import facilities
 from offload.cache import CacheCorruptError, CacheError, LayerCache
 from offload.checkpoint import SafetensorsCheckpoint
 from offload.quant import QuantLinear, bind_module, quantize_tensors, swap_linears
@@ -25,6 +27,10 @@ from offload.storage import ALIGN, unpack_layer
 from specexec.loading import read_args
 from specexec.model import Block
 from specexec.offloaded import layer_names
+
+
+# Every test runs twice: natively, and with the POSIX-only facilities taken away (conftest.posix_facilities).
+pytestmark = pytest.mark.usefixtures("posix_facilities")
 
 
 @pytest.fixture()
@@ -115,18 +121,19 @@ def test_read_layer_into_given_buffers(model: Path, tmp_path: Path) -> None:
 
 
 class ReadCounter:
-    """Counts os.preadv calls and bytes (every layer read of offload.cache and offload.tiers goes through it)."""
+    """Counts positional reads and bytes (every layer read of offload.cache and offload.tiers goes through
+    facilities.pread_into: os.preadv, or its stand-in)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls, self.nbytes, real = 0, 0, os.preadv
+        self.calls, self.nbytes, real = 0, 0, facilities.pread_into
 
-        def preadv(fd, buffers, offset, *rest):
-            got = real(fd, buffers, offset, *rest)
+        def pread_into(fd, view, offset):
+            got = real(fd, view, offset)
             self.calls += 1
             self.nbytes += got
             return got
 
-        monkeypatch.setattr(os, "preadv", preadv)
+        monkeypatch.setattr(facilities, "pread_into", pread_into)
 
 
 def test_opening_a_cache_reads_no_layer_bytes(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,18 +287,58 @@ def lock_path(model: Path, root: Path, fmt: str = "nf4") -> Path:
     return final.with_name(final.name + ".lock")
 
 
-def test_lock_left_by_a_dead_process_is_recovered(model: Path, tmp_path: Path) -> None:
+# Takes the cache's lock as this test's mode does (native; or with fcntl unimportable: a lock directory), says
+# "held", optionally waits for a line on stdin, then SIGKILLs itself while holding the lock.
+HOLD_AND_DIE = """
+import os, pathlib, signal, sys
+if sys.argv[2] == "fallback":
+    sys.modules["fcntl"] = None
+from offload.locking import exclusive_lock
+with exclusive_lock(pathlib.Path(sys.argv[1])):
+    print("held", flush=True)
+    if sys.argv[3:] == ["wait"]:
+        sys.stdin.readline()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_lock_left_by_a_dead_process_is_recovered(model: Path, tmp_path: Path, posix_facilities: str) -> None:
     lock = lock_path(model, tmp_path)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    code = ("import fcntl, os, signal, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); "
-            "os.kill(os.getpid(), signal.SIGKILL)")
-    proc = subprocess.run([sys.executable, "-c", code, str(lock)])
+    proc = subprocess.run([sys.executable, "-c", HOLD_AND_DIE, str(lock), posix_facilities], cwd=REPO,
+                          stdout=subprocess.DEVNULL)
     assert proc.returncode == -signal.SIGKILL and lock.read_text().strip().isdigit()
+    assert lock.with_name(lock.name + ".d").is_dir() == (posix_facilities == "fallback")   # a dead owner's dir
     log: list[str] = []
     t0 = time.monotonic()
     assert build(model, tmp_path, log=log, lock_timeout=10).built
     assert time.monotonic() - t0 < 10 and not any("waiting" in m for m in log)
+    assert sorted(p.name for p in tmp_path.iterdir() if "lock" in p.name) == [lock.name]    # dir and breaker gone
+
+
+def test_a_holder_killed_while_another_waits_frees_the_lock(model: Path, tmp_path: Path, posix_facilities: str
+                                                             ) -> None:
+    lock = lock_path(model, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_DIE, str(lock), posix_facilities, "wait"], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        log: list[str] = []
+        built: list[LayerCache] = []
+        waiter = threading.Thread(target=lambda: built.append(build(model, tmp_path, log=log, lock_timeout=30)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while not any(m.startswith(f"waiting for process {holder.pid}") for m in log):
+            assert time.monotonic() < deadline and waiter.is_alive(), log
+            time.sleep(0.02)
+        holder.stdin.write("die\n")                                    # the holder SIGKILLs itself now
+        holder.stdin.flush()
+        assert holder.wait(30) == -signal.SIGKILL
+        waiter.join(30)
+        assert not waiter.is_alive() and built and built[0].built
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_second_builder_waits_then_reuses(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -137,7 +137,9 @@ def ids_of(rt: Runtime, text: str = "The quick brown fox", n: int = 12) -> list[
     return [t for step in rt.generate_ids(rt.encode(text), n) for t in step]
 
 
-def test_runtime_ssd_tier_matches_resident_and_reports_streaming(tiny_pair, tiny_perturbed_draft, cache_root) -> None:
+def test_runtime_ssd_tier_matches_resident_and_reports_streaming(tiny_pair, tiny_perturbed_draft, cache_root,
+                                                                 posix_facilities) -> None:
+    """Also without the POSIX-only facilities (conftest.posix_facilities): the same tokens through the SSD tier."""
     config = EngineConfig(budget=8, max_new_tokens=12)
     common = {"quant": "nf4", "cache_dir": str(cache_root)}
     resident = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,

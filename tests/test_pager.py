@@ -1,6 +1,7 @@
 """offload.pager and offload.tiers on random packed bytes: every tier mix hands out the exact bytes in order,
 stats count what moved, read-ahead overlaps a slow reader with compute, cancellation and errors are clean,
-the SSD file reads with and without O_DIRECT. `gpu` tests cover pinned memory, copy streams and events."""
+the SSD file reads with and without O_DIRECT (and without any POSIX-only facility: conftest.posix_facilities).
+`gpu` tests cover pinned memory (and its fallback), copy streams and events."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ import torch
 from offload.pager import LayerPager, build_pager, stream_summary
 from offload.pager_timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold
 from offload.storage import ALIGN
-from offload.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read, split
+from offload import tiers
+from offload.tiers import PackedFile, RamTier, ResidentTier, fill, host_buffer, probe_copy, probe_read, split
 
 SIZES = [3 * ALIGN, 2 * ALIGN, 5 * ALIGN, ALIGN, 4 * ALIGN, 2 * ALIGN]
 
@@ -337,9 +339,40 @@ def test_ram_tier_is_one_region() -> None:
     assert ptrs[0] == tier.region.data_ptr() and ptrs[-1] == tier.region.data_ptr() + 3 * ALIGN
 
 
+def test_without_cuda_host_register_the_ram_tier_is_pinned_by_torch_in_few_blocks(
+        monkeypatch: pytest.MonkeyPatch, layers) -> None:
+    """cudaHostRegister unavailable: torch's pinned allocator (faked here: no CUDA) holds the RAM tier in blocks
+    it rounds up little (one per pin_groups group), a PinFallbackWarning says so, and the bytes round-trip."""
+    blocks: list[int] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace())          # no cudaHostRegister
+    monkeypatch.setattr(tiers, "_pin_memory", lambda n: blocks.append(n) or tiers._aligned(n))
+    monkeypatch.setattr(tiers, "_WARNED", set())
+    sizes = {i: 5 * ALIGN for i in range(40)}                 # 200 pages: one block would reserve 256
+    with pytest.warns(tiers.PinFallbackWarning, match="cudaHostRegister is unavailable"):
+        tier = RamTier(sizes, pin=True)
+    assert sum(blocks) == tier.nbytes == 200 * ALIGN and len(blocks) == len(tier.regions) > 1
+    assert tiers.pinned_reserve([[b] for b in blocks]) <= 1.1 * tier.nbytes < tiers.pinned_reserve([blocks])
+    assert all(tier.buffers[i].numel() == 5 * ALIGN for i in sizes)
+    fill(tier.buffers, MemoryReader([layers[i % len(layers)][:ALIGN].repeat(5) for i in sizes]))
+    assert all(torch.equal(tier.buffers[i][:ALIGN], layers[i % len(layers)][:ALIGN]) for i in sizes)
+    with pytest.raises(ValueError, match="pinned regions, not one"):
+        tier.region
+    bounce = host_buffer(3 * ALIGN, pin=True)                 # a single buffer: one block of its size
+    assert bounce.numel() == 3 * ALIGN and blocks[-1] == 3 * ALIGN
+
+
+def test_pin_groups_reserve_little() -> None:
+    for sizes in ([3 * ALIGN] * 10, [5 * ALIGN] * 40, [7 * ALIGN, ALIGN], [ALIGN] * 1000, [ALIGN * 9] * 81):
+        groups = tiers.pin_groups(sizes)
+        assert [n for g in groups for n in g] == sizes
+        assert tiers.pinned_reserve(groups) <= min(1.1 * sum(sizes), tiers.pinned_reserve([sizes]))
+
+
 @pytest.mark.parametrize("direct", [True, False])
-def test_packed_file_reads_layers(tmp_path: Path, layers, direct: bool) -> None:
+def test_packed_file_reads_layers(tmp_path: Path, layers, direct: bool, posix_facilities: str) -> None:
     f = PackedFile.write(tmp_path / "layers.bin", layers, direct=direct)
+    if posix_facilities == "fallback" or not direct:
+        assert not f.direct                                   # buffered reads (page cache dropped where it can be)
     assert f.offsets == [sum(SIZES[:i]) for i in range(len(SIZES))]
     out = host_buffer(max(SIZES))
     for i in (3, 0, 5, 2):
@@ -349,12 +382,25 @@ def test_packed_file_reads_layers(tmp_path: Path, layers, direct: bool) -> None:
     f.close()
 
 
-def test_packed_file_truncated(tmp_path: Path, layers) -> None:
+def test_packed_file_truncated(tmp_path: Path, layers, posix_facilities: str) -> None:
     f = PackedFile.write(tmp_path / "layers.bin", layers)
     with open(tmp_path / "layers.bin", "r+b") as fh:
         fh.truncate(sum(SIZES) - ALIGN)
     with pytest.raises(EOFError):
         f.read_layer(len(SIZES) - 1, host_buffer(max(SIZES)))
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_a_pager_over_a_packed_file_serves_exact_bytes(tmp_path: Path, layers, staged: bool,
+                                                        posix_facilities: str) -> None:
+    """The SSD tier read from a file, with and without the POSIX-only facilities: the same bytes in order."""
+    f = PackedFile.write(tmp_path / "layers.bin", layers)
+    with build_pager(MIXES["mixed"], f, "cpu", n_slots=2, staged=staged) as pager:
+        for _ in range(3):
+            check_pass(pager, layers)
+            pager.prefetch_start()
+        check_pass(pager, layers, [5, 3, 2])
+    f.close()
 
 
 def test_probe_copy(layers) -> None:
@@ -378,6 +424,21 @@ def test_cuda_pager_serves_exact_bytes(layers, mix: str) -> None:
             pager.prefetch_start()
         s = pager.collect(wait=True)
         assert s.passes == s.folded == 3 and s.compute_s > 0 and s.pass_s > 0
+
+
+@pytest.mark.gpu
+def test_cuda_pinning_falls_back_when_registration_fails(monkeypatch: pytest.MonkeyPatch, layers) -> None:
+    """cudaHostRegister refusing (here: a region registered twice) leaves CUDA's last error set; the fallback
+    drains it (else torch's next kernel-launch check would raise it) and pins through torch's allocator."""
+    first = host_buffer(4 * ALIGN, pin=True)                  # registered
+    monkeypatch.setattr(tiers, "_aligned", lambda n: first)   # the next registration is of the same memory
+    monkeypatch.setattr(tiers, "_WARNED", set())
+    with pytest.warns(tiers.PinFallbackWarning, match="failed"):
+        buf = host_buffer(4 * ALIGN, pin=True)
+    assert buf.data_ptr() != first.data_ptr() and buf.is_pinned()
+    assert torch.ones(8, device="cuda").add_(1).sum().item() == 16      # no stale error raised here
+    buf[:ALIGN].copy_(layers[3][:ALIGN])
+    assert torch.equal(buf[:ALIGN].to("cuda", non_blocking=True).cpu(), layers[3][:ALIGN])
 
 
 @pytest.mark.gpu
