@@ -3,8 +3,9 @@
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
 positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
 `TreeMask`: the whole committed prefix plus a small mask over the new tokens' own slots; or a dense bool
-mask), and `slots` says where each token's K/V is written. The mask is turned into an `AttentionPlan` once per
-forward and every layer attends with it (specexec/attention.py: prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
+mask), and `slots` says where each token's K/V is written. The mask becomes an `AttentionPlan` once per
+forward (the model's sliding window applied there) and every layer attends with it (specexec/attention.py:
+prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
 leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
 caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB).
 
@@ -158,6 +159,8 @@ class Transformer(nn.Module):
                 slots = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)
             if mask is None:
                 raise ValueError("a cached forward needs an explicit mask over the cache slots")
+        elif isinstance(mask, TreeMask) and mask.prefix:
+            raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions, x.dtype)
         plan = self.attention_plan(mask, positions, x.dtype)
