@@ -5,8 +5,12 @@ of --tree nodes (random shape, random tokens) twice: with the engine's TreeMask 
 mask, the tree with its ancestor mask, merged by log-sum-exp: specexec/attention.py) and with the dense bool
 mask over prefix + tree (`prefix_tree_mask`, what every layer attended with before). Rows: context, seconds
 per pass each way, their ratio, the max abs difference of the tree's logits, whether every node's greedy
-choice (argmax) is the same, and the mask bytes each way builds per forward. `--json` prints one line.
-`--repeat N` alternates N rounds and keeps each way's fastest (a shared, noisy machine).
+choice (argmax) is the same, and the mask bytes each way builds per forward. A whole pass is dominated by the
+linear layers at short contexts and is noisy on a shared machine, so each row also times ONE layer's attention
+alone at the model's head shapes (median of --layer-reps calls): split, dense (its mask built once per
+forward), and `before`: the per-layer path this replaced (the bool mask expanded G-fold and converted inside
+SDPA in every layer). `--json` prints one line. `--repeat N` alternates N rounds of whole passes and keeps
+each way's fastest.
 
 The cost of a pass depends on the sizes, not on the values, so the prefix is not prefilled token by token (a
 32k prefill of a 1.5B model takes a CPU an hour): a real prefill of --seed-tokens random tokens is tiled
@@ -17,11 +21,14 @@ Does not know: the engine, builders, sampling (the tree is random; verification 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
 import torch
+import torch.nn.functional as F
 
+from specexec.attention import attend, build_plan, pick_kernel
 from specexec.config import DTYPES, ConfigError, ModelArgs, check_choice, check_device, check_integer
 from specexec.kv_cache import KVCache
 from specexec.loading import load_model, resolve_dtype, resolve_model_path
@@ -48,6 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", metavar="TYPE", help="float32 (default), bfloat16, float16, auto")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="rounds of split + dense per context; each way's fastest counts (default 1)")
+    p.add_argument("--layer-reps", type=int, default=5, metavar="N",
+                   help="calls of one layer's attention alone per way; the median counts (default 5)")
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON line with the rows")
     return p
@@ -107,9 +116,53 @@ def one_pass(model: Transformer, cache: KVCache, tree: TokenTree, mask) -> tuple
         return seconds, model.logits(hidden)
 
 
-def measure(model: Transformer, contexts: list[int], n_nodes: int, seed_tokens: int, repeat: int = 1) -> list[dict]:
+def before_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """What every layer ran before the split (issue 14): the bool mask [B, 1, T, S] expanded G-fold for the
+    folded query and converted to an additive mask inside SDPA, in every layer."""
+    B, H, T, D = q.shape
+    G, S = H // k.shape[1], mask.shape[-1]
+    m = mask.unsqueeze(2).expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
+    return F.scaled_dot_product_attention(q.reshape(B, k.shape[1], G * T, D), k, v, attn_mask=m).reshape(B, H, T, D)
+
+
+def layer_attention(args: ModelArgs, tree: TokenTree, C: int, reps: int, dtype: torch.dtype) -> dict:
+    """One layer's attention alone at the model's head shapes (random q/k/v), median of `reps` calls each:
+    split and dense plans (built once per forward, so outside the timing) and the per-layer path before."""
+    device, T = tree.device, tree.tokens.numel()
+    gen = torch.Generator(device).manual_seed(2)
+    q = torch.randn(1, args.n_heads, T, args.head_dim, generator=gen, device=device, dtype=dtype)
+    k, v = torch.randn(2, 1, args.n_kv_heads, C + T, args.head_dim, generator=gen, device=device, dtype=dtype)
+    pos, anc, kernel = tree.positions(C)[None], tree.ancestor_mask(), pick_kernel(device)
+    dense = prefix_tree_mask(C, anc, args.sliding_window, pos[0])
+    plan = functools.partial(build_plan, positions=pos, n_new=T, window=args.sliding_window,
+                             groups=args.n_heads // args.n_kv_heads, dtype=dtype, kernel=kernel)
+    calls = {"split": functools.partial(attend, q, k, v, plan(TreeMask(C, anc))),
+             "dense": functools.partial(attend, q, k, v, plan(dense)),
+             "before": functools.partial(before_attention, q, k, v, dense)}
+    out, ms = {}, {}
+    with torch.inference_mode():
+        for name, call in calls.items():
+            out[name] = call()
+            ms[name] = _median_ms(call, reps, device)
+    diff = max(float((out[n].float() - out["before"].float()).abs().max()) for n in ("split", "dense"))
+    return {f"layer_{n}_ms": round(t, 3) for n, t in ms.items()} | {"layer_max_abs_diff": diff}
+
+
+def _median_ms(call, reps: int, device: torch.device) -> float:
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def measure(model: Transformer, contexts: list[int], n_nodes: int, seed_tokens: int, repeat: int = 1,
+            layer_reps: int = 5) -> list[dict]:
     """One row per context: a warm-up pass, then `repeat` rounds of one split and one dense pass on the same
-    cache (each way's fastest round counts)."""
+    cache (each way's fastest round counts); then one layer's attention alone (layer_attention)."""
     device = next(model.parameters()).device
     elem = next(model.parameters()).element_size()
     tree = random_tree(n_nodes, model.args.vocab_size, device)
@@ -130,6 +183,7 @@ def measure(model: Transformer, contexts: list[int], n_nodes: int, seed_tokens: 
                      "greedy_identical": bool(torch.equal(split_logits.argmax(-1), dense_logits.argmax(-1))),
                      "split_mask_bytes": n_nodes * n_nodes * elem, "dense_mask_bytes": n_nodes * (C + n_nodes) * elem})
         del cache, split_logits, dense_logits
+        rows[-1].update(layer_attention(model.args, tree, C, layer_reps, next(model.parameters()).dtype))
     return rows
 
 
@@ -137,12 +191,14 @@ def table(rows: list[dict], title: str):
     from rich.table import Table
 
     t = Table(title=title, title_justify="left")
-    for col in ("context", "split s", "dense s", "speed-up", "max |Δlogit|", "greedy", "mask MB split/dense"):
+    for col in ("context", "pass s split", "dense", "speed-up", "max |Δlogit|", "greedy", "layer ms split",
+                "dense", "before", "speed-up"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["context"]), f"{r['split_s']:.3f}", f"{r['dense_s']:.3f}", f"{r['speedup']:.2f}x",
                   f"{r['max_abs_logit_diff']:.1e}", "same" if r["greedy_identical"] else "DIFFERS",
-                  f"{r['split_mask_bytes'] / 1e6:.2f}/{r['dense_mask_bytes'] / 1e6:.1f}")
+                  f"{r['layer_split_ms']:.1f}", f"{r['layer_dense_ms']:.1f}", f"{r['layer_before_ms']:.1f}",
+                  f"{r['layer_before_ms'] / r['layer_split_ms']:.2f}x")
     return t
 
 
@@ -155,6 +211,7 @@ def run(ns: argparse.Namespace) -> int:
     check_integer("--tree", ns.tree, 1, 16384)
     check_integer("--seed-tokens", ns.seed_tokens, 1, 65536)
     check_integer("--repeat", ns.repeat, 1, 100)
+    check_integer("--layer-reps", ns.layer_reps, 1, 1000)
     contexts = parse_contexts(ns.contexts)
     if ns.threads is not None:
         check_integer("--threads", ns.threads, 1, 1024)
@@ -168,12 +225,12 @@ def run(ns: argparse.Namespace) -> int:
         model = Transformer(TINY).to(device=device, dtype=resolve_dtype(ns.dtype, device)).eval().requires_grad_(False)
         name = "tiny random"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    rows = measure(model, contexts, ns.tree, ns.seed_tokens, ns.repeat)
+    rows = measure(model, contexts, ns.tree, ns.seed_tokens, ns.repeat, ns.layer_reps)
     if ns.json:
         print(json.dumps({"model": name, "device": str(device), "dtype": dtype, "threads": torch.get_num_threads(),
                           "rows": rows}, separators=(",", ":")), flush=True)
     else:
-        Console().print(table(rows, f"bench attention · {name} · {device} {dtype} · {ns.tree}-node tree"))
+        Console(width=140).print(table(rows, f"bench attention · {name} · {device} {dtype} · {ns.tree}-node tree"))
     return 0
 
 

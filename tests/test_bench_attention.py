@@ -26,11 +26,12 @@ def test_bench_attention_json_rows(capsys) -> None:
         assert r["greedy_identical"] and r["max_abs_logit_diff"] < 1e-4
         assert r["split_s"] > 0 and r["dense_s"] > 0 and r["tree"] == 24
         assert r["split_mask_bytes"] == 24 * 24 * 4 and r["dense_mask_bytes"] == 24 * (r["context"] + 24) * 4
+        assert r["layer_max_abs_diff"] < 1e-5 and min(r[f"layer_{n}_ms"] for n in ("split", "dense", "before")) > 0
 
 
 def test_bench_attention_table_and_bad_flags(capsys) -> None:
     assert main(["bench", "attention", "--contexts", "64", "--tree", "8", "--threads", "1"]) == 0
-    assert "split s" in capsys.readouterr().out
+    assert "layer ms split" in capsys.readouterr().out
     assert main(["bench", "attention", "--contexts", "32q"]) == 2
     err = capsys.readouterr().err
     assert "--contexts" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
