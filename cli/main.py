@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from cli import bench, chat, convert, demo, doctor, generate, plan, serve
 from cli import models as models_cmd
-from cli import bench_accept, bench_builders, bench_stream
+from cli import bench_accept, bench_attention, bench_builders, bench_stream
 from cli.errors import INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, report, sigterm_raises
 
 COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
@@ -24,7 +24,7 @@ COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
 # A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench.py.
-BENCH_COMMANDS = (bench_builders, bench_accept, bench_stream)
+BENCH_COMMANDS = (bench_builders, bench_accept, bench_stream, bench_attention)
 
 
 class Parser(argparse.ArgumentParser):

@@ -18,7 +18,7 @@ import torch
 from .builders.base import DraftState, TreeBuilder
 from .config import ConfigError, EngineConfig, SamplingParams
 from .kv_cache import KVCache
-from .model import Transformer, prefix_tree_mask
+from .model import Transformer, TreeMask
 from .profiler import Profiler, Span
 from .sampling import greedy, make_generator, node_histories, process_logits, sample
 from .tree import TokenTree
@@ -155,9 +155,7 @@ class Engine:
             part = torch.tensor(ids[start:start + chunk], device=self.device)
             T, L = part.numel(), cache.length
             pos = torch.arange(L, L + T, device=self.device)
-            tril = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-            mask = prefix_tree_mask(L, tril, model.args.sliding_window, pos)
-            model(part[None], pos[None], mask, cache)
+            model(part[None], pos[None], TreeMask(L), cache)          # the prefix, then causal over the chunk
             cache.advance(T)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
@@ -308,8 +306,8 @@ class Engine:
         """One target forward over the whole tree, then the acceptance rule."""
         L = cache.length
         positions = tree.positions(L)
-        mask = prefix_tree_mask(L, tree.ancestor_mask(), self.target.args.sliding_window, positions)
         slots = torch.arange(L, L + tree.tokens.numel(), device=self.device)
+        mask = TreeMask(L, tree.ancestor_mask())                 # the whole prefix + each node's ancestors
         hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
         if self.observe_topk:                           # opt-in (Token Recycling): the target's top-k per node
             self.builder.observe_target(tree, self._target_topk(hidden, self.observe_topk))

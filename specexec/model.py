@@ -1,8 +1,11 @@
 """One Llama-family decoder (Llama 2/3/3.x incl. llama3 rope scaling, Mistral, Qwen2/2.5, Qwen3): pure maths.
 
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
-positions are explicit (tree siblings share one), the boolean mask says which cache slots each token sees,
-and `slots` says where each token's K/V is written. Parameter names follow the HF checkpoints without the
+positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
+`TreeMask`: the whole committed prefix plus a small mask over the new tokens' own slots; or a dense bool
+mask), and `slots` says where each token's K/V is written. The mask becomes an `AttentionPlan` once per
+forward (the model's sliding window applied there) and every layer attends with it (specexec/attention.py:
+prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
 leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
 caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB).
 
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
 from .config import ModelArgs
 from .kv_cache import KVCache
 
@@ -72,7 +76,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.norm_eps)
             self.k_norm = RMSNorm(d, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
@@ -84,22 +88,9 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             cache.write(layer, slots, k, v)
-            k, v = cache.view(layer, mask.shape[-1])
-        out = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
+            k, v = cache.view(layer, plan.n_slots)
+        out = attend(q, k.to(q.dtype), v.to(q.dtype), plan)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """GQA without copying K/V: q [B, H, T, D] is folded to [B, H_kv, G*T, D]; mask [B, 1, T, S] bool."""
-    B, H, T, D = q.shape
-    G = H // k.shape[1]
-    qg = q.reshape(B, k.shape[1], G * T, D)
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=T > 1)
-        return out
-    m = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m)
-    return out.reshape(B, H, T, D)
 
 
 class MLP(nn.Module):
@@ -123,9 +114,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,21 +148,32 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions [B, T]; mask bool [B, 1, T, S] over cache slots [0, S) (None: causal, no cache);
-        slots [T]: where each token's K/V goes (default cache.length + arange(T)). Returns hidden [B, T, D]
-        after the final norm. Cache length is NOT advanced here: commit with cache.keep()."""
+        """tokens, positions [B, T]; mask: a TreeMask (prefix = committed cache slots every token sees, tree
+        bool [T, K] over the slots that follow), or a dense bool [B, 1, T, S] over cache slots [0, S), or None
+        (causal, no cache); slots [T]: where each token's K/V goes (default cache.length + arange(T)). Returns
+        hidden [B, T, D] after the final norm. Cache length is NOT advanced here: commit with cache.keep()."""
         if cache is not None:
             if slots is None:
                 slots = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)
             if mask is None:
                 raise ValueError("a cached forward needs an explicit mask over the cache slots")
+        elif isinstance(mask, TreeMask) and mask.prefix:
+            raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions, x.dtype)
+        plan = self.attention_plan(mask, positions, x.dtype)
         for i, layer in self.layer_modules():
-            x = layer(x, cos, sin, mask, cache, i, slots)
+            x = layer(x, cos, sin, plan, cache, i, slots)
         return self.norm(x)
+
+    def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
+                       dtype: torch.dtype) -> AttentionPlan:
+        """The mask in the form every layer attends with, built once per forward (positions [B, T])."""
+        a = self.args
+        return build_plan(mask, positions, positions.shape[-1], a.sliding_window, a.n_heads // a.n_kv_heads,
+                          dtype, pick_kernel(positions.device))
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., D] -> fp32 logits [R, V] for `rows` of the flattened hidden (all rows when None)."""

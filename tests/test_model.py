@@ -1,7 +1,8 @@
 """specexec.model against transformers' own implementation of the same tiny checkpoints (fp32).
 
 Covers a prefill, a cached one-token decode step and a tree forward (each node's logits equal the reference
-run on its root-to-node path), for every family fixture, plus a Mistral sliding window.
+run on its root-to-node path), for every family fixture, plus a Mistral sliding window, with the engine's
+split-attention masks (TreeMask) and with the dense bool masks (prefix_tree_mask) still accepted.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from specexec.kv_cache import KVCache
 from specexec.loading import load_model
-from specexec.model import Transformer, prefix_tree_mask
+from specexec.model import Transformer, TreeMask, prefix_tree_mask
 from specexec.tree import TokenTree
 from tests.tiny_models import write_tiny_model
 
@@ -33,10 +34,10 @@ def causal(T: int) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool).tril()
 
 
-def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
+def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, dense: bool = False) -> torch.Tensor:
     T = ids.numel()
     pos = torch.arange(cache.length, cache.length + T)
-    mask = prefix_tree_mask(cache.length, causal(T), model.args.sliding_window, pos)
+    mask = prefix_tree_mask(cache.length, causal(T), model.args.sliding_window, pos) if dense else TreeMask(cache.length)
     hidden = model(ids[None], pos[None], mask, cache)
     cache.advance(T)
     return model.logits(hidden)
@@ -59,17 +60,19 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 6]
 
 
 @torch.inference_mode()
-def test_tree_forward_equals_each_path_run_sequentially(tiny_model: Path) -> None:
+@pytest.mark.parametrize("dense", [False, True], ids=["split", "dense"])
+def test_tree_forward_equals_each_path_run_sequentially(tiny_model: Path, dense: bool) -> None:
     ours, ref = load_model(tiny_model), hf_model(tiny_model)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, ours.args.vocab_size, (10,), generator=g)
     tokens = torch.randint(0, ours.args.vocab_size, (len(TREE_PARENTS),), generator=g).tolist()
     tree = TokenTree.from_lists(tokens, TREE_PARENTS)
     cache = new_cache(ours)
-    prefill(ours, cache, prompt)
+    prefill(ours, cache, prompt, dense)
     L = cache.length
     positions = tree.positions(L)
-    hidden = ours(tree.tokens[None], positions[None], prefix_tree_mask(L, tree.ancestor_mask()), cache)
+    mask = prefix_tree_mask(L, tree.ancestor_mask()) if dense else TreeMask(L, tree.ancestor_mask())
+    hidden = ours(tree.tokens[None], positions[None], mask, cache)
     got = ours.logits(hidden)
     for node in range(len(TREE_PARENTS)):
         path = torch.cat([prompt, tree.tokens[tree.path(node)]])
@@ -86,15 +89,18 @@ def test_ancestor_mask_and_positions() -> None:
 
 
 @torch.inference_mode()
-def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dense", [False, True], ids=["split", "dense"])
+def test_mistral_sliding_window_matches_transformers(tmp_path: Path, dense: bool) -> None:
+    """Chunks longer than the window, after a prefix longer than it, one-token steps; and the no-cache path."""
     path = write_tiny_model(tmp_path / "mistral-window", "mistral", seed=7, n_layers=2, sliding_window=6)
     ours, ref = load_model(path), hf_model(path)
     assert ours.args.sliding_window == 6
-    ids = torch.randint(0, ours.args.vocab_size, (20,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, ours.args.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
     want = ref(ids[None]).logits[0]
     cache = new_cache(ours)
-    got = torch.cat([prefill(ours, cache, ids[:12]), prefill(ours, cache, ids[12:])])
+    got = torch.cat([prefill(ours, cache, ids[a:b], dense) for a, b in [(0, 12), (12, 20), (20, 21), (21, 24)]])
     assert (got - want).abs().max() < TOL
+    assert (ours.logits(ours(ids[None], torch.arange(24)[None])) - want).abs().max() < TOL   # no-cache path
 
 
 def test_kv_cache_keep_moves_rows_without_touching_the_prefix() -> None:

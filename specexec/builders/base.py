@@ -16,7 +16,7 @@ import torch
 
 from ..config import SamplingParams
 from ..kv_cache import KVCache
-from ..model import Transformer
+from ..model import Transformer, TreeMask
 from ..tree import TokenTree
 
 
@@ -28,10 +28,14 @@ class DraftState:
     cache: KVCache
     pending: list[int] = field(default_factory=list)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
-        """tokens, positions, slots [b]; mask bool [b, S] over cache slots -> fp32 logits [b, V]."""
-        hidden = self.model(tokens[None], positions[None], mask[None, None], self.cache, slots)
+        """tokens, positions, slots [b]; tree_mask bool [b, K] over the scratch slots [L0, L0 + K), L0 = the
+        cache's length (every token also sees the whole committed prefix [0, L0)) -> fp32 logits [b, V]."""
+        L0, width = self.cache.length, tree_mask.shape[1]
+        if width > L0 > 0 and width == int(slots.max()) + 1:   # TRANSITIONAL: the old dense [b, L0 + K] form
+            tree_mask = tree_mask[:, L0:]
+        hidden = self.model(tokens[None], positions[None], TreeMask(L0, tree_mask), self.cache, slots)
         return self.model.logits(hidden)
 
     def commit(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
