@@ -27,7 +27,7 @@ from offload.checkpoint import CheckpointError
 from offload.sources import open_source
 from offload.pager import LayerPager, build_pager
 from offload.planner import Bandwidths, Needs, Plan, PlanError, default_budgets, plan
-from offload.quant import bind_module, quantize_module, swap_linears
+from offload.quant import auto_format, bind_module, device_problem, quantize_module, swap_linears
 from offload.storage import LayerLayout, unpack_layer
 
 from .config import ConfigError, EngineConfig, ModelArgs, OffloadConfig, check_budget_fits
@@ -222,7 +222,8 @@ class TargetPlan:
 
 def plan_target(path: Path, args: ModelArgs, draft: Transformer | None, offload: OffloadConfig,
                 engine: EngineConfig, device: torch.device, dtype: torch.dtype) -> TargetPlan:
-    """Pick the layer format (auto: none while everything stays resident, else nf4) and each layer's tier.
+    """Pick the layer format (auto: none while everything stays resident, else streamed_formats) and each
+    layer's tier.
     ConfigError (one line, what would fit) when the budgets cannot hold the run."""
     names = layer_names(path, args)
     _check_budgets_fit(offload, device)
@@ -230,7 +231,7 @@ def plan_target(path: Path, args: ModelArgs, draft: Transformer | None, offload:
     gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu      # None on CPU unless given
     ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
     elem = torch.empty((), dtype=dtype).element_size()
-    candidates = ["none", "nf4"] if offload.quant == "auto" else [offload.quant]
+    candidates = streamed_formats(offload.quant, device)
     for k, fmt in enumerate(candidates):
         sizes = [lay.nbytes for lay in layer_cache.plan(path, names, fmt, dtype, False)]
         needs = target_needs(args, sizes, draft, engine, elem, fmt)
@@ -241,9 +242,20 @@ def plan_target(path: Path, args: ModelArgs, draft: Transformer | None, offload:
                 continue
             raise ConfigError(str(e)) from None
         if fmt == "none" and k + 1 < len(candidates) and chosen.streams:
-            continue                                  # auto: streaming layers go nf4
+            continue                                  # auto: streaming layers go int4 (CPU) / nf4 (CUDA)
         return TargetPlan(fmt, chosen, names)
     raise AssertionError("unreachable")
+
+
+def streamed_formats(quant: str, device: torch.device) -> list[str]:
+    """The formats plan_target tries in order: auto -> none, then the device's streamed format (int4 on a CPU,
+    nf4 on CUDA); else just the one asked for. ConfigError when that format cannot run on the device."""
+    if quant == "auto":
+        return ["none", auto_format(device)]
+    problem = device_problem(quant, device)
+    if problem:
+        raise ConfigError(f"--quant {quant}: {problem}")
+    return [quant]
 
 
 def _check_budgets_fit(offload: OffloadConfig, device: torch.device) -> None:
@@ -264,10 +276,14 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
     return build_offloaded(path, args, cache, target_plan.plan.tiers, device, dtype, N_SLOTS, N_BOUNCE)
 
 
-def quantize_layers(model: Transformer, fmt: str) -> None:
-    """Quantize every decoder layer's linears in place (resident use, e.g. --draft-quant); embed/head stay."""
+def quantize_layers(model: Transformer, fmt: str, row_exact: bool = True) -> None:
+    """Quantize every decoder layer's linears in place (resident use, e.g. --draft-quant); embed/head stay.
+    row_exact=False for a draft: fused kernels whose rows may depend on the batch are allowed (quant.kernel_for)."""
     if fmt == "none":
         return
     dtype = model.embed_tokens.weight.dtype
+    problem = device_problem(fmt, model.embed_tokens.weight.device)
+    if problem:
+        raise ConfigError(f"{fmt} layers: {problem}")
     for block in model.layers:
-        quantize_module(block, fmt, dtype)
+        quantize_module(block, fmt, dtype, row_exact=row_exact)

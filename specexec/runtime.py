@@ -100,12 +100,12 @@ class ModelInfo:
 
 
 def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool,
-              quant: str = "none") -> tuple[Transformer, ModelInfo]:
+              quant: str = "none", draft: bool = False) -> tuple[Transformer, ModelInfo]:
     t0 = time.perf_counter()
     model = load_model(path, config.device, config.dtype, allow_pickle)
     dtype = str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch.")
     params = sum(p.numel() for p in model.parameters())
-    quantize_layers(model, quant)
+    quantize_layers(model, quant, row_exact=not draft)       # a draft may use batch-dependent fused kernels
     dtype += f" ({quant} layers)" if quant != "none" else ""
     return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
 
@@ -214,7 +214,7 @@ class Runtime:
         draft_model, d_info = None, None
         if d_path is not None:                  # first: the target's plan accounts for the draft's memory
             say(f"loading draft {d_path}")
-            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant)
+            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant, draft=True)
         say(f"loading target {t_path}")
         target, t_info, plan = _load_target(t_path, t_args, config, offload, draft_model, allow_pickle)
         eos = eos_ids(tokenizer, t_args.eos_token_ids)
