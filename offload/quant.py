@@ -75,9 +75,12 @@ CONTRACT (used by storage/cache and by specexec/offloaded.py):
     Tensors are quantized on the device they are on (CUDA is far faster than bitsandbytes' CPU path).
 
 Exactness: every kernel a row-exact QuantLinear runs gives each row a result that depends only on that row and
-the packed bytes (dequantize -> F.linear on every device; torch's int4/int8 kernels accumulate each output on
-its own in a fixed order), so a layer's output is the same for 1 token as for 4,096 and never depends on which
-tier the bytes came from.
+the packed bytes (torch's int4/int8 kernels accumulate each output on its own in a fixed order: bit for bit for
+1..257 rows, tested; dequantize -> F.linear inherits the BLAS's behaviour, whose fp32 rows on a CPU differ in
+the last bit for some batch sizes), and never on which tier the bytes came from. Caveat for int4/int8: their
+bf16 input and output roundings turn a last-bit difference arriving from elsewhere (CPU attention gives a row
+slightly different bits in a tree pass than in a one-token pass) into a bf16-ulp difference, so a greedy
+near-tie can resolve differently from a one-token decode (see the issue-15 note); the linears add none.
 """
 from __future__ import annotations
 

@@ -135,7 +135,10 @@ def test_greedy_generation_through_the_offloaded_target_is_unchanged(tiny_pair, 
 def test_greedy_output_with_an_int4_target_equals_that_target_alone(tiny_pair, tiny_perturbed_draft, cache_root,
                                                                     name: str) -> None:
     """Every builder, budgets 1/8/32: the int4 target streamed (mixed tiers, bf16 kernels, fp32 residual stream)
-    verifying trees gives exactly the tokens the same int4 target gives decoding alone, one token per pass."""
+    verifying trees gives exactly the tokens the same int4 target gives decoding alone, one token per pass.
+    (The int4 linears are row-exact; what is not is CPU attention's last bit between a tree pass and a
+    one-token pass, which the kernels' bf16 rounding enlarges to a bf16 ulp. These prompts have no near-tie
+    it flips; chat-template prompts on the tiny pair do, once in 12x32 tokens.)"""
     target = tiny_pair[0]
     draft = load_model(tiny_perturbed_draft)
     model = offloaded(target, "int4", MIXES["mixed"], cache_root)
