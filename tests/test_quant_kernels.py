@@ -136,7 +136,8 @@ def test_packing_is_part_of_the_layer_cache_key(monkeypatch: pytest.MonkeyPatch,
     here = layer_cache.cache_dir_for(tiny_llama, opts["int4"], tmp_path)
     cache = layer_cache.LayerCache.open_or_build(tiny_llama, names, "int4", torch.float32, cache_root=tmp_path,
                                                  progress=False)
-    assert cache.path == here and cache.layout(0).meta["weights"]["mlp.up_proj.weight"]["packing"] == int4.packing("cpu")
+    assert cache.path == here
+    assert cache.layout(0).meta["weights"]["mlp.up_proj.weight"]["packing"] == int4.packing("cpu")
     cache.close()
     monkeypatch.setattr(int4, "packing", lambda device_type: "cpu-otherisa-12345678")
     other = layer_cache.options_of(tiny_llama, names, "int4", torch.float32, False)
