@@ -80,7 +80,7 @@ the packed bytes (torch's int4/int8 kernels accumulate each output on its own in
 the last bit for some batch sizes), and never on which tier the bytes came from. Caveat for int4/int8: their
 bf16 input and output roundings turn a last-bit difference arriving from elsewhere (CPU attention gives a row
 slightly different bits in a tree pass than in a one-token pass) into a bf16-ulp difference, so a greedy
-near-tie can resolve differently from a one-token decode (see the issue-15 note); the linears add none.
+near-tie can (rarely) resolve differently from a one-token decode; the linears themselves add no difference.
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def check_format(fmt: str) -> str:
 
 def auto_format(device: torch.device | str) -> str:
     """The format --quant auto gives streamed layers: int4 on a CPU (torch's fused kernel reads 4 bits a weight
-    and runs bf16 math in registers), nf4 on CUDA (bitsandbytes, dequantized under the copy)."""
+    and dequantizes in registers), nf4 on CUDA (bitsandbytes, dequantized while the next layer copies)."""
     return AUTO_FORMAT.get(torch.device(device).type, "nf4")
 
 
