@@ -15,7 +15,8 @@ layer packed on another machine or torch build is refused at bind time and the l
 
 Both kernels take bf16 activations, accumulate every output in fp32 over `in` in a fixed order and round it to
 bf16: the result of a row does not depend on the other rows of the batch (the CPU kernel computes each output
-row on its own in 1..4-row register blocks; tests check it bit for bit for 1..300 rows).
+row on its own in 1..4-row register blocks: tested bit for bit for 1..257 rows and 1 or 2 threads; the CUDA
+kernel: asserted by a gpu-marked test).
 
 Shapes the kernels take: out % 16 == 0, in % 32 == 0 (`fits`); the caller stores other weights another way.
 
@@ -58,7 +59,11 @@ def inner_k_tiles(in_features: int) -> int:
 def cuda_supported(device: torch.device | str) -> str | None:
     """None when int4 runs on this CUDA device, else the reason (one line)."""
     device = torch.device(device)
-    if not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+    try:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int4pack_mm", "CUDA")
+    except (AttributeError, RuntimeError):
+        has = False
+    if not has:
         return "this torch build has no CUDA int4 kernel (aten._weight_int4pack_mm)"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "the CUDA int4 kernel needs compute capability 8.0 or newer"
