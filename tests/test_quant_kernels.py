@@ -191,6 +191,26 @@ def test_draft_quant_marks_the_draft_not_row_exact(tiny_llama) -> None:
     assert model.layers[0].input_layernorm.weight.dtype == torch.float32           # the draft computes in fp32
 
 
+def test_bench_stream_runs_int4_layers_through_the_int4_kernel(monkeypatch, capsys, tmp_path) -> None:
+    """`bench stream --quant int4`: random packed codes of the real layout, streamed from the SSD tier, every
+    linear through torch's int4 kernel (none dequantized), every byte of the layers streamed once per pass."""
+    import json
+
+    from cli.main import main
+
+    calls = {"dequantize": 0, "int4": 0}
+    real_mm, real_dq = int4.matmul, quant.dequantize
+    monkeypatch.setattr(int4, "matmul", lambda *a: calls.__setitem__("int4", calls["int4"] + 1) or real_mm(*a))
+    monkeypatch.setattr(quant, "dequantize",
+                        lambda *a: calls.__setitem__("dequantize", calls["dequantize"] + 1) or real_dq(*a))
+    argv = ["bench", "stream", "--synthetic", "1b", "--quant", "int4", "--layers", "2", "--distinct", "1",
+            "--tokens", "1,4", "--offload", "ssd", "--device", "cpu", "--dir", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["quant"] == "int4" and all(r["bytes_per_pass"] == 2 * out["layer_bytes"] for r in out["rows"])
+    assert calls == {"dequantize": 0, "int4": 3 * 2 * 7}          # warm-up + 2 passes, 2 layers, 7 linears
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 @pytest.mark.gpu
