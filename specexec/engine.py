@@ -85,6 +85,7 @@ class Engine:
         self._generated_from = 0        # where this generate() call's own tokens begin in _context
         self.tuner = BudgetTuner(config.budget) if config.auto_budget and builder is not None else None
         self.observe_topk = int(getattr(builder, "observe_topk", 0) or 0)   # builders learning from the target
+        self.observe_costs = getattr(builder, "observe_costs", None)       # builders whose width follows costs
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
 
@@ -226,6 +227,7 @@ class Engine:
             tree = TokenTree.root_only(root, self.device)
         else:
             budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
+            passes = draft.passes if draft is not None else 0
             tree = self.builder.build(draft, root, budget, sampling, rng)
         self._sync()
         draft_span.stop()
@@ -241,6 +243,8 @@ class Engine:
         draft_s, target_s = draft_span.seconds, target_span.seconds
         if self.tuner is not None:
             self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
+        if self.observe_costs is not None and draft is not None:        # r = target pass s / draft pass s
+            self.observe_costs(draft_s, target_s, draft.passes - passes)
         self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s, budget)
         stats.steps.append(StepRecord(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s))
         return acc

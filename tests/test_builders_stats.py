@@ -1,6 +1,6 @@
 """Sampling exactness of every tree builder, checked statistically on a toy Markov target and draft
 (ALGORITHMS.md §0.5): the builder's real tree-construction code runs against a toy draft (`MarkovDraft`
-implements layered.Passes on a [V, V] logits table), its trees go through the rule the engine would pick for
+implements growth.Passes on a [V, V] logits table), its trees go through the rule the engine would pick for
 its declared drafting kind (and the other exact rules), and the first two emitted tokens must follow the
 target's processed distribution (chi-square and TV). Negative controls show the check has teeth.
 
@@ -33,7 +33,9 @@ TRIALS = int(2000 * SCALE)
 
 
 class MarkovPasses:
-    """layered.Passes on a toy draft whose next-token logits depend on the current token only."""
+    """growth.Passes on a toy draft whose next-token logits depend on the current token only."""
+
+    L0 = 0
 
     def __init__(self, logits: torch.Tensor, capacity: int, sampling: SamplingParams) -> None:
         self.logits, self.capacity, self.sampling, self.n_proc = logits, capacity, sampling, 0

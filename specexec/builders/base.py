@@ -18,19 +18,32 @@ from ..config import SamplingParams
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..tree import TokenTree
+from . import draft_graphs
 
 
 @dataclass
 class DraftState:
-    """The draft model, its cache (committed prefix) and pending tokens (not yet in the cache; last = root)."""
+    """The draft model, its cache (committed prefix) and pending tokens (not yet in the cache; last = root).
+    `passes` counts draft forwards (the engine divides draft time by it). `cuda_graphs`: replay the forward
+    from CUDA graphs on CUDA (None: on unless SPECEXEC_CUDA_GRAPHS=0; see builders/draft_graphs.py)."""
 
     model: Transformer
     cache: KVCache
     pending: list[int] = field(default_factory=list)
+    passes: int = 0
+    cuda_graphs: bool | None = None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
-        """tokens, positions, slots [b]; mask bool [b, S] over cache slots -> fp32 logits [b, V]."""
+        """One draft pass. tokens, positions, slots long [b]; tree_mask bool [b, K] over the scratch slots
+        [L0, L0 + K) of the cache (L0 = cache.length); every query also sees the whole committed prefix
+        [0, L0). K/V are written at `slots`. -> fp32 logits [b, V]. Every draft forward goes through here."""
+        self.passes += 1
+        graphs = draft_graphs.runner(self.model, self.cache, self.cuda_graphs)
+        if graphs is not None:
+            return graphs.run(tokens, positions, tree_mask, slots)
+        L0 = self.cache.length
+        mask = torch.cat([tree_mask.new_ones(tree_mask.shape[0], L0), tree_mask], dim=1)
         hidden = self.model(tokens[None], positions[None], mask[None, None], self.cache, slots)
         return self.model.logits(hidden)
 
