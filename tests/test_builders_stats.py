@@ -44,10 +44,14 @@ class MarkovPasses:
         self.n_proc = 1
         return process_logits(self.logits[root_token][None], self.sampling)
 
-    def expand(self, tokens: torch.Tensor, depths: torch.Tensor, parent_proc: torch.Tensor) -> torch.Tensor:
-        assert bool((parent_proc >= 0).all()) and bool((parent_proc < self.n_proc).all())
+    def expand(self, tokens: torch.Tensor, depths: torch.Tensor, parent_proc: torch.Tensor,
+               proc: torch.Tensor | None = None) -> torch.Tensor:
+        assert bool((parent_proc >= 0).all()) and bool((parent_proc < self.capacity).all())
         self.n_proc += tokens.numel()
-        assert self.n_proc <= self.capacity, f"{self.n_proc} processed nodes > capacity {self.capacity}"
+        if proc is None:
+            assert self.n_proc <= self.capacity, f"{self.n_proc} processed nodes > capacity {self.capacity}"
+        else:
+            assert bool((proc > 0).all()) and bool((proc < self.capacity).all())
         return process_logits(self.logits[tokens], self.sampling)
 
     def slots(self, proc: torch.Tensor) -> torch.Tensor:

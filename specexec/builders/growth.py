@@ -67,9 +67,10 @@ class Passes(Protocol):
     def root(self, root_token: int) -> Tensor:
         """Processed draft log-probs [1, V] after the root."""
 
-    def expand(self, tokens: Tensor, depths: Tensor, parent_proc: Tensor) -> Tensor:
+    def expand(self, tokens: Tensor, depths: Tensor, parent_proc: Tensor, proc: Tensor | None = None) -> Tensor:
         """tokens, depths, parent_proc long [b] -> processed log-probs [b, V]; the nodes get processed
-        indices n_proc .. n_proc + b - 1 (in this order)."""
+        indices `proc` [b] (a builder recycling the slots of dropped nodes), by default n_proc .. n_proc + b - 1
+        (in this order). n_proc counts the nodes processed so far either way."""
 
     def slots(self, proc: Tensor) -> Tensor | None:
         """Draft-cache slot per processed index (proc long [N+1], -1 kept as -1), or None (no cache)."""
@@ -99,12 +100,13 @@ class DraftPasses:
         self.anc[0, 0] = True
         return process_logits(logits, self.sampling)
 
-    def expand(self, tokens: Tensor, depths: Tensor, parent_proc: Tensor) -> Tensor:
+    def expand(self, tokens: Tensor, depths: Tensor, parent_proc: Tensor, proc: Tensor | None = None) -> Tensor:
         b, n, m = tokens.numel(), self.n_proc, padded(tokens.numel())
-        if n + b > self.capacity:
-            raise RuntimeError(f"draft pass over {b} nodes exceeds the tree's {self.capacity} draft slots")
-        new = torch.arange(n, n + m, device=self.device)
-        new = torch.where(new < n + b, new, self.width - 1)         # padding rows -> the trash slot
+        if proc is None:
+            if n + b > self.capacity:
+                raise RuntimeError(f"draft pass over {b} nodes exceeds the tree's {self.capacity} draft slots")
+            proc = torch.arange(n, n + b, device=self.device)
+        new = torch.cat([proc, proc.new_full((m - b,), self.width - 1)])      # padding rows -> the trash slot
         if m > b:
             tokens = torch.cat([tokens, tokens[:1].expand(m - b)])
             depths = torch.cat([depths, depths.new_zeros(m - b)])
@@ -160,11 +162,13 @@ class Growth:
         self.depths[idx] = self.depths[parents] + 1
         self.scores[idx] = scores.float()
 
-    def expand(self, passes: Passes, nodes: Tensor) -> Tensor:
-        """One draft pass over `nodes` [b] (their parents processed): processed log-probs [b, V]."""
-        first = passes.n_proc
-        logq = passes.expand(self.tokens[nodes], self.depths[nodes], self.proc[self.parents[nodes]])
-        self.proc[nodes] = torch.arange(first, first + nodes.numel(), device=nodes.device)
+    def expand(self, passes: Passes, nodes: Tensor, proc: Tensor | None = None) -> Tensor:
+        """One draft pass over `nodes` [b] (their parents processed): processed log-probs [b, V]. proc [b]:
+        the processed indices to give them (default: the next free ones in order)."""
+        if proc is None:
+            proc = torch.arange(passes.n_proc, passes.n_proc + nodes.numel(), device=nodes.device)
+        logq = passes.expand(self.tokens[nodes], self.depths[nodes], self.proc[self.parents[nodes]], proc)
+        self.proc[nodes] = proc
         return logq
 
     def tree(self, passes: Passes | None, keep: Tensor | None = None) -> TokenTree:

@@ -7,7 +7,10 @@ nodes. Scores fall strictly along a path, so "best K" is always ancestor-closed.
 Made cheap where the reference code is slow:
 1. the draft's KV cache is reused: each pass computes only the newly expanded nodes, attending to the cached
    prefix and the cached K/V of their processed ancestors (growth.DraftPasses);
-2. the processed-node count is capped at 2 x budget + 1 and a pass appends at most `budget` children;
+2. a tree uses at most 2 x budget + 1 draft KV slots: a node that drops out of the best `budget` never comes
+   back (the bar only rises), nor do its descendants, so its slot is given to a node expanded later; at least
+   `budget` slots are always free, so a wide frontier never runs out of slots. A pass appends at most
+   `budget` children;
 3. growth stops as soon as no unexpanded node can still place a child in the top `budget`
    (a child scores at most parent + log(decay));
 4. one host synchronisation per draft pass (the stop decision, which also reads the frontier size), none per
@@ -110,6 +113,8 @@ class SpecExecBuilder:
         g = Growth(root_token, 1 + self.max_passes * min(budget, beams * w), logq.device)
         alive = torch.zeros(g.capacity, dtype=torch.bool, device=logq.device)
         alive[0] = True
+        owner = torch.full((passes.capacity,), -1, dtype=torch.long, device=logq.device)   # node per KV slot
+        owner[0] = 0
         frontier, n_alive = torch.zeros(1, dtype=torch.long, device=logq.device), None
         for p in range(self.max_passes):
             theta = self._add_children(g, alive, frontier, logq, budget, w)
@@ -117,12 +122,15 @@ class SpecExecBuilder:
             if p == self.max_passes - 1:
                 break
             can = alive[:n] & (g.proc[:n] < 0) & (g.scores[:n] + math.log(self.decay) > theta)
-            n_can, n_alive = (int(x) for x in host_values(can.sum(), alive[:n].sum()))   # the one sync per pass
-            b = min(n_can, beams, passes.capacity - passes.n_proc)
+            free = (owner < 0) | ~alive[owner.clamp(min=0)]
+            n_can, n_alive, n_free = (int(x) for x in host_values(can.sum(), alive[:n].sum(), free.sum()))
+            b = min(n_can, beams, n_free)                                     # ^ the one host sync per pass
             if b <= 0:
                 break
             frontier = torch.where(can, g.scores[:n], float("-inf")).topk(b).indices
-            logq = g.expand(passes, frontier)
+            slots = torch.sort((~free).to(torch.uint8), stable=True).indices[:b]       # free slots, lowest first
+            owner[slots] = frontier
+            logq = g.expand(passes, frontier, slots)
             n_alive = None
         if n_alive is None:
             n_alive = int(host_values(alive[:g.n].sum())[0])
