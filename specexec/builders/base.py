@@ -68,7 +68,9 @@ class TreeBuilder(Protocol):
     - `draft_probs(tree, node) -> Tensor [V]`: the processed draft distribution a node's children were drawn
       from (required for the rrs_wor rule, i.e. by "without_replacement" builders at T > 0);
     - `observe_topk: int` (> 0 opts in), `bind(vocab_size, device)` and `observe_target(tree, topk [N+1, k])`:
-      builders that learn from the target's top-k at every verified node (Token Recycling)."""
+      builders that learn from the target's top-k at every verified node (Token Recycling);
+    - `observe_costs(draft_s, target_s, draft_passes)`: each step's drafting and target seconds and the draft
+      passes it ran, for builders whose width follows the cost ratio of the two passes (SpecExec)."""
 
     name: str
     drafting: str
