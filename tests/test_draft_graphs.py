@@ -60,6 +60,57 @@ def test_span_forward_equals_the_dense_forward_on_cpu(tiny_pair: tuple[Path, Pat
         assert torch.equal(span.argmax(-1), dense.argmax(-1))
 
 
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: replay() reruns the captured body into the static output."""
+
+    def __init__(self, body, out: torch.Tensor) -> None:
+        self.body, self.out, self.replays = body, out, 0
+
+    def replay(self) -> None:
+        self.out.copy_(self.body())
+        self.replays += 1
+
+
+class CpuGraphs(draft_graphs.DraftGraphs):
+    """The runner's bookkeeping (first use eager, capture on the second, replays from static buffers, spans,
+    a reallocated cache) with the CUDA part faked."""
+
+    def _record(self, body, device):
+        out = body()
+        static = body().clone()
+        return out, FakeGraph(body, static), static
+
+
+@torch.inference_mode()
+def test_runner_bookkeeping_on_cpu(tiny_pair: tuple[Path, Path]) -> None:
+    model = load_model(tiny_pair[1])
+    state = _state(model, "cpu", capacity=1500)
+    runner = CpuGraphs(model, state.cache)
+
+    def check(b: int, K: int, seed: int) -> None:
+        tokens, positions, tree_mask, slots = _pass_inputs(state, b, K, seed)
+        L0 = torch.full((1,), state.cache.length, dtype=torch.long)
+        S = draft_graphs.key_span(state.cache.length, K, state.cache.capacity)
+        got = runner.run(tokens, positions, tree_mask, slots)
+        want = draft_graphs.span_forward(model, state.cache, tokens, positions, tree_mask, slots, L0, S)
+        assert torch.equal(got, want)
+
+    check(4, 100, 0)
+    assert not runner.graphs                              # first use: eager
+    check(4, 100, 1)
+    assert list(runner.graphs) == [(4, 100, 512)]         # second use: captured
+    for seed in range(2, 5):                              # new inputs through the static buffers
+        check(4, 100, seed)
+    assert runner.graphs[(4, 100, 512)].graph.replays == 3
+    state.cache.advance(draft_graphs.SPAN)                # L0 + K crosses a span: a new shape, then captured
+    check(4, 100, 5)
+    check(4, 100, 6)
+    assert list(runner.graphs) == [(4, 100, 1024)]        # the outgrown span's graph is dropped
+    state.cache.grow(3000)                                # reallocated: every graph points at freed memory
+    check(4, 100, 7)
+    assert not runner.graphs
+
+
 def test_graphs_are_off_on_cpu_and_behind_a_switch(monkeypatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not draft_graphs.enabled(None, cpu) and not draft_graphs.enabled(True, cpu)

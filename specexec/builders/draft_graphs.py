@@ -84,7 +84,7 @@ def span_forward(model: torch.nn.Module, cache: KVCache, tokens: Tensor, positio
 class _Captured:
     """One graph and its static input and output buffers."""
 
-    graph: "torch.cuda.CUDAGraph"
+    graph: "torch.cuda.CUDAGraph | None"
     tokens: Tensor
     positions: Tensor
     tree_mask: Tensor
@@ -138,24 +138,31 @@ class DraftGraphs:
 
     def _capture(self, key: tuple[int, int, int], tokens: Tensor, positions: Tensor, tree_mask: Tensor,
                  slots: Tensor, L0: Tensor) -> Tensor:
-        """Run the pass for real on a side stream (the warm-up a capture needs), then capture it."""
+        """Copy the inputs into static buffers, run the pass for real (the warm-up a capture needs), capture it."""
         S = key[2]
-        st = _Captured(torch.cuda.CUDAGraph(), tokens.clone(), positions.clone(), tree_mask.clone(), slots.clone(),
-                       L0.clone())
+        st = _Captured(None, tokens.clone(), positions.clone(), tree_mask.clone(), slots.clone(), L0.clone())
 
         def body() -> Tensor:
             return span_forward(self.model, self.cache, st.tokens, st.positions, st.tree_mask, st.slots, st.L0, S)
-        here = torch.cuda.current_stream(tokens.device)
-        side = torch.cuda.Stream(device=tokens.device)
-        side.wait_stream(here)
-        with torch.cuda.stream(side):
-            out = body()
-        here.wait_stream(side)
-        out.record_stream(here)
-        with torch.cuda.graph(st.graph, pool=self.pool):
-            st.logits = body()
-        if self.pool is None:
-            self.pool = st.graph.pool()
+        out, st.graph, st.logits = self._record(body, tokens.device)
         self.graphs = {k: v for k, v in self.graphs.items() if k[2] == S}     # spans below are outgrown
         self.graphs[key] = st
         return out
+
+    def _record(self, body, device: torch.device) -> tuple[Tensor, "torch.cuda.CUDAGraph", Tensor]:
+        """(the body's real output, a CUDA graph of it, the graph's static output): warm-up on a side stream,
+        then capture into the runner's memory pool (shared by its graphs, replayed one at a time)."""
+        with torch.cuda.device(device):
+            here = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(here)
+            with torch.cuda.stream(side):
+                out = body()
+            here.wait_stream(side)
+            out.record_stream(here)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                static_out = body()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return out, graph, static_out
