@@ -1,23 +1,27 @@
 """Command-line flags that several subcommands share (generate, chat, bench), defined once, and turning them
 into the frozen configs of specexec.config.
 
-Groups: model (--model --draft/--no-draft --allow-pickle), engine (--budget N|auto --max-budget --builder
+Groups: model (--model --draft/--no-draft --allow-pickle --offline --gguf-file), engine (--budget N|auto --max-budget --builder
 --device --dtype --max-new-tokens), sampling (--temperature --top-p --top-k --seed and the other SamplingParams fields),
-offload (--quant --draft-quant --offload --gpu-budget --ram-budget --cache-dir). `apply_catalog_defaults`
+offload (--quant --draft-quant --offload --gpu-budget --ram-budget --cache-dir --context). `apply_catalog_defaults`
 fills what a models.yaml name implies (the recommended draft, budget and quantization) when the user left it
-out, and says so. `load_runtime` is the one place these commands load models (with a progress spinner on stderr).
+out, and says so. `load_runtime` is the one place these commands load models (the memory ledger first, then a progress
+spinner on stderr).
 
 Does not know: what a value may be (specexec.config checks every one of them), how models load.
 """
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import fields
 
 from rich.console import Console
 
 from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, OFFLOAD_CHOICES, QUANT_CHOICES, EngineConfig,
                              OffloadConfig, SamplingParams, budget_options, check_draft_choice)
+from cli.fetch import add_hub_args, fetch_model, target_reserve
+from specexec.offloaded import TargetPlan
 from specexec.runtime import Runtime, builder_needs_draft
 
 # SamplingParams fields that get a flag here: name -> (type, metavar, help)
@@ -37,13 +41,15 @@ SAMPLING_FLAGS = {
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required, metavar="PATH|NAME",
-                   help="target checkpoint directory, a name from `specexec models`, or a cached Hub id")
+                   help="target checkpoint directory, a name from `specexec models`, or a Hub id ORG/NAME "
+                        "(downloaded once into the Hugging Face cache: config, tokenizer, safetensors)")
     draft = p.add_mutually_exclusive_group()
     draft.add_argument("--draft", metavar="PATH|NAME", help="draft checkpoint (same tokenizer as the target); "
                        "default for a models.yaml target: its recommended draft")
     draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read pickle (.bin) weights with torch.load(weights_only=True)")
+    add_hub_args(p)
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") -> None:
@@ -75,6 +81,8 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 48GB (default: free minus a margin)")
     p.add_argument("--cache-dir", metavar="DIR", help="root of the quantized layer cache (default $SPECEXEC_CACHE "
                    "or ~/.cache/specexec)")
+    p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) the memory plan reserves KV "
+                   "cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
 
 
 def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True) -> None:
@@ -103,17 +111,25 @@ def offload_config(args: argparse.Namespace) -> OffloadConfig:
                                     draft_quant=getattr(args, "draft_quant", None),
                                     gpu_budget=getattr(args, "gpu_budget", None),
                                     ram_budget=getattr(args, "ram_budget", None),
-                                    cache_dir=getattr(args, "cache_dir", None))
+                                    cache_dir=getattr(args, "cache_dir", None),
+                                    context=getattr(args, "context", None))
 
 
 def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = None) -> None:
-    """--model NAME from models.yaml: use its recommended draft (unless --draft/--no-draft), default budget and
-    quantization (unless given). A directory path is never looked up."""
+    """Bring the target onto this machine (a Hub id or models.yaml name is downloaded when not cached, see
+    cli/fetch.py), then for a models.yaml name use its recommended draft (unless --draft/--no-draft), default
+    budget and quantization (unless given), then bring the draft. A directory path is never looked up."""
     from specexec.models import find
 
     entry = find(args.model)
-    if entry is None or entry.local_path() is None:       # not a name, or absent: loading says so in one line
-        return
+    fetch_model(args, "model", target_reserve(args))
+    if entry is not None:
+        _entry_defaults(args, entry, console)
+    if not getattr(args, "no_draft", False):
+        fetch_model(args, "draft")
+
+
+def _entry_defaults(args: argparse.Namespace, entry, console: Console | None) -> None:
     notes = []
     if not args.draft and not args.no_draft and entry.drafts:
         args.draft = entry.drafts[0]
@@ -133,17 +149,25 @@ def check_draft(args: argparse.Namespace, config: EngineConfig) -> None:
     check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
 
 
+def print_plan(console: Console) -> Callable[[TargetPlan], None]:
+    """Runtime.load's on_plan: the memory ledger (or only the plan's warnings) on `console`, before loading."""
+    def show(plan: TargetPlan) -> None:
+        notice = plan.notice()
+        if notice:
+            console.print(notice, highlight=False, markup=False)
+    return show
+
+
 def load_runtime(args: argparse.Namespace, config: EngineConfig, console: Console | None,
-                 offload: OffloadConfig | None = None) -> Runtime:
-    """Runtime.load with a transient spinner on `console` (None: silently); then the offload plan (or its
-    warnings) on `console`."""
+                 offload: OffloadConfig | None = None, spinner: bool = True) -> Runtime:
+    """Runtime.load with the memory ledger printed on `console` before anything loads and a transient spinner
+    while loading (spinner=False: none, e.g. for logs); console None: silently."""
     draft = None if args.no_draft else args.draft
     if console is None:
         return Runtime.load(args.model, draft, config, args.allow_pickle, offload=offload)
+    if not spinner:
+        return Runtime.load(args.model, draft, config, args.allow_pickle, offload=offload,
+                            on_plan=print_plan(console))
     with console.status("loading") as status:
-        runtime = Runtime.load(args.model, draft, config, args.allow_pickle, progress=lambda msg: status.update(msg),
-                               offload=offload)
-    notice = runtime.plan.notice() if runtime.plan is not None else ""
-    if notice:
-        console.print(notice, highlight=False, markup=False)
-    return runtime
+        return Runtime.load(args.model, draft, config, args.allow_pickle, progress=lambda msg: status.update(msg),
+                            offload=offload, on_plan=print_plan(console))

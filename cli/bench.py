@@ -16,6 +16,9 @@ token; peak RAM = process RSS during the row (sampled), peak VRAM = torch's CUDA
 (temperature 0 only, vs no-draft) = every prompt's token ids equal, with `identical_prompts` "k/n" and
 `first_mismatch` (per prompt, the first new token that differs; null where identical).
 
+With --endpoint URL the same prompt set and table measure OpenAI-compatible servers instead (cli/bench_endpoint.py);
+--plot FILE draws the rows (cli/plot.py).
+
 Does not know: how a step works (specexec.engine), how flags are validated (specexec.config), how models load
 (specexec.runtime; transformers for the hf-* rows).
 """
@@ -31,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli import args as common
+from cli import plot
 from cli.bench_common import Plan, Result, config_name, encode_prompts, first_mismatch, run_variant, wide
 from cli.bench_hf import run_hf
 from specexec.config import ConfigError, EngineConfig, budget_options, check_number, parse_budget_list
@@ -65,6 +69,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "round-robin, and keep each one's fastest round (default 1; more evens out a noisy machine)")
     p.add_argument("--json", action="store_true", help="print one JSON line {\"rows\": [...]} to stdout "
                    "(the table goes to stderr)")
+    p.add_argument("--endpoint", metavar="URL", action="append", help="measure an OpenAI-compatible server "
+                   "instead (specexec serve, vLLM, SGLang; repeat for several): same prompts and table; --model "
+                   "is then the served model name (default: the first /v1/models lists)")
+    p.add_argument("--api-key", metavar="K", help="with --endpoint: the server's API key (default $OPENAI_API_KEY)")
+    p.add_argument("--plot", metavar="FILE", help="also draw tok/s and tokens per pass against the budget, "
+                   "baselines as lines, into FILE.png or FILE.svg (needs matplotlib: pip install 'specexec[plot]')")
 
 
 # -------------------------------------------------------------------- plan
@@ -227,7 +237,11 @@ def _done_line(console: Console) -> Callable[[Result], None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.endpoint:
+        from cli import bench_endpoint
+        return bench_endpoint.run(args)
     console = Console(stderr=True, soft_wrap=True)
+    figure = plot.check_target(args.plot)
     common.apply_catalog_defaults(args, console)
     plan = make_plan(args)
     runtime = common.load_runtime(args, plan.config, console, plan.offload)
@@ -253,6 +267,9 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         if r["budget_trace"]:
             out.print(f"{r['config']}: budget per step {r['budget_trace']}", highlight=False, markup=False)
+    if figure is not None:
+        plot.save(plot.bench_figure(rows, title), figure, rows, title)
+        console.print(f"plot written to {figure}", style="dim", highlight=False)
     if args.json:
         print(json.dumps({"rows": rows, "prompts": len(prompt_ids), "max_new_tokens": plan.config.max_new_tokens,
                           "temperature": plan.sampling.temperature, "device": plan.config.device,

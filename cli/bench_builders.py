@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli import args as common
+from cli import plot
 from cli.bench_common import Plan, Result, encode_prompts, first_mismatch, run_variant, wide
 from specexec.config import BUILDERS, ConfigError, check_number, parse_budget_list, parse_float_list
 from specexec.prompts import load_prompts
@@ -41,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=4, metavar="N", help="untimed warm-up tokens per row (default 4)")
     p.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON line {\"rows\": [...], \"best\": [...]}")
+    p.add_argument("--plot", metavar="FILE", help="also draw tok/s and tokens per pass against the budget, one "
+                   "panel per temperature, into FILE.png or FILE.svg (needs matplotlib)")
     return p
 
 
@@ -149,6 +152,7 @@ def table(rows: list[dict], title: str) -> Table:
 
 def run(ns: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
+    figure = plot.check_target(ns.plot)
     common.apply_catalog_defaults(ns, console)
     plan, builders, temps = make_plan(ns)
     runtime = common.load_runtime(ns, plan.config, console, plan.offload)
@@ -169,6 +173,9 @@ def run(ns: argparse.Namespace) -> int:
     for w in winners:
         out.print(f"T={w['temperature']:g} budget {w['budget']}: most tokens/pass {w['most_tokens_per_pass']} "
                   f"({w['tokens_per_pass']}), fastest {w['fastest']} ({w['tok_s']} tok/s)", highlight=False)
+    if figure is not None:
+        plot.save(plot.builders_figure(rows, title), figure, rows, title)
+        console.print(f"plot written to {figure}", style="dim", highlight=False)
     if ns.json:
         print(json.dumps({"rows": rows, "best": winners, "prompts": len(prompt_ids),
                           "max_new_tokens": plan.config.max_new_tokens, "device": plan.config.device,

@@ -10,8 +10,10 @@ as for a real model of N layers, and its plan is printed.
 For each tree size T in --tokens: the raw rate of the slowest tier used is measured first (tier_peak_gbps: the
 same reader on the same file in the same page-cache state, or a region -> slot copy for RAM), then one forward
 pass of T tokens through the N layers runs (no read-ahead carried over from the previous pass). Rows: tokens,
-seconds_per_pass, effective_gbps (bytes streamed / seconds_per_pass), tier_peak_gbps, ratio, stall_fraction
-(time compute waited for a layer / seconds_per_pass), tier. `--json` prints one line {"rows": [...], ...}.
+seconds_per_pass (the pager's pass time: CUDA events on the device's clock, host time on CPU),
+effective_gbps (bytes streamed / seconds_per_pass), tier_peak_gbps, ratio, stall_fraction (time compute waited
+for a layer / seconds_per_pass), copy_busy (time the copy stream moved the pass's bytes / seconds_per_pass),
+tier. `--json` prints one line {"rows": [...], ...}.
 
 Does not know: tokens or trees (a pass is T random hidden rows with causal attention), checkpoints.
 """
@@ -22,7 +24,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -63,6 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--dir", metavar="DIR", help="where the SSD tier's file goes (default: a temporary directory, "
                    "removed afterwards)")
     p.add_argument("--json", action="store_true", help="print one JSON line with the rows")
+    p.add_argument("--plot", metavar="FILE", help="also draw seconds per pass against tree tokens with the bytes "
+                   "÷ bandwidth line into FILE.png or FILE.svg (needs matplotlib)")
     return p
 
 
@@ -213,24 +216,16 @@ class StreamBench:
         return None
 
     def one_pass(self, tokens: int) -> dict:
-        """Time one forward of `tokens` rows; returns seconds, bytes streamed, stall seconds."""
+        """One forward of `tokens` rows; seconds (the pager's pass time: GPU time from CUDA events on CUDA,
+        host time on CPU), bytes streamed, stall and copy-busy seconds."""
         x = torch.randint(0, VOCAB, (1, tokens), device=self.device)
         pos = torch.arange(tokens, device=self.device)[None]
         pager = self.model.pager
-        before = pager.counters()
-        self._sync()
-        t0 = time.perf_counter()
+        before = pager.collect(wait=True).totals()
         with torch.inference_mode():
             self.model(x, pos)
-        self._sync()
-        seconds = time.perf_counter() - t0
-        after = pager.counters()
-        return {"seconds": seconds, "bytes": after["bytes_streamed"] - before["bytes_streamed"],
-                "stall_s": after["stall_s"] - before["stall_s"]}
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        after = pager.collect(wait=True).totals()        # waits for this pass's events (a benchmark, not a step)
+        return {k: after[k] - before[k] for k in ("pass_s", "bytes_streamed", "stall_s", "busy_s")}
 
     def close(self) -> None:
         self.model.close()
@@ -247,12 +242,14 @@ def measure(bench: StreamBench, token_list: list[int]) -> list[dict]:
     for tokens in token_list:
         peak = bench.probe()
         r = bench.one_pass(tokens)
-        eff = r["bytes"] / r["seconds"] / 1e9
-        rows.append({"tokens": tokens, "seconds_per_pass": round(r["seconds"], 4),
+        seconds = max(r["pass_s"], 1e-9)
+        eff = r["bytes_streamed"] / seconds / 1e9
+        rows.append({"tokens": tokens, "seconds_per_pass": round(seconds, 4),
                      "effective_gbps": round(eff, 3), "tier_peak_gbps": round(peak / 1e9, 3) if peak else None,
                      "ratio": round(eff / (peak / 1e9), 3) if peak else None,
-                     "stall_fraction": round(min(r["stall_s"] / r["seconds"], 1.0), 3),
-                     "bytes_per_pass": int(r["bytes"]), "tier": bench.tier})
+                     "stall_fraction": round(min(r["stall_s"] / seconds, 1.0), 3),
+                     "copy_busy": round(min(r["busy_s"] / seconds, 1.0), 3),
+                     "bytes_per_pass": int(r["bytes_streamed"]), "tier": bench.tier})
     return rows
 
 
@@ -273,6 +270,9 @@ def table(rows: list[dict], title: str):
 def run(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from cli import plot
+
+    figure = plot.check_target(ns.plot)
     device_name = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device_name)
     device = torch.device(device_name)
@@ -293,6 +293,10 @@ def run(ns: argparse.Namespace) -> int:
         rows = measure(bench, token_list)
     finally:
         bench.close()
+    if figure is not None:
+        title = f"bench stream · {ns.synthetic} · {ns.quant} · {bench.tier} tier · {device}"
+        plot.save(plot.stream_figure(rows, title), figure, rows, title)
+        console.print(f"plot written to {figure}", style="dim", highlight=False)
     if ns.json:
         out = {"arch": ns.synthetic, "quant": ns.quant, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                "layers": ns.layers, "layer_bytes": size, "plan": the_plan.summary(), "rows": rows}

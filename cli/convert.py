@@ -2,8 +2,10 @@
 
 What `generate --quant ...` would otherwise do on its first offloaded run: read the checkpoint layer by layer,
 quantize, pack, and write the cache (offload.cache) with a progress bar on stderr; then print where it went and
-its size on stdout. --out is the cache ROOT (as $SPECEXEC_CACHE): the cache lands in a subdirectory named for
-the checkpoint and options, the one later runs with the same root find by themselves.
+its size on stdout. `--verify` then reads every layer back and checks its sha256: the full check that runs
+skip (they check sizes and the manifest at start, and each layer's checksum when they first read it). --out is
+the cache ROOT (as $SPECEXEC_CACHE): the cache lands in a subdirectory named for the checkpoint and options,
+the one later runs with the same root find by themselves.
 
 Does not know: how a cache is laid out or validated (offload.cache), which tensors a layer has
 (specexec.offloaded.layer_names, the same naming the runtime uses, so both find the same cache).
@@ -19,6 +21,7 @@ import torch
 from offload.cache import LayerCache, default_cache_root, human_bytes
 from offload.quant import FORMATS
 from specexec.config import DTYPES, check_device
+from cli.fetch import fetch_model
 from specexec.loading import read_args, resolve_dtype, resolve_model_path
 from specexec.offloaded import layer_names
 
@@ -27,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="quantize a checkpoint's layers into the on-disk layer cache",
                        description="Quantize the decoder layers of a checkpoint once and write them, packed, to the "
                                    "layer cache that offloaded runs stream from.")
-    p.add_argument("--model", required=True, metavar="PATH", help="checkpoint directory (or a cached Hub id)")
+    p.add_argument("--model", required=True, metavar="PATH", help="checkpoint directory, or a Hub id ORG/NAME "
+                   "(downloaded when not cached)")
+    p.add_argument("--offline", action="store_true", help="never download (also HF_HUB_OFFLINE=1)")
     p.add_argument("--quant", required=True, choices=FORMATS, help="quantization format of the linear weights")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="dtype the layers compute in (default auto: bf16 for --device cuda, float32 for cpu)")
@@ -37,12 +42,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--double-quant", action="store_true", help="also quantize the NF4/FP4 block scales")
     p.add_argument("--out", metavar="DIR", help="cache root directory (default $SPECEXEC_CACHE, else "
                                                 "$XDG_CACHE_HOME/specexec, else ~/.cache/specexec)")
+    p.add_argument("--verify", action="store_true",
+                   help="then read every layer back and check its sha256 (a full check; runs otherwise check sizes "
+                        "and the manifest at start, and each layer's checksum when they first read it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     check_device(args.device)
+    fetch_model(args, "model")
     path = resolve_model_path(args.model)
     model_args = read_args(path)
     dtype = resolve_dtype(args.dtype, torch.device(args.device))
@@ -55,4 +64,16 @@ def run(args: argparse.Namespace) -> int:
         what = "built" if cache.built else "already up to date"
         print(f"{cache.path} ({what}): {cache.n_layers} layers, {args.quant}, {cache.dtype}, "
               f"{human_bytes(cache.total_nbytes)} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if args.verify:
+            verify(cache, progress=not args.no_progress)
     return 0
+
+
+def verify(cache: LayerCache, progress: bool) -> None:
+    """Read every layer and check its sha256 (CacheCorruptError, one line, on the first mismatch: the cache
+    is then marked so the next run rebuilds it); print what was checked."""
+    t0 = time.perf_counter()
+    nbytes = cache.verify_all(progress=progress)
+    seconds = time.perf_counter() - t0
+    print(f"verified: {cache.n_layers} layers, {human_bytes(nbytes)}, every sha256 matches the manifest "
+          f"({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s, {seconds:.1f} s)", flush=True)

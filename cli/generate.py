@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sampling_args, apply_catalog_defaults,
-                      engine_config, offload_config, sampling_params)
+                      engine_config, offload_config, print_plan, sampling_params)
 from specexec.config import (VERIFIERS, ConfigError, EngineConfig, SamplingParams,
                              check_chat_options, check_draft_choice, check_number, check_prompt_text,
                              parse_draft_vocab)
@@ -167,15 +167,13 @@ def run(args: argparse.Namespace) -> int:
     config, sampling = _configs(args)
     offload = offload_config(args)
     prompt = read_prompt(args)
-    with console.status("loading") as status:          # a transient spinner: nothing is left on stderr
+    with console.status("loading") as status:          # a transient spinner: only the ledger is left on stderr
         runtime = Runtime.load(args.model, args.draft, config, args.allow_pickle,
-                               progress=lambda msg: status.update(msg), offload=offload)
+                               progress=lambda msg: status.update(msg), offload=offload,
+                               on_plan=print_plan(console))
     prompt_ids = runtime.encode(prompt, args.chat, args.system)
     runtime.check_prompt(prompt_ids)
     print_load_summary(console, runtime)
-    notice = runtime.plan.notice() if runtime.plan is not None else ""     # the offload plan, or its warnings
-    if notice:
-        console.print(notice, highlight=False)
     results = []
     try:
         for i in range(args.n):

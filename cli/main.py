@@ -14,12 +14,12 @@ import sys
 import traceback
 from typing import NoReturn
 
-from cli import bench, chat, convert, demo, generate, serve
+from cli import bench, chat, convert, demo, doctor, generate, plan, serve
 from cli import models as models_cmd
 from cli import bench_accept, bench_builders, bench_stream
 from cli.errors import INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, report, sigterm_raises
 
-COMMANDS = (chat, generate, serve, demo, convert, models_cmd)
+COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
 
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.

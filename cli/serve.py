@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and api_key is None:
         console.print(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine "
                       "can use the model", style="yellow", highlight=False)
-    runtime = common.load_runtime(args, config, console if sys.stderr.isatty() else None, offload)
+    runtime = common.load_runtime(args, config, console, offload, spinner=sys.stderr.isatty())
     return serve(runtime, sock, model_id(args.model, args.served_model_name), sampling, api_key, args.max_queue,
                  console)
 

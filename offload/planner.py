@@ -9,23 +9,43 @@ What pays for what (see ../shared/DESIGN.md, "Memory tiers"):
   activations of the largest tree and the streaming slots (only when something streams); then as many target
   layers as fit stay resident. The RAM budget holds the next layers as pinned packed buffers, plus the pinned
   bounce buffers the SSD reader fills when any layer lives on the SSD. The rest stream from the SSD.
+- CUDA host side: the RAM budget pays first the host-side fixed costs (e.g. the target's input embedding
+  table when it is kept in RAM), then the RAM tier, then the SSD bounce buffers.
 - CPU: there is no device memory: --ram-budget bounds everything held in memory (fixed costs, resident layers,
   the slots that streamed layers are read into) and the remaining layers stream from the SSD tier. The RAM
   tier on CPU (a second copy of a layer in plain memory) is only used when asked for (--offload ram).
+
+Read-ahead depth (how many layers the SSD reader may hold ahead of the consumer: pinned bounce buffers on
+CUDA, host slots on CPU) starts at the minimum the Needs give (2) and grows into whatever budget is LEFT once
+every layer has its tier, up to MAX_READ_AHEAD and the number of SSD layers. It never displaces a layer: a
+layer kept resident (or in the RAM tier) saves its read on every pass, a deeper read-ahead at most the reads
+that fit in the drafting time, so a layer is always worth at least as much as a buffer of its size. With
+--offload ssd (nothing else competes for RAM) the read-ahead is as deep as the cap allows.
+
+`Plan.ledger()` names every byte each budget holds (the device side, the host side, the disk); `describe()`
+prints it with the predicted seconds per pass.
 
 Does not know: models, tokens, how bytes move (tiers.py/pager.py), or where the sizes came from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 TIERS = ("resident", "ram", "ssd")
+MAX_READ_AHEAD = 8              # most buffers the SSD reader fills ahead (bounce buffers on CUDA, slots on CPU)
 OFFLOAD_MODES = ("auto", "none", "ram", "ssd")
 GB = 1e9
 
 
 class PlanError(ValueError):
-    """Budgets that cannot hold the run; the message is one line saying what would fit."""
+    """Budgets that cannot hold the run; the message is one line saying what would fit. `flag`, `needed`,
+    `budget` and `what` say which budget fell short, by how much, holding what (None when the error is not
+    about a budget)."""
+
+    def __init__(self, message: str, flag: str | None = None, needed: int | None = None,
+                 budget: int | None = None, what: str | None = None) -> None:
+        super().__init__(message)
+        self.flag, self.needed, self.budget, self.what = flag, needed, budget, what
 
 
 @dataclass(frozen=True)
@@ -46,17 +66,29 @@ class Needs:
 
     layer_bytes: packed size of each target decoder layer (as stored in the tiers).
     fixed_bytes: the device-side (GPU, or RAM on CPU) costs that do not depend on the plan, by name
-        (e.g. {"target embed/norm/head": .., "draft": .., "KV caches": .., "activations": ..}).
-    n_slots: device slots streamed layers go through; n_bounce: host bounce buffers for the SSD reader (CUDA)."""
+        (e.g. {"target norm/head": .., "draft weights": .., "target KV cache": .., "activations": ..}).
+    n_slots: device slots streamed layers go through; n_bounce: host bounce buffers for the SSD reader (CUDA):
+        the minimum; the plan deepens the read-ahead into budget left over (see the module docstring).
+    host_fixed: host-RAM costs of a CUDA run besides the streaming tiers, by name (e.g. the input embedding
+        kept in RAM); on CPU everything is in `fixed_bytes`.
+    notes: name -> a short detail printed beside that ledger line (sizes in slots, formats, ...).
+    max_read_ahead: cap of the read-ahead depth."""
 
     layer_bytes: tuple[int, ...]
     fixed_bytes: tuple[tuple[str, int], ...] = ()
     n_slots: int = 2
     n_bounce: int = 2
+    host_fixed: tuple[tuple[str, int], ...] = ()
+    notes: tuple[tuple[str, str], ...] = ()
+    max_read_ahead: int = MAX_READ_AHEAD
 
     @property
     def fixed(self) -> int:
         return sum(b for _, b in self.fixed_bytes)
+
+    @property
+    def host(self) -> int:
+        return sum(b for _, b in self.host_fixed)
 
     @property
     def max_layer(self) -> int:
@@ -75,6 +107,8 @@ class Plan:
     bandwidths: Bandwidths = Bandwidths()
     warnings: tuple[str, ...] = ()
     mode: str = "auto"
+    slots: int = 0                               # device slots (0: the Needs' minimum)
+    bounce: int = 0                              # SSD bounce buffers on CUDA (0: the Needs' minimum)
 
     def layers_in(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -93,12 +127,18 @@ class Plan:
 
     @property
     def n_slots(self) -> int:
-        return self.needs.n_slots if self.streams else 0
+        """Device slots streamed layers pass through (on CPU: the host slots the SSD reader fills)."""
+        return (self.slots or self.needs.n_slots) if self.streams else 0
 
     @property
     def n_bounce(self) -> int:
         """Host bounce buffers for the SSD reader (CUDA only: on CPU the reader fills the slots directly)."""
-        return self.needs.n_bounce if self.device == "cuda" and "ssd" in self.tiers else 0
+        return (self.bounce or self.needs.n_bounce) if self.device == "cuda" and "ssd" in self.tiers else 0
+
+    @property
+    def read_ahead(self) -> int:
+        """Layers the SSD reader may hold ahead of the consumer: bounce buffers on CUDA, slots on CPU."""
+        return self.n_bounce if self.device == "cuda" else self.n_slots if "ssd" in self.tiers else 0
 
     @property
     def device_bytes(self) -> int:
@@ -107,8 +147,26 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
-        """Held in host RAM for streaming: the RAM tier's region and the bounce buffers."""
-        return self.tier_bytes("ram") + self.n_bounce * self.slot_bytes
+        """Held in host RAM besides the device side: host fixed costs, the RAM tier's region, bounce buffers."""
+        return self.needs.host + self.tier_bytes("ram") + self.n_bounce * self.slot_bytes
+
+    @property
+    def device_budget(self) -> int:
+        return self.gpu_budget if self.device == "cuda" else self.ram_budget
+
+    def ledger(self) -> dict[str, dict[str, int]]:
+        """Every byte each budget holds, by tier and item: {"device": {...}, "host": {...}, "ssd": {...}}.
+        "device" is the GPU on CUDA and RAM on CPU; the items of each tier sum to device_bytes / host_bytes."""
+        n = {t: len(self.layers_in(t)) for t in TIERS}
+        device = {name: b for name, b in self.needs.fixed_bytes}
+        device["resident target layers"] = self.tier_bytes("resident")
+        device["streaming slots"] = self.n_slots * self.slot_bytes
+        host = {name: b for name, b in self.needs.host_fixed}
+        if n["ram"]:
+            host["RAM tier layers"] = self.tier_bytes("ram")
+        if self.n_bounce:
+            host["SSD bounce buffers"] = self.n_bounce * self.slot_bytes
+        return {"device": device, "host": host, "ssd": {"SSD tier layers": self.tier_bytes("ssd")} if n["ssd"] else {}}
 
     @property
     def expected_s(self) -> float:
@@ -121,11 +179,15 @@ class Plan:
                 **{f"{t}_layers": len(self.layers_in(t)) for t in TIERS},
                 **{f"{t}_bytes": self.tier_bytes(t) for t in TIERS},
                 "device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
+                "slots": self.n_slots, "bounce_buffers": self.n_bounce,
                 "expected_s_per_pass": round(self.expected_s, 4)}
 
     def describe(self) -> str:
-        """Human-readable plan: layers and GB per tier, what each budget holds, expected seconds per pass."""
+        """The ledger as text: every item each budget holds (with the layers of each tier), the totals against
+        the budgets, and the expected seconds per pass."""
         where = "GPU" if self.device == "cuda" else "RAM"
+        notes = dict(self.needs.notes)
+        ledger = self.ledger()
         lines = [f"offload plan ({self.mode}, {len(self.tiers)} target layers, device {self.device}):"]
         names = {"resident": f"resident ({where})", "ram": "RAM tier" + (" (pinned)" if self.device == "cuda" else ""),
                  "ssd": "SSD tier"}
@@ -133,12 +195,23 @@ class Plan:
             ids = self.layers_in(t)
             if ids:
                 lines.append(f"  {names[t]:<18} {len(ids):>4} layers {_span(ids):<12} {self.tier_bytes(t) / GB:8.2f} GB")
-        fixed = ", ".join(f"{n} {b / GB:.2f}" for n, b in self.needs.fixed_bytes)
-        budget = self.gpu_budget if self.device == "cuda" else self.ram_budget
-        lines.append(f"  {where} holds {self.device_bytes / GB:.2f} of {budget / GB:.2f} GB: {fixed or 'nothing fixed'}"
-                     + (f", {self.n_slots} slots x {self.slot_bytes / GB:.3f}" if self.streams else ""))
-        if self.device == "cuda" and self.host_bytes:
-            lines.append(f"  RAM holds {self.host_bytes / GB:.2f} of {self.ram_budget / GB:.2f} GB (pinned)")
+        notes.setdefault("streaming slots", f"{self.n_slots} x {_gb(self.slot_bytes)}" if self.streams else "")
+        notes.setdefault("SSD bounce buffers", f"{self.n_bounce} x {_gb(self.slot_bytes)}, read-ahead "
+                         f"{self.read_ahead} layers")
+        if self.device == "cpu" and "ssd" in self.tiers:
+            notes["streaming slots"] += f", read-ahead {self.read_ahead} layers"
+        if self.device == "cuda":
+            rows = [("GPU", ledger["device"], self.device_bytes, self.device_budget),
+                    ("RAM", ledger["host"], self.host_bytes, self.ram_budget)]
+        else:                                    # one budget: the device side and the RAM tier are both RAM
+            rows = [("RAM", {**ledger["device"], **ledger["host"]}, self.device_bytes + self.host_bytes,
+                     self.ram_budget)]
+        for label, items, total, budget in rows:
+            lines.append(f"  {label} holds {_gb(total)} of {_gb(budget)} budget ({_gb(budget - total)} left):")
+            lines += [f"    {name:<26} {_gb(b):>10}  {notes.get(name, '')}".rstrip()
+                      for name, b in items.items() if b or name in notes]
+        if ledger["ssd"]:
+            lines.append(f"  SSD holds {_gb(self.tier_bytes('ssd'))} (read every pass)")
         if self.streams:
             src = "measured" if self.bandwidths.measured else "assumed"
             lines.append(f"  expected {self.expected_s:.3f} s per pass streaming weights ({src} RAM "
@@ -169,13 +242,30 @@ def plan(needs: Needs, device: str, ram_budget: int, gpu_budget: int | None = No
         raise PlanError(f"unknown device kind {device!r}; the planner knows cuda and cpu")
     if device == "cuda" and gpu_budget is None:
         raise PlanError("a CUDA plan needs a GPU budget")
+    if device == "cpu" and needs.host_fixed:
+        raise ValueError("on CPU every fixed cost is RAM: pass it in fixed_bytes, not host_fixed")
     warnings: tuple[str, ...] = ()
     if device == "cpu" and gpu_budget is not None:
         warnings = ("--gpu-budget means nothing without CUDA: it is ignored; --ram-budget bounds what is held "
                     "in memory",)
         gpu_budget = None
     tiers = _assign_cuda(needs, gpu_budget, ram_budget, mode) if device == "cuda" else _assign_cpu(needs, ram_budget, mode)
-    return Plan(device, tiers, needs, gpu_budget, ram_budget, bandwidths, warnings, mode)
+    base = Plan(device, tiers, needs, gpu_budget, ram_budget, bandwidths, warnings, mode)
+    return _deepen_read_ahead(base)
+
+
+def _deepen_read_ahead(p: Plan) -> Plan:
+    """The plan with the SSD read-ahead grown into the budget left over (never below the Needs' minimum, never
+    above MAX_READ_AHEAD or the number of SSD layers): bounce buffers in RAM on CUDA, slots on CPU."""
+    n_ssd = len(p.layers_in("ssd"))
+    if not n_ssd or not p.slot_bytes:
+        return p
+    cap = max(min(p.needs.max_read_ahead, n_ssd), 0)
+    if p.device == "cuda":
+        extra = (p.ram_budget - p.host_bytes) // p.slot_bytes
+        return replace(p, bounce=max(p.n_bounce, min(cap, p.n_bounce + extra)))
+    extra = (p.ram_budget - p.device_bytes - p.host_bytes) // p.slot_bytes
+    return replace(p, slots=max(p.n_slots, min(cap, p.n_slots + extra)))
 
 
 def _assign_cuda(needs: Needs, gpu: int, ram: int, mode: str) -> tuple[str, ...]:
@@ -191,12 +281,13 @@ def _assign_cuda(needs: Needs, gpu: int, ram: int, mode: str) -> tuple[str, ...]
         streamed = (mode,) * n
     else:
         k = _fit_prefix(sizes, gpu - needs.fixed - slots)
-        streamed = ("resident",) * k + _ram_then_ssd(sizes[k:], ram, needs.n_bounce * needs.max_layer)
+        streamed = ("resident",) * k + _ram_then_ssd(sizes[k:], ram - needs.host, needs.n_bounce * needs.max_layer)
     bounce = needs.n_bounce * needs.max_layer if "ssd" in streamed else 0
-    host = sum(b for b, t in zip(sizes, streamed) if t == "ram") + bounce
-    what = (f"{streamed.count('ram')} pinned layers" if "ram" in streamed else "") + \
-           (f"{' and ' if 'ram' in streamed else ''}{needs.n_bounce} SSD bounce buffers ({_gb(bounce)})" if bounce else "")
-    _check(host, ram, "--ram-budget", what, "use --offload ssd or auto to stream from disk instead"
+    host = needs.host + sum(b for b, t in zip(sizes, streamed) if t == "ram") + bounce
+    parts = [f"{name} ({_gb(b)})" for name, b in needs.host_fixed if b]
+    parts += [f"{streamed.count('ram')} pinned layers"] if "ram" in streamed else []
+    parts += [f"{needs.n_bounce} SSD bounce buffers ({_gb(bounce)})"] if bounce else []
+    _check(host, ram, "--ram-budget", " and ".join(parts), "use --offload ssd or auto to stream from disk instead"
            if mode == "ram" else "free some RAM")
     return streamed
 
@@ -253,7 +344,7 @@ def _resident_hint(needs: Needs, budget: int) -> str:
 def _check(need: int, budget: int, flag: str, what: str, hint: str) -> None:
     if need > budget:
         raise PlanError(f"{flag} {_gb(budget)} cannot hold {what}: {_gb(need)} needed; raise {flag} to at least "
-                        f"{_gb(need)} or {hint}")
+                        f"{_gb(need)} or {hint}", flag, need, budget, what)
 
 
 @dataclass(frozen=True)
@@ -266,8 +357,9 @@ class Budgets:
 
 
 def default_budgets(device: str) -> Budgets:
-    """Free GPU memory (torch.cuda.mem_get_info) and available RAM (psutil), each minus a margin: 5% of the
-    total and at least 512 MiB on the GPU, 10% of the total and at least 1 GiB in RAM."""
+    """Free GPU memory (torch.cuda.mem_get_info after emptying torch's cache) and available RAM (psutil), each
+    minus a margin: 5% of the total and at least 512 MiB on the GPU, 10% of the total and at least 1 GiB in
+    RAM. Call it before anything of the run is loaded: the plan counts every byte of the run itself."""
     import psutil
 
     vm = psutil.virtual_memory()
@@ -276,6 +368,7 @@ def default_budgets(device: str) -> Budgets:
     if device.startswith("cuda"):
         import torch
 
+        torch.cuda.empty_cache()           # blocks the caching allocator holds but nothing uses count as free
         free, total = torch.cuda.mem_get_info(torch.device(device))
         gpu = int(free - max(0.05 * total, 2**29))
     return Budgets(gpu, max(ram, 0), ())

@@ -213,7 +213,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     max_new_tokens: int = 128
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None   # prompt tokens per prefill pass; None: 512, or a streamed target's plan
     verifier: str = "auto"
     builder_options: tuple[tuple[str, Any], ...] = field(default=())
     draft_vocab: int | str | None = None   # VocabTrim: the draft head keeps N target-frequent tokens, or "auto"
@@ -222,7 +222,8 @@ class EngineConfig:
         check_number("budget", self.budget, low=1, high=MAX_BUDGET)
         check_draft_vocab(self.draft_vocab)
         check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
-        check_number("prefill_chunk", self.prefill_chunk, low=1, high=10**6)
+        if self.prefill_chunk is not None:
+            check_integer("prefill_chunk", self.prefill_chunk, low=1, high=10**6)
         if self.builder not in BUILDERS:
             raise ConfigError(f"unknown builder {self.builder!r}; choose one of: {', '.join(BUILDERS)}")
         if self.verifier not in VERIFIERS:
@@ -253,7 +254,8 @@ class OffloadConfig:
     draft_quant: the (always resident) draft's linear layers. offload: auto = the planner decides from the
     budgets; none / ram / ssd put every target layer resident / in pinned RAM / in the on-disk cache.
     gpu_budget, ram_budget: bytes (None: what is free now minus a margin). cache_dir: layer cache root (None:
-    $SPECEXEC_CACHE or ~/.cache/specexec)."""
+    $SPECEXEC_CACHE or ~/.cache/specexec). context: tokens (prompt + answer) the memory plan reserves KV cache
+    for (None: 4096, at most the model's maximum; longer conversations grow the caches beyond the plan)."""
 
     quant: str = "auto"
     draft_quant: str = "none"
@@ -261,8 +263,11 @@ class OffloadConfig:
     gpu_budget: int | None = None
     ram_budget: int | None = None
     cache_dir: str | None = None
+    context: int | None = None
 
     def __post_init__(self) -> None:
+        if self.context is not None:
+            check_integer("--context", self.context, low=16, high=10**7)
         for flag, value, choices in (("--quant", self.quant, QUANT_CHOICES),
                                      ("--draft-quant", self.draft_quant, DRAFT_QUANT_CHOICES),
                                      ("--offload", self.offload, OFFLOAD_CHOICES)):
@@ -277,10 +282,11 @@ class OffloadConfig:
     @classmethod
     def from_flags(cls, quant: str | None = None, draft_quant: str | None = None, offload: str | None = None,
                    gpu_budget: str | None = None, ram_budget: str | None = None,
-                   cache_dir: str | None = None) -> "OffloadConfig":
+                   cache_dir: str | None = None, context: int | None = None) -> "OffloadConfig":
         """From command-line strings (None = default); sizes like 20GB, 512MiB."""
         kw: dict[str, Any] = {k: v for k, v in (("quant", quant), ("draft_quant", draft_quant),
-                                                 ("offload", offload), ("cache_dir", cache_dir)) if v is not None}
+                                                 ("offload", offload), ("cache_dir", cache_dir),
+                                                 ("context", context)) if v is not None}
         if gpu_budget is not None:
             kw["gpu_budget"] = parse_size(gpu_budget, "--gpu-budget")
         if ram_budget is not None:

@@ -19,13 +19,23 @@ from .builders.base import DraftState, TreeBuilder
 from .config import ConfigError, EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .model import Transformer, prefix_tree_mask
-from .profiler import Profiler
+from .profiler import Profiler, Span
 from .sampling import greedy, make_generator, node_histories, process_logits, sample
 from .tree import TokenTree
 from .tuning import BudgetTuner, CostModel, calibration_sizes, cost_fingerprint, default_cost_path
 from .verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
 
 LOGIT_CHUNK = 256        # rows of the LM head computed at once: 256 x 152k fp32 = 155 MB
+PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (EngineConfig.prefill_chunk overrides)
+KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
+
+
+def kv_slots_for(total: int, budget: int, draft_scratch: int | None) -> tuple[int, int]:
+    """(target, draft) KV slots for `total` committed tokens (prompt + answer), each sized for its own user:
+    the target holds one tree of `budget` nodes plus its root beyond them; the draft its builder's scratch
+    (builder.kv_slots(budget), which starts at the root) plus one. Pending tokens the draft has not seen are
+    part of the context, so they need no slot of their own. draft_scratch None: no draft cache (0)."""
+    return total + budget + 1, (0 if draft_scratch is None else total + draft_scratch + 1)
 
 
 @dataclass
@@ -72,15 +82,19 @@ class Engine:
 
     def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
                  builder: TreeBuilder | None, eos_ids: tuple[int, ...] = (),
-                 profiler: Profiler | None = None) -> None:
+                 profiler: Profiler | None = None, context: int | None = None) -> None:
+        """context: the tokens (prompt + answer) a memory plan reserved KV cache for; the caches are then
+        allocated for it at the first generate() (None: sized for each call's need, growing as it grows)."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
+        self.planned_context = context
         self.eos_ids = set(eos_ids)
         self.device = next(target.parameters()).device
         self.profiler = profiler or Profiler(self.device)   # spans/counters/steps of the last generate()
         self.stats = GenerationStats()
         self._caches: tuple[KVCache, KVCache | None] | None = None
+        self._prefill_span: Span | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
         self._generated_from = 0        # where this generate() call's own tokens begin in _context
         self.tuner = BudgetTuner(config.budget) if config.auto_budget and builder is not None else None
@@ -90,20 +104,25 @@ class Engine:
             builder.bind(target.args.vocab_size, self.device)
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
-        """Caches with room for `total` committed tokens plus one tree (and the draft's pending tokens);
-        existing caches are kept (and grown if needed) so a shared prompt prefix can be reused."""
+        """Caches with room for `total` committed tokens plus what each model writes beyond them
+        (kv_slots_for); existing caches are kept so a shared prompt prefix can be reused. They are allocated
+        for the planned context (self.planned_context) when there is one; past it they grow to what is
+        needed, in KV_GROW_QUANTUM steps, never doubling (KVCache.grow)."""
+        with_draft = self.draft is not None and self.builder is not None and self.builder.needs_draft
         budget = self.config.budget
-        tree_slots = budget + 1 + (self.builder.kv_slots(budget) + budget if self.builder is not None else 0)
-        need = total + tree_slots + 1                 # + the draft's pending tokens (at most a path + bonus)
+        scratch = self.builder.kv_slots(budget) if with_draft else None
+        need = kv_slots_for(total, budget, scratch)
         if self._caches is None:
-            def make(model: Transformer) -> KVCache:
+            planned = kv_slots_for(self.planned_context or 0, budget, scratch)
+
+            def make(model: Transformer, slots: int) -> KVCache:
                 a, p = model.args, next(model.parameters())
-                return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, need, p.dtype, p.device)
-            with_draft = self.draft is not None and self.builder is not None and self.builder.needs_draft
-            self._caches = (make(self.target), make(self.draft) if with_draft else None)
-        for cache in self._caches:
-            if cache is not None and cache.capacity < need:
-                cache.grow(max(need, 2 * cache.capacity))
+                return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device)
+            self._caches = (make(self.target, max(need[0], planned[0])),
+                            make(self.draft, max(need[1], planned[1])) if with_draft else None)
+        for cache, slots in zip(self._caches, need):
+            if cache is not None and cache.capacity < slots:
+                cache.grow(-(-slots // KV_GROW_QUANTUM) * KV_GROW_QUANTUM)
         return self._caches
 
     def reset(self) -> None:
@@ -120,9 +139,19 @@ class Engine:
         if close is not None:
             close()
 
+    def prefill_chunk(self, model: Transformer) -> int:
+        """Prompt tokens per prefill pass of `model`: a streamed target's planned `prefill_tokens` (one pass
+        streams the whole model, so as many as its memory plan allows), else PREFILL_CHUNK; a configured
+        EngineConfig.prefill_chunk replaces the default and caps the planned figure."""
+        planned = getattr(model, "prefill_tokens", None)
+        cap = self.config.prefill_chunk
+        if planned is None:
+            return cap or PREFILL_CHUNK
+        return min(planned, cap) if cap else planned
+
     def prefill(self, model: Transformer, cache: KVCache, ids: list[int]) -> None:
-        """Run ids through `model` in chunks of config.prefill_chunk and commit them to `cache`."""
-        chunk = self.config.prefill_chunk
+        """Run ids through `model` in chunks of prefill_chunk(model) and commit them to `cache`."""
+        chunk = self.prefill_chunk(model)
         for start in range(0, len(ids), chunk):
             part = torch.tensor(ids[start:start + chunk], device=self.device)
             T, L = part.numel(), cache.length
@@ -157,8 +186,18 @@ class Engine:
                 if new:
                     yield new
                 if stop:
+                    self._settle(stats)
                     return
                 root = acc.tokens[-1]
+            self._settle(stats)
+
+    def _settle(self, stats: GenerationStats) -> None:
+        """The end of a generation: times still on the device's clock (CUDA events of the last steps) are
+        waited for and filled in. The only place the engine waits for timing; never inside a step. (A caller
+        that abandons the generator gets them when it reads profiler.steps or summary().)"""
+        self.profiler.settle(wait=True)
+        if self._prefill_span is not None:
+            stats.prefill_s = self._prefill_span.seconds
 
     def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> tuple[KVCache, DraftState | None]:
         """Prefill what the caches do not already hold: the longest common prefix with the previous call's
@@ -177,8 +216,9 @@ class Engine:
             draft_cache.truncate(min(shared, draft_cache.length))
             self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1])
             draft = DraftState(self.draft, draft_cache, [prompt_ids[-1]])
-        self._sync()
-        stats.prefill_s = span.stop().seconds
+        span.stop()                                  # CUDA: read at the end (_settle), never waited for here
+        self._prefill_span = span
+        stats.prefill_s = span.seconds if span.ready else 0.0
         if self.tuner is not None and not self.tuner.costs.target.points:
             self._calibrate(target_cache)
         self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
@@ -226,11 +266,11 @@ class Engine:
         if self.builder is None:
             tree = TokenTree.root_only(root, self.device)
         else:
+            self.profiler.settle()                   # the tuner hears finished steps' times (never waits)
             budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
             passes = draft.passes if draft is not None else 0
             tree = self.builder.build(draft, root, budget, sampling, rng)
-        self._sync()
-        draft_span.stop()
+        draft_span.stop()                            # CUDA: events on the compute stream, no host sync
         target_span = self.profiler.start("target")
         acc = self._verify(tree, cache, sampling, rule, rng)
         cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
@@ -240,13 +280,18 @@ class Engine:
         if self.builder is not None:
             self.builder.observe(tree, acc.nodes, acc.tokens[-1])
         target_span.stop()
-        draft_s, target_s = draft_span.seconds, target_span.seconds
-        if self.tuner is not None:
-            self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
-        if self.observe_costs is not None and draft is not None:        # r = target pass s / draft pass s
-            self.observe_costs(draft_s, target_s, draft.passes - passes)
-        self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s, budget)
-        stats.steps.append(StepRecord(tree.size, tree.max_depth(), len(acc.tokens), draft_s, target_s))
+        record = StepRecord(tree.size, tree.max_depth(), len(acc.tokens), 0.0, 0.0)
+        stats.steps.append(record)
+        n_passes = draft.passes - passes if draft is not None and self.builder is not None else 0
+
+        def timed(draft_s: float, target_s: float) -> None:      # once the spans' events completed
+            record.draft_s, record.target_s = draft_s, target_s
+            if self.tuner is not None:
+                self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
+            if self.observe_costs is not None and n_passes:        # r = target pass s / draft pass s
+                self.observe_costs(draft_s, target_s, n_passes)
+
+        self.profiler.step(record.tree_size, record.depth, record.accepted, draft_span, target_span, budget, timed)
         return acc
 
     def rule_for(self, sampling: SamplingParams) -> Rule:
@@ -279,8 +324,7 @@ class Engine:
         else:
             acc = rule.fn(tree, self._probs_fn(hidden, sampling, history, gen_from), *self._draft_probs(rule, tree),
                           rng)
-        self._sync()
-        return acc
+        return acc                                  # the host synced on the accepted tokens, nothing else
 
     def _histories(self, tree: TokenTree, L: int, sampling: SamplingParams) -> tuple[torch.Tensor | None, int]:
         """Per node, the ids target-only decoding would have seen before that node's next token, and the column
@@ -332,10 +376,6 @@ class Engine:
             logp = process_logits(logits, sampling, hist, generated_from)
             out.append(greedy(logp) if sampling.greedy else sample(logp, rng))
         return torch.cat(out)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

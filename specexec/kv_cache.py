@@ -54,7 +54,10 @@ class KVCache:
         self.length += n
 
     def grow(self, capacity: int) -> None:
-        """Reallocate with a larger capacity, keeping the committed prefix (used when a chat outgrows it)."""
+        """Reallocate to exactly `capacity` slots (never more: growth is the caller's choice, and the memory
+        plan counts the capacity it reserved), keeping the committed prefix (used when a chat outgrows the
+        planned context). K is copied and freed before V is reallocated: at most one old tensor is held beside
+        the new ones."""
         if capacity <= self.capacity:
             return
         for name in ("k", "v"):
@@ -62,6 +65,7 @@ class KVCache:
             new = old.new_zeros(old.shape[:3] + (capacity,) + old.shape[4:])
             new[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, new)
+            del old, new
         self.capacity = capacity
 
     def truncate(self, length: int) -> None:

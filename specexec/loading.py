@@ -1,5 +1,5 @@
-"""Local HF checkpoint directory (or a Hub id already in the local cache), AWQ/GPTQ directory or .gguf file ->
-resident Transformer.
+"""Local HF checkpoint directory (or a Hub id / models.yaml name: cached, or downloaded through specexec.hub),
+AWQ/GPTQ directory or .gguf file -> resident Transformer.
 
 The model is built on the meta device and filled tensor by tensor from safetensors (assign=True), so the
 weights exist once in memory, cast to the run dtype. Names, shapes and the tensor set are checked against the
@@ -13,6 +13,7 @@ Does not know: offloading (the offload runtime builds on the same checkpoint rea
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -22,16 +23,19 @@ from offload.checkpoint import CheckpointError, pickle_files
 from offload.sources import CheckpointSource, is_gguf, open_source, tensor_specs
 
 from .config import ConfigError, ModelArgs
+from .hub import HubOptions
 from .model import Transformer, rope_inv_freq
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(spec: str) -> Path:
+def resolve_model_path(spec: str, hub: HubOptions | None = None) -> Path:
     """A local directory or .gguf file as given (a path always wins; a directory without config.json that holds
-    one .gguf file means that file), a models.yaml name present on this machine, or a Hub id `org/name` found
-    in huggingface_hub's local cache."""
+    one .gguf file means that file), else a models.yaml name or a Hub id `org/name`: found on this machine
+    (huggingface_hub's cache, $SPECEXEC_MODEL_DIRS for models.yaml names) or, with `hub` given and downloads
+    on, downloaded into that cache (specexec.hub: config, tokenizer and safetensors only, resumable). Without
+    `hub` nothing goes online."""
     path = Path(spec).expanduser()
     if path.is_symlink() and not path.exists():           # else "does not exist" would puzzle whoever sees it
         raise ConfigError(f"{spec} is a symlink that leads nowhere (dangling, or a loop); pass the checkpoint itself")
@@ -41,19 +45,30 @@ def resolve_model_path(spec: str) -> Path:
         if is_gguf(path):
             return path.resolve()
         raise ConfigError(f"{spec} is a file; pass the checkpoint directory (with config.json) or a .gguf file instead")
-    from .models import resolve_name
-    named = resolve_name(spec)
-    if named is not None:
-        return named
-    if HUB_ID.match(spec) and not spec.startswith((".", "/")):
-        try:
-            from huggingface_hub import snapshot_download
-            return Path(snapshot_download(spec, local_files_only=True))
-        except Exception:
-            raise ConfigError(f"{spec} is not in the local Hugging Face cache and this runtime does not "
-                              f"download; download it first and pass its directory, e.g. --model /path/to/{spec.split('/')[-1]}") from None
-    raise ConfigError(f"model path {spec} does not exist; pass a local checkpoint directory or a name that "
-                      "`specexec models` lists")
+    from . import hub as hub_mod
+    from .models import DIRS_ENV, find
+    entry = find(spec)
+    if entry is not None:
+        local = entry.local_path() if hub is None or not hub.gguf_file else None
+        if local is not None:
+            return local
+        repo = entry.hub
+    elif HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        repo = spec
+    else:
+        raise ConfigError(f"model path {spec} does not exist; pass a local checkpoint directory, a Hub id like "
+                          "org/name, or a name that `specexec models` lists")
+    opts = hub or hub_mod.HubOptions(offline=True)
+    found = hub_mod.cached(repo, opts)
+    if found is not None:
+        return found
+    if opts.is_offline():
+        why = ("this call only looks in the cache; the specexec commands download" if hub is None else
+               "--offline" if hub.offline else "HF_HUB_OFFLINE=1")
+        elsewhere = f" nor under ${DIRS_ENV}: {os.environ.get(DIRS_ENV) or 'unset'}" if entry is not None else ""
+        prefix = f"model {spec!r} is not on this machine: " if entry is not None else ""
+        raise ConfigError(prefix + str(hub_mod.not_cached_error(repo, opts, why, elsewhere)))
+    return hub_mod.fetch(repo, opts)
 
 
 def _gguf_in(directory: Path) -> Path | None:
@@ -127,6 +142,12 @@ def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: Mo
     missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+
+
+def check_checkpoint(path: Path, args: ModelArgs, allow_pickle: bool = False) -> None:
+    """check_tensors on the weights load_model would read (headers only for safetensors/GGUF), so a broken
+    checkpoint is refused before anything is planned or loaded."""
+    check_tensors(path, _open_weights(path, allow_pickle), args)
 
 
 def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,

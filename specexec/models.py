@@ -201,32 +201,13 @@ def model_dirs() -> list[Path]:
 
 
 def hf_cache_path(hub_id: str) -> Path | None:
-    """The snapshot directory of `hub_id` in huggingface_hub's local cache when it holds weights, else None."""
+    """The snapshot directory of `hub_id` in huggingface_hub's local cache when it is complete (config.json
+    and every weight file its index names; see specexec.hub.missing), else None."""
+    from .hub import HubOptions, cached
     try:
-        from huggingface_hub import try_to_load_from_cache
-        found = try_to_load_from_cache(hub_id, "config.json")
-    except Exception:               # noqa: BLE001 -- a broken or absent cache means "not present"
+        return cached(hub_id, HubOptions(offline=True))
+    except (ConfigError, OSError):          # a broken cache entry means "not present"
         return None
-    if not isinstance(found, str):
-        return None
-    snapshot = Path(found).parent
-    has_weights = any(snapshot.glob("*.safetensors")) or any(snapshot.glob("*.bin"))
-    return snapshot if has_weights else None
-
-
-def resolve_name(spec: str, catalog: Catalog | None = None) -> Path | None:
-    """The local directory of the catalogue entry named `spec`; None when `spec` names no entry; ConfigError
-    when it names one that is not on this machine (with where it was looked for)."""
-    entry = (catalog or load_catalog()).get(spec)
-    if entry is None:
-        return None
-    path = entry.local_path()
-    if path is None:
-        dirs = os.environ.get(DIRS_ENV) or "unset"
-        raise ConfigError(f"model {spec!r} ({entry.hub}) is not on this machine: not in the Hugging Face cache "
-                          f"and not under ${DIRS_ENV} ({dirs}); download it first (huggingface-cli download "
-                          f"{entry.hub}) or pass its checkpoint directory")
-    return path
 
 
 def find(spec: str | None, catalog: Catalog | None = None) -> ModelEntry | None:

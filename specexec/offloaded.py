@@ -7,15 +7,20 @@ allocation) to the Block of the slot it arrived in; a resident layer has its own
 logits and every other method are Transformer's, so the engine cannot tell the two apart. After each pass the
 first layers of the next pass start loading (`pager.prefetch_start()`), i.e. while the draft grows its tree.
 
-Also here: the naming of a layer's tensors for the cache (`layer_names`), reading the resident
-embed/norm/head from a checkpoint, and `build_offloaded` (checkpoint + layer cache + plan -> model).
+The embedding table of a streamed, untied target may stay in host RAM (HostEmbedding) when the plan says so
+(see specexec/ledger.py). A streamed target carries `prefill_tokens`: how many prompt tokens one prefill pass
+takes (the engine reads it), as many as its plan allows.
 
-Does not know: how bytes move or where they live (offload.pager/tiers), budgets (offload.planner decides the
-tiers), the CLI, tokens or trees.
+Also here: the naming of a layer's tensors for the cache (`layer_names`), reading the resident
+embed/norm/head from a checkpoint, `build_offloaded` (checkpoint + layer cache + plan -> model), and
+`plan_target` (the run's memory plan from the configs, specexec/ledger.py).
+
+Does not know: how bytes move or where they live (offload.pager/tiers), how the tiers are chosen
+(offload.planner, specexec.ledger), the CLI, tokens or trees.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -26,28 +31,24 @@ from offload.cache import LayerCache, LayerNames
 from offload.checkpoint import CheckpointError
 from offload.sources import open_source
 from offload.pager import LayerPager, build_pager
-from offload.planner import Bandwidths, Needs, Plan, PlanError, default_budgets, plan
+from offload.planner import PlanError, default_budgets
 from offload.quant import bind_module, quantize_module, swap_linears
 from offload.storage import LayerLayout, unpack_layer
 
+from . import ledger
 from .config import ConfigError, EngineConfig, ModelArgs, OffloadConfig, check_budget_fits
+from .ledger import ASSUMED, MemoryPlan, RunShape, plan_memory, what_fits
 from .loading import check_tensors, expected_shapes
 from .model import Block, Transformer, rope_inv_freq
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
-PLAN_PROMPT_TOKENS = 2048          # prompt length the KV caches are planned for (plus max_new_tokens)
-LOGIT_ROWS = 256                   # rows of fp32 logits the engine computes at once (engine.LOGIT_CHUNK)
-N_SLOTS, N_BOUNCE = 2, 2           # device slots streamed layers pass through; SSD bounce buffers (CUDA)
-ASSUMED = {"cuda": Bandwidths(ram=20e9, ssd=3e9), "cpu": Bandwidths(ram=8e9, ssd=1.5e9)}
+N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
 
 
 def block_tensor_names(args: ModelArgs) -> tuple[list[str], frozenset[str]]:
     """(every tensor name of one decoder Block in state_dict order, the names of its nn.Linear weights)."""
-    with torch.device("meta"):
-        block = Block(args)
-    names = list(block.state_dict())
-    linear = frozenset(f"{path}.weight" for path, m in block.named_modules() if isinstance(m, nn.Linear))
-    return names, linear
+    shapes, linear = ledger.block_specs(args)
+    return [n for n, _ in shapes], linear
 
 
 def checkpoint_prefix(names: Sequence[str]) -> str:
@@ -74,8 +75,10 @@ def layer_names(path: Path, args: ModelArgs) -> list[LayerNames]:
     return out
 
 
-def read_resident(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """embed_tokens / norm / lm_head (unless tied) from the checkpoint, shape-checked, as dtype on device."""
+def read_resident(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+                  host: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """embed_tokens / norm / lm_head (unless tied) from the checkpoint, shape-checked, as dtype on device (the
+    names in `host` stay in CPU memory)."""
     ckpt = open_source(path)
     prefix = checkpoint_prefix(ckpt.names())
     shapes = expected_shapes(args)
@@ -87,23 +90,49 @@ def read_resident(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch
         if tuple(ckpt.shape(raw)) != shapes[name]:
             raise CheckpointError(f"{path}: {raw} has shape {list(ckpt.shape(raw))}, config.json implies "
                                   f"{list(shapes[name])}")
-        out[name] = ckpt.get(raw).to(device=device, dtype=dtype)
+        out[name] = ckpt.get(raw).to(device="cpu" if name in host else device, dtype=dtype)
     return out
+
+
+class HostEmbedding(nn.Module):
+    """An input embedding whose table stays in host RAM: the rows of a pass's tokens are gathered on the CPU
+    and copied to the device. The same bits as a device lookup (a gather copies rows); on CUDA the cost is one
+    copy of the T token ids to the host and T x dim values back, against GPU memory for more resident layers.
+    The table is a plain attribute, not a parameter, so .parameters() / .to() leave it where it is."""
+
+    def __init__(self, table: torch.Tensor, device: torch.device) -> None:
+        super().__init__()
+        self.table, self.device = table, torch.device(device)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [...] (any device) -> rows [..., dim] on self.device."""
+        rows = self.table.index_select(0, tokens.reshape(-1).cpu())
+        return rows.view(*tokens.shape, rows.shape[-1]).to(self.device)
 
 
 class OffloadedTransformer(Transformer):
     """Transformer with resident embed/norm/head and decoder layers served by a LayerPager."""
 
     def __init__(self, args: ModelArgs, resident: dict[str, torch.Tensor], layouts: Sequence[LayerLayout],
-                 fmt: str, pager_factory, prefetch: bool = True) -> None:
+                 fmt: str, pager_factory, prefetch: bool = True, embed_on_host: bool = False) -> None:
         """resident: embed_tokens/norm/lm_head tensors (run dtype, on the device); layouts[i]: layer i's packed
         layout; fmt: the layers' quantization format; pager_factory(bind) -> LayerPager whose layers(ids)
-        yields what bind(i, slot, buffer) returns."""
+        yields what bind(i, slot, buffer) returns. embed_on_host: the embedding table (resident[
+        "embed_tokens.weight"], on the CPU) serves lookups from host RAM (HostEmbedding; untied models only)."""
         with torch.device("meta"):
             super().__init__(args)
         self.layers = nn.ModuleList()                       # decoder layers come from the pager
+        device, dtype = resident["norm.weight"].device, resident["norm.weight"].dtype
+        if embed_on_host:
+            if args.tie_word_embeddings:
+                raise ValueError("a tied embedding is the LM head: it cannot stay in host RAM")
+            self.embed_tokens = HostEmbedding(resident["embed_tokens.weight"], device)
+            resident = {k: v for k, v in resident.items() if k != "embed_tokens.weight"}
         self.load_state_dict(resident, strict=False, assign=True)
-        device, dtype = resident["embed_tokens.weight"].device, resident["embed_tokens.weight"].dtype
         self.inv_freq = rope_inv_freq(args).to(device)
         self.layouts, self.fmt, self.run_dtype = list(layouts), fmt, dtype
         self.prefetch = prefetch
@@ -142,18 +171,22 @@ class OffloadedTransformer(Transformer):
 
 
 def build_offloaded(path: Path, args: ModelArgs, cache: LayerCache, tiers: Sequence[str], device: torch.device,
-                    dtype: torch.dtype, n_slots: int = 2, n_bounce: int = 2) -> OffloadedTransformer:
+                    dtype: torch.dtype, n_slots: int = 2, n_bounce: int = 2,
+                    embed_on_host: bool = False) -> OffloadedTransformer:
     """The target at `path` with layer i in tiers[i] ("resident" | "ram" | "ssd"), its packed layers read from
-    `cache` (built for the same checkpoint, format and dtype)."""
+    `cache` (built for the same checkpoint, format and dtype); the embedding table in host RAM when
+    embed_on_host."""
     if cache.n_layers != args.n_layers or cache.dtype != str(dtype).removeprefix("torch."):
         raise ValueError(f"layer cache {cache.path} holds {cache.n_layers} layers in {cache.dtype}; the model "
                          f"needs {args.n_layers} in {dtype}")
-    resident = read_resident(path, args, dtype, device)
+    host = frozenset({"embed_tokens.weight"} if embed_on_host else ())
+    resident = read_resident(path, args, dtype, device, host)
 
     def factory(bind) -> LayerPager:
         return build_pager(tiers, cache, device, n_slots=n_slots, n_bounce=n_bounce, bind=bind)
 
-    return OffloadedTransformer(args, resident, [cache.layout(i) for i in range(args.n_layers)], cache.fmt, factory)
+    return OffloadedTransformer(args, resident, [cache.layout(i) for i in range(args.n_layers)], cache.fmt, factory,
+                                embed_on_host=embed_on_host)
 
 
 # ----------------------------------------------------------------------------------------- planning
@@ -164,46 +197,37 @@ def module_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
-def kv_bytes(args: ModelArgs, capacity: int, elem: int) -> int:
-    """One model's KV cache: K and V [n_layers, H_kv, capacity, head_dim]."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * capacity * elem
+def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str = "cpu") -> int:
+    """Peak transient bytes of one target pass over `tokens` rows and `context` slots (ledger.forward_bytes
+    with one LM-head chunk of logits)."""
+    return ledger.forward_bytes(args, tokens, context, elem, fmt, device, ledger.LOGIT_CHUNK)
 
 
-def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str) -> int:
-    """Peak transient memory of one target pass over `tokens` rows attending to `context` slots: hidden and
-    MLP activations, attention scores, one chunk of fp32 logits and (quantized) one dequantized weight."""
-    acts = tokens * (4 * args.dim + 3 * args.intermediate_size) * elem
-    scores = args.n_heads * tokens * context * elem
-    logits = min(tokens, LOGIT_ROWS) * args.vocab_size * 4
-    dequant = args.intermediate_size * args.dim * elem if fmt != "none" else 0
-    return acts + scores + logits + dequant
+# The layer format of a streamed target per device (--quant auto); resident layers stay unquantized.
+STREAMED_FORMAT = {"cuda": "nf4", "cpu": "nf4"}
 
 
-def target_needs(args: ModelArgs, layer_bytes: Sequence[int], draft: Transformer | None, engine: EngineConfig,
-                 elem: int, fmt: str) -> Needs:
-    """What a run holds besides the streamed layers, for the planner."""
-    shapes = expected_shapes(args)
-    head = sum(_numel(shapes[n]) for n in RESIDENT_NAMES if n in shapes) * elem
-    context = min(args.max_position_embeddings, PLAN_PROMPT_TOKENS + engine.max_new_tokens)
-    capacity = context + 2 * engine.budget + 4
-    kv = kv_bytes(args, capacity, elem) + (kv_bytes(draft.args, capacity, elem) if draft is not None else 0)
-    fixed = (("target embed/norm/head", head), ("draft", module_bytes(draft) if draft is not None else 0),
-             ("KV caches", kv), ("activations", activation_bytes(args, engine.budget + 1, capacity, elem, fmt)))
-    return Needs(tuple(layer_bytes), fixed, N_SLOTS, N_BOUNCE)
+def target_formats(quant: str, device_type: str) -> tuple[str, ...]:
+    """The formats plan_memory tries: --quant auto -> unquantized while every layer stays resident, else the
+    streamed format of this device; any other --quant is the one format."""
+    return ("none", STREAMED_FORMAT[device_type]) if quant == "auto" else (quant,)
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, offload: OffloadConfig,
+              device_type: str, dtype: torch.dtype, draft_kv: Callable[[int], int] | None = None) -> RunShape:
+    """The ledger's view of a run: the models, run dtype, tree budget, planned context (--context, default
+    ledger.DEFAULT_CONTEXT, at most what the models support) and the draft's format and KV scratch."""
+    return RunShape(args, draft, dtype, device_type, engine.budget, ledger.plan_context(offload.context, args, draft),
+                    offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None)
 
 
 class TargetPlan:
-    """The chosen layer format, the plan, and the layer naming the cache is built with."""
+    """The run's memory plan (format, tiers, ledger: ledger.MemoryPlan) and the layer naming the cache is
+    built with."""
 
-    def __init__(self, fmt: str, plan: Plan, names: list[LayerNames]) -> None:
-        self.fmt, self.plan, self.names = fmt, plan, names
+    def __init__(self, memory: MemoryPlan, names: list[LayerNames]) -> None:
+        self.memory, self.names = memory, names
+        self.fmt, self.plan = memory.fmt, memory.plan
 
     @property
     def offloaded(self) -> bool:
@@ -211,39 +235,37 @@ class TargetPlan:
         return self.fmt != "none" or self.plan.streams
 
     def describe(self) -> str:
-        return f"target layers {self.fmt}; " + self.plan.describe()
+        return self.memory.describe()
 
     def notice(self) -> str:
-        """What to print before generation: the plan when anything is offloaded, else only its warnings."""
-        if self.offloaded:
+        """What to print before loading: the ledger when anything is offloaded or the run is on a GPU, else
+        only the plan's warnings."""
+        if self.offloaded or self.plan.device == "cuda":
             return self.describe()
         return "\n".join(f"warning: {w}" for w in self.plan.warnings)
 
 
-def plan_target(path: Path, args: ModelArgs, draft: Transformer | None, offload: OffloadConfig,
-                engine: EngineConfig, device: torch.device, dtype: torch.dtype) -> TargetPlan:
-    """Pick the layer format (auto: none while everything stays resident, else nf4) and each layer's tier.
-    ConfigError (one line, what would fit) when the budgets cannot hold the run."""
+def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: OffloadConfig,
+                engine: EngineConfig, device: torch.device, dtype: torch.dtype,
+                draft_kv: Callable[[int], int] | None = None) -> TargetPlan:
+    """Plan the run from the configs (no weight is read; the checkpoint's tensor names and shapes are
+    checked): layer format, each layer's tier, the ledger. `draft` is the draft's config (counted once, in
+    --draft-quant's format), draft_kv its builder's kv_slots (None: no draft cache). Budgets: --gpu-budget /
+    --ram-budget, else what is free now (call this before anything of the run is loaded). ConfigError (one
+    line, with what would fit) when the budgets cannot hold the run."""
     names = layer_names(path, args)
     _check_budgets_fit(offload, device)
     budgets = default_budgets(str(device))
     gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu      # None on CPU unless given
     ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
-    elem = torch.empty((), dtype=dtype).element_size()
-    candidates = ["none", "nf4"] if offload.quant == "auto" else [offload.quant]
-    for k, fmt in enumerate(candidates):
-        sizes = [lay.nbytes for lay in layer_cache.plan(path, names, fmt, dtype, False)]
-        needs = target_needs(args, sizes, draft, engine, elem, fmt)
-        try:
-            chosen = plan(needs, device.type, ram, gpu, offload.offload, ASSUMED[device.type])
-        except PlanError as e:
-            if k + 1 < len(candidates):
-                continue
-            raise ConfigError(str(e)) from None
-        if fmt == "none" and k + 1 < len(candidates) and chosen.streams:
-            continue                                  # auto: streaming layers go nf4
-        return TargetPlan(fmt, chosen, names)
-    raise AssertionError("unreachable")
+    shape = run_shape(args, draft, engine, offload, device.type, dtype, draft_kv)
+    formats = target_formats(offload.quant, device.type)
+    try:
+        memory = plan_memory(shape, formats, ram, gpu, offload.offload, ASSUMED[device.type])
+    except PlanError as e:
+        hint = what_fits(shape, formats, ram, gpu, offload.offload, ASSUMED[device.type])
+        raise ConfigError(str(e) + (f"; {hint}" if hint else "")) from None
+    return TargetPlan(memory, names)
 
 
 def _check_budgets_fit(offload: OffloadConfig, device: torch.device) -> None:
@@ -261,7 +283,13 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
     quantize_on = str(device) if device.type == "cuda" else None      # quantizing on the GPU is much faster
     cache = LayerCache.open_or_build(path, target_plan.names, target_plan.fmt, dtype, cache_root=offload.cache_dir,
                                      log=log, quantize_device=quantize_on)
-    return build_offloaded(path, args, cache, target_plan.plan.tiers, device, dtype, N_SLOTS, N_BOUNCE)
+    p = target_plan.plan
+    model = build_offloaded(path, args, cache, p.tiers, device, dtype, p.n_slots or N_SLOTS, p.n_bounce or N_BOUNCE,
+                            embed_on_host=target_plan.memory.embed_on_host)
+    if p.streams:                                  # one prefill pass streams every layer: as long as planned
+        model.prefill_tokens = target_plan.memory.prefill_tokens
+    model.plan_fingerprint = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}"
+    return model
 
 
 def quantize_layers(model: Transformer, fmt: str) -> None:

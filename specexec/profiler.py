@@ -2,7 +2,11 @@
 line for scripts.
 
 A span times one region: on CUDA with a pair of CUDA events recorded on the current stream (no host sync is
-added; the elapsed time is read when someone asks for it), on the CPU with time.perf_counter. Counters add up
+added; the elapsed time is read once the end event has completed, `Span.ready`, or when someone outside the
+step path asks for `seconds`, which waits for that one event), on the CPU with time.perf_counter. Steps
+recorded with spans keep their times pending until the spans are ready (`settle()`; `steps` waits for the
+rest), so recording a step never waits for the device; `on_timed` callbacks (the budget tuner) hear the times
+in step order as they settle. Counters add up
 numbers (prompt tokens, generated tokens). Sources are callables that return cumulative counters (an offload
 pager's bytes streamed, copy and stall seconds); every step records how much they grew during that step, so
 the pager only has to keep running totals. `begin()` starts a new generation: spans, counters and steps are
@@ -19,12 +23,14 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
 Source = Callable[[], Mapping[str, float]]
+OnTimed = Callable[[float, float], None]                   # (draft seconds, target seconds) of one step
 STREAM_KEYS = ("bytes_streamed", "copy_s", "stall_s")     # the cumulative counters a stream source reports
 
 
@@ -53,13 +59,19 @@ class Span:
         return self._t1 is not None
 
     @property
+    def ready(self) -> bool:
+        """Stopped, and (CUDA) its end event has completed: `seconds` will not wait."""
+        return self._t1 is not None and (self._events is None or self._events[1].query())
+
+    @property
     def seconds(self) -> float:
-        """Elapsed seconds (CUDA: GPU time between the two events, waiting for the second one)."""
+        """Elapsed seconds (CUDA: GPU time between the two events, waiting for the second one unless ready)."""
         if self._t1 is None:
             raise RuntimeError(f"span {self.name!r} was not stopped")
         if self._events is None:
             return self._t1 - self._t0
-        self._events[1].synchronize()
+        if not self._events[1].query():
+            self._events[1].synchronize()              # this event only; callers outside the step path
         return self._events[0].elapsed_time(self._events[1]) / 1000.0
 
     def __enter__(self) -> "Span":
@@ -97,7 +109,8 @@ class Profiler:
         """Start a new generation: clear spans, counters and steps; restart the clock."""
         self.spans: list[Span] = []
         self.counters: dict[str, float] = {}
-        self.steps: list[StepStat] = []
+        self._steps: list[StepStat] = []
+        self._pending: deque[tuple[int, Span | float, Span | float, OnTimed | None]] = deque()
         self._t0 = time.perf_counter()
         self._first: float | None = None
         self._last: float | None = None
@@ -134,19 +147,43 @@ class Profiler:
             self._first = now
         self._last = now
 
-    def step(self, tree_size: int, depth: int, accepted: int, draft_s: float, target_s: float,
-             budget: int | None = None) -> StepStat:
-        """Record one decoding step; stream sources' growth since the previous step is attributed to it."""
+    def step(self, tree_size: int, depth: int, accepted: int, draft_s: Span | float, target_s: Span | float,
+             budget: int | None = None, on_timed: OnTimed | None = None) -> StepStat | None:
+        """Record one decoding step; stream sources' growth since the previous step is attributed to it.
+        draft_s/target_s: seconds, or the stopped spans that timed them (CUDA: their times settle once the
+        events completed, never by waiting here). on_timed(draft_s, target_s) is called when they settle.
+        Returns the record when its times are known now, else None (read `steps` later)."""
         self.first_token()
         now = self._poll()
         delta = {k: v - self._step_base.get(k, 0) for k, v in now.items()}
         self._step_base = now
         stall = delta.get("stall_s")
-        rec = StepStat(tree_size, depth, accepted, 1000 * draft_s, 1000 * target_s,
-                       int(delta["bytes_streamed"]) if "bytes_streamed" in delta else None,
-                       1000 * stall if stall is not None else None, budget)
-        self.steps.append(rec)
-        return rec
+        self._steps.append(StepStat(tree_size, depth, accepted, 0.0, 0.0,
+                                    int(delta["bytes_streamed"]) if "bytes_streamed" in delta else None,
+                                    1000 * stall if stall is not None else None, budget))
+        self._pending.append((len(self._steps) - 1, draft_s, target_s, on_timed))
+        self.settle()
+        index = len(self._steps) - 1
+        return None if self._pending and self._pending[-1][0] == index else self._steps[index]
+
+    def settle(self, wait: bool = False) -> None:
+        """Fill in the times of pending steps whose spans are ready, in step order (wait=True: all of them,
+        waiting for their end events; outside the step path only)."""
+        while self._pending:
+            index, draft, target, on_timed = self._pending[0]
+            if not wait and not (_ready(draft) and _ready(target)):
+                return
+            self._pending.popleft()
+            d, t = _seconds(draft), _seconds(target)
+            self._steps[index] = replace(self._steps[index], draft_ms=1000 * d, target_ms=1000 * t)
+            if on_timed is not None:
+                on_timed(d, t)
+
+    @property
+    def steps(self) -> list[StepStat]:
+        """Every step of this generation with its times (waits for pending ones: not on the step path)."""
+        self.settle(wait=True)
+        return self._steps
 
     def _poll(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -196,6 +233,14 @@ class Profiler:
     def table(self, title: str = "profile"):
         """A rich Table of the phases (prefill, draft, target, streaming) for people."""
         return summary_table(self.summary(), title)
+
+
+def _ready(x: Span | float) -> bool:
+    return not isinstance(x, Span) or x.ready
+
+
+def _seconds(x: Span | float) -> float:
+    return x.seconds if isinstance(x, Span) else float(x)
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:

@@ -7,9 +7,12 @@ and picks the tree builder from a small registry. `generate_ids()` adds what the
 out: the context-length check and stop strings (which need the tokenizer). `Detokenizer` turns generated ids
 into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
 
-Offloading: with an OffloadConfig the target's decoder layers may be quantized and streamed (see
-specexec/offloaded.py): the draft loads first (resident, optionally quantized), the planner then places the
-target's layers from the budgets, and `plan` holds the result; stats() gains the pager's streaming figures.
+Memory plan and offloading: before any weight is loaded, the run is planned from the configs
+(specexec/ledger.py via offloaded.plan_target: the draft counted once in its --draft-quant format, each KV
+cache for its own user, budgets measured while nothing of ours holds memory); `on_plan` sees the ledger
+first, then the draft loads (resident, optionally quantized) and the target as planned: resident, or with
+its decoder layers quantized and streamed (specexec/offloaded.py). `plan` holds the result; stats() gains
+the pager's streaming figures.
 
 VocabTrim (--draft-vocab, EngineConfig.draft_vocab): the draft is wrapped in vocab_trim.TrimmedDraft, keeping
 the tokens the target samples most on the built-in prompts (measured once per target, cached).
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from offload.pager import stream_summary
+from offload.quant import quantize_module
 from offload.sources import is_gguf
 
 from . import acceptance
@@ -41,7 +45,7 @@ from .builders.static import StaticBuilder
 from .config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
                      check_draft_vocab, check_prompt_length)
 from .engine import Engine
-from .loading import expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
+from .loading import check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
 from .model import Transformer
 from .profiler import budget_trace
 from .offloaded import TargetPlan, load_target, plan_target, quantize_layers
@@ -101,40 +105,67 @@ class ModelInfo:
 
 def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool,
               quant: str = "none") -> tuple[Transformer, ModelInfo]:
+    """A resident model on the configured device; its decoder linears quantized to `quant` (on CUDA block by
+    block as they arrive, so the GPU never holds the unquantized model; freed blocks go back to the driver)."""
     t0 = time.perf_counter()
-    model = load_model(path, config.device, config.dtype, allow_pickle)
-    dtype = str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch.")
-    params = sum(p.numel() for p in model.parameters())
-    quantize_layers(model, quant)
+    device = torch.device(config.device)
+    run_dtype = resolve_dtype(config.dtype, device)
+    dtype = str(run_dtype).removeprefix("torch.")
+    if quant != "none" and device.type == "cuda":
+        model = load_model(path, "cpu", dtype, allow_pickle)
+        params = sum(p.numel() for p in model.parameters())
+        for block in model.layers:
+            quantize_module(block.to(device), quant, run_dtype)
+        model.to(device)
+        torch.cuda.empty_cache()
+    else:
+        model = load_model(path, config.device, config.dtype, allow_pickle)
+        params = sum(p.numel() for p in model.parameters())
+        quantize_layers(model, quant)
     dtype += f" ({quant} layers)" if quant != "none" else ""
     return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
 
 
-def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: OffloadConfig,
-                 draft: Transformer | None, allow_pickle: bool) -> tuple[Transformer, ModelInfo, TargetPlan | None]:
-    """The resident loader when every layer stays resident and unquantized, else the offloaded target."""
+def _plannable(path: Path, offload: OffloadConfig) -> bool:
+    """Whether the target gets a memory plan: always, except a pickle checkpoint that stays resident as it is
+    (the planner reads safetensors/GGUF headers)."""
     plain = offload.quant in ("auto", "none") and offload.offload in ("auto", "none")
-    if plain and not (is_gguf(path) or any(path.glob("*.safetensors"))):   # pickle weights: resident only
-        return *_load_one(path, args, config, allow_pickle), None
+    return not plain or is_gguf(path) or any(path.glob("*.safetensors"))
+
+
+def _plan(path: Path, args: ModelArgs, d_args: ModelArgs | None, config: EngineConfig, offload: OffloadConfig
+          ) -> TargetPlan | None:
+    """The run's memory plan from the configs, before anything is loaded (None: a resident pickle target)."""
+    if not _plannable(path, offload):
+        return None
+    device = torch.device(config.device)
+    builder = make_builder(config.builder, config.builder_options)
+    draft_kv = builder.kv_slots if d_args is not None and builder.needs_draft else None
+    return plan_target(path, args, d_args, offload, config, device, resolve_dtype(config.dtype, device), draft_kv)
+
+
+def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: OffloadConfig,
+                 target_plan: TargetPlan | None, allow_pickle: bool) -> tuple[Transformer, ModelInfo]:
+    """The resident loader when every layer stays resident and unquantized, else the offloaded target."""
+    if target_plan is None or not target_plan.offloaded:
+        return _load_one(path, args, config, allow_pickle)
     t0 = time.perf_counter()
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    target_plan = plan_target(path, args, draft, offload, config, device, dtype)
-    if not target_plan.offloaded:
-        return *_load_one(path, args, config, allow_pickle), target_plan
     model = load_target(path, args, target_plan, offload, device, dtype)
     params = sum(math.prod(s) for s in expected_shapes(args).values())
     name = f"{str(dtype).removeprefix('torch.')} ({target_plan.fmt} layers)"
-    return model, ModelInfo(path, args, params, name, config.device, time.perf_counter() - t0), target_plan
+    return model, ModelInfo(path, args, params, name, config.device, time.perf_counter() - t0)
 
 
 def _make_engine(target: Transformer, draft: Transformer | None, config: EngineConfig,
-                 eos: tuple[int, ...]) -> Engine:
-    """The configured builder; none (target-only decoding) when it needs a draft and there is none."""
+                 eos: tuple[int, ...], context: int | None = None) -> Engine:
+    """The configured builder; none (target-only decoding) when it needs a draft and there is none. context:
+    the tokens the memory plan reserved KV cache for (None: not planned)."""
     builder: TreeBuilder | None = make_builder(config.builder, config.builder_options)
     if builder.needs_draft and draft is None:
         builder = None
-    engine = Engine(target, draft, config, builder, eos)
+    engine = Engine(target, draft, config, builder, eos, context=context)
     pager = getattr(target, "pager", None)
     if pager is not None:                 # offloaded target: per step, the profiler records what streaming cost
         engine.profiler.watch(pager.counters)
@@ -194,10 +225,13 @@ class Runtime:
 
     @classmethod
     def load(cls, model: str, draft: str | None, config: EngineConfig, allow_pickle: bool = False,
-             progress: Progress | None = None, offload: OffloadConfig | None = None) -> "Runtime":
+             progress: Progress | None = None, offload: OffloadConfig | None = None,
+             on_plan: Callable[[TargetPlan], None] | None = None) -> "Runtime":
         """Load the target at `model` and, unless `draft` is None, the draft at `draft`. Without a draft the
         engine decodes with the target alone (when the configured builder needs a draft model). `offload`
-        (default OffloadConfig()) says how the target's layers are stored and where they live."""
+        (default OffloadConfig()) says how the target's layers are stored and where they live. The memory plan
+        is made from the configs before any weight is loaded and handed to `on_plan` (e.g. to print its
+        ledger); then the draft loads, then the target as planned."""
         offload = offload or OffloadConfig()
         say = progress or (lambda _msg: None)
         check_device(config.device)
@@ -211,12 +245,18 @@ class Runtime:
             check_compatible(tokenizer, load_tokenizer(d_path), t_args.vocab_size, d_args.vocab_size)
         else:
             check_compatible(tokenizer, tokenizer, t_args.vocab_size, t_args.vocab_size)
+        if d_path is not None:                  # a broken draft fails before the plan is shown
+            check_checkpoint(d_path, d_args, allow_pickle)
+        say("planning memory")
+        plan = _plan(t_path, t_args, d_args, config, offload)          # nothing of ours is loaded yet
+        if plan is not None and on_plan is not None:
+            on_plan(plan)
         draft_model, d_info = None, None
-        if d_path is not None:                  # first: the target's plan accounts for the draft's memory
+        if d_path is not None:
             say(f"loading draft {d_path}")
             draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant)
         say(f"loading target {t_path}")
-        target, t_info, plan = _load_target(t_path, t_args, config, offload, draft_model, allow_pickle)
+        target, t_info = _load_target(t_path, t_args, config, offload, plan, allow_pickle)
         eos = eos_ids(tokenizer, t_args.eos_token_ids)
         if config.draft_vocab is not None and draft_model is not None:       # VocabTrim (--draft-vocab)
             draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
@@ -224,7 +264,8 @@ class Runtime:
                                           f"{d_args.vocab_size} tokens)")
         pair = (acceptance.pair_fingerprint(t_path, d_path, t_args, d_args, config.draft_vocab)
                 if d_path is not None else None)
-        engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos)
+        engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos,
+                              plan.memory.context if plan is not None else None)
         runtime = cls(engine, tokenizer, t_info, d_info, config, plan)
         runtime.pair = pair
         return runtime
@@ -236,7 +277,7 @@ class Runtime:
                               f"got {config.device}/{config.dtype}")
         draft = self.engine.draft if use_draft else None
         engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
-                              tuple(sorted(self.engine.eos_ids)))
+                              tuple(sorted(self.engine.eos_ids)), self.engine.planned_context)
         runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
                           self.plan)
         runtime.pair = self.pair

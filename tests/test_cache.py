@@ -114,22 +114,102 @@ def test_read_layer_into_given_buffers(model: Path, tmp_path: Path) -> None:
         cache.read_layer(1, torch.zeros(16, dtype=torch.uint8))
 
 
-def test_flipped_byte_is_detected_and_rebuilt(model: Path, tmp_path: Path) -> None:
+class ReadCounter:
+    """Counts os.preadv calls and bytes (every layer read of offload.cache and offload.tiers goes through it)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls, self.nbytes, real = 0, 0, os.preadv
+
+        def preadv(fd, buffers, offset, *rest):
+            got = real(fd, buffers, offset, *rest)
+            self.calls += 1
+            self.nbytes += got
+            return got
+
+        monkeypatch.setattr(os, "preadv", preadv)
+
+
+def test_opening_a_cache_reads_no_layer_bytes(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Startup checks sizes, manifest and fingerprint only; each layer is read (and checksummed) when a pass
+    first needs it, once; the RAM tier's fill reads each of its layers once."""
+    from offload.pager import build_pager
+
+    with build(model, tmp_path) as first:
+        want = [first.read_layer(i).clone() for i in range(first.n_layers)]
+    fresh_process()                                                        # a new process: nothing checked yet
+    reads = ReadCounter(monkeypatch)
+    cache = build(model, tmp_path)
+    assert not cache.built and (reads.calls, reads.nbytes) == (0, 0)
+    with build_pager(["ssd"] * cache.n_layers, cache, "cpu", n_slots=1) as pager:
+        assert reads.nbytes == 0                                           # nothing before the first pass
+        for i, buf in pager.layers():
+            assert torch.equal(buf, want[i])
+        assert reads.nbytes == cache.total_nbytes                          # each layer once, checked as read
+    assert {cache._file.key + (i,) for i in range(cache.n_layers)} <= C._VERIFIED
+    fresh_process()
+    reads.nbytes = 0
+    with build_pager(["ram"] * cache.n_layers, cache, "cpu"):
+        assert reads.nbytes == cache.total_nbytes                          # the RAM fill: each layer once
+
+
+def test_a_corrupt_layer_is_caught_on_first_read_and_the_next_open_rebuilds(model: Path, tmp_path: Path) -> None:
     cache = build(model, tmp_path)
     good = cache.read_layer(1).clone()
+    cache.close()
     flip_byte(cache.file, cache.offset(1) + 100)
-    with pytest.raises(CacheCorruptError, match="layer 1 fails its checksum"):
-        cache.read_layer(1, verify=True)
-    with pytest.raises(CacheCorruptError):
-        cache.verify(1)
     fresh_process()
-    with LayerCache.open(cache.path, verify=False) as unchecked:          # opt-out: structure only
-        with pytest.raises(CacheCorruptError):
-            unchecked.verify_all()
     log: list[str] = []
+    opened = build(model, tmp_path, log=log)                               # startup does not read layer 1
+    assert not opened.built and log == []
+    opened.read_layer(0)
+    with pytest.raises(CacheCorruptError) as e:
+        opened.read_layer(1)                                               # the first read checks it
+    message = str(e.value)
+    assert "\n" not in message and "layer 1 fails its checksum" in message and "next run rebuilds it" in message
+    assert str(opened.file) in message
+    with pytest.raises(CacheCorruptError, match="layer 1 fails"):
+        opened.verify(1)
     again = build(model, tmp_path, log=log)
-    assert again.built and any("layer 1 fails its checksum" in m and "rebuilding" in m for m in log)
+    assert again.built and len(log) == 1 and "found corrupt" in log[0] and "layer 1 fails its checksum" in log[0]
+    assert log[0].endswith("rebuilding it")
     assert torch.equal(again.read_layer(1), good)
+
+
+def test_a_corrupt_streamed_layer_ends_a_run_with_one_line_and_the_next_run_rebuilds(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    root = tmp_path / "cache"
+    argv = ["generate", "--model", str(model), "--no-draft", "--prompt", "Hello", "--max-new-tokens", "4",
+            "--offload", "ssd", "--quant", "none", "--cache-dir", str(root), "--json"]
+    assert main(argv) == 0
+    clean = json.loads(capsys.readouterr().out)["token_ids"]
+    cache = next(p for p in root.iterdir() if p.is_dir())
+    with LayerCache.open(cache) as c:
+        flip_byte(c.file, c.offset(1) + 64)
+    fresh_process()
+    assert main(argv) == 2                                                 # found by the read-ahead thread
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "loading layer 1 failed" in lines[0] and "fails its checksum" in lines[0] and "rebuilds" in lines[0]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["token_ids"] == clean and "rebuilding it" in captured.err
+
+
+def test_explicit_checks_still_read_everything(model: Path, tmp_path: Path) -> None:
+    cache = build(model, tmp_path)
+    assert cache.verify_all() == cache.total_nbytes                        # after a build: the file, re-read
+    fresh_process()
+    with LayerCache.open(cache.path, verify=True) as checked:              # the full check on open
+        assert checked.verify_all(memo=True) == 0                          # ... memoized for this process
+    flip_byte(cache.file, cache.offset(0) + 7)
+    fresh_process()
+    with pytest.raises(CacheCorruptError, match="layer 0 fails its checksum"):
+        LayerCache.open(cache.path, verify=True)
+    with pytest.raises(CacheCorruptError, match="found corrupt"):
+        LayerCache.open(cache.path)
 
 
 def test_truncated_file_is_detected_even_without_checksums(model: Path, tmp_path: Path) -> None:
@@ -282,6 +362,26 @@ def test_convert_command(model: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["convert", "--model", str(model), "--quant", "nf4", "--dtype", "bfloat16", "--double-quant",
                  "--out", str(root), "--no-progress"]) == 0
     assert "nf4, bfloat16" in capsys.readouterr().out
+
+
+def test_convert_verify_checks_every_layer(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "cache"
+    argv = ["convert", "--model", str(model), "--quant", "int8", "--out", str(root), "--verify"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "(built)" in out and "verified: 2 layers" in out and "every sha256 matches" in out
+    assert "verifying" in err                                              # the progress bar
+    cache = next(p for p in root.iterdir() if p.is_dir())
+    flip_byte(cache / "layers.bin", 5000)
+    reads = ReadCounter(monkeypatch)
+    assert main(argv + ["--no-progress"]) == 2                             # the full check finds it
+    out, err = capsys.readouterr()
+    assert "already up to date" in out and reads.nbytes > 0
+    assert err.startswith("error: ") and err.count("\n") == 1 and "fails its checksum" in err
+    assert main(argv + ["--no-progress"]) == 0                             # marked: this run rebuilds
+    out, err = capsys.readouterr()
+    assert "(built)" in out and "verified: 2 layers" in out and "found corrupt" in err
 
 
 def test_convert_errors_are_one_line(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],

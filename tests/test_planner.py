@@ -157,3 +157,56 @@ def test_offload_config_validates_flags() -> None:
                {"gpu_budget": "0GB"}, {"cache_dir": " "}):
         with pytest.raises(ConfigError):
             OffloadConfig.from_flags(**kw)
+
+
+# ------------------------------------------------------------------------------------------------ ledger, read-ahead
+
+def ledger_sums_match(p) -> None:
+    led = p.ledger()
+    assert sum(led["device"].values()) == p.device_bytes and sum(led["host"].values()) == p.host_bytes
+    assert sum(led["ssd"].values()) == p.tier_bytes("ssd")
+
+
+def test_cuda_read_ahead_grows_into_ram_left_over() -> None:
+    p = plan(needs(), "cuda", ram_budget=100 * GB, gpu_budget=850 * MB, mode="ssd")
+    assert p.n_bounce == p.read_ahead == 8 and p.host_bytes == 8 * 100 * MB and p.n_slots == 2
+    ledger_sums_match(p)
+    few = plan(needs(n=3), "cuda", ram_budget=100 * GB, gpu_budget=850 * MB, mode="ssd")
+    assert few.n_bounce == 3                                            # never more than the SSD layers
+    some = plan(needs(), "cuda", ram_budget=550 * MB, gpu_budget=100 * GB, mode="ssd")
+    assert some.n_bounce == 5                                           # as deep as 550 MB allows
+
+
+def test_read_ahead_never_displaces_a_layer() -> None:
+    # auto: RAM holds 4 layers + 2 bounce buffers (600 of 650 MB); the 50 MB left cannot hold a third buffer
+    p = plan(needs(), "cuda", ram_budget=650 * MB, gpu_budget=850 * MB)
+    assert counts(p) == (3, 4, 3) and p.n_bounce == 2
+    ledger_sums_match(p)
+
+
+def test_cpu_read_ahead_is_slots_grown_into_ram_left_over() -> None:
+    p = plan(needs(), "cpu", ram_budget=10 * GB, mode="ssd")
+    assert p.n_slots == p.read_ahead == 8 and p.n_bounce == 0 and p.device_bytes == 300 * MB + 8 * 100 * MB
+    ledger_sums_match(p)
+    auto = plan(needs(), "cpu", ram_budget=950 * MB)
+    assert counts(auto) == (4, 0, 6) and auto.n_slots == 2            # RAM went to resident layers
+
+
+def test_host_fixed_costs_come_out_of_the_ram_budget_first() -> None:
+    n = Needs((100 * MB,) * 10, (("draft", 100 * MB),), 2, 2, host_fixed=(("target embed (host RAM)", 200 * MB),))
+    p = plan(n, "cuda", ram_budget=650 * MB, gpu_budget=700 * MB)
+    # GPU: 100 fixed + 200 slots + 4 layers; RAM: 200 embed + 2 bounce (200) + 2 layers (200) = 600 <= 650
+    assert counts(p) == (4, 2, 4) and p.host_bytes == 600 * MB
+    assert p.ledger()["host"]["target embed (host RAM)"] == 200 * MB
+    ledger_sums_match(p)
+    with pytest.raises(PlanError, match=r"cannot hold target embed \(host RAM\) \(0.20 GB\)"):
+        plan(n, "cuda", ram_budget=150 * MB, gpu_budget=700 * MB, mode="ssd")
+    with pytest.raises(ValueError, match="on CPU every fixed cost is RAM"):
+        plan(n, "cpu", ram_budget=10 * GB)
+
+
+def test_plan_error_carries_what_fell_short() -> None:
+    with pytest.raises(PlanError) as e:
+        plan(needs(), "cuda", ram_budget=100 * GB, gpu_budget=400 * MB)
+    assert (e.value.flag, e.value.needed, e.value.budget) == ("--gpu-budget", 500 * MB, 400 * MB)
+    assert "2 streaming slots" in e.value.what

@@ -128,3 +128,67 @@ def test_budget_trace_is_run_length_encoded_in_step_order() -> None:
     assert budget_trace(s.budget for s in steps) == "64×2 128 256×3 64"
     assert budget_trace([StepStat(0, 0, 1, 0.0, 1.0).budget]) is None     # target-only steps: no tree
     assert budget_trace([64, 64, 128, 256, 256, 256, 64], limit=2).startswith("… 256×3")
+
+
+def test_steps_timed_by_spans_settle_when_their_events_complete_never_by_waiting() -> None:
+    """CUDA spans are events the device completes later: recording a step never waits for them; their times
+    (and on_timed, the tuner's feed) arrive in step order once query() says done; `steps` waits if asked."""
+    from types import SimpleNamespace
+
+    from tests.test_pager import LagEvent
+
+    clock = SimpleNamespace(done=False, waits=0)
+    prof = Profiler("cpu")
+
+    def span(name: str, ms: float) -> Span:
+        s = prof.start(name)
+        s._events = (LagEvent(clock).record(), LagEvent(clock))
+        s.stop()
+        s._events[1].t = s._events[0].t + ms / 1000
+        return s
+
+    heard: list[tuple[float, float]] = []
+    assert prof.step(4, 2, 3, span("draft", 2), span("target", 10), on_timed=lambda d, t: heard.append((d, t))) is None
+    assert prof.step(6, 3, 2, 0.001, 0.004, on_timed=lambda d, t: heard.append((d, t))) is None   # behind step 1
+    assert heard == [] and clock.waits == 0
+    clock.done = True
+    prof.settle()
+    assert heard == [pytest.approx((0.002, 0.010)), pytest.approx((0.001, 0.004))] and clock.waits == 0
+    clock.done = False
+    prof.step(2, 1, 1, span("draft", 1), span("target", 3))
+    assert [round(s.target_ms, 3) for s in prof.steps] == [10.0, 4.0, 3.0] and clock.waits > 0
+
+
+@pytest.mark.gpu
+def test_cuda_generation_never_synchronizes_the_device(tiny_pair, tiny_perturbed_draft, tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed target on CUDA: no torch.cuda.synchronize while generating (it would make the next pass's
+    prefetch finish before drafting instead of during it); step times still arrive, from CUDA events, and the
+    output equals the resident target's."""
+    from specexec.config import OffloadConfig
+
+    config = EngineConfig(budget=8, max_new_tokens=16, device="cuda", dtype="float32")
+    common = {"quant": "nf4", "cache_dir": str(tmp_path)}
+    streamed = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                            offload=OffloadConfig(offload="ssd", **common))
+    resident = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                            offload=OffloadConfig(offload="none", **common))
+    prompt = streamed.encode("The quick brown fox")
+    list(streamed.generate_ids(prompt, 4))                       # warm-up (cost calibration, kernels)
+    calls: list[tuple] = []
+    real = torch.cuda.synchronize
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", counted)
+    ids = [t for step in streamed.generate_ids(prompt, 16) for t in step]
+    monkeypatch.undo()
+    assert calls == []
+    steps = streamed.engine.profiler.steps
+    assert len(steps) >= 2 and all(s.draft_ms > 0 and s.target_ms > 0 for s in steps)
+    stats = streamed.stats()
+    assert stats["bytes_streamed"] > 0 and stats["effective_gbps"] > 0 and stats["passes"] >= len(steps)
+    assert ids == [t for step in resident.generate_ids(prompt, 16) for t in step]
+    streamed.engine.close()

@@ -1,0 +1,200 @@
+"""`specexec doctor`: the one command that checks a machine before a long download.
+
+Reports torch / CUDA / driver, the GPU's name and memory, host -> GPU bandwidth measured (pinned, and
+pageable for contrast), the cache directory's sequential read bandwidth with O_DIRECT (a temporary file is
+written, read back and removed), whether bitsandbytes' CUDA kernels work, free RAM, and runs a tiny random
+model (built in a temporary directory) whose greedy output on the GPU must equal the CPU's, resident and
+streamed from the SSD tier. On a machine without CUDA it says so and checks the CPU path (resident vs
+streamed). Exit 0 when every check passes, 1 when one fails (a mismatch is a bug). `--json`: one line.
+
+Does not know: how the probes measure (offload/probe.py), how models run (specexec.runtime).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from offload.cache import default_cache_root
+from specexec.config import ConfigError, check_integer
+
+PROMPT = "The quick brown fox"
+TOKENS = 16                          # greedy tokens of the tiny-model check
+H2D_MB, IO_MB = 512, 256             # sizes of the bandwidth probes (MB)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("doctor", help="check this machine: GPU, bandwidths, bitsandbytes, a tiny exact run",
+                       description="Check torch/CUDA/driver, GPU memory, host->GPU and SSD bandwidth, "
+                                   "bitsandbytes' CUDA kernels, free RAM, and that a tiny model's greedy output "
+                                   "on the GPU equals the CPU's.")
+    p.add_argument("--cache-dir", metavar="DIR", help="directory whose disk is measured (default: the layer "
+                   "cache root, $SPECEXEC_CACHE or ~/.cache/specexec)")
+    p.add_argument("--io-mb", type=int, default=IO_MB, metavar="MB", help=f"size of the disk probe (default {IO_MB})")
+    p.add_argument("--h2d-mb", type=int, default=H2D_MB, metavar="MB",
+                   help=f"size of the host->GPU probe (default {H2D_MB})")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    return p
+
+
+def _driver() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def cuda_report(h2d_mb: int) -> dict:
+    """torch/CUDA versions, driver, and per GPU: name, memory, measured pinned/pageable H2D GB/s (GPU 0)."""
+    from offload.probe import h2d_gbps
+
+    out: dict = {"torch": torch.__version__, "python": platform.python_version(), "cuda_available":
+                 torch.cuda.is_available(), "cuda_version": torch.version.cuda, "driver": None, "gpus": []}
+    if not out["cuda_available"]:
+        return out
+    out["driver"] = _driver()
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        props = torch.cuda.get_device_properties(i)
+        out["gpus"].append({"index": i, "name": props.name, "total_bytes": total, "free_bytes": free,
+                            "capability": f"{props.major}.{props.minor}"})
+    n = h2d_mb << 20
+    out["h2d_gbps"] = {kind: round(h2d_gbps(n, kind == "pinned", "cuda:0"), 2) for kind in ("pinned", "pageable")}
+    return out
+
+
+def disk_report(directory: Path, io_mb: int) -> dict:
+    """The directory's sequential read GB/s with O_DIRECT (or buffered after dropping the page cache)."""
+    from offload.probe import direct_read_gbps
+
+    try:
+        gbps, direct = direct_read_gbps(directory, io_mb << 20)
+    except OSError as e:
+        return {"dir": str(directory), "ok": False, "error": f"{e.strerror or e}"}
+    free = shutil.disk_usage(directory).free
+    return {"dir": str(directory), "ok": True, "read_gbps": round(gbps, 2), "o_direct": direct, "free_bytes": free}
+
+
+def bnb_report() -> dict:
+    """bitsandbytes' version and whether its CUDA 4-bit kernels run (None without CUDA)."""
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional as bnbf
+    except Exception as e:                                 # noqa: BLE001 -- any import failure is the finding
+        return {"version": None, "cuda_kernels": None, "error": f"{type(e).__name__}: {e}"}
+    out = {"version": bitsandbytes.__version__, "cuda_kernels": None}
+    if not torch.cuda.is_available():
+        return out
+    try:
+        w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+        q, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4")
+        back = bnbf.dequantize_4bit(q, state)
+        out["cuda_kernels"] = bool(back.is_cuda and (back.float() - w.float()).abs().max().item() < 1.0)
+    except Exception as e:                                 # noqa: BLE001
+        out.update(cuda_kernels=False, error=f"{type(e).__name__}: {e}")
+    return out
+
+
+def ram_report() -> dict:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return {"total_bytes": vm.total, "available_bytes": vm.available}
+
+
+def _tokens(target: Path, draft: Path, device: str, cache: Path, offload: str) -> list[int]:
+    from specexec.config import EngineConfig, OffloadConfig
+    from specexec.runtime import Runtime
+
+    config = EngineConfig(device=device, dtype="float32", budget=8, max_new_tokens=TOKENS)
+    rt = Runtime.load(str(target), str(draft), config,
+                      offload=OffloadConfig(offload=offload, quant="none", cache_dir=str(cache)))
+    try:
+        return [t for step in rt.generate_ids(rt.encode(PROMPT), TOKENS) for t in step]
+    finally:
+        rt.engine.close()
+
+
+def tiny_model_report() -> dict:
+    """Greedy tokens of a tiny random pair: CPU resident is the reference; with CUDA the GPU resident and the
+    GPU streamed (SSD tier) runs must equal it, without CUDA the CPU streamed run must."""
+    from specexec.demo_models import write_model, write_perturbed
+
+    t0 = time.perf_counter()
+    quiet = contextlib.redirect_stderr(io.StringIO())      # progress bars of the checkpoint writer and cache build
+    with quiet, tempfile.TemporaryDirectory(prefix="specexec-doctor-") as tmp:
+        root = Path(tmp)
+        target = write_model(root / "target", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, intermediate=256)
+        draft = write_perturbed(root / "draft", target, 0.01)
+        ref = _tokens(target, draft, "cpu", root / "cache", "none")
+        runs = {"cpu resident": ref}
+        if torch.cuda.is_available():
+            runs["cuda resident"] = _tokens(target, draft, "cuda", root / "cache", "none")
+            runs["cuda streamed (ssd)"] = _tokens(target, draft, "cuda", root / "cache", "ssd")
+        else:
+            runs["cpu streamed (ssd)"] = _tokens(target, draft, "cpu", root / "cache", "ssd")
+    equal = {name: ids == ref for name, ids in runs.items()}
+    return {"device": "cuda" if torch.cuda.is_available() else "cpu", "tokens": len(ref), "equal": equal,
+            "ok": len(ref) > 0 and all(equal.values()), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def collect(cache_dir: Path, io_mb: int, h2d_mb: int) -> dict:
+    report = {"cuda": cuda_report(h2d_mb), "disk": disk_report(cache_dir, io_mb), "bitsandbytes": bnb_report(),
+              "ram": ram_report(), "tiny_model": tiny_model_report()}
+    bnb_ok = report["bitsandbytes"]["cuda_kernels"] is not False
+    report["ok"] = bool(report["tiny_model"]["ok"] and report["disk"]["ok"] and bnb_ok)
+    return report
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def describe(r: dict) -> str:
+    c, d, b, m, t = r["cuda"], r["disk"], r["bitsandbytes"], r["ram"], r["tiny_model"]
+    lines = [f"torch {c['torch']} (python {c['python']})"]
+    if not c["cuda_available"]:
+        lines.append("CUDA: no CUDA device: checking the CPU path only")
+    else:
+        lines.append(f"CUDA {c['cuda_version']}, driver {c['driver'] or 'unknown'}")
+        lines += [f"GPU {g['index']}: {g['name']} (sm {g['capability']}), {_gb(g['total_bytes'])} total, "
+                  f"{_gb(g['free_bytes'])} free" for g in c["gpus"]]
+        h = c["h2d_gbps"]
+        lines.append(f"host -> GPU: pinned {h['pinned']:.2f} GB/s, pageable {h['pageable']:.2f} GB/s")
+    if d["ok"]:
+        how = "O_DIRECT" if d["o_direct"] else "buffered (O_DIRECT unsupported here), page cache dropped"
+        lines.append(f"disk {d['dir']}: read {d['read_gbps']:.2f} GB/s ({how}), {_gb(d['free_bytes'])} free")
+    else:
+        lines.append(f"disk {d['dir']}: FAILED: {d['error']}")
+    kern = {None: "not applicable (no CUDA)", True: "loaded", False: f"NOT working ({b.get('error', '')})"}
+    lines.append(f"bitsandbytes {b['version'] or 'missing'}: CUDA kernels {kern[b['cuda_kernels']]}")
+    lines.append(f"RAM: {_gb(m['available_bytes'])} available of {_gb(m['total_bytes'])}")
+    runs = ", ".join(f"{k} {'=' if v else 'DIFFERS'}" for k, v in t["equal"].items())
+    lines.append(f"tiny model ({t['tokens']} greedy tokens, {t['seconds']:.1f} s): {runs}")
+    lines.append("all checks passed" if r["ok"] else "some checks FAILED (see above)")
+    return "\n".join(lines)
+
+
+def run(ns: argparse.Namespace) -> int:
+    check_integer("--io-mb", ns.io_mb, 1, 1 << 20)
+    check_integer("--h2d-mb", ns.h2d_mb, 1, 1 << 20)
+    directory = Path(ns.cache_dir).expanduser() if ns.cache_dir else default_cache_root()
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--cache-dir {directory} is not a directory")
+    report = collect(directory, ns.io_mb, ns.h2d_mb)
+    print(json.dumps(report, separators=(",", ":")) if ns.json else describe(report), flush=True)
+    return 0 if report["ok"] else 1

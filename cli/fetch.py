@@ -1,0 +1,96 @@
+"""Bringing --model / --draft onto this machine before a command loads them.
+
+A Hub id (`ORG/NAME`) or a models.yaml name that is not cached is downloaded by specexec.hub (config, tokenizer,
+safetensors; resumable) with a progress bar on stderr (bytes, speed, ETA), after a free-disk check that also
+counts the layer cache the offload plan will build for the target (specexec.disk_need). `--offline` (or
+HF_HUB_OFFLINE=1) only looks in the cache; `--gguf-file NAME` picks the file of a GGUF repo. Existing paths are
+left alone. On Ctrl-C during a download one line says that the next run resumes it.
+
+Does not know: which files a checkpoint needs or how they are fetched (specexec.hub), the planner.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+
+from specexec.config import ConfigError
+from specexec.hub import HubOptions, Progress, Reserve
+from specexec.loading import HUB_ID, resolve_model_path
+
+
+def add_hub_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--offline", action="store_true", help="never download: use only models already on this machine "
+                   "(also HF_HUB_OFFLINE=1)")
+    p.add_argument("--gguf-file", metavar="NAME", help="the .gguf file to fetch when --model names a GGUF repo")
+
+
+def is_remote_name(spec: str | None) -> bool:
+    """A --model/--draft value that is not a path on this machine but a Hub id or a models.yaml name."""
+    from specexec.models import find
+
+    if not spec or Path(spec).expanduser().exists():
+        return False
+    return find(spec) is not None or bool(HUB_ID.match(spec) and not spec.startswith((".", "/")))
+
+
+def fetch_model(args: argparse.Namespace, attr: str, reserve: Reserve | None = None) -> None:
+    """args.<attr> (model or draft) -> the local checkpoint path, downloading it when needed."""
+    spec = getattr(args, attr, None)
+    if not is_remote_name(spec):
+        return
+    gguf = getattr(args, "gguf_file", None) if attr == "model" else None
+    console = Console(stderr=True, soft_wrap=True)
+    with download_bar(console, spec) as progress:
+        opts = HubOptions(offline=bool(getattr(args, "offline", False)), gguf_file=gguf, progress=progress,
+                          reserve=reserve)
+        setattr(args, attr, str(resolve_model_path(spec, opts)))
+
+
+def target_reserve(args: argparse.Namespace) -> Reserve | None:
+    """The layer cache the plan builds for the target, from the command's offload and engine flags (None when
+    the flags are invalid: the command reports that itself)."""
+    from cli import args as common
+    from specexec.disk_need import reserve_for
+
+    try:
+        return reserve_for(common.offload_config(args), common.engine_config(args))
+    except ConfigError:
+        return None
+
+
+@contextmanager
+def download_bar(console: Console, what: str) -> Iterator[Progress]:
+    """A Progress callback that shows a rich bar (size, speed, ETA) from its first call on."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    state: dict = {}
+
+    def progress(done: int, total: int, name: str) -> None:
+        if "bar" not in state:
+            bar = Bar(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False)
+            bar.start()
+            state["bar"], state["task"] = bar, bar.add_task(f"downloading {what}", total=max(total, 1))
+        state["done"], state["total"] = done, total
+        state["bar"].update(state["task"], completed=done, total=max(total, 1),
+                            description=f"downloading {what} ({name})")
+
+    try:
+        yield progress
+        if "bar" in state:
+            state["bar"].update(state["task"], description=f"downloaded {what}")
+    except KeyboardInterrupt:
+        if "bar" in state:
+            state["bar"].stop()
+            console.print(f"download interrupted at {state['done'] / 1e6:.1f} of {state['total'] / 1e6:.1f} MB; "
+                          "run the same command again to resume it", style="yellow", highlight=False)
+            state.pop("bar")
+        raise
+    finally:
+        if "bar" in state:
+            state["bar"].stop()

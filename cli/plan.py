@@ -1,0 +1,168 @@
+"""`specexec plan`: will a run fit, before anything is downloaded or loaded.
+
+Plans the target (+ draft) from config.json alone (a directory holding only config.json is enough; a GGUF
+file's metadata also serves) for a GPU given by its memory (--gpu-memory: a card this machine need not have;
+omitted: this machine's GPU, or the CPU without one) and a RAM budget, and prints the memory ledger (every
+item each tier holds and its bytes), the layers per tier and the predicted seconds per target pass; exit 0.
+When nothing fits: one line saying what falls short and what would fit, exit 2. `--json` prints one line:
+{"resident_layers", "streamed_layers": {"ram", "ssd"}, "ledger": {item: bytes}, "predicted_seconds_per_pass",
+"link_gbps", ...} (plus the ledger by tier, formats, budgets, prefill tokens, read-ahead depth).
+
+Does not know: how the ledger is sized (specexec/ledger.py) or how layers are placed (offload/planner.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from offload.planner import GB, Bandwidths, PlanError, default_budgets
+from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, OFFLOAD_CHOICES, QUANT_CHOICES, ConfigError,
+                             budget_options, check_choice, check_integer, check_number, parse_size)
+from specexec.ledger import (ASSUMED, MemoryPlan, RunShape, card_budget, card_for, plan_context, plan_memory,
+                             what_fits)
+from specexec.loading import read_args, resolve_model_path
+
+DEFAULT_LINK_GBPS = 25.0          # pinned host -> GPU over PCIe 4.0 x16, as measured by `specexec doctor`
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="will it fit? the memory ledger of a run, from config.json alone",
+                       description="Plan a run without loading a weight: what every byte of GPU memory (or RAM "
+                                   "on a CPU) holds, which target layers stay resident, which stream from RAM "
+                                   "or SSD, and the predicted seconds per target pass.")
+    p.add_argument("--model", required=True, metavar="PATH|NAME", help="target: a directory with config.json "
+                   "(nothing else needed), a .gguf file, or a name from `specexec models` present here")
+    p.add_argument("--draft", metavar="PATH|NAME", help="draft model (default: none)")
+    p.add_argument("--gpu-memory", metavar="SIZE", help="plan for a GPU with this much memory, e.g. 24GB "
+                   "(default: this machine's GPU, or the CPU when there is none)")
+    p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 64GB (default: available minus a margin)")
+    p.add_argument("--device", metavar="DEV", help="cpu or cuda (default: cuda with --gpu-memory or a GPU here)")
+    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {' | '.join(QUANT_CHOICES)} (default auto)")
+    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {' | '.join(DRAFT_QUANT_CHOICES)} "
+                   "(default none)")
+    p.add_argument("--offload", metavar="TIER", help=f"{' | '.join(OFFLOAD_CHOICES)} (default auto)")
+    p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens (default 64; auto: 1024)")
+    p.add_argument("--builder", metavar="NAME", default="specexec", help="tree builder (default specexec)")
+    p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) to plan the KV caches for "
+                   "(default 4096, at most the model's maximum)")
+    p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--link-gbps", type=float, metavar="GB/S", help=f"host -> GPU bandwidth (default "
+                   f"{DEFAULT_LINK_GBPS:g} on CUDA; on a CPU the RAM tier's copy rate, default "
+                   f"{ASSUMED['cpu'].ram / GB:g})")
+    p.add_argument("--ssd-gbps", type=float, metavar="GB/S", help="SSD read bandwidth (default "
+                   f"{ASSUMED['cuda'].ssd / GB:g} with CUDA, {ASSUMED['cpu'].ssd / GB:g} on a CPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    return p
+
+
+def _device(ns: argparse.Namespace) -> str:
+    if ns.device is not None:
+        check_choice("--device", ns.device, ("cpu", "cuda"))
+        return ns.device
+    if ns.gpu_memory is not None:
+        return "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _budgets(ns: argparse.Namespace, device: str) -> tuple[int | None, int, str]:
+    """(GPU budget, RAM budget, how the GPU budget was found)."""
+    ram = parse_size(ns.ram_budget, "--ram-budget") if ns.ram_budget else default_budgets("cpu").ram
+    if device == "cpu":
+        return None, ram, ""
+    if ns.gpu_memory is not None:
+        card = parse_size(ns.gpu_memory, "--gpu-memory")
+        budget = card_budget(card)
+        if budget <= 0:
+            raise ConfigError(f"--gpu-memory {ns.gpu_memory} leaves nothing after the CUDA context and a margin; "
+                              "pass the card's memory, e.g. 24GB")
+        return budget, ram, f"a {card / GB:.2f} GB card"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda but torch sees no CUDA device; pass --gpu-memory SIZE to plan for a card "
+                          "this machine does not have")
+    return default_budgets("cuda").gpu, ram, "this machine's GPU (free memory now)"
+
+
+def _bandwidths(ns: argparse.Namespace, device: str) -> Bandwidths:
+    base = ASSUMED[device]
+    link = ns.link_gbps if ns.link_gbps is not None else (DEFAULT_LINK_GBPS if device == "cuda" else base.ram / GB)
+    ssd = ns.ssd_gbps if ns.ssd_gbps is not None else base.ssd / GB
+    for flag, value in (("--link-gbps", link), ("--ssd-gbps", ssd)):
+        check_number(flag, value, low=0.0, high=10_000.0, low_open=True)
+    return Bandwidths(ram=link * GB, ssd=ssd * GB)
+
+
+def _shape(ns: argparse.Namespace, device: str) -> RunShape:
+    import torch
+
+    from specexec.loading import resolve_dtype
+    from specexec.runtime import make_builder
+
+    target = read_args(resolve_model_path(ns.model))
+    draft = read_args(resolve_model_path(ns.draft)) if ns.draft else None
+    budget = budget_options(ns.budget).get("budget", 64) if ns.budget is not None else 64
+    check_integer("--budget", budget, 1, 16384)
+    if ns.context is not None:
+        check_integer("--context", ns.context, 16, 10**7)
+    check_choice("--builder", ns.builder, BUILDERS)
+    check_choice("--dtype", ns.dtype or "auto", DTYPES)
+    check_choice("--draft-quant", ns.draft_quant or "none", DRAFT_QUANT_CHOICES)
+    builder = make_builder(ns.builder)
+    draft_kv = builder.kv_slots if draft is not None and builder.needs_draft else None
+    dtype = resolve_dtype(ns.dtype or "auto", torch.device(device))
+    return RunShape(target, draft, dtype, device, budget, plan_context(ns.context, target, draft),
+                    (ns.draft_quant or "none") if draft is not None else "none", draft_kv)
+
+
+def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
+    """The memory plan the flags describe, and where the GPU budget came from. ConfigError (one line, what
+    would fit) when nothing does."""
+    from specexec.offloaded import target_formats
+
+    device = _device(ns)
+    quant = ns.quant or "auto"
+    check_choice("--quant", quant, QUANT_CHOICES)
+    mode = ns.offload or "auto"
+    check_choice("--offload", mode, OFFLOAD_CHOICES)
+    shape = _shape(ns, device)
+    gpu, ram, source = _budgets(ns, device)
+    bandwidths = _bandwidths(ns, device)
+    formats = target_formats(quant, device)
+    try:
+        return plan_memory(shape, formats, ram, gpu, mode, bandwidths), source
+    except PlanError as e:
+        hint = what_fits(shape, formats, ram, gpu, mode, bandwidths)
+        raise ConfigError(_explain(e, ns) + (f"; {hint}" if hint else "; nothing smaller fits either")) from None
+
+
+def _explain(e: PlanError, ns: argparse.Namespace) -> str:
+    """The planner's line, said in terms of --gpu-memory when that is what fell short."""
+    if e.flag != "--gpu-budget" or ns.gpu_memory is None:
+        return str(e)
+    return (f"--gpu-memory {ns.gpu_memory} leaves a {e.budget / GB:.2f} GB budget (after the CUDA context and a "
+            f"margin), which cannot hold {e.what}: {e.needed / GB:.2f} GB needed, a card of at least "
+            f"{card_for(e.needed) / GB:.1f} GB")
+
+
+def run(ns: argparse.Namespace) -> int:
+    memory, source = plan_for(ns)
+    if ns.json:
+        out = {**memory.to_json(), "by_tier": memory.plan.ledger(),
+               "device_bytes": memory.plan.device_bytes, "host_bytes": memory.plan.host_bytes,
+               "ssd_bytes": memory.plan.tier_bytes("ssd")}
+        print(json.dumps(out, separators=(",", ":")), flush=True)
+        return 0
+    out = sys.stdout
+    out.write(memory.describe() + "\n")
+    if source:
+        out.write(f"  GPU budget from {source}\n")
+    p = memory.plan
+    out.write(f"predicted {p.expected_s:.3f} s per target pass ({len(p.layers_in('resident'))} of {len(p.tiers)} "
+              f"layers resident; streaming {(p.tier_bytes('ram') + p.tier_bytes('ssd')) / GB:.2f} GB per pass, "
+              "compute assumed hidden behind the copies)\n")
+    out.flush()
+    return 0

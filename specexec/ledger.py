@@ -1,0 +1,368 @@
+"""The memory ledger of a run, from config.json alone: what every byte the GPU (or, on a CPU, the RAM budget)
+holds is, sized for the model shapes, formats, tree budget and context of this run, and the plan built on it.
+
+Nothing here loads or reads a weight: the sizes come from ModelArgs (config.json) and the formats
+(offload.quant.layer_specs gives the packed size of a layer in any format), so `specexec plan` can answer for
+a checkpoint that is not downloaded and a card that is not installed. The runtime plans with the same code
+before it loads anything, and prints the same ledger.
+
+Ledger lines (device side: the GPU on CUDA, RAM on CPU):
+- target embed / target norm/head: the target's resident embedding table, final norm and LM head. The
+  embedding table of a STREAMED, untied target may instead live in host RAM (line "target embed (host RAM)"):
+  its rows for the T tokens of a pass are gathered on the CPU and copied over (exact: a gather), and the
+  GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
+- draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
+- target KV cache / draft KV cache: each sized for its own user (engine.kv_slots_for): the target for the
+  context plus one tree and its root; the draft for the context plus its builder's scratch slots.
+- activations: the largest transient of any pass that runs (attention_bytes has the attention formula):
+  the target's tree pass, a streamed prefill chunk of PREFILL_RESERVE tokens (dropped when it does not fit),
+  the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
+- resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
+
+Also here: how many tokens one streamed prefill pass takes (as many as the activations and the budget left
+over allow, `prefill_tokens`), and, when nothing fits, what would (`what_fits`).
+
+Does not know: how layers stream (offload.pager), where the budgets come from (the caller), checkpoints.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from offload.planner import GB, Bandwidths, Needs, Plan, PlanError, plan
+from offload.quant import layer_specs
+from offload.storage import plan_layout
+
+from .config import ModelArgs
+from .engine import LOGIT_CHUNK, PREFILL_CHUNK, kv_slots_for
+from .model import Block
+
+DEFAULT_CONTEXT = 4096        # tokens (prompt + answer) the KV caches are planned for unless --context says
+PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
+PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
+DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
+CUDA_CONTEXT = 500 * 10**6    # a simulated card (--gpu-memory): what the CUDA context and libraries take
+ASSUMED = {"cuda": Bandwidths(ram=25e9, ssd=3e9), "cpu": Bandwidths(ram=8e9, ssd=1.5e9)}
+
+
+# ----------------------------------------------------------------------------------------- shapes and sizes
+
+@functools.cache
+def block_specs(args: ModelArgs) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
+    """((name, shape) of every tensor of one decoder Block in state_dict order), names of its Linear weights."""
+    with torch.device("meta"):
+        block = Block(args)
+    shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())
+    linear = frozenset(f"{path}.weight" for path, m in block.named_modules() if isinstance(m, nn.Linear))
+    return shapes, linear
+
+
+@functools.cache
+def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype) -> int:
+    """Packed bytes of one decoder layer in `fmt` as the layer cache and the tiers hold it (aligned layout);
+    equal to what offload.cache.plan computes from a checkpoint's headers for the same shapes."""
+    shapes, linear = block_specs(args)
+    specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear)
+    return plan_layout(specs, meta).nbytes
+
+
+@functools.cache
+def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes a resident Transformer of `args` holds with its decoder linears quantized to `fmt` (what
+    quantize_module leaves): {"embed", "head" (0 when tied), "norm" (+ RoPE buffer), "layers"}."""
+    shapes, linear = block_specs(args)
+    specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear)
+    per_layer = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
+    table = args.vocab_size * args.dim * dtype.itemsize
+    return {"embed": table, "head": 0 if args.tie_word_embeddings else table,
+            "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4, "layers": args.n_layers * per_layer}
+
+
+def kv_bytes(args: ModelArgs, slots: int, elem: int) -> int:
+    """One model's KV cache: K and V [n_layers, H_kv, slots, head_dim]."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * slots * elem
+
+
+def attention_bytes(args: ModelArgs, tokens: int, context: int, elem: int, device: str) -> int:
+    """Transient bytes of one layer's attention for `tokens` queries over `context` cache slots, for the
+    kernels that run: the committed prefix is attended WITHOUT a mask (flash / memory-efficient SDPA never
+    builds the H x T x S scores; on CPU budgeted as query chunks of PREFIX_CHUNK rows x context in fp32), the
+    tree part with its small [T, T] mask (budgeted as H x T x T scores plus the mask), and the two partial
+    results merged by log-sum-exp (two fp32 outputs and their H x T log-sum-exps)."""
+    H, T = args.n_heads, tokens
+    merge = 2 * T * H * args.head_dim * 4 + 2 * H * T * 4
+    tree = H * T * T * elem + T * T * (elem + 1)
+    prefix = 0 if device == "cuda" else H * min(T, PREFIX_CHUNK) * context * 4
+    return merge + tree + prefix
+
+
+def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str,
+                  logit_rows: int) -> int:
+    """Peak transient bytes of one forward of `tokens` rows over `context` slots: the residual stream, norm
+    outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
+    up and product, the attention (attention_bytes), one dequantized weight (fmt != none) and `logit_rows`
+    rows of fp32 logits with their processed copy."""
+    T, D, I = tokens, args.dim, args.intermediate_size
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    hidden = T * (4 * D + 2 * (q + 2 * kv) + q + 3 * I) * elem + 2 * T * D * 4 + 2 * T * args.head_dim * elem
+    dequant = max(I, q) * D * elem if fmt != "none" else 0
+    logits = min(T, logit_rows) * args.vocab_size * 4 * 2
+    return hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
+
+
+# ----------------------------------------------------------------------------------------- the run
+
+@dataclass(frozen=True)
+class RunShape:
+    """Everything the ledger depends on besides the budgets.
+
+    draft_kv: the builder's kv_slots(budget) (draft-cache scratch per tree), None when no builder drafts with
+    the draft model (then the draft, if given, holds no KV cache)."""
+
+    target: ModelArgs
+    draft: ModelArgs | None
+    dtype: torch.dtype
+    device: str                                   # "cuda" | "cpu"
+    budget: int = 64
+    context: int = DEFAULT_CONTEXT
+    draft_fmt: str = "none"
+    draft_kv: Callable[[int], int] | None = None
+
+    @property
+    def elem(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def draft_scratch(self) -> int | None:
+        """Draft-cache slots one tree writes beyond the committed context (None: no draft cache)."""
+        return self.draft_kv(self.budget) if self.draft_kv is not None and self.draft is not None else None
+
+    @property
+    def slots(self) -> tuple[int, int]:
+        """(target, draft) KV slots: engine.kv_slots_for at this context and budget."""
+        return kv_slots_for(self.context, self.budget, self.draft_scratch)
+
+
+def plan_context(requested: int | None, target: ModelArgs, draft: ModelArgs | None = None) -> int:
+    """Tokens (prompt + answer) to plan the KV caches for: --context, else DEFAULT_CONTEXT, at most what every
+    model supports (max_position_embeddings)."""
+    limit = min(m.max_position_embeddings for m in (target, draft) if m is not None)
+    return min(requested or DEFAULT_CONTEXT, limit)
+
+
+def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]:
+    """(bytes, what they are for) of the activations line: the largest of the passes that run."""
+    t_slots, d_slots = shape.slots
+    dev, elem = shape.device, shape.elem
+    passes = {f"tree {shape.budget + 1}": forward_bytes(shape.target, shape.budget + 1, t_slots, elem, fmt, dev,
+                                                        LOGIT_CHUNK)}
+    if prefill:
+        passes[f"prefill {prefill}"] = forward_bytes(shape.target, prefill, t_slots, elem, fmt, dev, 0)
+    if shape.draft is not None:
+        rows = min(shape.budget + 1, DRAFT_ROWS)
+        growth = (shape.draft_scratch or 0) ** 2                        # the builder's ancestor matrix (bool)
+        passes[f"draft {rows} rows"] = forward_bytes(shape.draft, rows, d_slots or shape.context, elem,
+                                                     shape.draft_fmt, dev, rows) + growth
+        chunk = min(PREFILL_CHUNK, shape.context)
+        passes[f"draft prefill {chunk}"] = forward_bytes(shape.draft, chunk, d_slots or shape.context, elem,
+                                                         shape.draft_fmt, dev, 0)
+    top = max(passes, key=passes.get)
+    return passes[top], f"largest: {top} tokens (" + ", ".join(f"{k} {_gb(v)}" for k, v in passes.items()) + ")"
+
+
+def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: int = 0) -> Needs:
+    """The planner's Needs of this run with target layers in `fmt`: every fixed line named (see the module
+    docstring), the embedding table on the host side when embed_on_host (CUDA) and activations that also
+    cover a streamed prefill of `prefill` tokens."""
+    t, elem = shape.target, shape.elem
+    tw = weight_bytes(t, fmt, shape.dtype)
+    t_slots, d_slots = shape.slots
+    act, act_note = activation_lines(shape, fmt, prefill)
+    device: list[tuple[str, int]] = []
+    host: list[tuple[str, int]] = []
+    notes = {"activations": act_note, "target KV cache": f"{t_slots} slots ({shape.context} context + "
+             f"{shape.budget + 1} tree)", "target norm/head": "tied: the embedding is the head"
+             if t.tie_word_embeddings else ""}
+    if embed_on_host:
+        (host if shape.device == "cuda" else device).append(("target embed (host RAM)", tw["embed"]))
+        notes["target embed (host RAM)"] = "rows gathered on the CPU for each pass"
+    else:
+        device.append(("target embed", tw["embed"]))
+    device.append(("target norm/head", tw["head"] + tw["norm"]))
+    if shape.draft is not None:
+        dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype)
+        device.append(("draft weights", sum(dw.values())))
+        notes["draft weights"] = f"{shape.draft.n_layers} layers {_fmt(shape.draft_fmt)}, embed/head {_dtype(shape.dtype)}"
+        device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem)))
+        notes["draft KV cache"] = f"{d_slots} slots" if d_slots else "none: the builder drafts without it"
+    device += [("target KV cache", kv_bytes(t, t_slots, elem)), ("activations", act)]
+    sizes = (layer_bytes(t, fmt, shape.dtype),) * t.n_layers
+    return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()))
+
+
+def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
+    """The most tokens (<= context) one prefill pass of the target can take within `room` bytes of
+    activation memory (the activations line plus what the plan left over)."""
+    t_slots = shape.slots[0]
+
+    def fits(c: int) -> bool:
+        return forward_bytes(shape.target, c, t_slots, shape.elem, fmt, shape.device, 0) <= room
+
+    lo, hi = 1, shape.context
+    if fits(hi):
+        return hi
+    while lo < hi:                                 # largest c with fits(c); fits(1) assumed (the tree fits)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+# ----------------------------------------------------------------------------------------- planning
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A run's ledger and plan: the target layer format, each layer's tier (plan), where the embedding table
+    lives, how many tokens one prefill pass of the target takes."""
+
+    shape: RunShape
+    fmt: str
+    plan: Plan
+    embed_on_host: bool
+    prefill_tokens: int
+
+    @property
+    def context(self) -> int:
+        return self.shape.context
+
+    def ledger(self) -> dict[str, int]:
+        """Every item and its bytes, flat (item names are unique across tiers)."""
+        return {k: v for tier in self.plan.ledger().values() for k, v in tier.items()}
+
+    def describe(self) -> str:
+        s = self.shape
+        head = (f"memory ledger: target {s.target.n_layers} layers {_fmt(self.fmt)}"
+                + (f", draft {s.draft.n_layers} layers {_fmt(s.draft_fmt)}" if s.draft is not None else ", no draft")
+                + f", {_dtype(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens")
+        streamed = "" if not self.plan.streams else f"; prefill: up to {self.prefill_tokens} tokens per pass"
+        return head + streamed + "\n" + self.plan.describe()
+
+    def to_json(self) -> dict:
+        p = self.plan
+        return {"resident_layers": len(p.layers_in("resident")),
+                "streamed_layers": {"ram": len(p.layers_in("ram")), "ssd": len(p.layers_in("ssd"))},
+                "ledger": self.ledger(), "predicted_seconds_per_pass": round(p.expected_s, 4),
+                "link_gbps": round(p.bandwidths.ram / GB, 3), "ssd_gbps": round(p.bandwidths.ssd / GB, 3),
+                "device": p.device, "format": self.fmt, "embed_on_host": self.embed_on_host,
+                "prefill_tokens": self.prefill_tokens, "read_ahead": p.read_ahead, "slots": p.n_slots,
+                "budget": self.shape.budget, "context": self.shape.context,
+                "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget}
+
+
+def plan_memory(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str = "auto",
+                bandwidths: Bandwidths | None = None) -> MemoryPlan:
+    """Plan the run with the first target format of `formats` that fits (a list of more than one: the first
+    only while every layer stays resident, e.g. ("none", "nf4") for --quant auto). PlanError (one line, what
+    would fit) when none does."""
+    bw = bandwidths or ASSUMED[shape.device]
+    for k, fmt in enumerate(formats):
+        last = k + 1 == len(formats)
+        try:
+            chosen = _best(shape, fmt, ram, gpu, mode, bw)
+        except PlanError:
+            if last:
+                raise
+            continue
+        if not last and chosen.plan.streams:
+            continue                                          # auto: streamed layers take the next format
+        return chosen
+    raise PlanError("no target format to plan with")
+
+
+def _best(shape: RunShape, fmt: str, ram: int, gpu: int | None, mode: str, bw: Bandwidths) -> MemoryPlan:
+    """A plan that keeps every layer resident when there is one; else the best of the embedding placements
+    (device, or host RAM when the target is untied), with the prefill reserve when it fits, else without."""
+    error: PlanError | None = None
+    try:
+        resident = _plan_one(shape, fmt, False, 0, ram, gpu, mode, bw)
+        if not resident.plan.streams:
+            return resident
+    except PlanError as e:
+        error = e
+    placements = (False,) if shape.target.tie_word_embeddings else (False, True)
+    for reserve in (min(PREFILL_RESERVE, shape.context), 0):
+        found = []
+        for host in placements:
+            try:
+                m = _plan_one(shape, fmt, host, reserve, ram, gpu, mode, bw)
+            except PlanError as e:
+                error = e                      # the last one tried needs the least: its figures are the floor
+                continue
+            if m.plan.streams:                 # the table moves to RAM only for a streamed target
+                found.append(m)
+        if found:
+            return min(found, key=lambda m: (round(m.plan.expected_s, 9), -len(m.plan.layers_in("resident")),
+                                             not m.embed_on_host))
+    raise error if error is not None else PlanError("nothing to plan")
+
+
+def _plan_one(shape: RunShape, fmt: str, host: bool, reserve: int, ram: int, gpu: int | None, mode: str,
+              bw: Bandwidths) -> MemoryPlan:
+    needs = needs_for(shape, fmt, host, reserve)
+    p = plan(needs, shape.device, ram, gpu, mode, bw)
+    left = p.device_budget - p.device_bytes - (p.host_bytes if p.device == "cpu" else 0)
+    act = dict(needs.fixed_bytes)["activations"]
+    chunk = prefill_tokens(shape, fmt, act + max(left, 0)) if p.streams else min(PREFILL_CHUNK, shape.context)
+    return MemoryPlan(shape, fmt, p, host, chunk)
+
+
+def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str = "auto",
+              bandwidths: Bandwidths | None = None) -> str | None:
+    """The first change that makes the run fit, as flags with what the plan then holds (None: none found):
+    a 4-bit draft, then a smaller tree budget, a shorter context, both, and last no draft at all."""
+    tries: list[tuple[str, RunShape]] = []
+    if shape.draft is not None and shape.draft_fmt == "none":
+        tries.append(("--draft-quant nf4", replace(shape, draft_fmt="nf4")))
+    budgets = [b for b in (shape.budget // 2 ** k for k in range(1, 12)) if b >= 16]
+    contexts = [c for c in (2048, 1024) if c < shape.context]
+    tries += [(f"--budget {b}", replace(shape, budget=b)) for b in budgets]
+    tries += [(f"--context {c}", replace(shape, context=c)) for c in contexts]
+    tries += [(f"--budget {b} --context {c}", replace(shape, budget=b, context=c)) for c in contexts for b in budgets]
+    if shape.draft is not None:
+        tries.append(("no draft", replace(shape, draft=None, draft_kv=None)))
+    for flags, candidate in tries:
+        try:
+            m = plan_memory(candidate, formats, ram, gpu, mode, bandwidths)
+        except PlanError:
+            continue
+        n = len(m.plan.layers_in("resident"))
+        return (f"{flags} would fit ({n} of {len(m.plan.tiers)} target layers resident, "
+                f"{m.plan.expected_s:.2f} s per streamed pass)")
+    return None
+
+
+def card_budget(total: int) -> int:
+    """GPU budget of a card with `total` bytes that is not this machine's (specexec plan --gpu-memory): the
+    card minus the CUDA context (CUDA_CONTEXT) minus the margin planner.default_budgets keeps on a real GPU."""
+    return int(total - CUDA_CONTEXT - max(0.05 * total, 2**29))
+
+
+def card_for(budget: int) -> int:
+    """The smallest card (bytes) whose card_budget is at least `budget`."""
+    return int(max((budget + CUDA_CONTEXT) / 0.95, budget + CUDA_CONTEXT + 2**29)) + 1
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f} GB" if abs(n) >= 0.01 * GB else f"{n / 1e6:.1f} MB"
+
+
+def _fmt(fmt: str) -> str:
+    return "unquantized" if fmt == "none" else fmt
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

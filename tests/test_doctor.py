@@ -1,0 +1,64 @@
+"""`specexec doctor` on this CPU-only machine: it says there is no CUDA, measures the cache directory's disk
+with a temporary file it removes, reports RAM and bitsandbytes, and checks the CPU path (resident vs streamed
+greedy tokens of a tiny model); --json is one line with every section; a mismatch fails the command."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli.doctor as doctor
+from cli.main import main
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
+
+
+@cpu_only
+def test_cpu_report_and_json_shape(capsys, tmp_path: Path) -> None:
+    disk = tmp_path / "cache"
+    assert main(["doctor", "--json", "--io-mb", "4", "--cache-dir", str(disk)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1
+    r = json.loads(out)
+    assert set(r) == {"cuda", "disk", "bitsandbytes", "ram", "tiny_model", "ok"} and r["ok"] is True
+    assert r["cuda"]["cuda_available"] is False and r["cuda"]["gpus"] == [] and r["cuda"]["torch"] == torch.__version__
+    assert r["disk"]["ok"] and r["disk"]["read_gbps"] > 0 and r["disk"]["dir"] == str(disk)
+    assert list(disk.iterdir()) == []                                  # the probe's file is gone
+    assert r["bitsandbytes"]["cuda_kernels"] is None and r["ram"]["available_bytes"] > 0
+    t = r["tiny_model"]
+    assert t["device"] == "cpu" and t["tokens"] > 0 and t["equal"] == {"cpu resident": True, "cpu streamed (ssd)": True}
+
+
+@cpu_only
+def test_text_report_and_a_mismatch_fails(capsys, tmp_path: Path, monkeypatch) -> None:
+    real = doctor._tokens
+    monkeypatch.setattr(doctor, "_tokens", lambda t, d, dev, cache, offload: real(t, d, dev, cache, offload)
+                        + ([0] if offload == "ssd" else []))
+    assert main(["doctor", "--io-mb", "4", "--cache-dir", str(tmp_path)]) == 1
+    text = capsys.readouterr().out
+    assert "no CUDA device: checking the CPU path only" in text and "cpu streamed (ssd) DIFFERS" in text
+    assert "some checks FAILED" in text and "read" in text and "GB/s" in text
+
+
+def test_bad_flags_are_one_line(capsys, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert main(["doctor", "--io-mb", "0"]) == 2
+    assert main(["doctor", "--cache-dir", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert "--io-mb must be in" in err and "is not a directory" in err
+
+
+@pytest.mark.gpu
+def test_gpu_doctor_is_fast_pinned_beats_pageable_and_the_gpu_equals_the_cpu(capsys, tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["doctor", "--json", "--cache-dir", str(tmp_path)]) == 0
+    assert time.perf_counter() - t0 < 60
+    r = json.loads(capsys.readouterr().out)
+    assert r["cuda"]["gpus"] and r["cuda"]["h2d_gbps"]["pinned"] > r["cuda"]["h2d_gbps"]["pageable"]
+    assert r["bitsandbytes"]["cuda_kernels"] is True
+    assert r["tiny_model"]["equal"] == {"cpu resident": True, "cuda resident": True, "cuda streamed (ssd)": True}
