@@ -12,6 +12,9 @@ captured the second time it is used (a shape seen once is not worth a capture), 
 is the real pass (it writes the real K/V), so nothing runs twice. Capturing synchronizes the device once
 (torch.cuda.graph does); that happens a few times per SPAN tokens of context, never per pass.
 
+The graph ends at the final norm (hidden [1, b, D]); the LM head runs eagerly after the replay (one large
+kernel), so a graph holds no [b, V] logits buffer.
+
 Exactness: a replay runs the kernels `span_forward` runs eagerly on the same inputs (bitwise equal); that
 differs from the dense forward over keys [0, L0 + K) at most in summation order, since hidden keys add exact
 zeros. The gpu tests check both, and greedy output against target-only decoding.
@@ -72,12 +75,17 @@ def span_mask(tree_mask: Tensor, L0: Tensor, S: int) -> Tensor:
     return (rel < 0)[None] | (picked & ((rel >= 0) & (rel < K))[None])
 
 
+def span_hidden(model: torch.nn.Module, cache: KVCache, tokens: Tensor, positions: Tensor, tree_mask: Tensor,
+                slots: Tensor, L0: Tensor, S: int) -> Tensor:
+    """The draft's layers over the key span S (what a graph captures): hidden [1, b, D]."""
+    return model(tokens[None], positions[None], span_mask(tree_mask, L0, S)[None, None], cache, slots)
+
+
 def span_forward(model: torch.nn.Module, cache: KVCache, tokens: Tensor, positions: Tensor, tree_mask: Tensor,
                  slots: Tensor, L0: Tensor, S: int) -> Tensor:
-    """The draft pass over the key span S (what a graph captures): fp32 logits [b, V]."""
-    mask = span_mask(tree_mask, L0, S)
-    hidden = model(tokens[None], positions[None], mask[None, None], cache, slots)
-    return model.logits(hidden)
+    """The draft pass over the key span S: fp32 logits [b, V] (the LM head runs outside the graph: one large
+    kernel, and a graph keeps only its small hidden output, not [b, V] logits)."""
+    return model.logits(span_hidden(model, cache, tokens, positions, tree_mask, slots, L0, S))
 
 
 @dataclass
@@ -90,7 +98,7 @@ class _Captured:
     tree_mask: Tensor
     slots: Tensor
     L0: Tensor
-    logits: Tensor | None = None
+    hidden: Tensor | None = None
 
     def load(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor, slots: Tensor, L0: int) -> None:
         self.tokens.copy_(tokens)
@@ -123,7 +131,7 @@ class DraftGraphs:
         if g is not None:
             g.load(tokens, positions, tree_mask, slots, L0)
             g.graph.replay()
-            return g.logits.clone()
+            return self.model.logits(g.hidden)
         L0_t = torch.full((1,), L0, dtype=torch.long, device=tokens.device)
         if key not in self.seen:
             self.seen.add(key)
@@ -143,11 +151,11 @@ class DraftGraphs:
         st = _Captured(None, tokens.clone(), positions.clone(), tree_mask.clone(), slots.clone(), L0.clone())
 
         def body() -> Tensor:
-            return span_forward(self.model, self.cache, st.tokens, st.positions, st.tree_mask, st.slots, st.L0, S)
-        out, st.graph, st.logits = self._record(body, tokens.device)
+            return span_hidden(self.model, self.cache, st.tokens, st.positions, st.tree_mask, st.slots, st.L0, S)
+        out, st.graph, st.hidden = self._record(body, tokens.device)
         self.graphs = {k: v for k, v in self.graphs.items() if k[2] == S}     # spans below are outgrown
         self.graphs[key] = st
-        return out
+        return self.model.logits(out)
 
     def _record(self, body, device: torch.device) -> tuple[Tensor, "torch.cuda.CUDAGraph", Tensor]:
         """(the body's real output, a CUDA graph of it, the graph's static output): warm-up on a side stream,
