@@ -99,6 +99,7 @@ class Engine:
         self._generated_from = 0        # where this generate() call's own tokens begin in _context
         self.tuner = BudgetTuner(config.budget) if config.auto_budget and builder is not None else None
         self.observe_topk = int(getattr(builder, "observe_topk", 0) or 0)   # builders learning from the target
+        self.observe_costs = getattr(builder, "observe_costs", None)       # builders whose width follows costs
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
 
@@ -265,6 +266,7 @@ class Engine:
         else:
             self.profiler.settle()                   # the tuner hears finished steps' times (never waits)
             budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
+            passes = draft.passes if draft is not None else 0
             tree = self.builder.build(draft, root, budget, sampling, rng)
         draft_span.stop()                            # CUDA: events on the compute stream, no host sync
         target_span = self.profiler.start("target")
@@ -278,11 +280,14 @@ class Engine:
         target_span.stop()
         record = StepRecord(tree.size, tree.max_depth(), len(acc.tokens), 0.0, 0.0)
         stats.steps.append(record)
+        n_passes = draft.passes - passes if draft is not None and self.builder is not None else 0
 
         def timed(draft_s: float, target_s: float) -> None:      # once the spans' events completed
             record.draft_s, record.target_s = draft_s, target_s
             if self.tuner is not None:
                 self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
+            if self.observe_costs is not None and n_passes:        # r = target pass s / draft pass s
+                self.observe_costs(draft_s, target_s, n_passes)
 
         self.profiler.step(record.tree_size, record.depth, record.accepted, draft_span, target_span, budget, timed)
         return acc

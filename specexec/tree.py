@@ -64,16 +64,18 @@ class TokenTree:
         return self.depths + prefix_len
 
     def ancestor_mask(self) -> torch.Tensor:
-        """bool [N+1, N+1]: A[i, j] is True iff j is i or an ancestor of i (vectorised over depth)."""
+        """bool [N+1, N+1]: A[i, j] is True iff j is i or an ancestor of i. Pointer doubling: after round r
+        every row holds the ancestors less than 2^r levels up, so ceil(log2(N+1)) rounds (a number known from
+        the shape) cover any depth, with no host sync."""
         n = self.tokens.numel()
         rows = torch.arange(n, device=self.device)
         mask = torch.zeros(n, n, dtype=torch.bool, device=self.device)
         mask[rows, rows] = True
-        cur = self.parents.clone()
-        for _ in range(self.max_depth()):
-            valid = cur >= 0
-            mask[rows[valid], cur[valid]] = True
-            cur = torch.where(valid, self.parents[cur.clamp(min=0)], cur)
+        jump = self.parents.clone()                      # the 2^r-th ancestor of each node, -1 above the root
+        for _ in range(max(n - 1, 0).bit_length()):
+            has = (jump >= 0)[:, None]
+            mask |= mask[jump.clamp(min=0)] & has
+            jump = torch.where(jump >= 0, jump[jump.clamp(min=0)], jump)
         return mask
 
     def path(self, node: int) -> list[int]:
@@ -88,22 +90,31 @@ class TokenTree:
         """Children of `node` in proposal order."""
         return torch.nonzero(self.parents == node).flatten().tolist()
 
-    def select(self, keep: torch.Tensor) -> "TokenTree":
-        """The sub-tree of nodes `keep` (ascending indices, ancestor-closed, containing 0), parents remapped."""
+    def select(self, keep: torch.Tensor, check: bool = True) -> "TokenTree":
+        """The sub-tree of nodes `keep` (ascending indices, ancestor-closed, containing 0), parents remapped.
+        check=False skips the closure check (a host sync) for callers that guarantee it."""
         remap = torch.full((self.tokens.numel(),), -1, dtype=torch.long, device=self.device)
         remap[keep] = torch.arange(keep.numel(), device=self.device)
         parents = self.parents[keep]
         new_parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
-        if bool((new_parents[1:] < 0).any()):
+        if check and bool((new_parents[1:] < 0).any()):
             raise ValueError("select() needs an ancestor-closed node set")
         slots = None if self.draft_slots is None else self.draft_slots[keep]
         return TokenTree(self.tokens[keep], new_parents, self.depths[keep], self.scores[keep], slots)
 
     def prune(self, budget: int) -> "TokenTree":
-        """Keep the root and the `budget` best-scoring nodes (ties: earlier nodes). Scores never increase along
-        a path, so the result is ancestor-closed; node order is preserved."""
+        """Keep the root and the `budget` best-scoring nodes (see best_nodes); node order is preserved."""
         if self.size <= budget:
             return self
-        order = torch.sort(self.scores[1:], descending=True, stable=True).indices[:budget] + 1
-        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), torch.sort(order).values])
-        return self.select(keep)
+        return self.select(best_nodes(self.scores, budget), check=False)
+
+
+def best_nodes(scores: torch.Tensor, budget: int, n_finite: int | None = None) -> torch.Tensor:
+    """The root plus the `budget` best-scoring nodes with a finite score, ascending (ties: earlier nodes).
+    scores float [n], root first. When scores never increase along a path the set is ancestor-closed (a tie
+    with an ancestor goes to the ancestor, which comes first). n_finite: how many non-root scores are finite,
+    when the caller read it already; else this reads it (one host sync)."""
+    if n_finite is None:
+        n_finite = int(torch.isfinite(scores[1:]).sum())
+    order = torch.sort(scores[1:], descending=True, stable=True).indices[:min(budget, n_finite)] + 1
+    return torch.cat([order.new_zeros(1), torch.sort(order).values])

@@ -170,7 +170,8 @@ def test_draft_probs_are_the_distribution_the_children_were_drawn_from(models, n
         for u, q in probs.items():
             path = tree.tokens[tree.path(u)].tolist()
             want = fresh_logq(draft, context, path, sampling)[-1].exp()
-            assert torch.allclose(q, want, atol=1e-5), (name, u)
+            # 1e-4: the tree pass attends prefix and tree apart (log-sum-exp merge), the fresh pass in one softmax
+            assert torch.allclose(q, want, atol=1e-4), (name, u, (q - want).abs().max())
         done += step.accepted
 
 

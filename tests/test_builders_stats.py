@@ -1,6 +1,6 @@
 """Sampling exactness of every tree builder, checked statistically on a toy Markov target and draft
 (ALGORITHMS.md §0.5): the builder's real tree-construction code runs against a toy draft (`MarkovDraft`
-implements layered.Passes on a [V, V] logits table), its trees go through the rule the engine would pick for
+implements growth.Passes on a [V, V] logits table), its trees go through the rule the engine would pick for
 its declared drafting kind (and the other exact rules), and the first two emitted tokens must follow the
 target's processed distribution (chi-square and TV). Negative controls show the check has teeth.
 
@@ -33,7 +33,9 @@ TRIALS = int(2000 * SCALE)
 
 
 class MarkovPasses:
-    """layered.Passes on a toy draft whose next-token logits depend on the current token only."""
+    """growth.Passes on a toy draft whose next-token logits depend on the current token only."""
+
+    L0 = 0
 
     def __init__(self, logits: torch.Tensor, capacity: int, sampling: SamplingParams) -> None:
         self.logits, self.capacity, self.sampling, self.n_proc = logits, capacity, sampling, 0
@@ -42,10 +44,14 @@ class MarkovPasses:
         self.n_proc = 1
         return process_logits(self.logits[root_token][None], self.sampling)
 
-    def expand(self, tokens: torch.Tensor, depths: torch.Tensor, parent_proc: torch.Tensor) -> torch.Tensor:
-        assert bool((parent_proc >= 0).all()) and bool((parent_proc < self.n_proc).all())
+    def expand(self, tokens: torch.Tensor, depths: torch.Tensor, parent_proc: torch.Tensor,
+               proc: torch.Tensor | None = None) -> torch.Tensor:
+        assert bool((parent_proc >= 0).all()) and bool((parent_proc < self.capacity).all())
         self.n_proc += tokens.numel()
-        assert self.n_proc <= self.capacity, f"{self.n_proc} processed nodes > capacity {self.capacity}"
+        if proc is None:
+            assert self.n_proc <= self.capacity, f"{self.n_proc} processed nodes > capacity {self.capacity}"
+        else:
+            assert bool((proc > 0).all()) and bool((proc < self.capacity).all())
         return process_logits(self.logits[tokens], self.sampling)
 
     def slots(self, proc: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ def check_every_byte(out: dict, budget: int, gpu_budget: int, ram_budget: int) -
     assert embed == V * D * BF16 and ("target embed" in dev) != ("target embed (host RAM)" in host)
     assert out["ledger"]["draft weights"] == draft_8b_nf4()                    # counted once, from the config
     assert out["ledger"]["target KV cache"] == 2 * L * 8 * 128 * (4096 + budget + 1) * BF16
-    assert out["ledger"]["draft KV cache"] == 2 * DL * 8 * 128 * (4096 + 2 * budget + 1 + 1) * BF16
+    assert out["ledger"]["draft KV cache"] == 2 * DL * 8 * 128 * (4096 + (2 * budget + 1) + 1 + 1) * BF16   # processed nodes, trash slot, root
     layer = layer_bytes(read_args(T70), "nf4", torch.bfloat16)
     assert 0.48 * GB < layer < 0.485 * GB                                     # 855.6M NF4 weights + norms
     n = {"resident": out["resident_layers"], **out["streamed_layers"]}
@@ -209,7 +209,7 @@ def test_runtime_plans_before_loading_and_counts_the_draft_once(tiny_pair, tmp_p
         assert ledger["draft weights"] == module_bytes(rt.engine.draft)
         t_slots, d_slots = rt.plan.memory.shape.slots
         assert rt.plan.memory.context == 512                      # the tiny models' maximum (< 4096)
-        assert (t_slots, d_slots) == (512 + 9, 512 + 17 + 1)
+        assert (t_slots, d_slots) == (512 + 9, 512 + 17 + 1 + 1)    # draft: processed nodes, trash slot, root
     finally:
         rt.engine.close()
 

@@ -18,24 +18,31 @@ from ..config import SamplingParams
 from ..kv_cache import KVCache
 from ..model import Transformer, TreeMask
 from ..tree import TokenTree
+from . import draft_graphs
 
 
 @dataclass
 class DraftState:
-    """The draft model, its cache (committed prefix) and pending tokens (not yet in the cache; last = root)."""
+    """The draft model, its cache (committed prefix) and pending tokens (not yet in the cache; last = root).
+    `passes` counts draft forwards (the engine divides draft time by it). `cuda_graphs`: replay the forward
+    from CUDA graphs on CUDA (None: on unless SPECEXEC_CUDA_GRAPHS=0; see builders/draft_graphs.py)."""
 
     model: Transformer
     cache: KVCache
     pending: list[int] = field(default_factory=list)
+    passes: int = 0
+    cuda_graphs: bool | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
-        """tokens, positions, slots [b]; tree_mask bool [b, K] over the scratch slots [L0, L0 + K), L0 = the
-        cache's length (every token also sees the whole committed prefix [0, L0)) -> fp32 logits [b, V]."""
-        L0, width = self.cache.length, tree_mask.shape[1]
-        if width > L0 > 0 and width == int(slots.max()) + 1:   # TRANSITIONAL: the old dense [b, L0 + K] form
-            tree_mask = tree_mask[:, L0:]
-        hidden = self.model(tokens[None], positions[None], TreeMask(L0, tree_mask), self.cache, slots)
+        """One draft pass. tokens, positions, slots long [b]; tree_mask bool [b, K] over the scratch slots
+        [L0, L0 + K) of the cache (L0 = cache.length); every query also sees the whole committed prefix
+        [0, L0). K/V are written at `slots`. -> fp32 logits [b, V]. Every draft forward goes through here."""
+        self.passes += 1
+        graphs = draft_graphs.runner(self.model, self.cache, self.cuda_graphs)
+        if graphs is not None:
+            return graphs.run(tokens, positions, tree_mask, slots)
+        hidden = self.model(tokens[None], positions[None], TreeMask(self.cache.length, tree_mask), self.cache, slots)
         return self.model.logits(hidden)
 
     def commit(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
@@ -59,7 +66,9 @@ class TreeBuilder(Protocol):
     - `draft_probs(tree, node) -> Tensor [V]`: the processed draft distribution a node's children were drawn
       from (required for the rrs_wor rule, i.e. by "without_replacement" builders at T > 0);
     - `observe_topk: int` (> 0 opts in), `bind(vocab_size, device)` and `observe_target(tree, topk [N+1, k])`:
-      builders that learn from the target's top-k at every verified node (Token Recycling)."""
+      builders that learn from the target's top-k at every verified node (Token Recycling);
+    - `observe_costs(draft_s, target_s, draft_passes)`: each step's drafting and target seconds and the draft
+      passes it ran, for builders whose width follows the cost ratio of the two passes (SpecExec)."""
 
     name: str
     drafting: str

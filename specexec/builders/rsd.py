@@ -1,21 +1,24 @@
 """RSD builders: Recursive Speculative Decoding, trees sampled without replacement, verified by recursive
 rejection sampling in sampling order (V5, rrs_wor), which is exact at any temperature.
 
-Jeon et al., "Recursive Speculative Decoding" (arXiv 2402.14160); ALGORITHMS.md §2, §0.4.
+Jeon et al., "Recursive Speculative Decoding" (arXiv 2402.14160).
 - `rsd` = RSD-S, stochastic beam search (Kool et al., ICML'19): beam width W and depth L with W * L <= budget.
   Each beam y keeps phi(y) (cumulative draft log-prob) and a perturbed value G(y) (root: 0, 0). Per depth, every
   beam's next tokens get G'(yx) = phi(yx) + Gumbel; Z(y) = max_x G'(yx); the values are conditioned on the
   parent, G(yx) = -log(exp(-G(y)) - exp(-Z(y)) + exp(-G'(yx))) (stable form, float64); the global top-W of all
   (y, x) become the next beams and tree nodes. Within one parent the kept children are a prefix of a Gumbel
   top-k ordering, i.e. a without-replacement sample of q(.|y) in draw order: nodes are added in descending G,
-  which is that order. How many survive depends on the values only, not on token identities (§0.4).
+  which is that order. How many survive depends on the values only, not on token identities.
   Only each beam's W best perturbed tokens can be kept, so G is computed for those alone ([W, W], not [W, V]).
 - `rsd-c` = RSD-C, constant branching: every node at depth l gets b_l children by Gumbel-top-b_l; the shape
   is filled breadth first and cut at the budget (a node's kept children are a prefix of its draws).
 At temperature 0 the Gumbel noise is dropped: RSD-S becomes beam search, RSD-C top-k (any tree is exact then).
 `draft_probs` hands the verifier the processed q each node's children were drawn from.
 
-Does not know: the target, verification, the draft's internals (layered.Passes runs it, reusing its cache).
+RSD-S makes one host sync per level (how many of the W best are finite: also the stop decision); RSD-C is the
+static builder's drafting (no sync per pass).
+
+Does not know: the target, verification, the draft's internals (growth.Passes runs it, reusing its cache).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from torch import Tensor
 from ..config import SamplingParams
 from ..sampling import gumbel_topk
 from ..tree import TokenTree
-from .layered import Growth, QStore, draft_passes
+from .growth import Growth, QStore, draft_passes, host_values
 from .static import Shape, StaticBuilder
 
 
@@ -59,11 +62,10 @@ class RSDBuilder:
               rng: torch.Generator | None = None) -> TokenTree:
         """L levels of stochastic beam search (L - 1 draft passes over at most W beams each)."""
         W, L = self.beam(budget)
-        passes = draft_passes(draft, self.kv_slots(budget), sampling)
+        passes = draft_passes(draft, budget + 1, sampling)
         logq = passes.root(root_token)
-        self._q.reset(logq, keep=not sampling.greedy)
-        self._q.set_base(passes)
-        g = Growth.start(root_token, logq.device)
+        self._q.reset(logq, passes, keep=not sampling.greedy)
+        g = Growth(root_token, 1 + W * L, logq.device)
         beams = torch.zeros(1, dtype=torch.long, device=logq.device)
         values = torch.zeros(1, dtype=torch.float64, device=logq.device)
         for depth in range(1, L + 1):
@@ -88,10 +90,11 @@ class RSDBuilder:
             child = shift_gumbel(phi + keys.double(), values[:, None], phi + keys[:, :1].double())
             lp = logq.gather(1, tok.clamp(min=0))
         top = child.flatten().topk(min(W, child.numel()))
-        pick = top.indices[torch.isfinite(top.values)]                          # the one host sync
+        count = int(host_values(torch.isfinite(top.values).sum())[0])         # the one host sync
+        pick = top.indices[:count]                                               # descending: finite first
         rows, toks = pick // w, tok.flatten()[pick]
         new = g.add(toks, beams[rows], g.scores[beams[rows]] + lp.flatten()[pick])
-        return new, top.values[: pick.numel()]
+        return new, top.values[:count]
 
     def draft_probs(self, tree: TokenTree, node: int) -> Tensor:
         """Processed draft probabilities [V] at `node` of the last tree built."""
@@ -101,7 +104,7 @@ class RSDBuilder:
         """RSD learns nothing from the target."""
 
     def kv_slots(self, budget: int) -> int:
-        return budget + 1
+        return budget + 2                                     # processed nodes + the trash slot
 
 
 def branching_shape(budget: int, branching: tuple[int, ...]) -> Shape:

@@ -1,7 +1,7 @@
 """Static builder (Sequoia): the tree shape comes from a dynamic program over a positional acceptance vector;
 the draft only fills in the tokens.
 
-Chen et al., "Sequoia" (arXiv 2402.12374); ALGORITHMS.md §6. The acceptance vector p_k is the probability
+Chen et al., "Sequoia" (arXiv 2402.12374). The acceptance vector p_k is the probability
 that the k-th child (in sampling order) of an accepted node is the one the target accepts. Under that model a
 node's value is the product of p over the child ranks on its path, E[tokens/step] = sum of values, and
 `tree_shape` finds the shape of at most `budget` nodes and depth <= max_depth that maximises it (depth-bounded
@@ -10,7 +10,9 @@ DP, O(D * K * N^2) once per (budget, depth, vector), vectorised max-plus convolu
 Drafting, one draft pass per level over the nodes the shape expands: temperature 0 takes each node's top-b
 tokens; temperature > 0 draws b children without replacement (Gumbel-top-b of the processed q, draw order),
 so the builder declares "without_replacement" and V5 (rrs_wor) with `draft_probs` is exact (Sequoia Alg. 2).
-Fewer children appear where q has fewer than b tokens with mass.
+Fewer children appear where q has fewer than b tokens with mass. Node i of the tree under construction is
+node i of the shape, every level's index tensors are built once per shape, and the tokens q cannot propose keep
+score -inf until the one host sync of the tree drops them (with their subtrees): no sync per pass.
 
 The acceptance vector: DEFAULT_ACCEPTANCE (a plausible profile for a same-family pair), or measured ones from
 a JSON file (`acceptance_file`): a single vector (`save_acceptance`), or the per-temperature table that
@@ -32,7 +34,7 @@ from torch import Tensor
 
 from ..config import ConfigError, SamplingParams
 from ..tree import TokenTree
-from .layered import Growth, QStore, draft_passes, pick_children
+from .growth import Growth, QStore, draft_passes, host_values, pick_children, upload
 
 DEFAULT_ACCEPTANCE = (0.60, 0.12, 0.05, 0.03, 0.02, 0.014, 0.01, 0.008,
                       0.006, 0.005, 0.004, 0.003, 0.0025, 0.002, 0.0015, 0.001)
@@ -184,23 +186,20 @@ class StaticBuilder:
               rng: torch.Generator | None = None) -> TokenTree:
         """Fill the DP shape for `budget` level by level (one draft pass per level)."""
         shape = self.shape_for(budget, sampling.temperature)
-        passes = draft_passes(draft, self.kv_slots(budget), sampling)
+        passes = draft_passes(draft, budget + 1, sampling)
         logq = passes.root(root_token)
-        self._q.reset(logq, keep=not sampling.greedy)
-        self._q.set_base(passes)
-        g = Growth.start(root_token, logq.device)
-        where = {0: 0}                                   # shape node -> growth node (absent: not drafted)
-        level = [0]
-        while True:
-            parents = [s for s in level if shape.count[s] > 0]
-            if not parents:
-                break
-            gp = torch.tensor([where[s] for s in parents], device=logq.device)
-            if parents != [0]:
-                logq = g.expand(passes, gp)
+        self._q.reset(logq, passes, keep=not sampling.greedy)
+        g = Growth(root_token, shape.size + 2, logq.device)          # + a dump slot for unused child ranks
+        for i, (parents, counts, dest, k) in enumerate(_levels(shape, logq.device)):
+            if i:
+                logq = g.expand(passes, parents)
                 self._q.add(logq)
-            level = self._add_level(g, shape, parents, gp, where, logq, sampling, rng)
-        return g.tree(passes)
+            rows, _, tok, lp = pick_children(logq, k, not sampling.greedy, rng, counts)
+            g.put(dest, tok, parents[rows], g.scores[parents[rows]] + lp)
+        g.n = shape.size + 1
+        finite = torch.isfinite(g.scores[:g.n])
+        n_keep = int(host_values(finite.sum())[0])                    # the one host sync of the tree
+        return g.tree(passes, torch.sort((~finite).to(torch.uint8), stable=True).indices[:n_keep])
 
     def shape_for(self, budget: int, temperature: float | None = None) -> Shape:
         return tree_shape(budget, self.max_depth, self.vector_for(temperature))
@@ -213,21 +212,6 @@ class StaticBuilder:
         t = 0.0 if temperature is None else float(temperature)
         return self._by_temperature[min(self._by_temperature, key=lambda x: (abs(x - t), x))]
 
-    def _add_level(self, g: Growth, shape: Shape, parents: list[int], gp: Tensor, where: dict[int, int],
-                   logq: Tensor, sampling: SamplingParams, rng: torch.Generator | None) -> list[int]:
-        """Children of the shape nodes `parents` (growth nodes gp [b], draft log-probs logq [b, V])."""
-        counts = [shape.count[s] for s in parents]
-        rows, ranks, tok, lp = pick_children(logq, torch.tensor(counts, device=logq.device), not sampling.greedy,
-                                             rng, max_count=max(counts))
-        new = g.add(tok, gp[rows], g.scores[gp[rows]] + lp)
-        level = []
-        rows_ranks = torch.stack([rows, ranks]).tolist()
-        for i, (r, k) in enumerate(zip(*rows_ranks)):
-            child = shape.first[parents[r]] + k
-            where[child] = g.n - new.numel() + i
-            level.append(child)
-        return level
-
     def draft_probs(self, tree: TokenTree, node: int) -> Tensor:
         """Processed draft probabilities [V] at `node` of the last tree built."""
         return self._q.probs(tree, node)
@@ -236,4 +220,21 @@ class StaticBuilder:
         """The shape is fixed; acceptance statistics are measured offline."""
 
     def kv_slots(self, budget: int) -> int:
-        return budget + 1
+        return budget + 2                                     # processed nodes + the trash slot
+
+
+@functools.lru_cache(maxsize=64)
+def _levels(shape: Shape, device: torch.device) -> list[tuple[Tensor, Tensor, Tensor, int]]:
+    """Per level of `shape` with children: (parents long [b], their child counts long [b], dest long [b * k], k),
+    dest[r * k + j] = the shape index of child j of parents[r] (k = the level's largest count), or the dump
+    slot shape.size + 1 where j >= that parent's count."""
+    out = []
+    for depth in range(max(shape.depths) + 1):
+        parents = [s for s, d in enumerate(shape.depths) if d == depth and shape.count[s] > 0]
+        if not parents:
+            break
+        k = max(shape.count[s] for s in parents)
+        dest = [shape.first[s] + j if j < shape.count[s] else shape.size + 1 for s in parents for j in range(k)]
+        counts = [shape.count[s] for s in parents]
+        out.append((*(upload(x, device) for x in (parents, counts, dest)), k))
+    return out

@@ -1,0 +1,241 @@
+"""The one growth core every draft-grown tree builder uses: draft passes over fixed-size device buffers, the
+tree under construction, child selection, and at most ONE host synchronisation per draft pass.
+
+- `DraftPasses` runs the draft for one tree. `root()` feeds the pending tokens (accepted tokens the draft never
+  saw, ending with the root) and commits all but the root; each `expand()` is one batched pass over nodes whose
+  parents were processed. Every node is computed once and attends to the committed prefix plus the cached K/V
+  of its processed ancestors: an ancestor bit-matrix [K, K] over processed indices (K = capacity + 1) is
+  filled row by row with index copies, never compaction, and its rows are the pass's tree mask over the draft
+  cache's scratch slots [L0, L0 + K). Processed node j lives at slot L0 + j; the last column is a trash slot.
+- Batches are padded to a few fixed sizes (`padded`: powers of two and 1.5x powers of two), so the draft's
+  forward sees few distinct shapes (CUDA graphs capture each once, builders/draft_graphs.py). Padding rows
+  repeat the first row's token, write the trash slot and attend to the root only; their logits are dropped.
+- A toy draft (tests) implements the same calls on a Markov table (`draft_passes` picks the implementation).
+- `Growth` is the tree under construction in fixed-capacity buffers (tokens/parents/depths/scores/proc);
+  nodes are appended in fixed-size blocks or put at known indices, unused or dropped ones keep score -inf.
+- `pick_children` chooses each expanded node's children without a host sync: top-k at temperature 0, else
+  Gumbel-top-k of the processed draft distribution (a sample without replacement in draw order, Kool et al.,
+  ICML'19), so rrs_wor verification is exact; tokens a row cannot propose come back with log-prob -inf.
+- `host_values` is the one host synchronisation a builder makes per pass (its stop decision and whatever
+  counts it needs, read together); everything else stays on the device.
+- `QStore` keeps the processed draft log-probabilities of every processed node of the last tree, for
+  builders verified with rrs_wor (`draft_probs(tree, node)`).
+
+Does not know: the target model, verification, which nodes a builder expands or keeps, how the draft's forward
+is computed (DraftState.forward).
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..config import SamplingParams
+from ..sampling import gumbel_topk, process_logits
+from ..tree import TokenTree
+from .base import DraftState
+
+
+def padded(b: int) -> int:
+    """The batch size a pass over b rows runs at: the smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... >= b."""
+    if b <= 2:
+        return max(b, 1)
+    p = 1 << (b - 1).bit_length()
+    return 3 * p // 4 if 3 * p // 4 >= b else p
+
+
+def host_values(*values: Tensor) -> list[float]:
+    """Read scalar tensors into Python in ONE device-to-host transfer (a builder's one sync per pass)."""
+    return torch.stack([v.reshape(()).double() for v in values]).tolist()
+
+
+def upload(data: list[int], device: torch.device) -> Tensor:
+    """A long tensor of host data on `device` without waiting for the device (non-blocking copy)."""
+    t = torch.tensor(data, dtype=torch.long)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+class Passes(Protocol):
+    """One tree's draft passes (see the module docstring). Processed index 0 is the root."""
+
+    n_proc: int
+    capacity: int
+    L0: int
+
+    def root(self, root_token: int) -> Tensor:
+        """Processed draft log-probs [1, V] after the root."""
+
+    def expand(self, tokens: Tensor, depths: Tensor, parent_proc: Tensor, proc: Tensor | None = None) -> Tensor:
+        """tokens, depths, parent_proc long [b] -> processed log-probs [b, V]; the nodes get processed
+        indices `proc` [b] (a builder recycling the slots of dropped nodes), by default n_proc .. n_proc + b - 1
+        (in this order). n_proc counts the nodes processed so far either way."""
+
+    def slots(self, proc: Tensor) -> Tensor | None:
+        """Draft-cache slot per processed index (proc long [N+1], -1 kept as -1), or None (no cache)."""
+
+
+class DraftPasses:
+    """Passes over a DraftState's model and KV cache; at most `capacity` processed nodes (root included)."""
+
+    def __init__(self, draft: DraftState, capacity: int, sampling: SamplingParams) -> None:
+        self.draft, self.capacity, self.sampling = draft, capacity, sampling
+        self.device = draft.cache.k.device
+        self.width = capacity + 1                                   # K tree-mask columns; the last is trash
+        self.anc = torch.zeros(self.width, self.width, dtype=torch.bool, device=self.device)
+        self.n_proc, self.L0 = 0, draft.cache.length
+
+    def root(self, root_token: int) -> Tensor:
+        """Feed the pending tokens (ending with the root) in one causal pass; commit all but the root."""
+        draft, dev = self.draft, self.device
+        pending = draft.pending if draft.pending and draft.pending[-1] == root_token else [root_token]
+        L, P = draft.cache.length, len(pending)
+        slots = torch.arange(L, L + P, device=dev)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        logits = draft.forward(upload(pending, dev), slots, causal, slots)[-1:]
+        draft.cache.keep(slots[:-1])
+        draft.pending = [root_token]
+        self.L0, self.n_proc = draft.cache.length, 1
+        self.anc[0, 0] = True
+        return process_logits(logits, self.sampling)
+
+    def expand(self, tokens: Tensor, depths: Tensor, parent_proc: Tensor, proc: Tensor | None = None) -> Tensor:
+        b, n, m = tokens.numel(), self.n_proc, padded(tokens.numel())
+        if proc is None:
+            if n + b > self.capacity:
+                raise RuntimeError(f"draft pass over {b} nodes exceeds the tree's {self.capacity} draft slots")
+            proc = torch.arange(n, n + b, device=self.device)
+        new = torch.cat([proc, proc.new_full((m - b,), self.width - 1)])      # padding rows -> the trash slot
+        if m > b:
+            tokens = torch.cat([tokens, tokens[:1].expand(m - b)])
+            depths = torch.cat([depths, depths.new_zeros(m - b)])
+            parent_proc = torch.cat([parent_proc, parent_proc.new_zeros(m - b)])
+        self.anc[new] = self.anc[parent_proc]
+        self.anc[new, new] = True
+        logits = self.draft.forward(tokens, self.L0 + depths, self.anc[new], self.L0 + new)
+        self.n_proc = n + b
+        return process_logits(logits[:b], self.sampling)
+
+    def slots(self, proc: Tensor) -> Tensor:
+        return torch.where(proc >= 0, proc + self.L0, proc)
+
+
+def draft_passes(draft: object, capacity: int, sampling: SamplingParams) -> Passes:
+    """DraftPasses for a DraftState; a toy draft (tests) supplies its own through `.passes(...)`."""
+    if draft is None:
+        raise ValueError("this builder needs a draft model")
+    if isinstance(draft, DraftState):
+        return DraftPasses(draft, capacity, sampling)
+    return draft.passes(capacity, sampling)                        # type: ignore[attr-defined]
+
+
+class Growth:
+    """The tree under construction in buffers of fixed `capacity` (index order is topological): long
+    tokens/parents/depths/proc, float scores (cumulative draft log-prob or another non-increasing value; -inf
+    marks a slot that is no node); proc = processed index (-1: never expanded). Nodes [0, n) exist."""
+
+    def __init__(self, root_token: int, capacity: int, device: torch.device) -> None:
+        long = dict(dtype=torch.long, device=device)
+        self.capacity, self.n, self.device = capacity, 1, device
+        self.tokens = torch.zeros(capacity, **long)
+        self.parents = torch.full((capacity,), -1, **long)
+        self.depths = torch.zeros(capacity, **long)
+        self.scores = torch.full((capacity,), float("-inf"), device=device)
+        self.proc = torch.full((capacity,), -1, **long)
+        self.tokens[0], self.scores[0], self.proc[0] = root_token, 0.0, 0
+
+    def add(self, tokens: Tensor, parents: Tensor, scores: Tensor) -> Tensor:
+        """Append a block of k nodes (tokens, parents long [k], scores float [k]); returns their indices [k]."""
+        first, k = self.n, tokens.numel()
+        if first + k > self.capacity:
+            raise RuntimeError(f"tree buffers full: {first} + {k} nodes > capacity {self.capacity}")
+        idx = torch.arange(first, first + k, device=self.device)
+        self.put(idx, tokens, parents, scores)
+        self.n = first + k
+        return idx
+
+    def put(self, idx: Tensor, tokens: Tensor, parents: Tensor, scores: Tensor) -> None:
+        """Write nodes at known indices idx [k] (parents already written; duplicates only for a dump slot)."""
+        self.tokens[idx] = tokens
+        self.parents[idx] = parents
+        self.depths[idx] = self.depths[parents] + 1
+        self.scores[idx] = scores.float()
+
+    def expand(self, passes: Passes, nodes: Tensor, proc: Tensor | None = None) -> Tensor:
+        """One draft pass over `nodes` [b] (their parents processed): processed log-probs [b, V]. proc [b]:
+        the processed indices to give them (default: the next free ones in order)."""
+        if proc is None:
+            proc = torch.arange(passes.n_proc, passes.n_proc + nodes.numel(), device=nodes.device)
+        logq = passes.expand(self.tokens[nodes], self.depths[nodes], self.proc[self.parents[nodes]], proc)
+        self.proc[nodes] = proc
+        return logq
+
+    def tree(self, passes: Passes | None, keep: Tensor | None = None) -> TokenTree:
+        """The TokenTree of nodes [0, n), or of `keep` (ascending, ancestor-closed, with the root)."""
+        n = self.n
+        slots = passes.slots(self.proc[:n]) if passes is not None else None
+        full = TokenTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], slots)
+        return full if keep is None else full.select(keep, check=False)
+
+
+def pick_children(logq: Tensor, k: int, sample: bool, rng: torch.Generator | None,
+                  counts: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Up to k children of each of b expanded nodes, no host sync: logq [b, V] processed log-probs; counts long
+    [b] (optional, each <= k): children per row. sample=False: the top-k; True: Gumbel-top-k, a sample without
+    replacement listed in draw order.
+
+    Returns (row, rank, token long [b*k], logp float [b*k]) grouped by row in proposal order (rank = position
+    among the row's children). Tokens a row cannot propose (zero probability, rank >= its count) come back as
+    token 0 with logp -inf."""
+    b, dev = logq.shape[0], logq.device
+    k = max(0, min(int(k), logq.shape[-1]))
+    if sample:
+        tok, keys = gumbel_topk(logq, k, rng)                       # tail of a short support: -1 / -inf
+        ok = torch.isfinite(keys)
+        top_lp = logq.gather(1, tok.clamp(min=0))
+    else:
+        top_lp, tok = logq.topk(k, dim=-1)
+        ok = torch.isfinite(top_lp)
+    if counts is not None:
+        ok &= torch.arange(k, device=dev)[None] < counts.to(dev)[:, None]
+    flat = torch.arange(b * k, device=dev)
+    return flat // k, flat % k, tok.clamp(min=0).flatten(), top_lp.masked_fill(~ok, float("-inf")).flatten()
+
+
+def kth_best(scores: Tensor, k: int) -> Tensor:
+    """The k-th best of the non-root scores [n] (scores[0] is the root's), -inf while fewer exist."""
+    if scores.numel() - 1 < k:
+        return scores.new_tensor(float("-inf"))
+    return scores[1:].topk(k).values[-1]
+
+
+class QStore:
+    """Processed draft log-probs of the last tree's processed nodes (one [b, V] tensor per pass, not copied),
+    so `probs(tree, node)` can hand rrs_wor the q the children were drawn from."""
+
+    def __init__(self) -> None:
+        self.parts: list[Tensor] = []
+        self.starts: list[int] = []
+        self.L0, self.keep = 0, True
+
+    def reset(self, first: Tensor, passes: Passes, keep: bool = True) -> None:
+        """Start a tree with the root pass's log-probs; keep=False (temperature 0: no rule asks for q) holds
+        nothing, so the passes' [b, V] tensors are freed as usual. Processed index j is draft slot L0 + j."""
+        self.keep, self.L0 = keep, passes.L0
+        self.parts, self.starts = ([first], [0]) if keep else ([], [])
+
+    def add(self, logq: Tensor) -> None:
+        if self.keep:
+            self.starts.append(self.starts[-1] + self.parts[-1].shape[0])
+            self.parts.append(logq)
+
+    def probs(self, tree: TokenTree, node: int) -> Tensor:
+        """q [V] at `node` of the last tree built (the node must have been processed)."""
+        if not self.parts:
+            raise ValueError("no draft distributions were kept for this tree (built at temperature 0)")
+        if tree.draft_slots is None or int(tree.draft_slots[node]) < 0:
+            raise ValueError(f"node {node} was never processed by the draft: no draft distribution there")
+        proc = int(tree.draft_slots[node]) - self.L0
+        part = bisect.bisect_right(self.starts, proc) - 1
+        return self.parts[part][proc - self.starts[part]].exp()

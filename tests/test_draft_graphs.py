@@ -1,0 +1,168 @@
+"""CUDA graphs of the draft forward (builders/draft_graphs.py). On the CPU: the span forward a graph captures
+(fixed key span, mask built on the device from L0) equals the dense forward, and graphs stay off. On a GPU:
+replays are bitwise equal to the eager span forward at every padded batch size, interleaved, across a span
+boundary and after the cache grows; and greedy decoding with graphs on equals target-only decoding.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specexec.builders import draft_graphs
+from specexec.builders.base import DraftState
+from specexec.builders.growth import padded
+from specexec.config import EngineConfig
+from specexec.engine import Engine
+from specexec.kv_cache import KVCache
+from specexec.loading import load_model
+from specexec.runtime import make_builder
+from tests.tiny_models import prompt
+
+
+def _state(model, device: str, prefix: int = 37, capacity: int = 1200) -> DraftState:
+    a = model.args
+    cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, device)
+    ids = torch.tensor(prompt(3, prefix), device=device)
+    pos = torch.arange(prefix, device=device)
+    mask = torch.ones(prefix, prefix, dtype=torch.bool, device=device).tril()[None, None]
+    model(ids[None], pos[None], mask, cache)
+    cache.advance(prefix)
+    return DraftState(model, cache, cuda_graphs=False)
+
+
+def _pass_inputs(state: DraftState, b: int, K: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A plausible tree pass: b rows, each seeing a random subset of the first rows' slots and itself."""
+    g = torch.Generator().manual_seed(seed)
+    dev = state.cache.k.device
+    tokens = torch.randint(7, 300, (b,), generator=g)
+    tree_mask = torch.rand(b, K, generator=g) < 0.3
+    tree_mask[:, b:] = False
+    tree_mask[torch.arange(b), torch.arange(b)] = True
+    depths = tree_mask.sum(1)
+    L0 = state.cache.length
+    return (tokens.to(dev), (L0 + depths).to(dev), tree_mask.to(dev), (L0 + torch.arange(b)).to(dev))
+
+
+@torch.inference_mode()
+def test_span_forward_equals_the_eager_forward_on_cpu(tiny_pair: tuple[Path, Path]) -> None:
+    """The graph-capturable span forward (one dense mask over the padded span) gives the eager forward's logits
+    (prefix and tree attended apart, merged by log-sum-exp) up to rounding, and the same argmax."""
+    model = load_model(tiny_pair[1])
+    state = _state(model, "cpu")
+    for b, K in ((1, 9), (6, 40), (12, 513)):
+        tokens, positions, tree_mask, slots = _pass_inputs(state, b, K, seed=b)
+        eager = state.forward(tokens, positions, tree_mask, slots)
+        S = draft_graphs.key_span(state.cache.length, K, state.cache.capacity)
+        assert S >= state.cache.length + K and S % draft_graphs.SPAN == 0
+        L0 = torch.full((1,), state.cache.length, dtype=torch.long)
+        span = draft_graphs.span_forward(model, state.cache, tokens, positions, tree_mask, slots, L0, S)
+        assert (span - eager).abs().max() <= 1e-4 * eager.abs().max(), (span - eager).abs().max()   # one softmax over the span vs the split one
+        assert torch.equal(span.argmax(-1), eager.argmax(-1))
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: replay() reruns the captured body into the static output."""
+
+    def __init__(self, body, out: torch.Tensor) -> None:
+        self.body, self.out, self.replays = body, out, 0
+
+    def replay(self) -> None:
+        self.out.copy_(self.body())
+        self.replays += 1
+
+
+class CpuGraphs(draft_graphs.DraftGraphs):
+    """The runner's bookkeeping (first use eager, capture on the second, replays from static buffers, spans,
+    a reallocated cache) with the CUDA part faked."""
+
+    def _record(self, body, device):
+        out = body()
+        static = body().clone()
+        return out, FakeGraph(body, static), static
+
+
+@torch.inference_mode()
+def test_runner_bookkeeping_on_cpu(tiny_pair: tuple[Path, Path]) -> None:
+    model = load_model(tiny_pair[1])
+    state = _state(model, "cpu", capacity=1500)
+    runner = CpuGraphs(model, state.cache)
+
+    def check(b: int, K: int, seed: int) -> None:
+        tokens, positions, tree_mask, slots = _pass_inputs(state, b, K, seed)
+        L0 = torch.full((1,), state.cache.length, dtype=torch.long)
+        S = draft_graphs.key_span(state.cache.length, K, state.cache.capacity)
+        got = runner.run(tokens, positions, tree_mask, slots)
+        want = draft_graphs.span_forward(model, state.cache, tokens, positions, tree_mask, slots, L0, S)
+        assert torch.equal(got, want)
+
+    check(4, 100, 0)
+    assert not runner.graphs                              # first use: eager
+    check(4, 100, 1)
+    assert list(runner.graphs) == [(4, 100, 512)]         # second use: captured
+    for seed in range(2, 5):                              # new inputs through the static buffers
+        check(4, 100, seed)
+    assert runner.graphs[(4, 100, 512)].graph.replays == 3
+    state.cache.advance(draft_graphs.SPAN)                # L0 + K crosses a span: a new shape, then captured
+    check(4, 100, 5)
+    check(4, 100, 6)
+    assert list(runner.graphs) == [(4, 100, 1024)]        # the outgrown span's graph is dropped
+    state.cache.grow(3000)                                # reallocated: every graph points at freed memory
+    check(4, 100, 7)
+    assert not runner.graphs
+
+
+def test_graphs_are_off_on_cpu_and_behind_a_switch(monkeypatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not draft_graphs.enabled(None, cpu) and not draft_graphs.enabled(True, cpu)
+    assert draft_graphs.enabled(None, cuda) and not draft_graphs.enabled(False, cuda)
+    monkeypatch.setenv(draft_graphs.ENV, "0")
+    assert not draft_graphs.enabled(None, cuda) and draft_graphs.enabled(True, cuda)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_graph_replays_equal_the_eager_pass_at_every_padded_size(tiny_pair: tuple[Path, Path]) -> None:
+    model = load_model(tiny_pair[1], "cuda", "float32")
+    state = _state(model, "cuda")
+    runner = draft_graphs.DraftGraphs(model, state.cache)
+    K = 257
+    sizes = sorted({padded(b) for b in range(1, 129)})
+    for round_ in range(3):                            # first use eager, second captures, third replays
+        for b in sizes + sizes[::-1]:
+            tokens, positions, tree_mask, slots = _pass_inputs(state, b, K, seed=100 * round_ + b)
+            L0 = torch.full((1,), state.cache.length, dtype=torch.long, device="cuda")
+            S = draft_graphs.key_span(state.cache.length, K, state.cache.capacity)
+            want = draft_graphs.span_forward(model, state.cache, tokens, positions, tree_mask, slots, L0, S)
+            dense = state.forward(tokens, positions, tree_mask, slots)
+            got = runner.run(tokens, positions, tree_mask, slots)
+            assert torch.equal(got, want), (round_, b)
+            assert torch.allclose(got, dense, atol=1e-4, rtol=1e-4) and torch.equal(got.argmax(-1), dense.argmax(-1))
+    assert len(runner.graphs) == len(sizes) and not runner.failed
+    state.cache.advance(draft_graphs.SPAN)             # across a span boundary: new captures, still exact
+    state.cache.grow(2 * state.cache.capacity)         # a reallocated cache: the old graphs are dropped
+    for _ in range(3):
+        tokens, positions, tree_mask, slots = _pass_inputs(state, 8, K, seed=7)
+        L0 = torch.full((1,), state.cache.length, dtype=torch.long, device="cuda")
+        S = draft_graphs.key_span(state.cache.length, K, state.cache.capacity)
+        want = draft_graphs.span_forward(model, state.cache, tokens, positions, tree_mask, slots, L0, S)
+        assert torch.equal(runner.run(tokens, positions, tree_mask, slots), want)
+    assert len(runner.graphs) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["specexec", "dynamic", "static"])
+def test_greedy_with_graphs_equals_target_only_on_gpu(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path,
+                                                      name: str) -> None:
+    target = load_model(tiny_pair[0], "cuda", "float32")
+    draft = load_model(tiny_perturbed_draft, "cuda", "float32")
+    ids = prompt(5)
+    base = Engine(target, None, EngineConfig(budget=1, device="cuda"), None)
+    want = [t for s in base.generate(ids, 48) for t in s]
+    engine = Engine(target, draft, EngineConfig(budget=64, builder=name, device="cuda"), make_builder(name))
+    got = [t for s in engine.generate(ids, 48) for t in s]
+    again = [t for s in engine.generate(ids, 48) for t in s]         # second call: replays captured graphs
+    assert got == want and again == want
+    runner = draft_graphs.runner(draft, engine._caches[1], None)
+    assert runner is not None and runner.graphs and not runner.failed
