@@ -2,8 +2,8 @@
 into the frozen configs of specexec.config.
 
 Groups: model (--model --draft/--no-draft --allow-pickle --offline --gguf-file), engine (--budget N|auto --max-budget --builder
---device --dtype --max-new-tokens), sampling (--temperature --top-p --top-k --seed and the other SamplingParams fields),
-offload (--quant --draft-quant --offload --gpu-budget --ram-budget --cache-dir --context). `apply_catalog_defaults`
+--device --dtype --kv-quant --max-new-tokens), sampling (--temperature --top-p --top-k --seed and the other SamplingParams
+fields), offload (--quant --draft-quant --offload --gpu-budget --ram-budget --cache-dir --context --kv-offload). `apply_catalog_defaults`
 fills what a models.yaml name implies (the recommended draft, budget and quantization) when the user left it
 out, and says so. `load_runtime` is the one place these commands load models (the memory ledger first, then a progress
 spinner on stderr).
@@ -18,8 +18,8 @@ from dataclasses import fields
 
 from rich.console import Console
 
-from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, OFFLOAD_CHOICES, QUANT_CHOICES, EngineConfig,
-                             OffloadConfig, SamplingParams, budget_options, check_draft_choice)
+from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_CHOICES, OFFLOAD_CHOICES, QUANT_CHOICES,
+                             EngineConfig, OffloadConfig, SamplingParams, budget_options, check_draft_choice)
 from cli.fetch import add_hub_args, fetch_model, target_reserve
 from specexec.offloaded import TargetPlan
 from specexec.runtime import Runtime, builder_needs_draft
@@ -60,6 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") ->
     p.add_argument("--builder", metavar="NAME", help=f"tree builder: {', '.join(BUILDERS)} (default specexec)")
     p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--kv-quant", metavar="FMT", help="KV cache rows: none (default) | int8 (LOSSY: half the memory "
+                   "and bytes moved; the output may differ from the target's, so no exactness claim holds)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -83,6 +85,8 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
                    "or ~/.cache/specexec)")
     p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) the memory plan reserves KV "
                    "cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
+    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {' | '.join(KV_OFFLOAD_CHOICES)} (default "
+                   "auto: on the device, or in RAM travelling with their layer when the device runs short)")
 
 
 def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True) -> None:
@@ -95,7 +99,7 @@ def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", mo
 
 def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
     """EngineConfig from the engine flags; `defaults` fill flags the user left out."""
-    given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens")}
+    given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant")}
     budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
 
@@ -112,7 +116,8 @@ def offload_config(args: argparse.Namespace) -> OffloadConfig:
                                     gpu_budget=getattr(args, "gpu_budget", None),
                                     ram_budget=getattr(args, "ram_budget", None),
                                     cache_dir=getattr(args, "cache_dir", None),
-                                    context=getattr(args, "context", None))
+                                    context=getattr(args, "context", None),
+                                    kv_offload=getattr(args, "kv_offload", None))
 
 
 def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = None) -> None:

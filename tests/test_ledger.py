@@ -74,7 +74,13 @@ def check_every_byte(out: dict, budget: int, gpu_budget: int, ram_budget: int) -
     embed = out["ledger"].get("target embed", out["ledger"].get("target embed (host RAM)"))
     assert embed == V * D * BF16 and ("target embed" in dev) != ("target embed (host RAM)" in host)
     assert out["ledger"]["draft weights"] == draft_8b_nf4()                    # counted once, from the config
-    assert out["ledger"]["target KV cache"] == 2 * L * 8 * 128 * (4096 + budget + 1) * BF16
+    kv_layer = 2 * 8 * 128 * (4096 + budget + 1) * BF16                      # one layer's K and V, every slot
+    kv_streamed = out["kv"]["streamed_layers"]
+    assert out["kv"]["device_layers"] + kv_streamed == L
+    assert out["ledger"]["target KV cache"] == out["kv"]["device_layers"] * kv_layer
+    assert host.get("target KV cache (streamed)", 0) == kv_streamed * kv_layer == out["kv"]["streamed_bytes_per_pass"]
+    tail = 2 * 8 * 128 * (budget + 1) * BF16                                 # the tree rows a streamed layer keeps
+    assert dev.get("target KV cache stages", 0) == (2 * kv_layer + kv_streamed * tail if kv_streamed else 0)
     assert out["ledger"]["draft KV cache"] == 2 * DL * 8 * 128 * (4096 + 2 * budget + 1 + 1) * BF16
     layer = layer_bytes(read_args(T70), "nf4", torch.bfloat16)
     assert 0.48 * GB < layer < 0.485 * GB                                     # 855.6M NF4 weights + norms
@@ -84,8 +90,8 @@ def check_every_byte(out: dict, budget: int, gpu_budget: int, ram_budget: int) -
     assert host.get("RAM tier layers", 0) == n["ram"] * layer and ssd.get("SSD tier layers", 0) == n["ssd"] * layer
     assert dev["streaming slots"] == out["slots"] * layer and out["slots"] == 2
     assert 0 < dev["activations"] < 3 * GB
-    assert out["predicted_seconds_per_pass"] == pytest.approx(n["ram"] * layer / 25e9 + n["ssd"] * layer / 3e9,
-                                                              abs=1e-3)
+    assert out["predicted_seconds_per_pass"] == pytest.approx(
+        (n["ram"] * layer + kv_streamed * kv_layer) / 25e9 + n["ssd"] * layer / 3e9, abs=1e-3)
 
 
 @pytest.mark.parametrize("budget", [1024, 2048])
