@@ -332,7 +332,8 @@ def _deepen_read_ahead(p: Plan) -> Plan:
     if p.device == "cuda":
         extra = (p.ram_budget - p.host_bytes) // p.slot_bytes
         return replace(p, bounce=max(p.n_bounce, min(cap, p.n_bounce + extra)))
-    extra = (p.ram_budget - p.device_bytes - p.host_bytes) // p.slot_bytes
+    per_slot = p.slot_bytes + max((p.needs.companion(i) for i in p.companions_streamed), default=0)   # + a stage
+    extra = (p.ram_budget - p.device_bytes - p.host_bytes) // per_slot
     return replace(p, slots=max(p.n_slots, min(cap, p.n_slots + extra)))
 
 
