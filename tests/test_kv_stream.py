@@ -27,6 +27,7 @@ from specexec.engine import Engine
 from specexec.kv_cache import KVCache
 from specexec.kv_rows import row_bytes
 from specexec.loading import load_model, read_args
+from specexec.model import TreeMask
 from specexec.offloaded import OffloadedTransformer, build_offloaded, layer_names
 from specexec.runtime import Runtime
 
@@ -258,3 +259,63 @@ def test_nothing_staged_with_a_pager_attached_is_a_loud_error() -> None:
     c.attach(2, discard=lambda: None)
     with pytest.raises(RuntimeError, match="not staged"):
         c.write(0, torch.arange(0, 3), *rows(torch.Generator().manual_seed(0), 3))
+
+
+# ----------------------------------------------------------------------------------------------- Runtime / CLI
+
+def test_runtime_with_kv_offload_stream_matches_and_says_so(tiny_pair, tiny_perturbed_draft, cache_root) -> None:
+    config = EngineConfig(budget=8, max_new_tokens=12)
+    common = {"offload": "ssd", "quant": "none", "cache_dir": str(cache_root)}
+    plain = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config, offload=OffloadConfig(**common))
+    streamed = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                            offload=OffloadConfig(kv_offload="stream", **common))
+    try:
+        assert plain.plan.plan.companions_streamed == [] and streamed.plan.plan.companions_streamed == [0, 1, 2, 3]
+        assert "target KV cache streamed with 4 layers" in streamed.plan.describe()
+        prompt = plain.encode("The quick brown fox jumps over the lazy dog")
+        a = [t for s in plain.generate_ids(prompt) for t in s]
+        b = [t for s in streamed.generate_ids(prompt) for t in s]
+        assert a == b
+        stats = streamed.stats()
+        assert stats["kv"]["streamed_layers"] == 4 and stats["companion_bytes"] > 0 and not stats["kv"]["lossy"]
+    finally:
+        plain.engine.close()
+        streamed.engine.close()
+
+
+def test_cli_generate_kv_flags(capsys, tiny_pair, cache_root) -> None:
+    argv = ["generate", "--model", str(tiny_pair[0]), "--no-draft", "--prompt", "Hello there", "--max-new-tokens",
+            "6", "--offload", "ssd", "--quant", "none", "--cache-dir", str(cache_root), "--json"]
+    assert main([*argv, "--kv-offload", "stream"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["stats"]["kv"]["streamed_layers"] == 4 and "target KV cache streamed with" in captured.err
+    assert main([*argv, "--kv-quant", "int8"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["stats"]["kv"] == {**json.loads(captured.out)["stats"]["kv"], "quant": "int8",
+                                                      "lossy": True}
+    assert "LOSSY" in captured.err
+    assert main([*argv, "--kv-quant", "int4"]) == 2
+    assert "--kv-quant" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- int8 (lossy)
+
+def test_int8_kv_is_off_by_default_and_close_not_exact(tiny_pair) -> None:
+    """Off unless asked. With it, the target's logits after a 200-token prefix stay within a tolerance of
+    the exact ones (a lossy format: no test here claims equality)."""
+    assert EngineConfig().kv_quant == "none" and OffloadConfig().kv_offload == "auto"
+    model = load_model(tiny_pair[0])
+    ids = torch.randint(7, 300, (1, 200), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(200)[None]
+
+    def logits(quant: str) -> torch.Tensor:
+        cache = model.new_cache(256, quant)
+        with torch.inference_mode():
+            h = model(ids, pos, TreeMask(0), cache)
+        return model.logits(h[:, -20:])
+
+    exact, lossy = logits("none"), logits("int8")
+    assert not torch.equal(exact, lossy)
+    assert (lossy - exact).abs().mean() <= 0.05 * exact.abs().mean()      # ~3% on this random, peaked model
+    assert (lossy.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
