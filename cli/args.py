@@ -71,7 +71,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
             p.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
 
 
-def add_offload_args(p: argparse.ArgumentParser) -> None:
+def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> None:
     p.add_argument("--quant", metavar="FMT", help=f"target layer format: {' | '.join(QUANT_CHOICES)} (default auto, "
                    "or the models.yaml entry's)")
     p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {' | '.join(DRAFT_QUANT_CHOICES)} "
@@ -83,18 +83,24 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 48GB (default: free minus a margin)")
     p.add_argument("--cache-dir", metavar="DIR", help="root of the quantized layer cache (default $SPECEXEC_CACHE "
                    "or ~/.cache/specexec)")
-    p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) the memory plan reserves KV "
-                   "cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
+    if context_list:                              # bench: a sweep (cli/bench_context.py); the plan takes the largest
+        p.add_argument("--context", metavar="LIST", help="run the prompts after a long shared document filling each "
+                       "of these contexts, e.g. 1k,8k,32k: one table of tok/s, tokens per pass, prefill and pass "
+                       "seconds by context (the memory plan reserves KV cache for the largest)")
+    else:
+        p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) the memory plan reserves "
+                       "KV cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
     p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {' | '.join(KV_OFFLOAD_CHOICES)} (default "
                    "auto: on the device, or in RAM travelling with their layer when the device runs short)")
 
 
-def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True) -> None:
-    """Every shared group, in --help order: model, engine, sampling, offload."""
+def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True,
+                    context_list: bool = False) -> None:
+    """Every shared group, in --help order: model, engine, sampling, offload (--context a list: the bench)."""
     add_model_args(p, model_required)
     add_engine_args(p, max_new_default)
     add_sampling_args(p)
-    add_offload_args(p)
+    add_offload_args(p, context_list)
 
 
 def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
@@ -110,13 +116,14 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
 
-def offload_config(args: argparse.Namespace) -> OffloadConfig:
+def offload_config(args: argparse.Namespace, context: int | None = None) -> OffloadConfig:
+    """OffloadConfig from the offload flags; `context` replaces --context (the bench's largest context)."""
     return OffloadConfig.from_flags(quant=getattr(args, "quant", None), offload=getattr(args, "offload", None),
                                     draft_quant=getattr(args, "draft_quant", None),
                                     gpu_budget=getattr(args, "gpu_budget", None),
                                     ram_budget=getattr(args, "ram_budget", None),
                                     cache_dir=getattr(args, "cache_dir", None),
-                                    context=getattr(args, "context", None),
+                                    context=context if context is not None else getattr(args, "context", None),
                                     kv_offload=getattr(args, "kv_offload", None))
 
 
