@@ -93,9 +93,9 @@ class Rows:
         """k, v [B, H, T, D] -> rows [T, 2, B, H, D] in this store's format (quantized when int8)."""
         kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4)
         if self.scale is None:
-            return Packed(kv.to(self.data.dtype), None)
+            return Packed(kv.to(self.data.dtype).contiguous(), None)     # contiguous: one copy to the host
         q, s = quantize_int8(kv)
-        return Packed(q, s)
+        return Packed(q.contiguous(), s.contiguous())
 
     def put(self, layer: int, index: Tensor, rows: Packed) -> None:
         """Store rows [T, ...] at slots `index` [T] of one layer."""

@@ -168,6 +168,9 @@ class OffloadedTransformer(Transformer):
         their layer through the pager's slots (specexec/kv_stream.py); the others on the device."""
         a = self.args
         streamed = [i for i in self.kv_streamed if self.pager.tier_of(i) != "resident"]
+        if streamed and self._kv is not None:         # let go of an earlier engine's cache before allocating
+            self.pager.discard()
+            self.pager.companion, self._kv = None, None
         cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.run_dtype, self.norm.weight.device,
                         quant=quant, streamed=streamed, tail=tail)
         if streamed:
@@ -319,7 +322,8 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
     if p.streams:                                  # one prefill pass streams every layer: as long as planned
         model.prefill_tokens = target_plan.memory.prefill_tokens
     model.kv_streamed = tuple(p.companions_streamed)   # their KV rows travel with them (KVCache streamed layers)
-    model.plan_fingerprint = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}"
+    model.plan_fingerprint = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}" + (
+        f"|kv {p.companions_streamed}" if p.companions_streamed else "")
     return model
 
 

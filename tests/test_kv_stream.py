@@ -19,6 +19,7 @@ import torch
 
 from cli.main import main
 from offload.cache import LayerCache
+from offload.tiers import is_pinned
 from specexec.builders.chain import ChainBuilder
 from specexec.builders.dynamic import DynamicBuilder
 from specexec.builders.specexec import SpecExecBuilder
@@ -319,3 +320,39 @@ def test_int8_kv_is_off_by_default_and_close_not_exact(tiny_pair) -> None:
     assert not torch.equal(exact, lossy)
     assert (lossy - exact).abs().mean() <= 0.05 * exact.abs().mean()      # ~3% on this random, peaked model
     assert (lossy.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+
+@pytest.mark.gpu
+def test_cuda_streamed_kv_is_exact_and_never_synchronizes(tiny_pair, tiny_perturbed_draft, cache_root,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (pinned host rows, the pager's copy stream, D2H write-back on the compute stream): greedy output
+    with every streamed layer's KV streamed equals the device-KV run and the resident target; no device-wide
+    or stream synchronize while generating; what moved is counted."""
+    config = EngineConfig(budget=8, max_new_tokens=24, device="cuda", dtype="float32")
+    common = {"quant": "none", "cache_dir": str(cache_root)}
+    streamed = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                            offload=OffloadConfig(offload="ram", kv_offload="stream", **common))
+    device = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                          offload=OffloadConfig(offload="ram", kv_offload="device", **common))
+    resident = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
+                            offload=OffloadConfig(offload="none", **common))
+    prompt = streamed.encode("The quick brown fox jumps over the lazy dog. " * 8)
+    try:
+        list(streamed.generate_ids(prompt, 4))                   # warm-up
+        calls: list[str] = []
+        device_sync, stream_sync = torch.cuda.synchronize, torch.cuda.Stream.synchronize
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("device") or device_sync(*a, **k))
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: calls.append("stream") or stream_sync(self))
+        got = [t for s in streamed.generate_ids(prompt, 24) for t in s]
+        monkeypatch.undo()
+        assert calls == []
+        want = [t for s in device.generate_ids(prompt, 24) for t in s]
+        assert got == want == [t for s in resident.generate_ids(prompt, 24) for t in s]
+        cache = streamed.engine._caches[0]
+        assert cache.streamed_layers == [0, 1, 2, 3] and is_pinned(cache.stream.host.data)
+        assert streamed.stats()["companion_bytes"] > 0 and cache.stream.moved_out > 0
+    finally:
+        for rt in (streamed, device, resident):
+            rt.engine.close()
