@@ -1,12 +1,12 @@
 """Command-line flags that several subcommands share (generate, chat, bench), defined once, and turning them
 into the frozen configs of specexec.config.
 
-Groups: model (--model --draft/--no-draft --allow-pickle --offline --gguf-file), engine (--budget N|auto --max-budget --builder
---device --dtype --kv-quant --max-new-tokens), sampling (--temperature --top-p --top-k --seed and the other SamplingParams
-fields), offload (--quant --draft-quant --offload --gpu-budget --ram-budget --cache-dir --context --kv-offload). `apply_catalog_defaults`
-fills what a models.yaml name implies (the recommended draft, budget and quantization) when the user left it
-out, and says so. `load_runtime` is the one place these commands load models (the memory ledger first, then a progress
-spinner on stderr).
+Groups: model (--model --draft/--no-draft --allow-pickle --offline --gguf-file), engine (--budget N|auto
+--max-budget --builder --device --dtype --kv-quant --max-new-tokens), sampling (--temperature --top-p --top-k
+--seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget --ram-budget
+--cache-dir --context --kv-offload). `apply_catalog_defaults` fills what a models.yaml name implies (the
+recommended draft, budget and quantization) when the user left it out, and says so. `load_runtime` is the one
+place these commands load models (the memory ledger first, then a progress spinner on stderr).
 
 Does not know: what a value may be (specexec.config checks every one of them), how models load.
 """

@@ -22,9 +22,9 @@ largest streamed companion, plus a small per-layer residue it keeps on the devic
 every pass but frees device memory for resident layers. On CUDA (auto) the planner tries every number of
 resident layers and keeps, for each, as many companions on the device as fit; it picks the smallest expected
 pass time (more resident layers on a tie), but streams companions only when nothing fits without, or when
-that saves at least COMPANION_GAIN of the pass: their copies add host work and a wait on the commit before
-the next pass's first copies, which the byte count does not show. On a CPU moving a companion saves nothing (the device is RAM), so
-it streams only when asked (`companions="stream"`, for tests and benchmarks).
+that saves at least COMPANION_GAIN of the pass: their copies add host work (write-backs, top-ups of a
+read-ahead made before the commit) that the byte count does not show. On a CPU moving a companion saves nothing
+(the device is RAM), so it streams only when asked (`companions="stream"`, for tests and benchmarks).
 
 Read-ahead depth (how many layers the SSD reader may hold ahead of the consumer: pinned bounce buffers on
 CUDA, host slots on CPU) starts at the minimum the Needs give (2) and grows into whatever budget is LEFT once

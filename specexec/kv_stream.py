@@ -116,18 +116,19 @@ class StreamedKV:
 
     def stage_of(self, layer: int) -> Rows:
         """The stage holding `layer`'s committed rows (topped up to the committed length when it lags)."""
-        s = next((i for i, (held, _) in enumerate(self.records) if held == layer), None)
+        with self.lock:                               # the copier rewrites records as it fills slots
+            s = next((i for i, (held, _) in enumerate(self.records) if held == layer), None)
+            if s is None and self.discard is None:    # no pager: stage it here, in stage 0
+                if not self.stages:
+                    self._make_stages(1)
+                s, self.records[0] = 0, (layer, 0)
+            valid = self.records[s][1] if s is not None else 0
         if s is None:
-            if self.discard is not None:
-                raise RuntimeError(f"KV rows of layer {layer} were not staged with the layer (pager out of step)")
-            if not self.stages:
-                self._make_stages(1)
-            s = 0
-            self.records[0] = (layer, 0)
-        held, valid = self.records[s]
+            raise RuntimeError(f"KV rows of layer {layer} were not staged with the layer (pager out of step)")
         if valid < self.length:
             self._top_up(self.index[layer], self.stages[s], valid)
-            self.records[s] = (held, self.length)
+            with self.lock:
+                self.records[s] = (layer, self.length)
         return self.stages[s]
 
     def _top_up(self, j: int, stage: Rows, valid: int) -> None:

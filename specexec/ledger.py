@@ -13,7 +13,13 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
 - draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
 - target KV cache / draft KV cache: each sized for its own user (engine.kv_slots_for): the target for the
-  context plus one tree and its root; the draft for the context plus its builder's scratch slots.
+  context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
+  target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
+  streamed layer when the device runs short, in (pinned) RAM travelling with the layer ("target KV cache
+  (streamed)", its bytes in the pass time) through "target KV cache stages" (one per slot, plus the tree rows
+  each such layer keeps on the device until they are committed). When nothing fits with the draft's cache in
+  the run dtype, the draft's cache is planned in int8 (exact: the draft only proposes). --kv-quant int8
+  sizes both caches in int8 (LOSSY) and adds one layer's dequantized K/V to the activations.
 - activations: the largest transient of any pass that runs (attention_bytes has the attention formula):
   the target's tree pass, a streamed prefill chunk of PREFILL_RESERVE tokens (dropped when it does not fit),
   the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
