@@ -19,7 +19,8 @@ from dataclasses import fields
 from rich.console import Console
 
 from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_CHOICES, OFFLOAD_CHOICES, QUANT_CHOICES,
-                             EngineConfig, OffloadConfig, SamplingParams, budget_options, check_draft_choice)
+                             ConfigError, EngineConfig, OffloadConfig, SamplingParams, budget_options,
+                             check_draft_choice)
 from cli.fetch import add_hub_args, fetch_model, target_reserve
 from specexec.offloaded import TargetPlan
 from specexec.runtime import Runtime, builder_needs_draft
@@ -108,6 +109,13 @@ def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
     given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant")}
     budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
+
+
+def refuse_lossy_kv(config: EngineConfig, command: str) -> None:
+    """Benchmarks that check exactness take no lossy cache (--kv-quant int8 belongs to `specexec bench`)."""
+    if config.kv_quant != "none":
+        raise ConfigError(f"{command} checks that outputs are exact; --kv-quant {config.kv_quant} is lossy: drop it "
+                          "(`specexec bench --kv-quant int8` reports its effect)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -62,3 +62,10 @@ def test_the_document_is_our_own_reproducible_text() -> None:
     text = long_document()
     assert text == compose()                                   # generated here, from our own sentences
     assert 150_000 < len(text.encode()) < 300_000 and text.startswith("Operations Handbook")
+
+
+@pytest.mark.parametrize("command", ["builders", "accept"])
+def test_benchmarks_that_check_exactness_refuse_a_lossy_cache(capsys, tiny_pair, command: str) -> None:
+    code = main(["bench", command, "--model", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--kv-quant", "int8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "lossy" in err and len(err.strip().splitlines()) == 1
