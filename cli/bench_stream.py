@@ -88,17 +88,19 @@ def parse_tokens(text: str) -> list[int]:
 
 # ----------------------------------------------------------------------------------------- synthetic layers
 
-def layer_layout(args: ModelArgs, fmt: str, dtype: torch.dtype) -> storage.LayerLayout:
-    """The packed layout of one decoder layer of `args` in format fmt (from shapes alone)."""
+def layer_layout(args: ModelArgs, fmt: str, dtype: torch.dtype, device: torch.device | str = "cpu"
+                 ) -> storage.LayerLayout:
+    """The packed layout of one decoder layer of `args` in format fmt for `device` (from shapes alone)."""
     names, linear = block_tensor_names(args)
     with torch.device("meta"):
         shapes = {n: tuple(t.shape) for n, t in Block(args).state_dict().items()}
-    specs, meta = quant.layer_specs({n: (dtype, shapes[n]) for n in names}, fmt, dtype, linear)
+    specs, meta = quant.layer_specs({n: (dtype, shapes[n]) for n in names}, fmt, dtype, linear, device=device)
     return storage.plan_layout(specs, meta)
 
 
 def random_layer(layout: storage.LayerLayout, fmt: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """uint8 [layout.nbytes]: random weights (std 0.02), unit norms, random 4/8-bit codes and block scales."""
+    """uint8 [layout.nbytes]: random weights (std 0.02), unit norms, random 4/8-bit codes and block scales
+    (int4: scales about 0.006 and zeros about 0, i.e. weights of std ~0.02)."""
     gen = torch.Generator().manual_seed(seed)
     codes = {}
     if fmt != "none":
@@ -108,8 +110,13 @@ def random_layer(layout: storage.LayerLayout, fmt: str, dtype: torch.dtype, seed
         shape, dt = e.shape, getattr(torch, e.dtype)
         if e.name.endswith(".code"):
             tensors[e.name] = codes[".code"].to(dt)
-        elif e.name.endswith(".qdata"):
-            tensors[e.name] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        elif e.name.endswith(".qdata"):                  # any bytes are valid codes, whatever the packed dtype
+            tensors[e.name] = torch.randint(0, 256, (e.nbytes,), dtype=torch.uint8, generator=gen).view(dt).view(shape)
+        elif e.name.endswith(".scales_zeros"):
+            tensors[e.name] = torch.stack([0.004 + 0.004 * torch.rand(shape[:-1], generator=gen),
+                                           0.002 * torch.randn(shape[:-1], generator=gen)], dim=-1).to(dt)
+        elif e.name.endswith(".scale"):
+            tensors[e.name] = (0.0005 + 0.0005 * torch.rand(shape, generator=gen)).to(dt)
         elif e.name.endswith(".absmax"):
             tensors[e.name] = (0.01 + 0.04 * torch.rand(shape, generator=gen)).to(dt)
         elif "norm" in e.name:
@@ -167,7 +174,7 @@ class StreamBench:
     def __init__(self, args: ModelArgs, the_plan: Plan, fmt: str, device: torch.device, dtype: torch.dtype,
                  distinct: int, directory: str | None) -> None:
         self.args, self.plan, self.device = args, the_plan, device
-        layout = layer_layout(args, fmt, dtype)
+        layout = layer_layout(args, fmt, dtype, device)
         self.size = layout.nbytes
         layers = [random_layer(layout, fmt, dtype, seed) for seed in range(min(distinct, args.n_layers))]
         ids = {t: the_plan.layers_in(t) for t in ("resident", "ram", "ssd")}
@@ -282,7 +289,7 @@ def run(ns: argparse.Namespace) -> int:
     dtype = resolve_dtype(ns.dtype, device)
     token_list = parse_tokens(ns.tokens or DEFAULT_TOKENS[device.type])
     args = synthetic_args(ns.synthetic, ns.layers)
-    size = layer_layout(args, ns.quant, dtype).nbytes
+    size = layer_layout(args, ns.quant, dtype, device).nbytes
     the_plan = make_plan(ns, args, size, device, dtype, max(token_list))
     console = Console(stderr=True, soft_wrap=True)
     console.print(f"{ns.synthetic} layers ({ns.quant}, {size / 1e6:.1f} MB each), {ns.layers} per pass, "

@@ -1,6 +1,6 @@
 """On-disk cache of quantized, packed decoder layers for one checkpoint + quantization format + dtype.
 
-One directory per (checkpoint path, format, dtype, double quant, layer naming) under the cache root
+One directory per (checkpoint path, format, dtype, double quant, packing, layer naming) under the cache root
 ($SPECEXEC_CACHE, else $XDG_CACHE_HOME/specexec, else ~/.cache/specexec) holds:
   layers.bin     every layer packed by offload.storage, each at a 4 KiB-aligned offset and padded to 4 KiB, so
                  it can be read with O_DIRECT straight into aligned (pinned) buffers
@@ -51,7 +51,7 @@ CONTRACT (used by specexec/offloaded.py, offload/tiers.py's SSD tier and cli/con
 
     class CacheError(ValueError); class CacheCorruptError(CacheError)    # one-line messages; CLI exit 2
     default_cache_root() -> Path; aligned_empty(nbytes) -> uint8 tensor at a 4 KiB boundary
-    plan(checkpoint_dir, layers, fmt, dtype, double_quant) -> list[LayerLayout]   # sizes from headers only
+    plan(checkpoint_dir, layers, fmt, dtype, double_quant, device=None) -> list[LayerLayout]   # from headers only
 """
 from __future__ import annotations
 
@@ -135,12 +135,13 @@ class LayerCache:
         layer's floating tensors are stored in (nf4/fp4/int8 dequantize to it). log(msg) receives one-line
         notices (stale/corrupt cache rebuilt, waiting for another builder); default: print to stderr.
         verify: also check every layer's sha256 now (default: each on its first read).
-        quantize_device: where a build quantizes ("cuda" is much faster than the CPU; default: CPU)."""
+        quantize_device: where a build quantizes ("cuda" is much faster than the CPU; default: CPU). int4 packs for
+        that device's kernel, so pass the device the layers will run on."""
         log = log or _stderr
         check_format(fmt)
         checkpoint_dir = Path(checkpoint_dir).resolve()
         open_source(checkpoint_dir)          # CheckpointError for missing/truncated/pickle-only/unsupported weights
-        options = options_of(checkpoint_dir, layers, fmt, dtype, double_quant)
+        options = options_of(checkpoint_dir, layers, fmt, dtype, double_quant, quantize_device)
         root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
         final = cache_dir_for(checkpoint_dir, options, root)
         expect = dict(options, fingerprint=fingerprint(checkpoint_dir))
@@ -254,16 +255,18 @@ def _try_open(final: Path, verify: bool, expect: dict) -> tuple[LayerCache | Non
 
 # ----------------------------------------------------------------------------------------- building
 
-def plan(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype, double_quant: bool
-         ) -> list[LayerLayout]:
-    """Every layer's packed layout, from the safetensors headers alone (nothing is read or quantized)."""
+def plan(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype, double_quant: bool,
+         device: str | torch.device | None = None) -> list[LayerLayout]:
+    """Every layer's packed layout when quantized on `device` (default CPU), from the safetensors headers alone
+    (nothing is read or quantized)."""
     src = source_specs(checkpoint_dir)
     layouts = []
     for i, s in enumerate(layers):
         missing = [c for c in s.tensors.values() if c not in src]
         if missing:
             raise CacheError(f"{checkpoint_dir}: layer {i} needs tensor {missing[0]!r}, which no weight file has")
-        specs, meta = layer_specs({p: src[c] for p, c in s.tensors.items()}, fmt, dtype, s.linear, double_quant)
+        specs, meta = layer_specs({p: src[c] for p, c in s.tensors.items()}, fmt, dtype, s.linear, double_quant,
+                                  device or "cpu")
         layouts.append(plan_layout(specs, meta))
     return layouts
 
@@ -272,7 +275,7 @@ def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expe
            log: Callable[[str], None], device: str | torch.device | None = None) -> None:
     """Quantize every layer into a temporary directory next to `final`, then rename it there (lock held)."""
     dtype = getattr(torch, expect["dtype"])
-    layouts = plan(checkpoint_dir, layers, expect["format"], dtype, expect["double_quant"])
+    layouts = plan(checkpoint_dir, layers, expect["format"], dtype, expect["double_quant"], device)
     _remove_leftovers(final)
     total = sum(lay.nbytes for lay in layouts)
     check_free_space(final.parent, total + SPACE_MARGIN)

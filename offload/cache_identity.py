@@ -21,7 +21,7 @@ import torch
 
 from .cache_manifest import VERSION, CacheError
 from .checkpoint import INDEX, SINGLE
-from .quant import dtype_name
+from .quant import dtype_name, packing
 from .sources import detect_format, is_gguf, open_source, tensor_specs
 
 # safetensors header dtype codes -> torch dtypes (for planning sizes from headers alone)
@@ -109,11 +109,14 @@ def source_specs(checkpoint_dir: Path) -> dict[str, tuple[torch.dtype, tuple[int
 
 
 def options_of(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype,
-               double_quant: bool) -> dict:
-    """Everything that decides the cache's bytes besides the source files (stored in the manifest)."""
+               double_quant: bool, device: str | torch.device | None = None) -> dict:
+    """Everything that decides the cache's bytes besides the source files (stored in the manifest). `device`:
+    where the layers are quantized; int4 packs for that device's kernel (quant.packing), int8 names its scheme."""
     dq = bool(double_quant and fmt in ("nf4", "fp4"))
-    return {"version": VERSION, "checkpoint": str(checkpoint_dir), "source_format": detect_format(checkpoint_dir),
-            "format": fmt, "dtype": dtype_name(dtype), "double_quant": dq, "sources": [s.to_dict() for s in layers]}
+    options = {"version": VERSION, "checkpoint": str(checkpoint_dir), "source_format": detect_format(checkpoint_dir),
+               "format": fmt, "dtype": dtype_name(dtype), "double_quant": dq, "sources": [s.to_dict() for s in layers]}
+    layout = packing(fmt, device or "cpu")
+    return options if layout is None else {**options, "packing": layout}
 
 
 NAME_CHARS = 64                    # of the checkpoint's name in a cache directory's name (Windows: 260-char paths)

@@ -244,9 +244,9 @@ class EngineConfig:
         return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
 
-QUANT_CHOICES = ("auto", "none", "nf4", "fp4", "int8")   # offload.quant.FORMATS plus auto
+QUANT_CHOICES = ("auto", "none", "nf4", "fp4", "int8", "int4")   # offload.quant.FORMATS plus auto
 KV_OFFLOAD_CHOICES = ("auto", "device", "stream")        # where target KV rows live (OffloadConfig.kv_offload)
-DRAFT_QUANT_CHOICES = ("none", "nf4", "fp4", "int8")
+DRAFT_QUANT_CHOICES = ("none", "nf4", "fp4", "int8", "int4")
 OFFLOAD_CHOICES = ("auto", "none", "ram", "ssd")          # offload.planner.OFFLOAD_MODES
 
 
@@ -254,8 +254,9 @@ OFFLOAD_CHOICES = ("auto", "none", "ram", "ssd")          # offload.planner.OFFL
 class OffloadConfig:
     """Where the target's decoder layers live and how they are stored. Validated on construction.
 
-    quant: target layer format; auto = none while every layer stays resident, nf4 once any layer streams.
-    draft_quant: the (always resident) draft's linear layers. offload: auto = the planner decides from the
+    quant: target layer format; auto = none while every layer stays resident, and once any layer streams int4 on
+    a CPU (torch's fused int4 kernel), nf4 on CUDA (offload.quant.auto_format).
+    draft_quant: the (always resident) draft's linear layers (none: the run dtype, fp32 on a CPU). offload: auto = the planner decides from the
     budgets; none / ram / ssd put every target layer resident / in pinned RAM / in the on-disk cache.
     gpu_budget, ram_budget: bytes (None: what is free now minus a margin). cache_dir: layer cache root (None:
     $SPECEXEC_CACHE or ~/.cache/specexec). context: tokens (prompt + answer) the memory plan reserves KV cache

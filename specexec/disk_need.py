@@ -40,7 +40,7 @@ def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineCon
         return 0
     if memory.fmt == "none" and not memory.plan.streams:
         return 0
-    return layer_bytes(args, memory.fmt, dtype) * args.n_layers + SPACE_MARGIN
+    return layer_bytes(args, memory.fmt, dtype, device.type) * args.n_layers + SPACE_MARGIN
 
 
 def reserve_for(offload: OffloadConfig, engine: EngineConfig):

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from offload.planner import GB, Bandwidths, Needs, Plan, PlanError, plan
-from offload.quant import layer_specs
+from offload.quant import kernel_for, layer_specs
 from offload.storage import plan_layout
 
 from .config import ModelArgs
@@ -71,20 +71,20 @@ def block_specs(args: ModelArgs) -> tuple[tuple[tuple[str, tuple[int, ...]], ...
 
 
 @functools.cache
-def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype) -> int:
-    """Packed bytes of one decoder layer in `fmt` as the layer cache and the tiers hold it (aligned layout);
-    equal to what offload.cache.plan computes from a checkpoint's headers for the same shapes."""
+def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> int:
+    """Packed bytes of one decoder layer in `fmt`, packed for `device`'s kernel, as the layer cache and the
+    tiers hold it (aligned layout); equal to what offload.cache.plan computes from a checkpoint's headers."""
     shapes, linear = block_specs(args)
-    specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear)
+    specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
     return plan_layout(specs, meta).nbytes
 
 
 @functools.cache
-def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes a resident Transformer of `args` holds with its decoder linears quantized to `fmt` (what
-    quantize_module leaves): {"embed", "head" (0 when tied), "norm" (+ RoPE buffer), "layers"}."""
+def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, int]:
+    """Bytes a resident Transformer of `args` holds on `device` with its decoder linears quantized to `fmt`
+    (what quantize_module leaves): {"embed", "head" (0 when tied), "norm" (+ RoPE buffer), "layers"}."""
     shapes, linear = block_specs(args)
-    specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear)
+    specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
     per_layer = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
     table = args.vocab_size * args.dim * dtype.itemsize
     return {"embed": table, "head": 0 if args.tie_word_embeddings else table,
@@ -123,12 +123,13 @@ def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: st
                   logit_rows: int, kv_quant: str = "none") -> int:
     """Peak transient bytes of one forward of `tokens` rows over `context` slots: the residual stream, norm
     outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
-    up and product, the attention (attention_bytes), one dequantized weight (fmt != none) and `logit_rows`
-    rows of fp32 logits with their processed copy; with an int8 cache, one layer's dequantized K/V."""
+    up and product, the attention (attention_bytes), one dequantized weight (when the format's kernel on
+    `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy;
+    with an int8 cache, one layer's dequantized K/V."""
     T, D, I = tokens, args.dim, args.intermediate_size
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     hidden = T * (4 * D + 2 * (q + 2 * kv) + q + 3 * I) * elem + 2 * T * D * 4 + 2 * T * args.head_dim * elem
-    dequant = max(I, q) * D * elem if fmt != "none" else 0
+    dequant = max(I, q) * D * elem if fmt != "none" and kernel_for(fmt, device) == "dequantize" else 0
     logits = min(T, logit_rows) * args.vocab_size * 4 * 2
     return (hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
             + dequant_bytes(args, context, elem, kv_quant))
@@ -208,7 +209,7 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     docstring), the embedding table on the host side when embed_on_host (CUDA) and activations that also
     cover a streamed prefill of `prefill` tokens."""
     t, elem = shape.target, shape.elem
-    tw = weight_bytes(t, fmt, shape.dtype)
+    tw = weight_bytes(t, fmt, shape.dtype, shape.device)
     t_slots, d_slots = shape.slots
     act, act_note = activation_lines(shape, fmt, prefill)
     device: list[tuple[str, int]] = []
@@ -227,14 +228,14 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
         device.append(("target embed", tw["embed"]))
     device.append(("target norm/head", tw["head"] + tw["norm"]))
     if shape.draft is not None:
-        dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype)
+        dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype, shape.device)
         device.append(("draft weights", sum(dw.values())))
         notes["draft weights"] = f"{shape.draft.n_layers} layers {_fmt(shape.draft_fmt)}, embed/head {_dtype(shape.dtype)}"
         device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv)))
         notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
             "none: the builder drafts without it"
     device.append(("activations", act))
-    sizes = (layer_bytes(t, fmt, shape.dtype),) * t.n_layers
+    sizes = (layer_bytes(t, fmt, shape.dtype, shape.device),) * t.n_layers
     kv = kv_layer_bytes(t, t_slots, elem, shape.kv_quant)
     tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
     return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),

@@ -33,7 +33,7 @@ from offload.mounts import slow_mount_warnings
 from offload.sources import open_source
 from offload.pager import LayerPager, build_pager
 from offload.planner import PlanError, default_budgets
-from offload.quant import bind_module, quantize_module, swap_linears
+from offload.quant import auto_format, bind_module, device_problem, quantize_module, swap_linears
 from offload.storage import LayerLayout, unpack_layer
 
 from . import ledger
@@ -232,14 +232,16 @@ def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt:
     return ledger.forward_bytes(args, tokens, context, elem, fmt, device, ledger.LOGIT_CHUNK)
 
 
-# The layer format of a streamed target per device (--quant auto); resident layers stay unquantized.
-STREAMED_FORMAT = {"cuda": "nf4", "cpu": "nf4"}
-
-
 def target_formats(quant: str, device_type: str) -> tuple[str, ...]:
     """The formats plan_memory tries: --quant auto -> unquantized while every layer stays resident, else the
-    streamed format of this device; any other --quant is the one format."""
-    return ("none", STREAMED_FORMAT[device_type]) if quant == "auto" else (quant,)
+    device's streamed format (quant.auto_format: int4 on a CPU, nf4 on CUDA); any other --quant is the one
+    format. ConfigError when that format cannot run on the device."""
+    if quant == "auto":
+        return ("none", auto_format(device_type))
+    problem = device_problem(quant, device_type)
+    if problem:
+        raise ConfigError(f"--quant {quant}: {problem}")
+    return (quant,)
 
 
 def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, offload: OffloadConfig,
@@ -301,6 +303,7 @@ def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: O
     return TargetPlan(ledger.with_warnings(memory, slow_mount_warnings(path, root)), names)
 
 
+
 def _check_budgets_fit(offload: OffloadConfig, device: torch.device) -> None:
     """Budgets above the machine's total RAM / the GPU's total memory are refused, not planned with."""
     import psutil
@@ -327,10 +330,14 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
     return model
 
 
-def quantize_layers(model: Transformer, fmt: str) -> None:
-    """Quantize every decoder layer's linears in place (resident use, e.g. --draft-quant); embed/head stay."""
+def quantize_layers(model: Transformer, fmt: str, row_exact: bool = True) -> None:
+    """Quantize every decoder layer's linears in place (resident use, e.g. --draft-quant); embed/head stay.
+    row_exact=False for a draft: fused kernels whose rows may depend on the batch are allowed (quant.kernel_for)."""
     if fmt == "none":
         return
     dtype = model.embed_tokens.weight.dtype
+    problem = device_problem(fmt, model.embed_tokens.weight.device)
+    if problem:
+        raise ConfigError(f"{fmt} layers: {problem}")
     for block in model.layers:
-        quantize_module(block, fmt, dtype)
+        quantize_module(block, fmt, dtype, row_exact=row_exact)

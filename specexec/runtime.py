@@ -104,9 +104,10 @@ class ModelInfo:
 
 
 def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool,
-              quant: str = "none") -> tuple[Transformer, ModelInfo]:
+              quant: str = "none", draft: bool = False) -> tuple[Transformer, ModelInfo]:
     """A resident model on the configured device; its decoder linears quantized to `quant` (on CUDA block by
-    block as they arrive, so the GPU never holds the unquantized model; freed blocks go back to the driver)."""
+    block as they arrive, so the GPU never holds the unquantized model; freed blocks go back to the driver).
+    A draft may use batch-dependent fused kernels (quant.kernel_for row_exact=False); a target never does."""
     t0 = time.perf_counter()
     device = torch.device(config.device)
     run_dtype = resolve_dtype(config.dtype, device)
@@ -115,13 +116,13 @@ def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: b
         model = load_model(path, "cpu", dtype, allow_pickle)
         params = sum(p.numel() for p in model.parameters())
         for block in model.layers:
-            quantize_module(block.to(device), quant, run_dtype)
+            quantize_module(block.to(device), quant, run_dtype, row_exact=not draft)
         model.to(device)
         torch.cuda.empty_cache()
     else:
         model = load_model(path, config.device, config.dtype, allow_pickle)
         params = sum(p.numel() for p in model.parameters())
-        quantize_layers(model, quant)
+        quantize_layers(model, quant, row_exact=not draft)
     dtype += f" ({quant} layers)" if quant != "none" else ""
     return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
 
@@ -256,7 +257,7 @@ class Runtime:
         draft_model, d_info = None, None
         if d_path is not None:
             say(f"loading draft {d_path}")
-            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant)
+            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant, draft=True)
         say(f"loading target {t_path}")
         target, t_info = _load_target(t_path, t_args, config, offload, plan, allow_pickle)
         eos = eos_ids(tokenizer, t_args.eos_token_ids)

@@ -1,0 +1,212 @@
+"""Group-wise asymmetric 4-bit weights packed for torch's own int4 kernels ("tinygemm"):
+aten._weight_int4pack_mm_for_cpu on the CPU, aten._weight_int4pack_mm on CUDA (compute capability 8.0+).
+
+A weight [out, in] is cut along `in` into groups of G (32, 64 or 128; default 64). Each group gets a bf16 scale s
+and zero z (the value of code 8) and each weight a 4-bit code q in [0, 15]: w ~ (q - 8) * s + z, with the group's
+range [min, max] shrunk by whichever of a few factors (CLIP) gives the least squared error, then refit by least
+squares to its codes where that helps. Parts:
+    ".qdata"         the codes in the kernel's own packed layout, N*K/2 bytes:
+                     CPU:  uint8 [out, in/2], arranged for the CPU's vector ISA (AVX512 / AVX2 / plain differ);
+                     CUDA: int32 [out/8, in/(16 t), 32, t/2] for t inner k tiles (2, 4 or 8)
+    ".scales_zeros"  bf16 [in/G, out, 2]: (scale, zero) per group and output channel
+Weight meta: {"format": "int4", "shape", "dtype", "group", "packing", "inner_k_tiles" (CUDA only)}. `packing`
+names the layout (e.g. "cpu-avx2-1f3a5c7e": the ISA plus a hash of a probe packed by this torch build), so a
+layer packed on another machine or torch build is refused at bind time and the layer cache keys on it.
+
+Both kernels take bf16 activations, accumulate every output in fp32 over `in` in a fixed order and round it to
+bf16: the result of a row does not depend on the other rows of the batch (the CPU kernel computes each output
+row on its own in 1..4-row register blocks: tested bit for bit for 1..257 rows and 1 or 2 threads; the CUDA
+kernel: asserted by a gpu-marked test).
+
+Shapes the kernels take: out % 16 == 0, in % 32 == 0 (`fits`); the caller stores other weights another way.
+
+Does not know: modules, layers, files, formats other than its own.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+
+GROUPS = (32, 64, 128)
+DEFAULT_GROUP = 64
+CLIP = (1.0, 0.9, 0.8)        # range factors tried per group (1.0 = min-max)
+REFITS = 2                    # least-squares refits of each group's range to its codes
+
+
+def fits(shape: tuple[int, int]) -> bool:
+    """Whether a weight [out, in] can be packed for both kernels (out % 16 == 0 and in % 32 == 0)."""
+    out_f, in_f = shape
+    return out_f % 16 == 0 and in_f % 32 == 0 and out_f > 0 and in_f > 0
+
+
+def group_for(in_features: int, group: int = DEFAULT_GROUP) -> int:
+    """The group size used for `in_features`: `group` if it divides it, else the largest smaller one that does."""
+    if group not in GROUPS:
+        raise ValueError(f"int4 group size {group} is not one of {', '.join(map(str, GROUPS))}")
+    for g in sorted(GROUPS, reverse=True):
+        if g <= group and in_features % g == 0:
+            return g
+    raise ValueError(f"int4 needs in_features divisible by 32, got {in_features}")
+
+
+def inner_k_tiles(in_features: int) -> int:
+    """CUDA packing parameter: 8 when in % 128 == 0, else 4 (in % 64), else 2."""
+    return 8 if in_features % 128 == 0 else 4 if in_features % 64 == 0 else 2
+
+
+def cuda_supported(device: torch.device | str) -> str | None:
+    """None when int4 runs on this CUDA device, else the reason (one line)."""
+    device = torch.device(device)
+    try:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int4pack_mm", "CUDA")
+    except (AttributeError, RuntimeError):
+        has = False
+    if not has:
+        return "this torch build has no CUDA int4 kernel (aten._weight_int4pack_mm)"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "the CUDA int4 kernel needs compute capability 8.0 or newer"
+    return None
+
+
+@functools.cache
+def packing(device_type: str) -> str:
+    """The name of the packed layout the int4 kernel of `device_type` ("cpu" | "cuda") uses in this process."""
+    if device_type == "cuda":
+        return f"cuda-tinygemm-{torch.__version__.split('+')[0]}"
+    if device_type != "cpu":
+        raise ValueError(f"int4 runs on cpu or cuda, not {device_type}")
+    probe = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    digest = hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:8]
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}-{digest}"
+
+
+def specs(shape: tuple[int, int], device_type: str, group: int = DEFAULT_GROUP
+          ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict]:
+    """({suffix: (dtype, shape)}, meta extras) of a weight [out, in] packed for `device_type`, from its shape."""
+    out_f, in_f = shape
+    g = group_for(in_f, group)
+    extra: dict = {"group": g, "packing": packing(device_type)}
+    if device_type == "cuda":
+        t = inner_k_tiles(in_f)
+        extra["inner_k_tiles"] = t
+        qspec = (torch.int32, (out_f // 8, in_f // (16 * t), 32, t // 2))
+    else:
+        qspec = (torch.uint8, (out_f, in_f // 2))
+    return {".qdata": qspec, ".scales_zeros": (torch.bfloat16, (in_f // g, out_f, 2))}, extra
+
+
+def quantize(weight: torch.Tensor, group: int = DEFAULT_GROUP) -> tuple[dict[str, torch.Tensor], dict]:
+    """weight [out, in] (any float dtype, on cpu or cuda) -> ({".qdata", ".scales_zeros"}, meta extras), packed
+    for the weight's device. Codes are chosen against the bf16-rounded scale and zero the kernel will use."""
+    out_f, in_f = weight.shape
+    if not fits((out_f, in_f)):
+        raise ValueError(f"int4 needs out % 16 == 0 and in % 32 == 0, got a weight of shape [{out_f}, {in_f}]")
+    device_type = weight.device.type
+    if device_type == "cuda" and (why := cuda_supported(weight.device)):
+        raise ValueError(f"int4 on {weight.device}: {why}; use nf4")
+    g = group_for(in_f, group)
+    w = weight.detach().float().reshape(out_f, in_f // g, g)
+    q, scale, zero = _best_codes(w)
+    q = q.reshape(out_f, in_f)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()      # [in/g, out, 2]
+    extra: dict = {"group": g, "packing": packing(device_type)}
+    if device_type == "cuda":
+        t = inner_k_tiles(in_f)
+        extra["inner_k_tiles"] = t
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        qdata = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), t)
+    else:
+        qdata = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    return {".qdata": qdata.contiguous(), ".scales_zeros": scales_zeros}, extra
+
+
+def _scale_zero(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 (scale, zero) of the range [lo, hi] per group, as the kernel will read them."""
+    scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+    return scale, (lo + 8 * scale.float()).to(torch.bfloat16)
+
+
+def _codes(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Float codes in [0, 15] for groups w [..., G] on the range [lo, hi] per group (bf16-rounded scale/zero)."""
+    scale, zero = _scale_zero(lo, hi)
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+    return torch.sub(w, z - 8 * s).div_(s).round_().clamp_(0, 15)
+
+
+def _error(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Squared error per group of coding w [..., G] on the range [lo, hi] (one temporary, in place)."""
+    scale, zero = _scale_zero(lo, hi)
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+    t = _codes(w, lo, hi)
+    return t.sub_(8).mul_(s).add_(z).sub_(w).square_().sum(-1)
+
+
+def _refit(w: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The least-squares range for fixed codes q: fit w ~ a q + b per group; (lo, hi) = (b, b + 15 a)."""
+    mq, mw = q.mean(-1, keepdim=True), w.mean(-1, keepdim=True)
+    dq = q - mq
+    a = ((dq * (w - mw)).sum(-1) / dq.square_().sum(-1).clamp(min=1e-12)).clamp(min=1e-8)
+    lo = mw.squeeze(-1) - a * mq.squeeze(-1)
+    return lo, lo + 15 * a
+
+
+def _best_range(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) per group of w [rows, n, G]: [min, max] shrunk by the factor of CLIP with the least squared
+    error (clipping a few outliers buys resolution for the rest), then REFITS least-squares refits of the
+    range to its codes, each kept only where it lowers the error."""
+    lo0, hi0 = w.amin(-1), w.amax(-1)
+    lo, hi, err = lo0, hi0, _error(w, lo0, hi0)
+    candidates = [lambda f=f: (lo0 * f, hi0 * f) for f in CLIP[1:]]
+    candidates += [lambda: _refit(w, _codes(w, lo, hi))] * REFITS
+    for make in candidates:
+        c_lo, c_hi = make()
+        c_err = _error(w, c_lo, c_hi)
+        better = c_err < err
+        lo, hi, err = torch.where(better, c_lo, lo), torch.where(better, c_hi, hi), torch.minimum(c_err, err)
+    return lo, hi
+
+
+def _best_codes(w: torch.Tensor, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int32 [out, n, G], scale bf16 [out, n], zero bf16 [out, n]) for groups w [out, n, G] (_best_range),
+    in chunks of `rows` output channels so the temporaries stay in cache."""
+    qs, scales, zeros = [], [], []
+    for wc in w.split(rows):
+        lo, hi = _best_range(wc)
+        scale, zero = _scale_zero(lo, hi)
+        qs.append(_codes(wc, lo, hi).to(torch.int32))
+        scales.append(scale)
+        zeros.append(zero)
+    return torch.cat(qs), torch.cat(scales), torch.cat(zeros)
+
+
+def check_packing(qdata: torch.Tensor, meta: dict) -> None:
+    """ValueError unless `meta` was packed for the layout the kernel of qdata's device uses in this process."""
+    here = packing(qdata.device.type)
+    if meta.get("packing") != here:
+        raise ValueError(f"this int4 weight was packed as {meta.get('packing')!r}, but the {qdata.device.type} "
+                         f"kernel here reads {here!r} (another machine or torch build): rebuild the layer cache")
+
+
+def matmul(x: torch.Tensor, parts: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
+    """x bf16 [M, in] (contiguous) @ W.T -> bf16 [M, out], on x's device."""
+    qdata, sz = parts[".qdata"], parts[".scales_zeros"]
+    if x.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x, qdata, meta["group"], sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qdata, meta["group"], sz)
+
+
+def dequantize(parts: dict[str, torch.Tensor], meta: dict, chunk: int = 512) -> torch.Tensor:
+    """The weight [out, in] as the kernel sees it, rounded to bf16: the kernel applied to rows of the identity
+    (each output is 1 * w + 0 * ..., exact before the final rounding). For tests and error reports only."""
+    out_f, in_f = meta["shape"]
+    device = parts[".qdata"].device
+    w = torch.empty(out_f, in_f, dtype=torch.bfloat16, device=device)
+    for k0 in range(0, in_f, chunk):
+        k1 = min(in_f, k0 + chunk)
+        eye = torch.zeros(k1 - k0, in_f, dtype=torch.bfloat16, device=device)
+        eye[:, k0:k1].fill_diagonal_(1)
+        w[:, k0:k1] = matmul(eye, parts, meta).t()
+    return w
