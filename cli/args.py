@@ -1,12 +1,12 @@
 """Command-line flags that several subcommands share (generate, chat, bench), defined once, and turning them
 into the frozen configs of specexec.config.
 
-Groups: model (--model --draft/--no-draft --allow-pickle --offline --gguf-file), engine (--budget N|auto --max-budget --builder
---device --dtype --max-new-tokens), sampling (--temperature --top-p --top-k --seed and the other SamplingParams fields),
-offload (--quant --draft-quant --offload --gpu-budget --ram-budget --cache-dir --context). `apply_catalog_defaults`
-fills what a models.yaml name implies (the recommended draft, budget and quantization) when the user left it
-out, and says so. `load_runtime` is the one place these commands load models (the memory ledger first, then a progress
-spinner on stderr).
+Groups: model (--model --draft/--no-draft --allow-pickle --offline --gguf-file), engine (--budget N|auto
+--max-budget --builder --device --dtype --kv-quant --max-new-tokens), sampling (--temperature --top-p --top-k
+--seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget --ram-budget
+--cache-dir --context --kv-offload). `apply_catalog_defaults` fills what a models.yaml name implies (the
+recommended draft, budget and quantization) when the user left it out, and says so. `load_runtime` is the one
+place these commands load models (the memory ledger first, then a progress spinner on stderr).
 
 Does not know: what a value may be (specexec.config checks every one of them), how models load.
 """
@@ -18,8 +18,9 @@ from dataclasses import fields
 
 from rich.console import Console
 
-from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, OFFLOAD_CHOICES, QUANT_CHOICES, EngineConfig,
-                             OffloadConfig, SamplingParams, budget_options, check_draft_choice)
+from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_CHOICES, OFFLOAD_CHOICES, QUANT_CHOICES,
+                             ConfigError, EngineConfig, OffloadConfig, SamplingParams, budget_options,
+                             check_draft_choice)
 from cli.fetch import add_hub_args, fetch_model, target_reserve
 from specexec.offloaded import TargetPlan
 from specexec.runtime import Runtime, builder_needs_draft
@@ -60,6 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") ->
     p.add_argument("--builder", metavar="NAME", help=f"tree builder: {', '.join(BUILDERS)} (default specexec)")
     p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--kv-quant", metavar="FMT", help="KV cache rows: none (default) | int8 (LOSSY: half the memory "
+                   "and bytes moved; the output may differ from the target's, so no exactness claim holds)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +72,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
             p.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
 
 
-def add_offload_args(p: argparse.ArgumentParser) -> None:
+def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> None:
     p.add_argument("--quant", metavar="FMT", help=f"target layer format: {' | '.join(QUANT_CHOICES)} (default auto, "
                    "or the models.yaml entry's)")
     p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {' | '.join(DRAFT_QUANT_CHOICES)} "
@@ -81,23 +84,38 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 48GB (default: free minus a margin)")
     p.add_argument("--cache-dir", metavar="DIR", help="root of the quantized layer cache (default $SPECEXEC_CACHE "
                    "or ~/.cache/specexec)")
-    p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) the memory plan reserves KV "
-                   "cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
+    if context_list:                              # bench: a sweep (cli/bench_context.py); the plan takes the largest
+        p.add_argument("--context", metavar="LIST", help="run the prompts after a long shared document filling each "
+                       "of these contexts, e.g. 1k,8k,32k: one table of tok/s, tokens per pass, prefill and pass "
+                       "seconds by context (the memory plan reserves KV cache for the largest)")
+    else:
+        p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) the memory plan reserves "
+                       "KV cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
+    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {' | '.join(KV_OFFLOAD_CHOICES)} (default "
+                   "auto: on the device, or in RAM travelling with their layer when the device runs short)")
 
 
-def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True) -> None:
-    """Every shared group, in --help order: model, engine, sampling, offload."""
+def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True,
+                    context_list: bool = False) -> None:
+    """Every shared group, in --help order: model, engine, sampling, offload (--context a list: the bench)."""
     add_model_args(p, model_required)
     add_engine_args(p, max_new_default)
     add_sampling_args(p)
-    add_offload_args(p)
+    add_offload_args(p, context_list)
 
 
 def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
     """EngineConfig from the engine flags; `defaults` fill flags the user left out."""
-    given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens")}
+    given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant")}
     budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
+
+
+def refuse_lossy_kv(config: EngineConfig, command: str) -> None:
+    """Benchmarks that check exactness take no lossy cache (--kv-quant int8 belongs to `specexec bench`)."""
+    if config.kv_quant != "none":
+        raise ConfigError(f"{command} checks that outputs are exact; --kv-quant {config.kv_quant} is lossy: drop it "
+                          "(`specexec bench --kv-quant int8` reports its effect)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -106,13 +124,15 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
 
-def offload_config(args: argparse.Namespace) -> OffloadConfig:
+def offload_config(args: argparse.Namespace, context: int | None = None) -> OffloadConfig:
+    """OffloadConfig from the offload flags; `context` replaces --context (the bench's largest context)."""
     return OffloadConfig.from_flags(quant=getattr(args, "quant", None), offload=getattr(args, "offload", None),
                                     draft_quant=getattr(args, "draft_quant", None),
                                     gpu_budget=getattr(args, "gpu_budget", None),
                                     ram_budget=getattr(args, "ram_budget", None),
                                     cache_dir=getattr(args, "cache_dir", None),
-                                    context=getattr(args, "context", None))
+                                    context=context if context is not None else getattr(args, "context", None),
+                                    kv_offload=getattr(args, "kv_offload", None))
 
 
 def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = None) -> None:

@@ -16,6 +16,12 @@ token; peak RAM = process RSS during the row (sampled), peak VRAM = torch's CUDA
 (temperature 0 only, vs no-draft) = every prompt's token ids equal, with `identical_prompts` "k/n" and
 `first_mismatch` (per prompt, the first new token that differs; null where identical).
 
+With --kv-quant int8 every specexec/no-draft row runs again with an int8 KV cache beside the exact ones (the
+runtime is planned for the exact cache): those rows are marked LOSSY, never called identical, and say where
+each prompt's output first diverges from the exact target alone. With --context 1k,8k,32k the prompts follow a
+long shared document filling each context instead, and one table gives the cost of context
+(cli/bench_context.py).
+
 With --endpoint URL the same prompt set and table measure OpenAI-compatible servers instead (cli/bench_endpoint.py);
 --plot FILE draws the rows (cli/plot.py).
 
@@ -36,6 +42,7 @@ from rich.table import Table
 from cli import args as common
 from cli import plot
 from cli.bench_common import Plan, Result, config_name, encode_prompts, first_mismatch, run_variant, wide
+from cli.bench_context import context_rows, context_table, parse_contexts, run_contexts
 from cli.bench_hf import run_hf
 from specexec.config import ConfigError, EngineConfig, budget_options, check_number, parse_budget_list
 from specexec.profiler import budget_trace
@@ -45,6 +52,7 @@ from specexec.runtime import Runtime
 CONFIG_KINDS = ("specexec", "no-draft", "hf-offload", "hf-assisted")
 BASELINES = ("no-draft", "hf-offload", "hf-assisted")
 DEFAULT_BUDGETS = "16,64,256"
+LOSSY_TAG = " kv=int8 LOSSY"        # --kv-quant int8: rows with an int8 KV cache, never called identical
 
 
 DESCRIPTION = ("Run a prompt set through specexec at several budgets, the target alone and (when installed) "
@@ -54,7 +62,7 @@ DESCRIPTION = ("Run a prompt set through specexec at several budgets, the target
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The end-to-end bench's flags (on the `bench` group parser, see cli/main.py): generate's model, engine,
     sampling and offload flags plus the bench's own."""
-    common.add_common_args(p, max_new_default="128", model_required=False)
+    common.add_common_args(p, max_new_default="128", model_required=False, context_list=True)
     p.add_argument("--budgets", metavar="LIST", help=f"tree budgets to sweep, e.g. {DEFAULT_BUDGETS} (default; "
                    "--budget N alone means just N)")
     p.add_argument("--configs", metavar="LIST", help=f"which to run, comma-separated from {', '.join(CONFIG_KINDS)} "
@@ -111,11 +119,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ConfigError("bench needs --model PATH|NAME (and --draft PATH, or --no-draft)")
     config = common.engine_config(args)
     sampling = common.sampling_params(args)
-    offload = common.offload_config(args)
+    contexts = parse_contexts(args.context) if args.context else ()
+    offload = common.offload_config(args, max(contexts) if contexts else None)
     common.check_draft(args, config)
     budgets_text = args.budgets or (str(args.budget) if args.budget is not None else DEFAULT_BUDGETS)
     budgets = parse_budget_list(budgets_text, _auto_budget_supported())
     kinds = _kinds(args.configs, bool(args.draft) and not args.no_draft)
+    if contexts:                                   # the context sweep measures our runtime only
+        if args.configs and any(k.startswith("hf-") for k in kinds):
+            raise ConfigError("--context runs specexec and no-draft only; drop the hf-* rows from --configs")
+        kinds = tuple(k for k in kinds if not k.startswith("hf-"))
     if sampling.presence_penalty or sampling.frequency_penalty:      # transformers has no such logits processor
         if args.configs and any(k.startswith("hf-") for k in kinds):
             raise ConfigError("--presence-penalty/--frequency-penalty: transformers' generate() has no such "
@@ -127,7 +140,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         prompts = prompts[:args.limit]
     check_number("--warmup", args.warmup, low=0, high=10**4)
     check_number("--repeat", args.repeat, low=1, high=100)
-    return Plan(config, sampling, offload, budgets, args.max_budget, kinds, tuple(prompts), args.repeat)
+    return Plan(config, sampling, offload, budgets, args.max_budget, kinds, tuple(prompts), args.repeat, contexts)
 
 
 # -------------------------------------------------------------------- our runtime
@@ -137,27 +150,30 @@ def run_ours(runtime: Runtime, plan: Plan, prompt_ids: list[list[int]], warmup: 
     """Every specexec budget and no-draft, each on a variant of the one loaded runtime (made when its turn
     comes, so only one set of KV caches exists at a time); plan.repeat rounds round-robin, so a slow spell of a
     shared machine hits every configuration alike, and each keeps its fastest round."""
-    todo: list[tuple[str, int | str | None]] = []
-    if "specexec" in plan.kinds:
-        todo += [(config_name("specexec", b, plan.config.builder), b) for b in plan.budgets]
-    if "no-draft" in plan.kinds:
-        todo.append(("no-draft", None))
+    todo: list[tuple[str, int | str | None, str]] = []
+    for kv in ["none"] + (["int8"] if plan.config.kv_quant == "int8" else []):   # int8: LOSSY rows beside
+        tag = "" if kv == "none" else LOSSY_TAG
+        if "specexec" in plan.kinds:
+            todo += [(config_name("specexec", b, plan.config.builder) + tag, b, kv) for b in plan.budgets]
+        if "no-draft" in plan.kinds:
+            todo.append(("no-draft" + tag, None, kv))
     best: dict[str, Result] = {}
     for round_ in range(plan.repeat):
-        for name, budget in todo:
+        for name, budget, kv in todo:
+            config = plan.config.replace(kv_quant=kv)
             if budget is None:
-                rt = runtime.variant(plan.config, use_draft=False)
+                rt = runtime.variant(config, use_draft=False)
             else:
-                rt = runtime.variant(plan.config.replace(**{"auto_budget": False,
-                                                            **budget_options(budget, plan.max_budget)}))
+                rt = runtime.variant(config.replace(**{"auto_budget": False,
+                                                       **budget_options(budget, plan.max_budget)}))
             label = name if plan.repeat == 1 else f"{name} (round {round_ + 1}/{plan.repeat})"
             res = run_variant(label, rt, budget, plan, prompt_ids, warmup, progress)
             done(res)
-            res.config = name
+            res.config, res.lossy = name, kv != "none"
             if name not in best or (res.tok_s or 0) > (best[name].tok_s or 0):
                 best[name] = res
             del rt
-    return [best[name] for name, _ in todo]
+    return [best[name] for name, _, _ in todo]
 
 
 def release(runtime: Runtime) -> None:
@@ -188,6 +204,8 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
         if greedy and base is not None:
             same = sum(a == b for a, b in zip(r.outputs, base.outputs))
             mismatch = [first_mismatch(a, b) for a, b in zip(r.outputs, base.outputs)]
+        if r.lossy:                                  # an int8 cache: outside every exactness claim
+            same = None
         rows.append({
             "config": r.config, "tok_s": _round(r.tok_s, 3),
             "tokens_per_pass": _round(r.new_tokens / r.passes if r.passes else None, 3),
@@ -198,7 +216,7 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
             "peak_ram_gb": _gb(r.peak_ram), "peak_vram_gb": _gb(r.peak_vram),
             "new_tokens": r.new_tokens, "passes": r.passes, "decode_s": _round(r.decode_s, 4),
             "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
-            "budget": r.budget, "builder": r.builder, "note": r.note or None,
+            "budget": r.budget, "builder": r.builder, "note": r.note or None, "lossy": r.lossy,
             "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
         })
     return rows
@@ -219,6 +237,8 @@ def make_table(rows: list[dict], title: str) -> Table:
             f"{'yes' if r['identical_to_baseline'] else 'NO'} {r['identical_prompts']}"
         at = sorted(i for i in r["first_mismatch"] or () if i is not None)
         ident += f" (from token {', '.join(map(str, at))})" if at else ""
+        if r.get("lossy"):
+            ident = "LOSSY: " + (f"diverges at token {', '.join(map(str, at))}" if at else "same tokens here")
         t.add_row(r["config"], _cell(r["tok_s"], ".2f"), _cell(r["tokens_per_pass"], ".2f"),
                   _cell(r["ttft_s"], ".3f"), _cell(r["peak_ram_gb"], ".2f"), _cell(r["peak_vram_gb"], ".2f"), ident,
                   *[_cell(r["speedup"].get(b), ".2f") for b in baselines])
@@ -236,6 +256,24 @@ def _done_line(console: Console) -> Callable[[Result], None]:
     return done
 
 
+def _run_contexts(args: argparse.Namespace, runtime: Runtime, plan: Plan, console: Console) -> int:
+    """bench --context: the context sweep (cli/bench_context.py), one table, `--json` one line {"rows": [...]}."""
+    with console.status("benchmarking") as status:
+        results = run_contexts(runtime, plan, plan.contexts, args.raw, lambda msg: status.update(msg))
+    release(runtime)
+    rows = context_rows(results, plan.sampling.greedy)
+    title = (f"{len(plan.prompts)} prompts after a shared document · up to {plan.config.max_new_tokens} new tokens "
+             f"· temperature {plan.sampling.temperature} · {plan.config.device}")
+    out = wide(console if args.json else Console(soft_wrap=True))
+    out.print(context_table(rows, title))
+    if args.json:
+        print(json.dumps({"rows": rows, "contexts": list(plan.contexts), "prompts": len(plan.prompts),
+                          "max_new_tokens": plan.config.max_new_tokens, "temperature": plan.sampling.temperature,
+                          "device": plan.config.device, "dtype": plan.config.dtype}, separators=(",", ":")),
+              flush=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.endpoint:
         from cli import bench_endpoint
@@ -244,10 +282,13 @@ def run(args: argparse.Namespace) -> int:
     figure = plot.check_target(args.plot)
     common.apply_catalog_defaults(args, console)
     plan = make_plan(args)
-    runtime = common.load_runtime(args, plan.config, console, plan.offload)
+    exact = plan.config.replace(kv_quant="none")     # planned for the exact cache; int8 rows are variants of it
+    runtime = common.load_runtime(args, exact, console, plan.offload)
     from cli.generate import print_load_summary
 
     print_load_summary(console, runtime)
+    if plan.contexts:
+        return _run_contexts(args, runtime, plan, console)
     warn = lambda msg: console.print(f"warning: {msg}", style="yellow", highlight=False, markup=False)  # noqa: E731
     prompt_ids = encode_prompts(runtime, plan.prompts, plan.config.max_new_tokens, args.raw, warn)
     eos, pad = sorted(runtime.engine.eos_ids), runtime.tokenizer.pad_token_id

@@ -74,6 +74,7 @@ def run(ns: argparse.Namespace) -> int:
     common.apply_catalog_defaults(ns, console)
     temps = _check(ns)
     config = common.engine_config(ns)
+    common.refuse_lossy_kv(config, "bench accept")
     common.check_draft(ns, config)
     base = common.sampling_params(ns)
     prompts = load_prompts(ns.prompts)[: ns.limit]

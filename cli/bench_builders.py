@@ -67,6 +67,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[Plan, tuple[str, ...], tuple[floa
     if not ns.model:
         raise ConfigError("bench builders needs --model PATH|NAME (and --draft PATH)")
     config = common.engine_config(ns)
+    common.refuse_lossy_kv(config, "bench builders")
     sampling = common.sampling_params(ns)
     builders = parse_builders(ns.builders, bool(ns.draft) and not ns.no_draft)
     budgets = parse_budget_list(ns.budgets, auto_supported=False)

@@ -31,6 +31,7 @@ class Plan:
     kinds: tuple[str, ...]
     prompts: tuple[Prompt, ...]
     repeat: int = 1
+    contexts: tuple[int, ...] = ()        # bench --context: the sweep (cli/bench_context.py); () = the plain bench
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Result:
     draft_s: float = 0.0          # summed over steps (our runtime only)
     target_s: float = 0.0
     budgets: list[int] = field(default_factory=list)      # the tree budget each step asked for (--budget auto)
+    lossy: bool = False           # ran with an int8 KV cache (--kv-quant int8): never in an exactness claim
 
     def add(self, ids: list[int], passes: int, decode_s: float, ttft_s: float | None, draft_s: float = 0.0,
             target_s: float = 0.0) -> None:

@@ -33,6 +33,7 @@ from rich.console import Console
 
 from cli import args as common
 from cli.generate import read_stdin, write_text
+from cli.prefill_bar import PrefillBar
 from specexec.config import ConfigError, SamplingParams, budget_options, with_field
 from specexec.profiler import summary_table
 from specexec.runtime import Detokenizer, Runtime
@@ -129,8 +130,11 @@ class ChatSession:
         ids: list[int] = []
         shown, interrupted = "", False
         steps = self.runtime.generate_ids(prompt_ids, self.max_new_tokens, self.sampling)
+        bar = PrefillBar(self.console)                 # long prefills: a progress bar until the first tokens
+        self.runtime.engine.on_prefill = bar
         try:
             for new in steps:
+                bar.stop()
                 ids += new
                 text = detok.stable_text(ids)
                 if len(text) > len(shown):
@@ -143,6 +147,8 @@ class ChatSession:
             interrupted = True
             self.write("\n")
         finally:
+            bar.stop()
+            self.runtime.engine.on_prefill = None
             steps.close()
         return Answer(ids, shown, interrupted, self.runtime.engine.profiler.summary())
 

@@ -23,6 +23,7 @@ from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sam
 from specexec.config import (VERIFIERS, ConfigError, EngineConfig, SamplingParams,
                              check_chat_options, check_draft_choice, check_number, check_prompt_text,
                              parse_draft_vocab)
+from cli.prefill_bar import prefill_bar
 from specexec.runtime import Detokenizer, ModelInfo, Runtime, builder_needs_draft
 
 
@@ -121,6 +122,9 @@ def print_load_summary(console: Console, runtime: Runtime) -> None:
         c = runtime.config
         budget = f"auto (up to {c.budget} tokens)" if c.auto_budget else f"{c.budget} tokens"
         console.print(f"builder {runtime.builder_name} · budget {budget}", highlight=False)
+    if runtime.config.kv_quant != "none":
+        console.print(f"KV cache {runtime.config.kv_quant}: LOSSY, the output may differ from the target's own "
+                      "(no exactness claim holds)", style="yellow", highlight=False)
 
 
 def write_text(text: str) -> None:
@@ -134,18 +138,21 @@ def write_text(text: str) -> None:
 
 
 def stream(runtime: Runtime, prompt_ids: list[int], sampling: SamplingParams, stop: list[str],
-           echo: bool) -> tuple[list[int], str]:
-    """Run generation; with echo, write the new text after each step. Returns (ids, text)."""
+           echo: bool, console: Console | None = None) -> tuple[list[int], str]:
+    """Run generation; with echo, write the new text after each step (a long prefill shows a progress bar on
+    `console` first). Returns (ids, text)."""
     detok = Detokenizer(runtime.tokenizer, prompt_ids)
     ids: list[int] = []
     shown = 0
-    for new in runtime.generate_ids(prompt_ids, runtime.config.max_new_tokens, sampling, stop):
-        ids += new
-        if echo:
-            text = detok.stable_text(ids)
-            if len(text) > shown:
-                write_text(text[shown:])
-                shown = len(text)
+    with prefill_bar(console or Console(stderr=True, quiet=True), runtime.engine) as bar:
+        for new in runtime.generate_ids(prompt_ids, runtime.config.max_new_tokens, sampling, stop):
+            bar.stop()
+            ids += new
+            if echo:
+                text = detok.stable_text(ids)
+                if len(text) > shown:
+                    write_text(text[shown:])
+                    shown = len(text)
     text = detok.text(ids)
     if echo:
         write_text(text[shown:] + "\n")
@@ -180,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             if args.n > 1 and not args.json:
                 console.print(f"--- sample {i + 1}/{args.n}", highlight=False, style="bold")
             seeded = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i)
-            ids, text = stream(runtime, prompt_ids, seeded, list(args.stop), echo=not args.json)
+            ids, text = stream(runtime, prompt_ids, seeded, list(args.stop), echo=not args.json, console=console)
             stats = runtime.stats()
             results.append({"text": text, "token_ids": ids, "stats": stats})
             if not args.json:

@@ -6,7 +6,8 @@ omitted: this machine's GPU, or the CPU without one) and a RAM budget, and print
 item each tier holds and its bytes), the layers per tier and the predicted seconds per target pass; exit 0.
 When nothing fits: one line saying what falls short and what would fit, exit 2. `--json` prints one line:
 {"resident_layers", "streamed_layers": {"ram", "ssd"}, "ledger": {item: bytes}, "predicted_seconds_per_pass",
-"link_gbps", ...} (plus the ledger by tier, formats, budgets, prefill tokens, read-ahead depth).
+"link_gbps", "kv": {where the target's KV rows live, int8 flagged "lossy"}, ...} (plus the ledger by tier, formats,
+budgets, prefill tokens, read-ahead depth).
 
 Does not know: how the ledger is sized (specexec/ledger.py) or how layers are placed (offload/planner.py).
 """
@@ -19,8 +20,9 @@ import sys
 from offload.cache_identity import default_cache_root
 from offload.mounts import slow_mount_warnings
 from offload.planner import GB, Bandwidths, PlanError, default_budgets
-from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, OFFLOAD_CHOICES, QUANT_CHOICES, ConfigError,
-                             budget_options, check_choice, check_integer, check_number, parse_size)
+from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_CHOICES, KV_QUANT_CHOICES,
+                             OFFLOAD_CHOICES, QUANT_CHOICES, ConfigError, budget_options, check_choice, check_integer,
+                             check_number, parse_size)
 from specexec.ledger import (ASSUMED, MemoryPlan, RunShape, card_budget, card_for, plan_context, plan_memory,
                              what_fits, with_warnings)
 from specexec.loading import read_args, resolve_model_path
@@ -49,6 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) to plan the KV caches for "
                    "(default 4096, at most the model's maximum)")
     p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--kv-quant", metavar="FMT", help="KV cache rows: none (default) | int8 (LOSSY: half the bytes, "
+                   "no exactness claim)")
+    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {' | '.join(KV_OFFLOAD_CHOICES)} "
+                   "(default auto: on the device, streamed with their layer from RAM when the device runs short)")
     p.add_argument("--link-gbps", type=float, metavar="GB/S", help=f"host -> GPU bandwidth (default "
                    f"{DEFAULT_LINK_GBPS:g} on CUDA; on a CPU the RAM tier's copy rate, default "
                    f"{ASSUMED['cpu'].ram / GB:g})")
@@ -113,11 +119,14 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     check_choice("--builder", ns.builder, BUILDERS)
     check_choice("--dtype", ns.dtype or "auto", DTYPES)
     check_choice("--draft-quant", ns.draft_quant or "none", DRAFT_QUANT_CHOICES)
+    check_choice("--kv-quant", ns.kv_quant or "none", KV_QUANT_CHOICES)
+    check_choice("--kv-offload", ns.kv_offload or "auto", KV_OFFLOAD_CHOICES)
     builder = make_builder(ns.builder)
     draft_kv = builder.kv_slots if draft is not None and builder.needs_draft else None
     dtype = resolve_dtype(ns.dtype or "auto", torch.device(device))
     return RunShape(target, draft, dtype, device, budget, plan_context(ns.context, target, draft),
-                    (ns.draft_quant or "none") if draft is not None else "none", draft_kv)
+                    (ns.draft_quant or "none") if draft is not None else "none", draft_kv,
+                    kv_quant=ns.kv_quant or "none", kv_offload=ns.kv_offload or "auto")
 
 
 def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
@@ -165,8 +174,10 @@ def run(ns: argparse.Namespace) -> int:
     if source:
         out.write(f"  GPU budget from {source}\n")
     p = memory.plan
+    kv = p.companion_bytes(True)
+    moved = f"{(p.tier_bytes('ram') + p.tier_bytes('ssd')) / GB:.2f} GB" + (
+        f" of weights and {kv / GB:.2f} GB of KV cache ({len(p.companions_streamed)} layers)" if kv else "")
     out.write(f"predicted {p.expected_s:.3f} s per target pass ({len(p.layers_in('resident'))} of {len(p.tiers)} "
-              f"layers resident; streaming {(p.tier_bytes('ram') + p.tier_bytes('ssd')) / GB:.2f} GB per pass, "
-              "compute assumed hidden behind the copies)\n")
+              f"layers resident; streaming {moved} per pass, compute assumed hidden behind the copies)\n")
     out.flush()
     return 0

@@ -15,12 +15,19 @@ On CUDA nothing here blocks the host or the device beyond need: the copy stream 
 compute that last read a slot is done, compute waits (event) until the slot's copy is done, the reader waits
 (event, in its own thread) until the copy out of a bounce buffer is done. No device-wide synchronize anywhere.
 
+Companions: a caller may hang per-layer byte buffers on the layers it streams (`companion`, e.g. a layer's
+KV cache rows kept in host RAM). The copier calls companion(i, slot, stopped) right after it queued layer i's
+bytes into `slot` (inside the copy stream on CUDA), so whatever it copies travels with the layer: it is part
+of the slot's fill, compute waits for it like for the weights, and its bytes count in `companion_bytes`. It
+may wait (for its source to be final) but returns when stopped() says the fill was cancelled. `discard()`
+cancels a read-ahead (e.g. one made for another companion).
+
 Timing is on the device's clock (pager_timing.py): per layer, copy start/end events on the copy stream and
 compute start/end events on the compute stream; a pass is folded into `stats` once all its events completed
 (`collect()` never waits unless asked). On CPU the same records hold host timestamps.
 
-Does not know: what the bytes mean (the caller's `bind` turns a buffer into views or a module), which layer
-goes in which tier (planner.py), models or tokens.
+Does not know: what the bytes mean (the caller's `bind` turns a buffer into views or a module; a companion
+moves its own buffers), which layer goes in which tier (planner.py), models or tokens.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from .pager_timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold, 
 from .tiers import LayerReader, RamTier, ResidentTier, fill, host_buffer
 
 Bind = Callable[[int, int, torch.Tensor], Any]      # (layer, slot or -1 when resident, uint8 buffer) -> view
+Companion = Callable[[int, int, Callable[[], bool]], int]   # (layer, slot, stopped) -> bytes it moved
 WAIT_TICK = 0.05                                    # seconds between checks for cancellation while waiting
 
 
@@ -93,6 +101,7 @@ class LayerPager:
         self.resident, self.ram, self.ssd = resident, ram, ssd
         self.tiers = [self._tier(i, set(ssd_ids)) for i in range(len(self.sizes))]
         self.bind: Bind = bind or (lambda i, slot, buf: buf)
+        self.companion: Companion | None = None        # bytes that travel with each streamed layer (see above)
         self.stats = PagerStats()
         cuda = self.device.type == "cuda"
         streamed = [self.sizes[i] for i, t in enumerate(self.tiers) if t != "resident"]
@@ -164,6 +173,7 @@ class LayerPager:
                 slot = self.slots[slot_index]
                 timing.layers.append(lt := self._acquire(slot, job, i))
                 self.stats.bytes[self.tiers[i]] += self.sizes[i]
+                self.stats.companion_bytes += lt.companion_bytes
                 try:
                     yield from self._serve(i, slot_index, slot.buf[:self.sizes[i]], lt)
                 finally:
@@ -261,6 +271,12 @@ class LayerPager:
             for b in self.slots + self.bounce:
                 b.empty()
             self._cv.notify_all()
+
+    def discard(self) -> None:
+        """Cancel the read-ahead (queued or running job): every buffer is empty afterwards; the next pass loads
+        afresh. A no-op when nothing is loading."""
+        if self._job is not None:
+            self._cancel(self._job)
 
     def _orphan(self, job: _Job) -> bool:
         """A job that never reached the loader (Ctrl-C between `self._job = job` and the queue)."""
@@ -381,7 +397,7 @@ class LayerPager:
                         self._fail(job, i, RuntimeError(f"bounce buffer holds layer {bounce.layer}, expected {i}"))
                         return
             try:
-                lt = self._fill(i, slot, bounce)
+                lt = self._fill(i, k % len(self.slots), bounce, job)
             except BaseException as e:          # noqa: BLE001 -- handed to the consumer, which raises it
                 self._fail(job, i, e)
                 return
@@ -392,13 +408,15 @@ class LayerPager:
                 slot.full, slot.layer, slot.job, slot.timing = True, i, job, lt
                 self._cv.notify_all()
 
-    def _fill(self, i: int, slot: _Buffer, bounce: _Buffer | None) -> LayerTiming:
-        """Move layer i into `slot` (from the RAM tier, the bounce buffer, or the disk on CPU); its timing."""
-        tier, n = self.tiers[i], self.sizes[i]
+    def _fill(self, i: int, slot_index: int, bounce: _Buffer | None, job: _Job) -> LayerTiming:
+        """Move layer i into the slot (from the RAM tier, the bounce buffer, or the disk on CPU), then its
+        companion's bytes; its timing."""
+        tier, n, slot = self.tiers[i], self.sizes[i], self.slots[slot_index]
         dst = slot.buf[:n]
         if tier == "ssd" and bounce is None:                      # CPU: the disk read fills the slot
             lt = LayerTiming("ssd", copy_start=self._event())
             self.ssd.read_layer(i, dst)
+            lt.companion_bytes = self._companion(i, slot_index, job)
             lt.copy_end = self._event()
             return lt
         src = bounce.buf[:n] if bounce is not None else self.ram.buffer(i)[:n]
@@ -407,6 +425,7 @@ class LayerPager:
         if stream is None:
             lt.copy_start = self._event()
             dst.copy_(src)
+            lt.companion_bytes = self._companion(i, slot_index, job)
             lt.copy_end = self._event()
             return lt
         if slot.used is not None:
@@ -414,8 +433,13 @@ class LayerPager:
         lt.copy_start = self._event(stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+            lt.companion_bytes = self._companion(i, slot_index, job)
         lt.copy_end = self._event(stream)
         return lt
+
+    def _companion(self, i: int, slot_index: int, job: _Job) -> int:
+        companion = self.companion
+        return companion(i, slot_index, lambda: job.stopped) if companion is not None else 0
 
     def _read_loop(self) -> None:
         while (job := self._next("read")) is not None:

@@ -62,18 +62,20 @@ class PagerStats:
     busy_s: float = 0.0
     passes: int = 0
     layers: int = 0
+    companion_bytes: int = 0    # bytes that travelled with streamed layers (a companion's, e.g. KV rows)
     folded: int = 0             # passes whose times are in (passes - folded are still on the device's clock)
 
     @property
     def streamed(self) -> int:
-        return sum(self.bytes.values())
+        """Bytes moved into slots: the layers' and their companions'."""
+        return sum(self.bytes.values()) + self.companion_bytes
 
     def totals(self) -> dict[str, float]:
         """Flat cumulative counters (see LayerPager.counters)."""
         return {"bytes_streamed": self.streamed, "copy_s": sum(self.copy_s.values()), "stall_s": self.stall_s,
                 "ram_bytes": self.bytes["ram"], "ssd_bytes": self.bytes["ssd"], "ram_copy_s": self.copy_s["ram"],
                 "ssd_copy_s": self.copy_s["ssd"], "compute_s": self.compute_s, "pass_s": self.pass_s,
-                "busy_s": self.busy_s, "passes": self.passes}
+                "busy_s": self.busy_s, "passes": self.passes, "companion_bytes": self.companion_bytes}
 
     def summary(self) -> dict:
         return stream_summary({}, self.totals())
@@ -91,6 +93,8 @@ def stream_summary(before: dict[str, float], after: dict[str, float]) -> dict:
            "compute_ms": round(1000 * d["compute_s"], 2),
            "effective_gbps": round(d["bytes_streamed"] / pass_s / 1e9, 3) if pass_s > 0 else None,
            "copy_busy": round(min(d.get("busy_s", 0.0) / pass_s, 1.0), 3) if pass_s > 0 else None}
+    if d.get("companion_bytes"):
+        out["companion_bytes"] = int(d["companion_bytes"])
     for tier in ("ram", "ssd"):
         if d[f"{tier}_bytes"]:
             out[f"{tier}_bytes"] = int(d[f"{tier}_bytes"])
@@ -109,6 +113,7 @@ class LayerTiming:
     compute_start: Any = None
     compute_end: Any = None
     count_copy: bool = True
+    companion_bytes: int = 0            # bytes a companion moved with the layer (pager.py)
 
     def events(self) -> list[Any]:
         return [e for e in (self.copy_start, self.copy_end, self.compute_start, self.compute_end) if e is not None]

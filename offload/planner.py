@@ -15,6 +15,17 @@ What pays for what (see ../shared/DESIGN.md, "Memory tiers"):
   the slots that streamed layers are read into) and the remaining layers stream from the SSD tier. The RAM
   tier on CPU (a second copy of a layer in plain memory) is only used when asked for (--offload ram).
 
+Companions (e.g. a layer's KV cache rows): bytes that belong to one layer and must stay in memory. Held on
+the device with a resident layer. A streamed layer's companion either stays on the device too, or lives in
+host RAM (never on the SSD) and travels with the layer into a device stage each pass (n_slots stages of the
+largest streamed companion, plus a small per-layer residue it keeps on the device): that moves its bytes
+every pass but frees device memory for resident layers. On CUDA (auto) the planner tries every number of
+resident layers and keeps, for each, as many companions on the device as fit; it picks the smallest expected
+pass time (more resident layers on a tie), but streams companions only when nothing fits without, or when
+that saves at least COMPANION_GAIN of the pass: their copies add host work (write-backs, top-ups of a
+read-ahead made before the commit) that the byte count does not show. On a CPU moving a companion saves nothing
+(the device is RAM), so it streams only when asked (`companions="stream"`, for tests and benchmarks).
+
 Read-ahead depth (how many layers the SSD reader may hold ahead of the consumer: pinned bounce buffers on
 CUDA, host slots on CPU) starts at the minimum the Needs give (2) and grows into whatever budget is LEFT once
 every layer has its tier, up to MAX_READ_AHEAD and the number of SSD layers. It never displaces a layer: a
@@ -34,6 +45,8 @@ from dataclasses import dataclass, field, replace
 TIERS = ("resident", "ram", "ssd")
 MAX_READ_AHEAD = 8              # most buffers the SSD reader fills ahead (bounce buffers on CUDA, slots on CPU)
 OFFLOAD_MODES = ("auto", "none", "ram", "ssd")
+COMPANION_MODES = ("auto", "device", "stream")
+COMPANION_GAIN = 0.02           # auto streams companions only to fit, or to save at least this share of a pass
 GB = 1e9
 
 
@@ -72,7 +85,11 @@ class Needs:
     host_fixed: host-RAM costs of a CUDA run besides the streaming tiers, by name (e.g. the input embedding
         kept in RAM); on CPU everything is in `fixed_bytes`.
     notes: name -> a short detail printed beside that ledger line (sizes in slots, formats, ...).
-    max_read_ahead: cap of the read-ahead depth."""
+    max_read_ahead: cap of the read-ahead depth.
+    companion_bytes: per layer, the bytes of its companion (empty: none); companion_residue: per layer, the
+        device bytes a streamed companion still keeps there; companion_name names them in the ledger;
+        companions: "auto" (the planner decides), "device" (never streamed) or "stream" (every streamed
+        layer's companion streams)."""
 
     layer_bytes: tuple[int, ...]
     fixed_bytes: tuple[tuple[str, int], ...] = ()
@@ -81,6 +98,16 @@ class Needs:
     host_fixed: tuple[tuple[str, int], ...] = ()
     notes: tuple[tuple[str, str], ...] = ()
     max_read_ahead: int = MAX_READ_AHEAD
+    companion_bytes: tuple[int, ...] = ()
+    companion_residue: tuple[int, ...] = ()
+    companion_name: str = "companions"
+    companions: str = "auto"
+
+    def companion(self, i: int) -> int:
+        return self.companion_bytes[i] if self.companion_bytes else 0
+
+    def residue(self, i: int) -> int:
+        return self.companion_residue[i] if self.companion_residue else 0
 
     @property
     def fixed(self) -> int:
@@ -109,9 +136,27 @@ class Plan:
     mode: str = "auto"
     slots: int = 0                               # device slots (0: the Needs' minimum)
     bounce: int = 0                              # SSD bounce buffers on CUDA (0: the Needs' minimum)
+    streamed_companions: tuple[bool, ...] = ()   # per layer: its companion lives in RAM and streams with it
 
     def layers_in(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
+
+    @property
+    def companions_streamed(self) -> list[int]:
+        """Layers whose companion travels with them from host RAM."""
+        return [i for i, s in enumerate(self.streamed_companions) if s]
+
+    def companion_bytes(self, streamed: bool) -> int:
+        """Bytes of the companions that stream (True: in host RAM) or stay on the device (False)."""
+        flags = self.streamed_companions or (False,) * len(self.tiers)
+        return sum(self.needs.companion(i) for i, s in enumerate(flags) if s == streamed)
+
+    @property
+    def stage_bytes(self) -> int:
+        """Device memory of streamed companions: a stage per slot (the largest one) plus their residues."""
+        ids = self.companions_streamed
+        return self.n_slots * max((self.needs.companion(i) for i in ids), default=0) + \
+            sum(self.needs.residue(i) for i in ids)
 
     def tier_bytes(self, tier: str) -> int:
         return sum(b for b, t in zip(self.needs.layer_bytes, self.tiers) if t == tier)
@@ -143,12 +188,14 @@ class Plan:
     @property
     def device_bytes(self) -> int:
         """Held on the device (GPU; on CPU: everything in memory except the RAM tier's region)."""
-        return self.needs.fixed + self.tier_bytes("resident") + self.n_slots * self.slot_bytes
+        return (self.needs.fixed + self.tier_bytes("resident") + self.n_slots * self.slot_bytes
+                + self.companion_bytes(False) + self.stage_bytes)
 
     @property
     def host_bytes(self) -> int:
-        """Held in host RAM besides the device side: host fixed costs, the RAM tier's region, bounce buffers."""
-        return self.needs.host + self.tier_bytes("ram") + self.n_bounce * self.slot_bytes
+        """Held in host RAM besides the device side: host fixed costs, the RAM tier's region, bounce buffers,
+        streamed companions."""
+        return self.needs.host + self.tier_bytes("ram") + self.n_bounce * self.slot_bytes + self.companion_bytes(True)
 
     @property
     def device_budget(self) -> int:
@@ -162,6 +209,11 @@ class Plan:
         device["resident target layers"] = self.tier_bytes("resident")
         device["streaming slots"] = self.n_slots * self.slot_bytes
         host = {name: b for name, b in self.needs.host_fixed}
+        if self.needs.companion_bytes:
+            device[self.needs.companion_name] = self.companion_bytes(False)
+        if self.companions_streamed:
+            device[f"{self.needs.companion_name} stages"] = self.stage_bytes
+            host[f"{self.needs.companion_name} (streamed)"] = self.companion_bytes(True)
         if n["ram"]:
             host["RAM tier layers"] = self.tier_bytes("ram")
         if self.n_bounce:
@@ -170,8 +222,10 @@ class Plan:
 
     @property
     def expected_s(self) -> float:
-        """Seconds one pass spends streaming weights (compute assumed hidden behind the copies)."""
-        return self.tier_bytes("ram") / self.bandwidths.ram + self.tier_bytes("ssd") / self.bandwidths.ssd
+        """Seconds one pass spends streaming weights and streamed companions (compute assumed hidden behind
+        the copies; a companion's bytes are counted whole: its most, at the planned size)."""
+        return ((self.tier_bytes("ram") + self.companion_bytes(True)) / self.bandwidths.ram
+                + self.tier_bytes("ssd") / self.bandwidths.ssd)
 
     def summary(self) -> dict:
         """JSON-able counts and sizes (for stats lines and benchmarks)."""
@@ -180,6 +234,8 @@ class Plan:
                 **{f"{t}_bytes": self.tier_bytes(t) for t in TIERS},
                 "device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
                 "slots": self.n_slots, "bounce_buffers": self.n_bounce,
+                "streamed_companions": len(self.companions_streamed),
+                "streamed_companion_bytes": self.companion_bytes(True),
                 "expected_s_per_pass": round(self.expected_s, 4)}
 
     def describe(self) -> str:
@@ -195,6 +251,11 @@ class Plan:
             ids = self.layers_in(t)
             if ids:
                 lines.append(f"  {names[t]:<18} {len(ids):>4} layers {_span(ids):<12} {self.tier_bytes(t) / GB:8.2f} GB")
+        streamed = self.companions_streamed
+        if streamed:
+            lines.append(f"  {self.needs.companion_name} streamed with {len(streamed)} layers {_span(streamed)}, "
+                         f"{self.companion_bytes(True) / GB:.2f} GB in RAM; on the device for "
+                         f"{len(self.tiers) - len(streamed)} layers")
         notes.setdefault("streaming slots", f"{self.n_slots} x {_gb(self.slot_bytes)}" if self.streams else "")
         notes.setdefault("SSD bounce buffers", f"{self.n_bounce} x {_gb(self.slot_bytes)}, read-ahead "
                          f"{self.read_ahead} layers")
@@ -214,7 +275,8 @@ class Plan:
             lines.append(f"  SSD holds {_gb(self.tier_bytes('ssd'))} (read every pass)")
         if self.streams:
             src = "measured" if self.bandwidths.measured else "assumed"
-            lines.append(f"  expected {self.expected_s:.3f} s per pass streaming weights ({src} RAM "
+            what = f"weights and {self.needs.companion_name}" if streamed else "weights"
+            lines.append(f"  expected {self.expected_s:.3f} s per pass streaming {what} ({src} RAM "
                          f"{self.bandwidths.ram / GB:.1f} GB/s, SSD {self.bandwidths.ssd / GB:.1f} GB/s)")
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -249,8 +311,14 @@ def plan(needs: Needs, device: str, ram_budget: int, gpu_budget: int | None = No
         warnings = ("--gpu-budget means nothing without CUDA: it is ignored; --ram-budget bounds what is held "
                     "in memory",)
         gpu_budget = None
-    tiers = _assign_cuda(needs, gpu_budget, ram_budget, mode) if device == "cuda" else _assign_cpu(needs, ram_budget, mode)
-    base = Plan(device, tiers, needs, gpu_budget, ram_budget, bandwidths, warnings, mode)
+    if needs.companions not in COMPANION_MODES:
+        raise PlanError(f"unknown companion mode {needs.companions!r}; choose one of: {', '.join(COMPANION_MODES)}")
+    if device == "cuda":
+        tiers, companions = _assign_cuda(needs, gpu_budget, ram_budget, mode, bandwidths)
+    else:
+        tiers, companions = _assign_cpu(needs, ram_budget, mode)
+    base = Plan(device, tiers, needs, gpu_budget, ram_budget, bandwidths, warnings, mode,
+                streamed_companions=companions)
     return _deepen_read_ahead(base)
 
 
@@ -264,52 +332,116 @@ def _deepen_read_ahead(p: Plan) -> Plan:
     if p.device == "cuda":
         extra = (p.ram_budget - p.host_bytes) // p.slot_bytes
         return replace(p, bounce=max(p.n_bounce, min(cap, p.n_bounce + extra)))
-    extra = (p.ram_budget - p.device_bytes - p.host_bytes) // p.slot_bytes
+    per_slot = p.slot_bytes + max((p.needs.companion(i) for i in p.companions_streamed), default=0)   # + a stage
+    extra = (p.ram_budget - p.device_bytes - p.host_bytes) // per_slot
     return replace(p, slots=max(p.n_slots, min(cap, p.n_slots + extra)))
 
 
-def _assign_cuda(needs: Needs, gpu: int, ram: int, mode: str) -> tuple[str, ...]:
+def _assign_cuda(needs: Needs, gpu: int, ram: int, mode: str, bw: Bandwidths
+                 ) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """(tier per layer, companion streamed per layer): everything resident when it fits (or mode none), else
+    the cheapest candidate of `_candidate` over the number of resident layers (auto) or none (ram, ssd)."""
     n, sizes = len(needs.layer_bytes), needs.layer_bytes
-    if mode == "none" or (mode == "auto" and needs.fixed + sum(sizes) <= gpu):
-        _check(needs.fixed + sum(sizes), gpu, "--gpu-budget", _fixed_text(needs) + f" and all {n} target layers "
-               f"resident ({_gb(sum(sizes))})", _resident_hint(needs, gpu))
-        return ("resident",) * n
+    whole = needs.fixed + sum(sizes) + sum(needs.companion(i) for i in range(n))
+    if mode == "none" or (mode == "auto" and whole <= gpu):
+        _check(whole, gpu, "--gpu-budget", _fixed_text(needs, whole - needs.fixed - sum(sizes))
+               + f" and all {n} target layers resident "
+               f"({_gb(sum(sizes))})", _resident_hint(needs, gpu))
+        return ("resident",) * n, (False,) * n
+    best, plain, error = None, None, None
+    for k in (range(n - 1, -1, -1) if mode == "auto" else (0,)):
+        try:
+            cand = _candidate(needs, k, gpu, ram, mode, bw)
+        except PlanError as e:
+            error = (error or e) if k else e                  # k = 0 needs the least GPU: its error says most
+            continue
+        if best is None or cand[2] < best[2] - 1e-12:         # a tie keeps more resident layers
+            best = cand
+        if not any(cand[1]) and (plain is None or cand[2] < plain[2] - 1e-12):
+            plain = cand
+    if best is None:
+        raise error
+    if plain is not None and best[2] >= (1 - COMPANION_GAIN) * plain[2]:
+        best = plain                                          # streaming companions must pay for itself
+    return best[0], best[1]
+
+
+def _candidate(needs: Needs, k: int, gpu: int, ram: int, mode: str, bw: Bandwidths
+               ) -> tuple[tuple[str, ...], tuple[bool, ...], float]:
+    """The first k layers resident (with their companions), the rest streamed: as many of their companions
+    on the device as the GPU budget leaves room for (by the companion mode), the others in RAM; streamed
+    layers in RAM, then on the SSD. (tiers, companions streamed, expected seconds per pass); PlanError when
+    a budget cannot hold it."""
+    n, sizes = len(needs.layer_bytes), needs.layer_bytes
+    rest = range(k, n)
     slots = needs.n_slots * needs.max_layer
-    _check(needs.fixed + slots, gpu, "--gpu-budget", _fixed_text(needs) + f" and {needs.n_slots} streaming slots "
-           f"({_gb(slots)})", "lower --budget (smaller trees need less activation memory) or use a smaller draft")
+    base = needs.fixed + sum(sizes[i] + needs.companion(i) for i in range(k)) + slots
+    stage = needs.n_slots * max((needs.companion(i) for i in rest), default=0) + sum(needs.residue(i) for i in rest)
+    on_device = sum(needs.companion(i) for i in range(k)) + (sum(needs.companion(i) for i in rest)
+                                                             if needs.companions == "device" else stage)
+    floor = base - sum(needs.companion(i) for i in range(k)) + on_device
+    what = "" if needs.companions == "device" or k else " stages"
+    _check(floor, gpu, "--gpu-budget", _fixed_text(needs, on_device, what)
+           + f" and {needs.n_slots} streaming slots ({_gb(slots)})"
+           + (f" and {k} resident layers" if k else ""), "lower --budget (smaller trees need less activation "
+           "memory), a shorter --context, or use a smaller draft")
+    keep = _device_companions(needs, k, gpu - base, stage)
+    companions = (False,) * (k + keep) + (True,) * (n - k - keep)
+    streamed_c = sum(needs.companion(i) for i in range(k + keep, n))
     if mode in ("ram", "ssd"):
-        streamed = (mode,) * n
+        tiers = (mode,) * n
     else:
-        k = _fit_prefix(sizes, gpu - needs.fixed - slots)
-        streamed = ("resident",) * k + _ram_then_ssd(sizes[k:], ram - needs.host, needs.n_bounce * needs.max_layer)
-    bounce = needs.n_bounce * needs.max_layer if "ssd" in streamed else 0
-    host = needs.host + sum(b for b, t in zip(sizes, streamed) if t == "ram") + bounce
+        tiers = ("resident",) * k + _ram_then_ssd(sizes[k:], ram - needs.host - streamed_c,
+                                                  needs.n_bounce * needs.max_layer)
+    bounce = needs.n_bounce * needs.max_layer if "ssd" in tiers else 0
+    in_ram = sum(b for b, t in zip(sizes, tiers) if t == "ram")
     parts = [f"{name} ({_gb(b)})" for name, b in needs.host_fixed if b]
-    parts += [f"{streamed.count('ram')} pinned layers"] if "ram" in streamed else []
+    parts += [f"{needs.companion_name} of {n - k - keep} layers ({_gb(streamed_c)})"] if streamed_c else []
+    parts += [f"{tiers.count('ram')} pinned layers"] if "ram" in tiers else []
     parts += [f"{needs.n_bounce} SSD bounce buffers ({_gb(bounce)})"] if bounce else []
-    _check(host, ram, "--ram-budget", " and ".join(parts), "use --offload ssd or auto to stream from disk instead"
-           if mode == "ram" else "free some RAM")
-    return streamed
+    _check(needs.host + streamed_c + in_ram + bounce, ram, "--ram-budget", " and ".join(parts),
+           "use --offload ssd or auto to stream from disk instead" if mode == "ram" else "free some RAM")
+    ssd = sum(b for b, t in zip(sizes, tiers) if t == "ssd")
+    return tiers, companions, (in_ram + streamed_c) / bw.ram + ssd / bw.ssd
 
 
-def _assign_cpu(needs: Needs, ram: int, mode: str) -> tuple[str, ...]:
+def _device_companions(needs: Needs, k: int, room: int, stage: int) -> int:
+    """How many of the streamed layers' companions (from layer k on, in order) stay on the device in `room`
+    bytes: all when they fit (or the mode says device), none when the mode says stream, else as many as fit
+    beside the stages and the residues of the others."""
+    n = len(needs.layer_bytes)
+    if needs.companions == "device" or (needs.companions == "auto" and
+                                        sum(needs.companion(i) for i in range(k, n)) <= room):
+        return n - k
+    if needs.companions == "stream":
+        return 0
+    return _fit_prefix(tuple(needs.companion(i) - needs.residue(i) for i in range(k, n)), room - stage)
+
+
+def _assign_cpu(needs: Needs, ram: int, mode: str) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """On a CPU companions are RAM wherever they are: they stream only in companion mode "stream" (then
+    their stages count too)."""
     n, sizes = len(needs.layer_bytes), needs.layer_bytes
-    if mode == "none" or (mode == "auto" and needs.fixed + sum(sizes) <= ram):
-        _check(needs.fixed + sum(sizes), ram, "--ram-budget", _fixed_text(needs) + f" and all {n} target layers "
-               f"({_gb(sum(sizes))})", _resident_hint(needs, ram))
-        return ("resident",) * n
-    slots = needs.n_slots * needs.max_layer
+    comp = sum(needs.companion(i) for i in range(n))
+    if mode == "none" or (mode == "auto" and needs.fixed + comp + sum(sizes) <= ram):
+        _check(needs.fixed + comp + sum(sizes), ram, "--ram-budget", _fixed_text(needs, comp) + f" and all {n} target "
+               f"layers ({_gb(sum(sizes))})", _resident_hint(needs, ram))
+        return ("resident",) * n, (False,) * n
+    stream = needs.companions == "stream" and comp > 0
+    stage = needs.n_slots * max(needs.companion_bytes) + sum(needs.residue(i) for i in range(n)) if stream else 0
+    slots = needs.n_slots * needs.max_layer + stage
+    fixed = needs.fixed + comp
     if mode == "ram":
-        _check(needs.fixed + slots + sum(sizes), ram, "--ram-budget", _fixed_text(needs) + f", {needs.n_slots} "
+        _check(fixed + slots + sum(sizes), ram, "--ram-budget", _fixed_text(needs, comp) + f", {needs.n_slots} "
                f"slots ({_gb(slots)}) and a RAM tier of all {n} layers ({_gb(sum(sizes))})",
                "use --offload ssd or auto to stream from disk instead")
-        return ("ram",) * n
-    _check(needs.fixed + slots, ram, "--ram-budget", _fixed_text(needs) + f" and {needs.n_slots} streaming slots "
-           f"({_gb(slots)})", "lower --budget or use a smaller draft")
-    if mode == "ssd":
-        return ("ssd",) * n
-    k = _fit_prefix(sizes, ram - needs.fixed - slots)
-    return ("resident",) * k + ("ssd",) * (n - k)
+        tiers = ("ram",) * n
+    else:
+        _check(fixed + slots, ram, "--ram-budget", _fixed_text(needs, comp) + f" and {needs.n_slots} streaming slots "
+               f"({_gb(slots)})", "lower --budget or use a smaller draft")
+        k = 0 if mode == "ssd" else _fit_prefix(sizes, ram - fixed - slots)
+        tiers = ("resident",) * k + ("ssd",) * (n - k)
+    return tiers, tuple(stream and t != "resident" for t in tiers)
 
 
 def _ram_then_ssd(sizes: tuple[int, ...], ram: int, bounce: int) -> tuple[str, ...]:
@@ -331,13 +463,16 @@ def _fit_prefix(sizes: tuple[int, ...], room: int) -> int:
     return len(sizes)
 
 
-def _fixed_text(needs: Needs) -> str:
+def _fixed_text(needs: Needs, companions: int = 0, what: str = "") -> str:
+    """The fixed costs by name, plus `companions` bytes of the companions (on the device) when given."""
     parts = [f"{name} ({_gb(b)})" for name, b in needs.fixed_bytes if b]
+    if companions:
+        parts.append(f"{needs.companion_name}{what} ({_gb(companions)})")
     return ", ".join(parts) if parts else "nothing fixed"
 
 
 def _resident_hint(needs: Needs, budget: int) -> str:
-    k = _fit_prefix(needs.layer_bytes, budget - needs.fixed)
+    k = _fit_prefix(tuple(b + needs.companion(i) for i, b in enumerate(needs.layer_bytes)), budget - needs.fixed)
     return f"use --offload auto to stream layers (at most {k} of {len(needs.layer_bytes)} fit resident)"
 
 

@@ -185,6 +185,7 @@ def check_integer(name: str, value: Any, low: int, high: int) -> None:
 VERIFIERS = ("auto", "greedy", "sample_match", "rrs", "rrs_wor")   # see verify.RULES
 BUILDERS = ("specexec", "chain", "static", "dynamic", "optree", "rsd", "rsd-c", "recycling")   # runtime.BUILDERS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_QUANT_CHOICES = ("none", "int8")                      # specexec.kv_rows.QUANTS
 MAX_BUDGET = 16384
 AUTO_MAX_BUDGET = 1024              # the largest tree --budget auto tries unless --max-budget says otherwise
 
@@ -217,9 +218,11 @@ class EngineConfig:
     verifier: str = "auto"
     builder_options: tuple[tuple[str, Any], ...] = field(default=())
     draft_vocab: int | str | None = None   # VocabTrim: the draft head keeps N target-frequent tokens, or "auto"
+    kv_quant: str = "none"          # --kv-quant: "int8" stores KV rows quantized (LOSSY; never in an exactness claim)
 
     def __post_init__(self) -> None:
         check_number("budget", self.budget, low=1, high=MAX_BUDGET)
+        check_choice("--kv-quant", self.kv_quant, KV_QUANT_CHOICES)
         check_draft_vocab(self.draft_vocab)
         check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
         if self.prefill_chunk is not None:
@@ -242,6 +245,7 @@ class EngineConfig:
 
 
 QUANT_CHOICES = ("auto", "none", "nf4", "fp4", "int8", "int4")   # offload.quant.FORMATS plus auto
+KV_OFFLOAD_CHOICES = ("auto", "device", "stream")        # where target KV rows live (OffloadConfig.kv_offload)
 DRAFT_QUANT_CHOICES = ("none", "nf4", "fp4", "int8", "int4")
 OFFLOAD_CHOICES = ("auto", "none", "ram", "ssd")          # offload.planner.OFFLOAD_MODES
 
@@ -256,7 +260,10 @@ class OffloadConfig:
     budgets; none / ram / ssd put every target layer resident / in pinned RAM / in the on-disk cache.
     gpu_budget, ram_budget: bytes (None: what is free now minus a margin). cache_dir: layer cache root (None:
     $SPECEXEC_CACHE or ~/.cache/specexec). context: tokens (prompt + answer) the memory plan reserves KV cache
-    for (None: 4096, at most the model's maximum; longer conversations grow the caches beyond the plan)."""
+    for (None: 4096, at most the model's maximum; longer conversations grow the caches beyond the plan).
+    kv_offload: where the target's KV rows live: auto = the planner decides per streamed layer (on the device,
+    or in host RAM travelling with the layer when the device runs short); device = always on the device;
+    stream = every streamed layer's rows travel with it (also on a CPU, where it only costs a copy)."""
 
     quant: str = "auto"
     draft_quant: str = "none"
@@ -265,8 +272,10 @@ class OffloadConfig:
     ram_budget: int | None = None
     cache_dir: str | None = None
     context: int | None = None
+    kv_offload: str = "auto"
 
     def __post_init__(self) -> None:
+        check_choice("--kv-offload", self.kv_offload, KV_OFFLOAD_CHOICES)
         if self.context is not None:
             check_integer("--context", self.context, low=16, high=10**7)
         for flag, value, choices in (("--quant", self.quant, QUANT_CHOICES),
@@ -283,11 +292,12 @@ class OffloadConfig:
     @classmethod
     def from_flags(cls, quant: str | None = None, draft_quant: str | None = None, offload: str | None = None,
                    gpu_budget: str | None = None, ram_budget: str | None = None,
-                   cache_dir: str | None = None, context: int | None = None) -> "OffloadConfig":
+                   cache_dir: str | None = None, context: int | None = None,
+                   kv_offload: str | None = None) -> "OffloadConfig":
         """From command-line strings (None = default); sizes like 20GB, 512MiB."""
         kw: dict[str, Any] = {k: v for k, v in (("quant", quant), ("draft_quant", draft_quant),
                                                  ("offload", offload), ("cache_dir", cache_dir),
-                                                 ("context", context)) if v is not None}
+                                                 ("context", context), ("kv_offload", kv_offload)) if v is not None}
         if gpu_budget is not None:
             kw["gpu_budget"] = parse_size(gpu_budget, "--gpu-budget")
         if ram_budget is not None:

@@ -30,12 +30,38 @@ PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (E
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
 
 
+def new_cache(model: Transformer, slots: int, quant: str, tail: int) -> KVCache:
+    """`model`'s KV cache (its own `new_cache`, else a device cache in its dtype, e.g. a wrapped draft)."""
+    make = getattr(model, "new_cache", None)
+    if make is not None:
+        return make(slots, quant, tail)
+    a, p = model.args, next(model.parameters())
+    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device, quant=quant)
+
+
 def kv_slots_for(total: int, budget: int, draft_scratch: int | None) -> tuple[int, int]:
     """(target, draft) KV slots for `total` committed tokens (prompt + answer), each sized for its own user:
     the target holds one tree of `budget` nodes plus its root beyond them; the draft its builder's scratch
     (builder.kv_slots(budget), which starts at the root) plus one. Pending tokens the draft has not seen are
     part of the context, so they need no slot of their own. draft_scratch None: no draft cache (0)."""
     return total + budget + 1, (0 if draft_scratch is None else total + draft_scratch + 1)
+
+
+@dataclass
+class PrefillProgress:
+    """How far one model's prefill got (Engine.on_prefill hears it after every pass): `which` model
+    ("target" | "draft"), tokens done of total, passes done of passes, started: time.perf_counter() then."""
+
+    which: str
+    total: int
+    passes: int
+    started: float
+    done: int = 0
+    passes_done: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
 
 
 @dataclass
@@ -82,13 +108,17 @@ class Engine:
 
     def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
                  builder: TreeBuilder | None, eos_ids: tuple[int, ...] = (),
-                 profiler: Profiler | None = None, context: int | None = None) -> None:
+                 profiler: Profiler | None = None, context: int | None = None,
+                 draft_kv_quant: str | None = None) -> None:
         """context: the tokens (prompt + answer) a memory plan reserved KV cache for; the caches are then
-        allocated for it at the first generate() (None: sized for each call's need, growing as it grows)."""
+        allocated for it at the first generate() (None: sized for each call's need, growing as it grows).
+        draft_kv_quant: the draft cache's format when the plan chose one (None: config.kv_quant's)."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
         self.planned_context = context
+        self.draft_kv_quant = draft_kv_quant or config.kv_quant
+        self.on_prefill: Callable[[PrefillProgress], None] | None = None    # progress of long prefills
         self.eos_ids = set(eos_ids)
         self.device = next(target.parameters()).device
         self.profiler = profiler or Profiler(self.device)   # spans/counters/steps of the last generate()
@@ -107,19 +137,18 @@ class Engine:
         """Caches with room for `total` committed tokens plus what each model writes beyond them
         (kv_slots_for); existing caches are kept so a shared prompt prefix can be reused. They are allocated
         for the planned context (self.planned_context) when there is one; past it they grow to what is
-        needed, in KV_GROW_QUANTUM steps, never doubling (KVCache.grow)."""
+        needed, in KV_GROW_QUANTUM steps, never doubling (KVCache.grow). Each model makes its own cache
+        (`new_cache`: an offloaded target may stream some layers' rows), in config.kv_quant's format (the
+        draft's: draft_kv_quant when the plan chose one)."""
         with_draft = self.draft is not None and self.builder is not None and self.builder.needs_draft
         budget = self.config.budget
         scratch = self.builder.kv_slots(budget) if with_draft else None
         need = kv_slots_for(total, budget, scratch)
         if self._caches is None:
             planned = kv_slots_for(self.planned_context or 0, budget, scratch)
-
-            def make(model: Transformer, slots: int) -> KVCache:
-                a, p = model.args, next(model.parameters())
-                return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device)
-            self._caches = (make(self.target, max(need[0], planned[0])),
-                            make(self.draft, max(need[1], planned[1])) if with_draft else None)
+            self._caches = (new_cache(self.target, max(need[0], planned[0]), self.config.kv_quant, budget + 1),
+                            new_cache(self.draft, max(need[1], planned[1]), self.draft_kv_quant, 0)
+                            if with_draft else None)
         for cache, slots in zip(self._caches, need):
             if cache is not None and cache.capacity < slots:
                 cache.grow(-(-slots // KV_GROW_QUANTUM) * KV_GROW_QUANTUM)
@@ -149,15 +178,20 @@ class Engine:
             return cap or PREFILL_CHUNK
         return min(planned, cap) if cap else planned
 
-    def prefill(self, model: Transformer, cache: KVCache, ids: list[int]) -> None:
-        """Run ids through `model` in chunks of prefill_chunk(model) and commit them to `cache`."""
+    def prefill(self, model: Transformer, cache: KVCache, ids: list[int], which: str = "target") -> None:
+        """Run ids through `model` in chunks of prefill_chunk(model) and commit them to `cache`; after each
+        chunk, on_prefill (when set) hears how far it got (host time: it never waits for the device)."""
         chunk = self.prefill_chunk(model)
+        progress = PrefillProgress(which, len(ids), -(-len(ids) // chunk), time.perf_counter())
         for start in range(0, len(ids), chunk):
             part = torch.tensor(ids[start:start + chunk], device=self.device)
             T, L = part.numel(), cache.length
             pos = torch.arange(L, L + T, device=self.device)
             model(part[None], pos[None], TreeMask(L), cache)          # the prefix, then causal over the chunk
             cache.advance(T)
+            if self.on_prefill is not None:
+                progress.done, progress.passes_done = progress.done + T, progress.passes_done + 1
+                self.on_prefill(progress)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                  sampling: SamplingParams = SamplingParams(),
@@ -212,7 +246,7 @@ class Engine:
         draft = None
         if draft_cache is not None:
             draft_cache.truncate(min(shared, draft_cache.length))
-            self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1])
+            self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
             draft = DraftState(self.draft, draft_cache, [prompt_ids[-1]])
         span.stop()                                  # CUDA: read at the end (_settle), never waited for here
         self._prefill_span = span

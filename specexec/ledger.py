@@ -13,7 +13,13 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
 - draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
 - target KV cache / draft KV cache: each sized for its own user (engine.kv_slots_for): the target for the
-  context plus one tree and its root; the draft for the context plus its builder's scratch slots.
+  context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
+  target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
+  streamed layer when the device runs short, in (pinned) RAM travelling with the layer ("target KV cache
+  (streamed)", its bytes in the pass time) through "target KV cache stages" (one per slot, plus the tree rows
+  each such layer keeps on the device until they are committed). When nothing fits with the draft's cache in
+  the run dtype, the draft's cache is planned in int8 (exact: the draft only proposes). --kv-quant int8
+  sizes both caches in int8 (LOSSY) and adds one layer's dequantized K/V to the activations.
 - activations: the largest transient of any pass that runs (attention_bytes has the attention formula):
   the target's tree pass, a streamed prefill chunk of PREFILL_RESERVE tokens (dropped when it does not fit),
   the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -40,6 +47,7 @@ from offload.storage import plan_layout
 
 from .config import ModelArgs
 from .engine import LOGIT_CHUNK, PREFILL_CHUNK, kv_slots_for
+from .kv_rows import row_bytes
 from .model import Block
 
 DEFAULT_CONTEXT = 4096        # tokens (prompt + answer) the KV caches are planned for unless --context says
@@ -83,9 +91,19 @@ def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "c
             "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4, "layers": args.n_layers * per_layer}
 
 
-def kv_bytes(args: ModelArgs, slots: int, elem: int) -> int:
-    """One model's KV cache: K and V [n_layers, H_kv, slots, head_dim]."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * slots * elem
+def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
+    """One model's KV cache: K and V of every layer and KV head for `slots` slots (int8: plus the scales)."""
+    return args.n_layers * slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
+
+
+def kv_layer_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
+    """One layer's share of kv_bytes."""
+    return slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
+
+
+def dequant_bytes(args: ModelArgs, context: int, elem: int, quant: str) -> int:
+    """The transient K/V of one layer dequantized for attention (int8 caches only; else 0)."""
+    return 2 * args.n_kv_heads * context * args.head_dim * elem if quant == "int8" else 0
 
 
 def attention_bytes(args: ModelArgs, tokens: int, context: int, elem: int, device: str) -> int:
@@ -102,17 +120,19 @@ def attention_bytes(args: ModelArgs, tokens: int, context: int, elem: int, devic
 
 
 def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str,
-                  logit_rows: int) -> int:
+                  logit_rows: int, kv_quant: str = "none") -> int:
     """Peak transient bytes of one forward of `tokens` rows over `context` slots: the residual stream, norm
     outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
     up and product, the attention (attention_bytes), one dequantized weight (when the format's kernel on
-    `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy."""
+    `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy;
+    with an int8 cache, one layer's dequantized K/V."""
     T, D, I = tokens, args.dim, args.intermediate_size
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     hidden = T * (4 * D + 2 * (q + 2 * kv) + q + 3 * I) * elem + 2 * T * D * 4 + 2 * T * args.head_dim * elem
     dequant = max(I, q) * D * elem if fmt != "none" and kernel_for(fmt, device) == "dequantize" else 0
     logits = min(T, logit_rows) * args.vocab_size * 4 * 2
-    return hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
+    return (hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
+            + dequant_bytes(args, context, elem, kv_quant))
 
 
 # ----------------------------------------------------------------------------------------- the run
@@ -132,10 +152,18 @@ class RunShape:
     context: int = DEFAULT_CONTEXT
     draft_fmt: str = "none"
     draft_kv: Callable[[int], int] | None = None
+    kv_quant: str = "none"                        # --kv-quant: both caches (int8: LOSSY)
+    draft_kv_quant: str = "none"                  # the draft cache's own (int8 when the plan needs it: exact)
+    kv_offload: str = "auto"                      # target KV rows: auto | device | stream (planner companions)
 
     @property
     def elem(self) -> int:
         return self.dtype.itemsize
+
+    @property
+    def draft_quant_kv(self) -> str:
+        """The draft cache's format: int8 when either the run (--kv-quant) or the plan chose it."""
+        return "int8" if "int8" in (self.kv_quant, self.draft_kv_quant) else "none"
 
     @property
     def draft_scratch(self) -> int | None:
@@ -159,18 +187,19 @@ def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]
     """(bytes, what they are for) of the activations line: the largest of the passes that run."""
     t_slots, d_slots = shape.slots
     dev, elem = shape.device, shape.elem
+    tq, dq = shape.kv_quant, shape.draft_quant_kv
     passes = {f"tree {shape.budget + 1}": forward_bytes(shape.target, shape.budget + 1, t_slots, elem, fmt, dev,
-                                                        LOGIT_CHUNK)}
+                                                        LOGIT_CHUNK, tq)}
     if prefill:
-        passes[f"prefill {prefill}"] = forward_bytes(shape.target, prefill, t_slots, elem, fmt, dev, 0)
+        passes[f"prefill {prefill}"] = forward_bytes(shape.target, prefill, t_slots, elem, fmt, dev, 0, tq)
     if shape.draft is not None:
         rows = min(shape.budget + 1, DRAFT_ROWS)
         growth = (shape.draft_scratch or 0) ** 2                        # the builder's ancestor matrix (bool)
         passes[f"draft {rows} rows"] = forward_bytes(shape.draft, rows, d_slots or shape.context, elem,
-                                                     shape.draft_fmt, dev, rows) + growth
+                                                     shape.draft_fmt, dev, rows, dq) + growth
         chunk = min(PREFILL_CHUNK, shape.context)
         passes[f"draft prefill {chunk}"] = forward_bytes(shape.draft, chunk, d_slots or shape.context, elem,
-                                                         shape.draft_fmt, dev, 0)
+                                                         shape.draft_fmt, dev, 0, dq)
     top = max(passes, key=passes.get)
     return passes[top], f"largest: {top} tokens (" + ", ".join(f"{k} {_gb(v)}" for k, v in passes.items()) + ")"
 
@@ -185,9 +214,13 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     act, act_note = activation_lines(shape, fmt, prefill)
     device: list[tuple[str, int]] = []
     host: list[tuple[str, int]] = []
+    lossy = ", int8: LOSSY" if shape.kv_quant == "int8" else ""
     notes = {"activations": act_note, "target KV cache": f"{t_slots} slots ({shape.context} context + "
-             f"{shape.budget + 1} tree)", "target norm/head": "tied: the embedding is the head"
-             if t.tie_word_embeddings else ""}
+             f"{shape.budget + 1} tree{lossy})", "target norm/head": "tied: the embedding is the head"
+             if t.tie_word_embeddings else "",
+             "target KV cache stages": "one per streaming slot, and the tree rows of streamed layers",
+             "target KV cache (streamed)": "pinned: committed rows travel with their layer"
+             if shape.device == "cuda" else "committed rows travel with their layer"}
     if embed_on_host:
         (host if shape.device == "cuda" else device).append(("target embed (host RAM)", tw["embed"]))
         notes["target embed (host RAM)"] = "rows gathered on the CPU for each pass"
@@ -198,11 +231,24 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
         dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype, shape.device)
         device.append(("draft weights", sum(dw.values())))
         notes["draft weights"] = f"{shape.draft.n_layers} layers {_fmt(shape.draft_fmt)}, embed/head {_dtype(shape.dtype)}"
-        device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem)))
-        notes["draft KV cache"] = f"{d_slots} slots" if d_slots else "none: the builder drafts without it"
-    device += [("target KV cache", kv_bytes(t, t_slots, elem)), ("activations", act)]
+        device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv)))
+        notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
+            "none: the builder drafts without it"
+    device.append(("activations", act))
     sizes = (layer_bytes(t, fmt, shape.dtype, shape.device),) * t.n_layers
-    return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()))
+    kv = kv_layer_bytes(t, t_slots, elem, shape.kv_quant)
+    tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
+    return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
+                 companion_bytes=(kv,) * t.n_layers, companion_residue=(tail,) * t.n_layers,
+                 companion_name="target KV cache", companions=shape.kv_offload)
+
+
+def _draft_kv_note(shape: RunShape) -> str:
+    if shape.draft_quant_kv != "int8":
+        return ""
+    if shape.kv_quant == "int8":
+        return ", int8 (--kv-quant)"
+    return ", int8: the draft's own cache, to fit (the target verifies: output unchanged)"
 
 
 def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
@@ -211,7 +257,7 @@ def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
     t_slots = shape.slots[0]
 
     def fits(c: int) -> bool:
-        return forward_bytes(shape.target, c, t_slots, shape.elem, fmt, shape.device, 0) <= room
+        return forward_bytes(shape.target, c, t_slots, shape.elem, fmt, shape.device, 0, shape.kv_quant) <= room
 
     lo, hi = 1, shape.context
     if fits(hi):
@@ -247,7 +293,8 @@ class MemoryPlan:
         s = self.shape
         head = (f"memory ledger: target {s.target.n_layers} layers {_fmt(self.fmt)}"
                 + (f", draft {s.draft.n_layers} layers {_fmt(s.draft_fmt)}" if s.draft is not None else ", no draft")
-                + f", {_dtype(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens")
+                + f", {_dtype(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens"
+                + (", KV int8 (LOSSY: no exactness claim)" if s.kv_quant == "int8" else ""))
         streamed = "" if not self.plan.streams else f"; prefill: up to {self.prefill_tokens} tokens per pass"
         return head + streamed + "\n" + self.plan.describe()
 
@@ -260,7 +307,17 @@ class MemoryPlan:
                 "device": p.device, "format": self.fmt, "embed_on_host": self.embed_on_host,
                 "prefill_tokens": self.prefill_tokens, "read_ahead": p.read_ahead, "slots": p.n_slots,
                 "budget": self.shape.budget, "context": self.shape.context,
-                "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget, "warnings": list(p.warnings)}
+                "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget, "warnings": list(p.warnings),
+                "kv": self.kv_json()}
+
+    def kv_json(self) -> dict:
+        """Where the target's KV rows live and in what format: per layer on the device or streamed with it,
+        the bytes streamed per pass (at the planned context), int8 flagged as lossy."""
+        p, s = self.plan, self.shape
+        streamed = p.companions_streamed
+        return {"quant": s.kv_quant, "lossy": s.kv_quant != "none", "draft_quant": s.draft_quant_kv,
+                "device_layers": len(p.tiers) - len(streamed), "streamed_layers": len(streamed),
+                "streamed_bytes_per_pass": p.companion_bytes(True), "offload": s.kv_offload}
 
 
 def with_warnings(memory: MemoryPlan, warnings: tuple[str, ...]) -> MemoryPlan:
@@ -273,8 +330,23 @@ def with_warnings(memory: MemoryPlan, warnings: tuple[str, ...]) -> MemoryPlan:
 def plan_memory(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str = "auto",
                 bandwidths: Bandwidths | None = None) -> MemoryPlan:
     """Plan the run with the first target format of `formats` that fits (a list of more than one: the first
-    only while every layer stays resident, e.g. ("none", "nf4") for --quant auto). PlanError (one line, what
-    would fit) when none does."""
+    only while every layer stays resident, e.g. ("none", "nf4") for --quant auto). When nothing fits with the
+    draft's KV cache in the run dtype, the draft's cache is planned in int8 (the draft only proposes: the
+    output stays exact). PlanError (one line, what would fit) when none does."""
+    try:
+        return _plan_formats(shape, formats, ram, gpu, mode, bandwidths)
+    except PlanError:
+        if shape.draft_scratch is None or shape.draft_quant_kv == "int8":
+            raise
+        error = sys.exc_info()[1]
+    try:
+        return _plan_formats(replace(shape, draft_kv_quant="int8"), formats, ram, gpu, mode, bandwidths)
+    except PlanError:
+        raise error from None
+
+
+def _plan_formats(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str,
+                  bandwidths: Bandwidths | None) -> MemoryPlan:
     bw = bandwidths or ASSUMED[shape.device]
     for k, fmt in enumerate(formats):
         last = k + 1 == len(formats)

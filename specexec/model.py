@@ -159,6 +159,7 @@ class Transformer(nn.Module):
                 slots = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)
             if mask is None:
                 raise ValueError("a cached forward needs an explicit mask over the cache slots")
+            cache.begin_forward()
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
         x = self.embed_tokens(tokens)
@@ -167,6 +168,12 @@ class Transformer(nn.Module):
         for i, layer in self.layer_modules():
             x = layer(x, cos, sin, plan, cache, i, slots)
         return self.norm(x)
+
+    def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
+        """A KV cache for this model with `capacity` slots, rows in its dtype on its device (int8 when quant
+        says so: lossy). tail: rows of one forward beyond the committed prefix (only streamed layers use it)."""
+        a, p = self.args, next(self.parameters())
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, p.dtype, p.device, quant=quant)
 
     def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                        dtype: torch.dtype) -> AttentionPlan:

@@ -38,6 +38,7 @@ from offload.storage import LayerLayout, unpack_layer
 
 from . import ledger
 from .config import ConfigError, EngineConfig, ModelArgs, OffloadConfig, check_budget_fits
+from .kv_cache import KVCache
 from .ledger import ASSUMED, MemoryPlan, RunShape, plan_memory, what_fits
 from .loading import check_tensors, expected_shapes
 from .model import Block, Transformer, rope_inv_freq
@@ -140,6 +141,8 @@ class OffloadedTransformer(Transformer):
         self._slot_blocks: dict[int, Block] = {}
         self._resident_blocks: dict[int, Block] = {}
         self.pager: LayerPager = pager_factory(self._bind)
+        self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
+        self._kv: KVCache | None = None               # the cache whose streamed rows the pager stages now
         self.eval().requires_grad_(False)
 
     def _new_block(self) -> Block:
@@ -159,6 +162,31 @@ class OffloadedTransformer(Transformer):
         layout = self.layouts[i]
         bind_module(blocks[key], unpack_layer(buf, layout), layout.meta)
         return blocks[key]
+
+    def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
+        """A KV cache whose `kv_streamed` layers keep their rows in host RAM (pinned on CUDA) and travel with
+        their layer through the pager's slots (specexec/kv_stream.py); the others on the device."""
+        a = self.args
+        streamed = [i for i in self.kv_streamed if self.pager.tier_of(i) != "resident"]
+        if streamed and self._kv is not None:         # let go of an earlier engine's cache before allocating
+            self.pager.discard()
+            self.pager.companion, self._kv = None, None
+        cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.run_dtype, self.norm.weight.device,
+                        quant=quant, streamed=streamed, tail=tail)
+        if streamed:
+            cache.attach(len(self.pager.slots), self.pager.discard)
+        return cache
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask=None, cache: KVCache | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Transformer.forward; a cache with streamed layers becomes the pager's companion first (a read-ahead
+        made for another cache is discarded)."""
+        kv = cache if cache is not None and cache.streams else None
+        if kv is not self._kv:
+            self.pager.discard()
+            self.pager.companion = kv.companion if kv is not None else None
+            self._kv = kv
+        return super().forward(tokens, positions, mask, cache, slots)
 
     def layer_modules(self) -> Iterator[tuple[int, Block]]:
         """Decoder layers in order, streamed through the pager; then the next pass's first layers start loading."""
@@ -219,9 +247,11 @@ def target_formats(quant: str, device_type: str) -> tuple[str, ...]:
 def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, offload: OffloadConfig,
               device_type: str, dtype: torch.dtype, draft_kv: Callable[[int], int] | None = None) -> RunShape:
     """The ledger's view of a run: the models, run dtype, tree budget, planned context (--context, default
-    ledger.DEFAULT_CONTEXT, at most what the models support) and the draft's format and KV scratch."""
+    ledger.DEFAULT_CONTEXT, at most what the models support), the draft's format and KV scratch, and the KV
+    caches' format (--kv-quant) and where the target's KV rows may live (--kv-offload)."""
     return RunShape(args, draft, dtype, device_type, engine.budget, ledger.plan_context(offload.context, args, draft),
-                    offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None)
+                    offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None,
+                    kv_quant=engine.kv_quant, kv_offload=offload.kv_offload)
 
 
 class TargetPlan:
@@ -294,7 +324,9 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
                             embed_on_host=target_plan.memory.embed_on_host)
     if p.streams:                                  # one prefill pass streams every layer: as long as planned
         model.prefill_tokens = target_plan.memory.prefill_tokens
-    model.plan_fingerprint = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}"
+    model.kv_streamed = tuple(p.companions_streamed)   # their KV rows travel with them (KVCache streamed layers)
+    model.plan_fingerprint = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}" + (
+        f"|kv {p.companions_streamed}" if p.companions_streamed else "")
     return model
 
 

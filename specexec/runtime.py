@@ -160,13 +160,15 @@ def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: Off
 
 
 def _make_engine(target: Transformer, draft: Transformer | None, config: EngineConfig,
-                 eos: tuple[int, ...], context: int | None = None) -> Engine:
+                 eos: tuple[int, ...], context: int | None = None, plan: TargetPlan | None = None) -> Engine:
     """The configured builder; none (target-only decoding) when it needs a draft and there is none. context:
-    the tokens the memory plan reserved KV cache for (None: not planned)."""
+    the tokens the memory plan reserved KV cache for (None: not planned); the plan may have chosen an int8
+    draft cache to fit (exact: the draft only proposes)."""
     builder: TreeBuilder | None = make_builder(config.builder, config.builder_options)
     if builder.needs_draft and draft is None:
         builder = None
-    engine = Engine(target, draft, config, builder, eos, context=context)
+    draft_kv = "int8" if plan is not None and plan.memory.shape.draft_kv_quant == "int8" else None
+    engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv)
     pager = getattr(target, "pager", None)
     if pager is not None:                 # offloaded target: per step, the profiler records what streaming cost
         engine.profiler.watch(pager.counters)
@@ -266,7 +268,7 @@ class Runtime:
         pair = (acceptance.pair_fingerprint(t_path, d_path, t_args, d_args, config.draft_vocab)
                 if d_path is not None else None)
         engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos,
-                              plan.memory.context if plan is not None else None)
+                              plan.memory.context if plan is not None else None, plan)
         runtime = cls(engine, tokenizer, t_info, d_info, config, plan)
         runtime.pair = pair
         return runtime
@@ -278,7 +280,8 @@ class Runtime:
                               f"got {config.device}/{config.dtype}")
         draft = self.engine.draft if use_draft else None
         engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
-                              tuple(sorted(self.engine.eos_ids)), self.engine.planned_context)
+                              tuple(sorted(self.engine.eos_ids)), self.engine.planned_context,
+                              self.plan)
         runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
                           self.plan)
         runtime.pair = self.pair
@@ -329,17 +332,31 @@ class Runtime:
         if len(ids) > emitted:
             yield ids[emitted:]
 
+    def kv_summary(self) -> dict:
+        return _kv_cache_summary(self.engine)
+
     def stats(self) -> dict:
         """Summary of the last generate_ids() call (see GenerationStats.summary)."""
         budget = (("auto" if self.config.auto_budget else self.config.budget)
                   if self.engine.builder is not None else 0)
         out = self.engine.stats.summary(budget, self.builder_name)
         out["budget_trace"] = budget_trace(s.budget for s in self.engine.profiler.steps)      # what --budget auto picked, per step
+        out["kv"] = self.kv_summary()
         pager = getattr(self.engine.target, "pager", None)
         if pager is not None:                 # offloaded target: what streaming cost during the last call
             out.update(stream_summary(self._stream_base, pager.counters()))
             out["offload"] = {"quant": self.plan.fmt, **self.plan.plan.summary()}
         return out
+
+
+def _kv_cache_summary(engine: Engine) -> dict:
+    """The target cache's format (int8 marked LOSSY: outside every exactness claim) and streamed layers."""
+    caches = engine._caches
+    quant = engine.config.kv_quant
+    out = {"quant": quant, "lossy": quant != "none", "draft_quant": engine.draft_kv_quant}
+    if caches is not None:
+        out["streamed_layers"] = len(caches[0].streamed_layers)
+    return out
 
 
 class Detokenizer:

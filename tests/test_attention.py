@@ -47,9 +47,10 @@ def random_tree(n: int, gen: torch.Generator, vocab: int, chain: float = 0.0) ->
     return TokenTree.from_lists(torch.randint(0, vocab, (n,), generator=gen).tolist(), parents)
 
 
-def random_cache(model: Transformer, length: int, scratch: int, gen: torch.Generator) -> KVCache:
+def random_cache(model: Transformer, length: int, scratch: int, gen: torch.Generator,
+                 dtype: torch.dtype = torch.float32) -> KVCache:
     a = model.args
-    cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, length + scratch, torch.float32, "cpu")
+    cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, length + scratch, dtype, "cpu")
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
     cache.length = length
@@ -163,8 +164,7 @@ def test_bf16_split_is_close_to_the_dense_mask(tiny_llama: Path) -> None:
     model = load_model(tiny_llama).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(3)
     tree = random_tree(40, gen, model.args.vocab_size, chain=0.3)
-    cache = random_cache(model, 500, 40, gen)
-    cache.k, cache.v = cache.k.bfloat16(), cache.v.bfloat16()
+    cache = random_cache(model, 500, 40, gen, torch.bfloat16)
     assert split_vs_dense(model, cache, tree.tokens, tree.positions(500), tree.ancestor_mask()) < 3e-2
 
 

@@ -74,7 +74,13 @@ def check_every_byte(out: dict, budget: int, gpu_budget: int, ram_budget: int) -
     embed = out["ledger"].get("target embed", out["ledger"].get("target embed (host RAM)"))
     assert embed == V * D * BF16 and ("target embed" in dev) != ("target embed (host RAM)" in host)
     assert out["ledger"]["draft weights"] == draft_8b_nf4()                    # counted once, from the config
-    assert out["ledger"]["target KV cache"] == 2 * L * 8 * 128 * (4096 + budget + 1) * BF16
+    kv_layer = 2 * 8 * 128 * (4096 + budget + 1) * BF16                      # one layer's K and V, every slot
+    kv_streamed = out["kv"]["streamed_layers"]
+    assert out["kv"]["device_layers"] + kv_streamed == L
+    assert out["ledger"]["target KV cache"] == out["kv"]["device_layers"] * kv_layer
+    assert host.get("target KV cache (streamed)", 0) == kv_streamed * kv_layer == out["kv"]["streamed_bytes_per_pass"]
+    tail = 2 * 8 * 128 * (budget + 1) * BF16                                 # the tree rows a streamed layer keeps
+    assert dev.get("target KV cache stages", 0) == (2 * kv_layer + kv_streamed * tail if kv_streamed else 0)
     assert out["ledger"]["draft KV cache"] == 2 * DL * 8 * 128 * (4096 + (2 * budget + 1) + 1 + 1) * BF16   # processed nodes, trash slot, root
     layer = layer_bytes(read_args(T70), "nf4", torch.bfloat16)
     assert 0.48 * GB < layer < 0.485 * GB                                     # 855.6M NF4 weights + norms
@@ -84,8 +90,8 @@ def check_every_byte(out: dict, budget: int, gpu_budget: int, ram_budget: int) -
     assert host.get("RAM tier layers", 0) == n["ram"] * layer and ssd.get("SSD tier layers", 0) == n["ssd"] * layer
     assert dev["streaming slots"] == out["slots"] * layer and out["slots"] == 2
     assert 0 < dev["activations"] < 3 * GB
-    assert out["predicted_seconds_per_pass"] == pytest.approx(n["ram"] * layer / 25e9 + n["ssd"] * layer / 3e9,
-                                                              abs=1e-3)
+    assert out["predicted_seconds_per_pass"] == pytest.approx(
+        (n["ram"] * layer + kv_streamed * kv_layer) / 25e9 + n["ssd"] * layer / 3e9, abs=1e-3)
 
 
 @pytest.mark.parametrize("budget", [1024, 2048])
@@ -221,3 +227,53 @@ def test_cpu_plan_of_a_streamed_target_keeps_the_embedding_in_ram(tiny_pair) -> 
     assert m.embed_on_host and "target embed (host RAM)" in m.ledger() and m.prefill_tokens == 512
     resident = plan_memory(shape, ("none",), ram=10**9, gpu=None, mode="none")
     assert not resident.embed_on_host and "target embed" in resident.ledger()
+
+
+# ------------------------------------------------------------------------------------------------ long context
+
+LONG = [*HEADLINE, "--gpu-memory", "24GB"]
+
+
+def test_long_context_plans_with_kv_that_streams_with_its_layer(capsys) -> None:
+    """70B NF4 + 8B NF4 draft on a 24 GB card at 4k / 32k / 128k context: every context plans (128k too, with
+    the target's KV streamed from RAM), every byte accounted, and 32k costs at most 1.5x the 4k pass."""
+    plans = {c: plan_json(capsys, *LONG, "--context", str(c)) for c in (4096, 32768, 131072)}
+    for c, out in plans.items():
+        assert out["context"] == c and out["device_bytes"] <= out["gpu_budget"] and out["host_bytes"] <= 64e9
+        assert out["ledger"]["target KV cache"] + out["ledger"].get("target KV cache (streamed)", 0) == \
+            L * 2 * 8 * 128 * (c + 65) * BF16                           # every layer's KV, once, somewhere
+        assert not out["kv"]["lossy"] and out["kv"]["quant"] == "none"
+    assert plans[4096]["kv"]["streamed_layers"] == 0                   # it fits: nothing moves that need not
+    assert plans[32768]["kv"]["streamed_layers"] > 0
+    assert plans[131072]["kv"]["streamed_layers"] > 0 and plans[131072]["kv"]["streamed_bytes_per_pass"] > 30e9
+    assert plans[131072]["kv"]["draft_quant"] == "int8"                # the draft's own 17 GB cache, to fit
+    assert plans[32768]["predicted_seconds_per_pass"] <= 1.5 * plans[4096]["predicted_seconds_per_pass"]
+    for c in plans:
+        code, text, _ = plan_cli(capsys, *LONG, "--context", str(c))
+        assert code == 0
+        show(capsys, f"70B nf4 + 8B nf4, 24 GB card, context {c}", text)
+    assert "target KV cache streamed with" in text and "of KV cache" in text
+
+
+def test_the_128k_kv_streams_from_pinned_ram_and_its_bytes_are_in_the_pass_time(capsys) -> None:
+    out = plan_json(capsys, *LONG, "--context", "131072")
+    n = {"resident": out["resident_layers"], **out["streamed_layers"]}
+    kv_layer = 2 * 8 * 128 * (131072 + 65) * BF16
+    layer = layer_bytes(read_args(T70), "nf4", torch.bfloat16)
+    assert out["kv"]["streamed_bytes_per_pass"] == out["kv"]["streamed_layers"] * kv_layer
+    assert out["predicted_seconds_per_pass"] == pytest.approx(
+        (n["ram"] * layer + out["kv"]["streamed_bytes_per_pass"]) / 25e9 + n["ssd"] * layer / 3e9, abs=1e-3)
+    assert out["ledger"]["target KV cache stages"] >= 2 * kv_layer
+
+
+def test_kv_quant_int8_is_lossy_and_counts_its_smaller_bytes(capsys) -> None:
+    exact = plan_json(capsys, *LONG, "--context", "32768")
+    lossy = plan_json(capsys, *LONG, "--context", "32768", "--kv-quant", "int8")
+    assert lossy["kv"] == {**lossy["kv"], "quant": "int8", "lossy": True}
+    total = {o["kv"]["quant"]: o["ledger"]["target KV cache"] + o["ledger"].get("target KV cache (streamed)", 0)
+             for o in (exact, lossy)}
+    assert total["none"] == L * 2 * 8 * 128 * (32768 + 65) * BF16
+    assert total["int8"] == L * 2 * 8 * (128 + 4) * (32768 + 65)          # 1 byte per value + a fp32 scale per row
+    assert lossy["predicted_seconds_per_pass"] < exact["predicted_seconds_per_pass"]
+    code, text, _ = plan_cli(capsys, *LONG, "--context", "32768", "--kv-quant", "int8")
+    assert code == 0 and "LOSSY" in text

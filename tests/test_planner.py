@@ -210,3 +210,82 @@ def test_plan_error_carries_what_fell_short() -> None:
         plan(needs(), "cuda", ram_budget=100 * GB, gpu_budget=400 * MB)
     assert (e.value.flag, e.value.needed, e.value.budget) == ("--gpu-budget", 500 * MB, 400 * MB)
     assert "2 streaming slots" in e.value.what
+
+
+# ------------------------------------------------------------------------------------------------ companions
+# A layer's companion (its KV cache rows): on the device with it, or in RAM travelling with it each pass.
+
+def kv_needs(companion: int = 40 * MB, residue: int = 1 * MB, mode: str = "auto", **kw) -> Needs:
+    """needs() with a companion per layer."""
+    base = needs(**kw)
+    n = len(base.layer_bytes)
+    return Needs(base.layer_bytes, base.fixed_bytes, base.n_slots, base.n_bounce, companion_bytes=(companion,) * n,
+                 companion_residue=(residue,) * n, companion_name="KV", companions=mode)
+
+
+def test_companions_stay_on_the_device_while_they_fit() -> None:
+    p = plan(kv_needs(), "cuda", ram_budget=10 * GB, gpu_budget=2 * GB)
+    assert counts(p) == (10, 0, 0) and p.companions_streamed == []
+    assert p.device_bytes == 300 * MB + 10 * 140 * MB and p.ledger()["device"]["KV"] == 400 * MB
+
+
+def test_short_of_device_memory_the_companions_of_streamed_layers_go_to_ram() -> None:
+    """1390 MB: 300 fixed + 200 slots. With every companion (20 MB each) on the device, 6 layers fit (1300 MB)
+    and 4 stream (400 MB a pass). Streaming the KV of the 3 streamed layers (2 stages of 20 MB stay) keeps a
+    7th layer resident: 300 MB of weights + 60 MB of KV a pass."""
+    p = plan(kv_needs(companion=20 * MB, residue=0), "cuda", ram_budget=10 * GB, gpu_budget=1390 * MB,
+             bandwidths=Bandwidths(ram=1e9))
+    plain = plan(kv_needs(companion=20 * MB, residue=0, mode="device"), "cuda", ram_budget=10 * GB,
+                 gpu_budget=1390 * MB, bandwidths=Bandwidths(ram=1e9))
+    assert counts(plain) == (6, 4, 0) and plain.companions_streamed == []
+    assert counts(p) == (7, 3, 0) and p.companions_streamed == [7, 8, 9]
+    assert p.expected_s == pytest.approx((300 + 60) * MB / 1e9) and plain.expected_s == pytest.approx(0.4)
+    assert p.companion_bytes(True) == 60 * MB == p.ledger()["host"]["KV (streamed)"]
+    assert p.ledger()["device"]["KV stages"] == 2 * 20 * MB == p.stage_bytes
+    assert p.ledger()["device"]["KV"] == 7 * 20 * MB and p.device_bytes == 1380 * MB
+    assert p.host_bytes == 300 * MB + 60 * MB
+    assert "KV streamed with 3 layers [7..9]" in p.describe() and "KV (streamed)" in p.describe()
+
+
+def test_the_residue_of_a_streamed_companion_stays_on_the_device() -> None:
+    p = plan(kv_needs(companion=20 * MB, residue=2 * MB), "cuda", ram_budget=10 * GB, gpu_budget=1390 * MB)
+    assert p.stage_bytes == 2 * 20 * MB + len(p.companions_streamed) * 2 * MB
+    assert p.device_bytes <= 1390 * MB
+
+
+def test_companions_stream_only_when_that_pays() -> None:
+    """A gain under COMPANION_GAIN keeps every companion on the device (fewer moving parts)."""
+    tiny = kv_needs(companion=1 * MB, residue=0)
+    p = plan(tiny, "cuda", ram_budget=10 * GB, gpu_budget=1000 * MB)
+    assert p.companions_streamed == []
+
+
+def test_nothing_fits_without_streaming_companions() -> None:
+    """Companions that alone overflow the device: they must stream (and only the stages stay)."""
+    big = kv_needs(companion=150 * MB, residue=1 * MB)
+    with pytest.raises(PlanError):
+        plan(kv_needs(companion=150 * MB, mode="device"), "cuda", ram_budget=10 * GB, gpu_budget=1000 * MB)
+    p = plan(big, "cuda", ram_budget=10 * GB, gpu_budget=1000 * MB)
+    assert p.streams and len(p.companions_streamed) >= 6 and p.device_bytes <= 1000 * MB
+
+
+def test_streamed_companions_need_ram() -> None:
+    with pytest.raises(PlanError, match="--ram-budget") as e:
+        plan(kv_needs(companion=150 * MB), "cuda", ram_budget=300 * MB, gpu_budget=1000 * MB, mode="ssd")
+    assert "KV of" in str(e.value)
+
+
+def test_stream_mode_streams_every_streamed_layers_companion_also_on_cpu() -> None:
+    for device, budgets in (("cuda", {"gpu_budget": 850 * MB}), ("cpu", {})):
+        p = plan(kv_needs(mode="stream"), device, ram_budget=10 * GB if device == "cuda" else 2 * GB,
+                 mode="ssd", **budgets)
+        assert p.companions_streamed == list(range(10))
+        assert p.stage_bytes == p.n_slots * 40 * MB + 10 * MB               # a stage per slot (CPU: deepened)
+        if device == "cpu":                                                 # one budget: RAM holds it all
+            assert p.device_bytes + p.host_bytes <= p.ram_budget
+
+
+def test_cpu_auto_never_streams_companions() -> None:
+    p = plan(kv_needs(), "cpu", ram_budget=1200 * MB)
+    assert p.streams and p.companions_streamed == []
+    assert p.device_bytes == 300 * MB + 400 * MB + p.tier_bytes("resident") + p.n_slots * 100 * MB

@@ -3,19 +3,26 @@
   where a 512-token chunk (the old fixed default, still an explicit cap) takes four; the outputs agree;
 - the target's and the draft's KV caches are each sized for their own user, allocated at the planned context,
   and grow to what is needed (never doubling) past it;
-- the embedding table kept in host RAM gives the same numbers as the resident table.
+- the embedding table kept in host RAM gives the same numbers as the resident table;
+- a 16k-token prompt takes as few streamed passes as the plan's activation budget allows (not 32), and the
+  progress bar for long prefills shows only when a prefill takes more than one pass or a second.
 """
 from __future__ import annotations
 
+import io
 import math
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
+
+from cli.prefill_bar import PrefillBar, worth_showing
 
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.engine import KV_GROW_QUANTUM, PREFILL_CHUNK, Engine
+from specexec.engine import KV_GROW_QUANTUM, PREFILL_CHUNK, Engine, PrefillProgress
 from specexec.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
 from specexec.offloaded import HostEmbedding, build_offloaded, layer_names
@@ -107,3 +114,76 @@ def test_the_embedding_in_host_ram_is_exact(tiny_pair, tmp_path: Path) -> None:
     finally:
         host.close()
         cache.close()
+
+
+# ------------------------------------------------------------------------------------------------ long prompts
+
+LONG_PROMPT = 16384
+
+
+@pytest.fixture(scope="module")
+def longer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer tiny Llama whose context holds a 16k-token prompt."""
+    return write_tiny_model(tmp_path_factory.mktemp("longer") / "llama", "llama", seed=22, n_layers=2,
+                            max_position_embeddings=32768)
+
+
+def budget_for_chunk(path: Path, chunk: int) -> tuple[int, int]:
+    """A --ram-budget whose plan (streamed target, --context 16k + 64) prefills about `chunk` tokens per pass,
+    and that plan's exact figure: the activation budget the plan gives is what sizes the prefill."""
+    from offload.planner import PlanError
+    from specexec.ledger import plan_memory
+    from specexec.offloaded import run_shape
+
+    shape = run_shape(read_args(path), None, EngineConfig(budget=4), OffloadConfig(context=LONG_PROMPT + 64), "cpu",
+                      torch.float32)
+    lo, hi = 10**6, 10**10
+    while hi - lo > 10**5:
+        mid = (lo + hi) // 2
+        try:
+            tokens = plan_memory(shape, ("none",), ram=mid, gpu=None, mode="ssd").prefill_tokens
+        except PlanError:
+            tokens = 0
+        lo, hi = (mid, hi) if tokens < chunk else (lo, mid)
+    return hi, plan_memory(shape, ("none",), ram=hi, gpu=None, mode="ssd").prefill_tokens
+
+
+def test_a_16k_prompt_takes_as_few_streamed_passes_as_the_activation_budget_allows(longer_model: Path,
+                                                                                 tmp_path: Path) -> None:
+    """The issue's bar: 16k tokens must not cost 32 streamed passes. With a RAM budget whose plan leaves
+    activations for ~4k tokens, the prefill takes exactly ceil(16383 / planned) passes (4 or 5), counted by
+    the pager, and the progress callback hears every one."""
+    budget, planned = budget_for_chunk(longer_model, 4096)
+    assert 3000 <= planned < LONG_PROMPT
+    offload = OffloadConfig(offload="ssd", quant="none", cache_dir=str(tmp_path), ram_budget=budget,
+                            context=LONG_PROMPT + 64)
+    rt = Runtime.load(str(longer_model), None, EngineConfig(budget=4), offload=offload)
+    heard = []
+    rt.engine.on_prefill = lambda p: heard.append((p.which, p.done, p.total, p.passes_done, p.passes))
+    ids = torch.randint(7, 300, (LONG_PROMPT,), generator=torch.Generator().manual_seed(3)).tolist()
+    try:
+        assert rt.engine.target.prefill_tokens == planned
+        passes, _ = prefill_passes(rt, ids)
+        want = math.ceil((LONG_PROMPT - 1) / planned)
+        assert passes == want < 32 and want <= 6
+        assert [h[3] for h in heard] == list(range(1, want + 1)) and heard[-1][1:3] == (LONG_PROMPT - 1,) * 2
+        assert all(h[0] == "target" and h[4] == want for h in heard)
+    finally:
+        rt.engine.close()
+
+
+def test_the_progress_bar_shows_only_for_long_prefills() -> None:
+    now = time.perf_counter()
+    assert not worth_showing(PrefillProgress("target", 100, 1, now))                 # one quick pass
+    assert worth_showing(PrefillProgress("target", 100, 2, now))                      # two passes
+    assert worth_showing(PrefillProgress("target", 100, 1, now - 2.0))                # one slow pass
+    bar = PrefillBar(Console(file=io.StringIO(), force_terminal=True, width=100))
+    bar(PrefillProgress("target", 100, 1, now, done=100, passes_done=1))
+    assert bar.progress is None                                                       # nothing drawn
+    slow = PrefillProgress("target", 8000, 4, now - 3.0, done=2000, passes_done=1)
+    bar(slow)
+    assert bar.progress is not None and "target" in bar.progress.tasks[0].description
+    assert bar.progress.tasks[0].completed == 2000 and bar.progress.tasks[0].fields["rate"] > 0
+    bar.stop()
+    bar(slow)
+    assert bar.progress is None and bar.stopped
