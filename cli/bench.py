@@ -14,7 +14,8 @@ so the first pass counts for specexec and for transformers alike); tokens_per_pa
 forward passes (transformers: the prompt's pass too, since it emits a token); ttft_s = mean time to first
 token; peak RAM = process RSS during the row (sampled), peak VRAM = torch's CUDA peak; identical_to_baseline
 (temperature 0 only, vs no-draft) = every prompt's token ids equal, with `identical_prompts` "k/n" and
-`first_mismatch` (per prompt, the first new token that differs; null where identical).
+`first_mismatch` (per prompt, the first new token that differs; null where identical); our rows also give
+draft_ms_per_step and target_ms_per_step (the profiler's, averaged over steps).
 
 Drafts: --draft X (or --no-draft), or --drafts LIST to compare several on one target, e.g. `--drafts PATH,self`:
 each draft loads in turn with the target (planned for it) and gets its own specexec rows, named `LABEL
@@ -241,11 +242,17 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
             "first_mismatch": mismatch,
             "peak_ram_gb": _gb(r.peak_ram), "peak_vram_gb": _gb(r.peak_vram),
             "new_tokens": r.new_tokens, "passes": r.passes, "decode_s": _round(r.decode_s, 4),
+            "draft_ms_per_step": _per_step(r, r.draft_s), "target_ms_per_step": _per_step(r, r.target_s),
             "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
             "budget": r.budget, "builder": r.builder, "draft": r.draft, "note": r.note or None,
             "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
         })
     return rows
+
+
+def _per_step(r: Result, seconds: float) -> float | None:
+    """Milliseconds per step of our rows (None for the transformers rows, which the profiler does not see)."""
+    return None if r.config.startswith("hf-") or not r.passes else round(1000 * seconds / r.passes, 1)
 
 
 def _cell(x: float | None, fmt: str) -> str:

@@ -233,6 +233,28 @@ def test_sampling_keeps_the_target_distribution(tiny_pair, verifier: str, temper
     assert chi_square_p(counts, exact_pairs(target, sampling), trials) > 1e-3
 
 
+@pytest.mark.gpu
+def test_on_cuda_copies_live_on_the_gpu_and_run_the_drafts_kernel(tiny_pair, tmp_path) -> None:
+    """CUDA: the NF4 copies sit on the GPU (one region), run bitsandbytes' fused 4-bit GEMM where it exists
+    (a draft may), and fp32 greedy output still equals the target alone."""
+    from offload.quant import _bnb_gemm_4bit, pass_traffic
+
+    off = OffloadConfig(offload="ssd", cache_dir=str(tmp_path), draft_layers=4)
+    config = EngineConfig(budget=8, dtype="float32", device="cuda")
+    rt = Runtime.load(str(tiny_pair[0]), "self", config, offload=off)
+    try:
+        draft = rt.engine.draft
+        assert draft.fmt == "nf4" and draft.copies == (0, 1, 2, 3)
+        assert all(t.device.type == "cuda" for t in draft.layers.buffers())
+        kernels = pass_traffic(draft.layers, "cuda")["kernels"]
+        assert set(kernels) == ({"bnb-4bit"} if _bnb_gemm_4bit() else {"dequantize"})
+        ids = prompt(4)
+        got = [t for s in rt.generate_ids(ids, 16) for t in s]
+        assert got == [t for s in rt.variant(config, use_draft=False).generate_ids(ids, 16) for t in s]
+    finally:
+        rt.engine.close()
+
+
 # ----------------------------------------------------------------------------------------- the CLI
 
 def test_generate_with_self_equals_no_draft(capsys, tiny_pair, tmp_path) -> None:
@@ -265,6 +287,7 @@ def test_bench_has_a_self_row_beside_the_model_draft(capsys, tiny_pair, tiny_per
     assert [(r["config"], r["draft"]) for r in rows] == [("specexec budget=4", str(tiny_perturbed_draft)),
                                                          ("self budget=4", "self"), ("no-draft", None)]
     assert all(r["identical_to_baseline"] for r in rows)
+    assert all(r["draft_ms_per_step"] > 0 for r in rows[:2]) and rows[2]["draft_ms_per_step"] == 0
 
 
 ERRORS = {
