@@ -132,7 +132,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     sampling = common.sampling_params(args)
     offload = common.offload_config(args)
     drafts = _drafts(args)
-    if len(drafts) <= 1:
+    if getattr(args, "drafts", None) is None:          # --drafts names drafts only (each checked as it loads)
         common.check_draft(args, config)
     budgets_text = args.budgets or (str(args.budget) if args.budget is not None else DEFAULT_BUDGETS)
     budgets = parse_budget_list(budgets_text, _auto_budget_supported())

@@ -288,6 +288,11 @@ def test_bench_has_a_self_row_beside_the_model_draft(capsys, tiny_pair, tiny_per
                                                          ("self budget=4", "self"), ("no-draft", None)]
     assert all(r["identical_to_baseline"] for r in rows)
     assert all(r["draft_ms_per_step"] > 0 for r in rows[:2]) and rows[2]["draft_ms_per_step"] == 0
+    code = main(["bench", "--model", str(tiny_pair[0]), "--drafts", "self", "--draft-layers", "3", "--limit", "1",
+                 "--max-new-tokens", "4", "--warmup", "0", "--budgets", "4", "--configs", "specexec", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert [r["config"] for r in json.loads(captured.out)["rows"]] == ["self budget=4"]
 
 
 ERRORS = {
