@@ -282,8 +282,10 @@ def _done_line(console: Console) -> Callable[[Result], None]:
     """One dim line per finished configuration (long runs show progress in a log file too)."""
     def done(r: Result) -> None:
         rate = f"{r.tok_s:.2f} tok/s" if r.tok_s else "– tok/s"
-        console.print(f"done {r.config}: {r.new_tokens} tokens · {rate} · {r.passes} target passes", style="dim",
-                      highlight=False, markup=False)
+        draft, target = _per_step(r, r.draft_s), _per_step(r, r.target_s)
+        steps = f" · per step: draft {draft:.0f} ms, target {target:.0f} ms" if draft is not None else ""
+        console.print(f"done {r.config}: {r.new_tokens} tokens · {rate} · {r.passes} target passes{steps}",
+                      style="dim", highlight=False, markup=False)
     return done
 
 
