@@ -8,6 +8,14 @@ switched offline before transformers is imported.
 from __future__ import annotations
 
 import os
+import signal
+
+# A suite started as a background job (`pytest &` in a non-interactive shell) inherits SIGINT ignored, and an
+# ignored signal stays ignored across exec: every child that must stop on Ctrl-C (chat, convert, serve) would
+# then run on. Catching SIGINT here (Python's own handler) makes every child start with the default disposition,
+# so Python installs its KeyboardInterrupt handler in each of them again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

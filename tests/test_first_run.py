@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from offload.quant import auto_format
 from tests.hub_server import LocalHub, serve, stop
 
 ROOT = Path(__file__).resolve().parents[1]
+FORMAT = auto_format("cpu")          # --quant auto: what streamed layers are packed in on this (CPU) machine
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 TARGET, DRAFT = "tiny-org/tiny-target", "tiny-org/tiny-draft"
 LOADED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -74,10 +76,10 @@ def test_first_chat_downloads_plans_converts_then_prompts(hub: LocalHub, tiny_pa
     total = sum((tiny_pair[0] / n).stat().st_size for n in LOADED) / 1000
     steps = [rf"downloaded {TARGET} .* {total:.1f}/{total:.1f} kB .*eta",
              rf"downloaded {DRAFT} .* kB .*eta",
-             r"memory ledger: target 4 layers nf4",                         # the plan before any conversion
+             rf"memory ledger: target 4 layers {FORMAT}",                    # the plan before any conversion
              r"offload plan \(ssd, 4 target layers",
              r"SSD tier +4 layers",
-             r"quantizing to nf4 .* 4/4 layers \d:\d\d:\d\d \d:\d\d:\d\d",      # elapsed, then the ETA column
+             rf"quantizing to {FORMAT} .* 4/4 layers \d:\d\d:\d\d \d:\d\d:\d\d",  # elapsed, then the ETA column
              r"^>>> Hello"]
     at = []
     for step in steps:
