@@ -1,12 +1,13 @@
 """Command-line flags that several subcommands share (generate, chat, bench), defined once, and turning them
 into the frozen configs of specexec.config.
 
-Groups: model (--model --draft/--no-draft --allow-pickle --offline --gguf-file), engine (--budget N|auto
---max-budget --builder --device --dtype --kv-quant --max-new-tokens), sampling (--temperature --top-p --top-k
---seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget --ram-budget
---cache-dir --context --kv-offload). `apply_catalog_defaults` fills what a models.yaml name implies (the
-recommended draft, budget and quantization) when the user left it out, and says so. `load_runtime` is the one
-place these commands load models (the memory ledger first, then a progress spinner on stderr).
+Groups: model (--model --draft PATH|NAME|self[:FMT] / --no-draft --allow-pickle --offline --gguf-file), engine
+(--budget N|auto --max-budget --builder --device --dtype --kv-quant --max-new-tokens), sampling (--temperature
+--top-p --top-k --seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget
+--ram-budget --cache-dir --context --kv-offload --draft-layers). `apply_catalog_defaults` fills what a models.yaml
+name implies (the recommended draft, budget and quantization) when the user left it out, and says so;
+`check_draft(..., default_self=True)` (chat) drafts with the target itself when no draft is named or recommended. `load_runtime`
+is the one place these commands load models (the memory ledger first, then a progress spinner on stderr).
 
 Does not know: what a value may be (specexec.config checks every one of them), how models load.
 """
@@ -24,6 +25,7 @@ from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_C
 from cli.fetch import add_hub_args, fetch_model, target_reserve
 from specexec.offloaded import TargetPlan
 from specexec.runtime import Runtime, builder_needs_draft
+from specexec.self_draft import SELF, is_self_draft
 
 # SamplingParams fields that get a flag here: name -> (type, metavar, help)
 SAMPLING_FLAGS = {
@@ -45,8 +47,10 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="target checkpoint directory, a name from `specexec models`, or a Hub id ORG/NAME "
                         "(downloaded once into the Hugging Face cache: config, tokenizer, safetensors)")
     draft = p.add_mutually_exclusive_group()
-    draft.add_argument("--draft", metavar="PATH|NAME", help="draft checkpoint (same tokenizer as the target); "
-                       "default for a models.yaml target: its recommended draft")
+    draft.add_argument("--draft", metavar="PATH|NAME|self[:FMT]", help="draft checkpoint (same tokenizer as the "
+                       "target), or self: the target's own layers (resident low-bit copies of the ones it streams, "
+                       "FMT default int4 on a CPU, nf4 on CUDA; see --draft-layers); default for a models.yaml "
+                       "target: its recommended draft")
     draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read pickle (.bin) weights with torch.load(weights_only=True)")
@@ -93,6 +97,9 @@ def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> 
                        "KV cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
     p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {' | '.join(KV_OFFLOAD_CHOICES)} (default "
                    "auto: on the device, or in RAM travelling with their layer when the device runs short)")
+    p.add_argument("--draft-layers", metavar="N|auto", help="with --draft self: how many of the target's decoder "
+                   "layers the draft runs, evenly spaced, first and last included (default auto: the most whose "
+                   "copies fit; half of a wholly resident target)")
 
 
 def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True,
@@ -132,7 +139,8 @@ def offload_config(args: argparse.Namespace, context: int | None = None) -> Offl
                                     ram_budget=getattr(args, "ram_budget", None),
                                     cache_dir=getattr(args, "cache_dir", None),
                                     context=context if context is not None else getattr(args, "context", None),
-                                    kv_offload=getattr(args, "kv_offload", None))
+                                    kv_offload=getattr(args, "kv_offload", None),
+                                    draft_layers=getattr(args, "draft_layers", None))
 
 
 def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = None) -> None:
@@ -145,13 +153,13 @@ def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = N
     fetch_model(args, "model", target_reserve(args))
     if entry is not None:
         _entry_defaults(args, entry, console)
-    if not getattr(args, "no_draft", False):
+    if not getattr(args, "no_draft", False) and not is_self_draft(getattr(args, "draft", None)):
         fetch_model(args, "draft")
 
 
 def _entry_defaults(args: argparse.Namespace, entry, console: Console | None) -> None:
     notes = []
-    if not args.draft and not args.no_draft and entry.drafts:
+    if not args.draft and not args.no_draft and not getattr(args, "drafts", None) and entry.drafts:
         args.draft = entry.drafts[0]
         notes.append(f"draft {entry.drafts[0]}")
     if getattr(args, "budget", None) is None and "budget" in vars(args):
@@ -165,8 +173,14 @@ def _entry_defaults(args: argparse.Namespace, entry, console: Console | None) ->
                       highlight=False)
 
 
-def check_draft(args: argparse.Namespace, config: EngineConfig) -> None:
+def check_draft(args: argparse.Namespace, config: EngineConfig, default_self: bool = False) -> bool:
+    """--draft/--no-draft against the builder. default_self (chat): no draft named and none recommended means
+    the self-draft (args.draft = "self", shown in the plan) instead of a refusal; returns whether it did so."""
+    chosen = default_self and not args.draft and not args.no_draft and builder_needs_draft(config.builder)
+    if chosen:
+        args.draft = SELF
     check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
+    return chosen
 
 
 def print_plan(console: Console) -> Callable[[TargetPlan], None]:

@@ -14,7 +14,14 @@ so the first pass counts for specexec and for transformers alike); tokens_per_pa
 forward passes (transformers: the prompt's pass too, since it emits a token); ttft_s = mean time to first
 token; peak RAM = process RSS during the row (sampled), peak VRAM = torch's CUDA peak; identical_to_baseline
 (temperature 0 only, vs no-draft) = every prompt's token ids equal, with `identical_prompts` "k/n" and
-`first_mismatch` (per prompt, the first new token that differs; null where identical).
+`first_mismatch` (per prompt, the first new token that differs; null where identical); our rows also give
+draft_ms_per_step and target_ms_per_step (the profiler's, averaged over steps).
+
+Drafts: --draft X (or --no-draft), or --drafts LIST to compare several on one target, e.g. `--drafts PATH,self`:
+each draft loads in turn with the target (planned for it) and gets its own specexec rows, named `LABEL
+budget=N` (LABEL: `self[:FMT]` for the self-draft, the checkpoint's directory name when several model drafts
+are compared, else `specexec`); no-draft and the hf-* rows run once (hf-assisted with the first model draft).
+Each row's JSON says its `draft`.
 
 With --kv-quant int8 every specexec/no-draft row runs again with an int8 KV cache beside the exact ones (the
 runtime is planned for the exact cache): those rows are marked LOSSY, never called identical, and say where
@@ -34,7 +41,8 @@ import argparse
 import gc
 import json
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -48,6 +56,7 @@ from specexec.config import ConfigError, EngineConfig, budget_options, check_num
 from specexec.profiler import budget_trace
 from specexec.prompts import load_prompts
 from specexec.runtime import Runtime
+from specexec.self_draft import is_self_draft
 
 CONFIG_KINDS = ("specexec", "no-draft", "hf-offload", "hf-assisted")
 BASELINES = ("no-draft", "hf-offload", "hf-assisted")
@@ -63,6 +72,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The end-to-end bench's flags (on the `bench` group parser, see cli/main.py): generate's model, engine,
     sampling and offload flags plus the bench's own."""
     common.add_common_args(p, max_new_default="128", model_required=False, context_list=True)
+    p.add_argument("--drafts", metavar="LIST", help="compare several drafts on the one target, comma-separated: "
+                   "checkpoints, models.yaml names and self[:FMT] (the target's own layers; --draft-layers applies "
+                   "to it), e.g. PATH,self; instead of --draft")
     p.add_argument("--budgets", metavar="LIST", help=f"tree budgets to sweep, e.g. {DEFAULT_BUDGETS} (default; "
                    "--budget N alone means just N)")
     p.add_argument("--configs", metavar="LIST", help=f"which to run, comma-separated from {', '.join(CONFIG_KINDS)} "
@@ -97,10 +109,14 @@ def hf_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
 
 
-def _kinds(text: str | None, has_draft: bool) -> tuple[str, ...]:
+def _kinds(text: str | None, has_draft: bool, has_model_draft: bool | None = None) -> tuple[str, ...]:
+    """The configurations to run: --configs, else all that can (hf-* need transformers + accelerate;
+    specexec a draft; hf-assisted a draft model, not the self-draft)."""
+    model = has_draft if has_model_draft is None else has_model_draft
+    needs = {"specexec": has_draft, "hf-assisted": model}
     if text is None:
         kinds = [k for k in CONFIG_KINDS if hf_available() or not k.startswith("hf-")]
-        return tuple(k for k in kinds if has_draft or k not in ("specexec", "hf-assisted"))
+        return tuple(k for k in kinds if needs.get(k, True))
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     for k in kinds:
         if k not in CONFIG_KINDS:
@@ -109,6 +125,9 @@ def _kinds(text: str | None, has_draft: bool) -> tuple[str, ...]:
             raise ConfigError(f"--configs {k} needs transformers and accelerate: pip install accelerate")
         if k in ("specexec", "hf-assisted") and not has_draft:
             raise ConfigError(f"--configs {k} needs a draft model: pass --draft PATH (or drop {k})")
+        if k == "hf-assisted" and not model:
+            raise ConfigError("--configs hf-assisted needs a draft model (transformers cannot draft with the "
+                              "target's own layers): add one to --drafts, or drop hf-assisted")
     if not kinds:
         raise ConfigError("--configs lists no configuration")
     return tuple(dict.fromkeys(kinds))
@@ -121,10 +140,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     sampling = common.sampling_params(args)
     contexts = parse_contexts(args.context) if args.context else ()
     offload = common.offload_config(args, max(contexts) if contexts else None)
-    common.check_draft(args, config)
+    drafts = _drafts(args)
+    if getattr(args, "drafts", None) is None:          # --drafts names drafts only (each checked as it loads)
+        common.check_draft(args, config)
     budgets_text = args.budgets or (str(args.budget) if args.budget is not None else DEFAULT_BUDGETS)
     budgets = parse_budget_list(budgets_text, _auto_budget_supported())
-    kinds = _kinds(args.configs, bool(args.draft) and not args.no_draft)
+    kinds = _kinds(args.configs, bool(drafts), any(not is_self_draft(d) for d in drafts))
     if contexts:                                   # the context sweep measures our runtime only
         if args.configs and any(k.startswith("hf-") for k in kinds):
             raise ConfigError("--context runs specexec and no-draft only; drop the hf-* rows from --configs")
@@ -140,21 +161,46 @@ def make_plan(args: argparse.Namespace) -> Plan:
         prompts = prompts[:args.limit]
     check_number("--warmup", args.warmup, low=0, high=10**4)
     check_number("--repeat", args.repeat, low=1, high=100)
-    return Plan(config, sampling, offload, budgets, args.max_budget, kinds, tuple(prompts), args.repeat, contexts)
+    return Plan(config, sampling, offload, budgets, args.max_budget, kinds, tuple(prompts), args.repeat,
+                contexts=contexts, drafts=drafts)
+
+
+def _drafts(args: argparse.Namespace) -> tuple[str, ...]:
+    """--drafts LIST, else --draft (() with --no-draft or none)."""
+    if getattr(args, "drafts", None) is None:
+        return (args.draft,) if args.draft and not args.no_draft else ()
+    if args.draft or args.no_draft:
+        raise ConfigError("--drafts lists every draft: leave out --draft/--no-draft")
+    drafts = tuple(dict.fromkeys(d.strip() for d in args.drafts.split(",") if d.strip()))
+    if not drafts:
+        raise ConfigError("--drafts lists no draft")
+    return drafts
+
+
+def draft_label(spec: str, drafts: tuple[str, ...]) -> str:
+    """A draft's name in row names: self[:FMT] as given; a model draft `specexec` when it is the only model
+    draft, else its checkpoint's directory name."""
+    if is_self_draft(spec):
+        return spec.strip()
+    several = sum(not is_self_draft(d) for d in drafts) > 1
+    return Path(spec).name if several else "specexec"
 
 
 # -------------------------------------------------------------------- our runtime
 
 def run_ours(runtime: Runtime, plan: Plan, prompt_ids: list[list[int]], warmup: int,
-             progress: Callable[[str], None], done: Callable[[Result], None] = lambda r: None) -> list[Result]:
+             progress: Callable[[str], None], done: Callable[[Result], None] = lambda r: None,
+             draft: str | None = None) -> list[Result]:
     """Every specexec budget and no-draft, each on a variant of the one loaded runtime (made when its turn
     comes, so only one set of KV caches exists at a time); plan.repeat rounds round-robin, so a slow spell of a
-    shared machine hits every configuration alike, and each keeps its fastest round."""
+    shared machine hits every configuration alike, and each keeps its fastest round. draft: the runtime's
+    draft as given (names the specexec rows, draft_label)."""
     todo: list[tuple[str, int | str | None, str]] = []
+    label = draft_label(draft, plan.drafts) if draft else "specexec"
     for kv in ["none"] + (["int8"] if plan.config.kv_quant == "int8" else []):   # int8: LOSSY rows beside
         tag = "" if kv == "none" else LOSSY_TAG
         if "specexec" in plan.kinds:
-            todo += [(config_name("specexec", b, plan.config.builder) + tag, b, kv) for b in plan.budgets]
+            todo += [(config_name("specexec", b, plan.config.builder, label) + tag, b, kv) for b in plan.budgets]
         if "no-draft" in plan.kinds:
             todo.append(("no-draft" + tag, None, kv))
     best: dict[str, Result] = {}
@@ -169,7 +215,7 @@ def run_ours(runtime: Runtime, plan: Plan, prompt_ids: list[list[int]], warmup: 
             label = name if plan.repeat == 1 else f"{name} (round {round_ + 1}/{plan.repeat})"
             res = run_variant(label, rt, budget, plan, prompt_ids, warmup, progress)
             done(res)
-            res.config, res.lossy = name, kv != "none"
+            res.config, res.lossy, res.draft = name, kv != "none", (draft if budget is not None else None)
             if name not in best or (res.tok_s or 0) > (best[name].tok_s or 0):
                 best[name] = res
             del rt
@@ -215,11 +261,17 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
             "first_mismatch": mismatch,
             "peak_ram_gb": _gb(r.peak_ram), "peak_vram_gb": _gb(r.peak_vram),
             "new_tokens": r.new_tokens, "passes": r.passes, "decode_s": _round(r.decode_s, 4),
+            "draft_ms_per_step": _per_step(r, r.draft_s), "target_ms_per_step": _per_step(r, r.target_s),
             "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
-            "budget": r.budget, "builder": r.builder, "note": r.note or None, "lossy": r.lossy,
+            "budget": r.budget, "builder": r.builder, "draft": r.draft, "note": r.note or None, "lossy": r.lossy,
             "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
         })
     return rows
+
+
+def _per_step(r: Result, seconds: float) -> float | None:
+    """Milliseconds per step of our rows (None for the transformers rows, which the profiler does not see)."""
+    return None if r.config.startswith("hf-") or not r.passes else round(1000 * seconds / r.passes, 1)
 
 
 def _cell(x: float | None, fmt: str) -> str:
@@ -251,8 +303,10 @@ def _done_line(console: Console) -> Callable[[Result], None]:
     """One dim line per finished configuration (long runs show progress in a log file too)."""
     def done(r: Result) -> None:
         rate = f"{r.tok_s:.2f} tok/s" if r.tok_s else "– tok/s"
-        console.print(f"done {r.config}: {r.new_tokens} tokens · {rate} · {r.passes} target passes", style="dim",
-                      highlight=False, markup=False)
+        draft, target = _per_step(r, r.draft_s), _per_step(r, r.target_s)
+        steps = f" · per step: draft {draft:.0f} ms, target {target:.0f} ms" if draft is not None else ""
+        console.print(f"done {r.config}: {r.new_tokens} tokens · {rate} · {r.passes} target passes{steps}",
+                      style="dim", highlight=False, markup=False)
     return done
 
 
@@ -282,24 +336,17 @@ def run(args: argparse.Namespace) -> int:
     figure = plot.check_target(args.plot)
     common.apply_catalog_defaults(args, console)
     plan = make_plan(args)
-    exact = plan.config.replace(kv_quant="none")     # planned for the exact cache; int8 rows are variants of it
-    runtime = common.load_runtime(args, exact, console, plan.offload)
-    from cli.generate import print_load_summary
-
-    print_load_summary(console, runtime)
     if plan.contexts:
+        from cli.generate import print_load_summary
+
+        runtime = common.load_runtime(args, plan.config.replace(kv_quant="none"), console, plan.offload)
+        print_load_summary(console, runtime)
         return _run_contexts(args, runtime, plan, console)
-    warn = lambda msg: console.print(f"warning: {msg}", style="yellow", highlight=False, markup=False)  # noqa: E731
-    prompt_ids = encode_prompts(runtime, plan.prompts, plan.config.max_new_tokens, args.raw, warn)
-    eos, pad = sorted(runtime.engine.eos_ids), runtime.tokenizer.pad_token_id
-    paths = (runtime.target_info.path, runtime.draft_info.path if runtime.draft_info else None)
+    ours, prompt_ids, hf = run_drafts(args, plan, console)
+    results = [r for r in ours if r.config not in BASELINES] + [r for r in ours if r.config in BASELINES]
     with console.status("benchmarking") as status:
-        say = lambda msg: status.update(msg)  # noqa: E731
-        results = run_ours(runtime, plan, prompt_ids, args.warmup, say, _done_line(console))
-        release(runtime)
-        del runtime
-        gc.collect()
-        results += run_hf(*paths, plan, prompt_ids, eos, pad, args.warmup, say, _done_line(console))
+        results += run_hf(hf[0], hf[1], plan, prompt_ids, hf[2], hf[3], args.warmup, lambda msg: status.update(msg),
+                          _done_line(console))
     rows = make_rows(results, plan.sampling.greedy)
     title = (f"{len(prompt_ids)} prompts · up to {plan.config.max_new_tokens} new tokens · temperature "
              f"{plan.sampling.temperature} · {plan.config.device}")
@@ -314,6 +361,42 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "prompts": len(prompt_ids), "max_new_tokens": plan.config.max_new_tokens,
                           "temperature": plan.sampling.temperature, "device": plan.config.device,
-                          "dtype": plan.config.dtype, "model": str(paths[0]),
-                          "draft": str(paths[1]) if paths[1] else None}, separators=(",", ":")), flush=True)
+                          "dtype": plan.config.dtype, "model": str(hf[0]), "draft": str(hf[1]) if hf[1] else None,
+                          "drafts": list(plan.drafts)}, separators=(",", ":")), flush=True)
     return 0
+
+
+def run_drafts(args: argparse.Namespace, plan: Plan, console: Console) -> tuple[list[Result], list[list[int]], tuple]:
+    """Our rows: the target with each draft in turn (loaded, planned and released one after the other), the
+    baselines with the first. Returns (results, prompt ids, the hf rows' arguments: target path, first model
+    draft's path, eos ids, pad id)."""
+    from cli.fetch import fetch_model
+    from cli.generate import print_load_summary
+
+    results: list[Result] = []
+    prompt_ids: list[list[int]] = []
+    target_path = draft_path = eos = pad = None
+    for k, spec in enumerate(plan.drafts or (None,)):
+        if plan.drafts:
+            args.draft = spec
+            if not is_self_draft(spec):
+                fetch_model(args, "draft")
+        exact = plan.config.replace(kv_quant="none")   # planned for the exact cache; int8 rows are variants of it
+        runtime = common.load_runtime(args, exact, console, plan.offload)
+        print_load_summary(console, runtime)
+        if k == 0:
+            warn = lambda msg: console.print(f"warning: {msg}", style="yellow", highlight=False,  # noqa: E731
+                                             markup=False)
+            prompt_ids = encode_prompts(runtime, plan.prompts, plan.config.max_new_tokens, args.raw, warn)
+            eos, pad = sorted(runtime.engine.eos_ids), runtime.tokenizer.pad_token_id
+            target_path = runtime.target_info.path
+        if draft_path is None and spec is not None and not is_self_draft(spec):
+            draft_path = runtime.draft_info.path
+        kinds = plan.kinds if k == 0 else tuple(x for x in plan.kinds if x == "specexec")
+        with console.status("benchmarking") as status:
+            results += run_ours(runtime, replace(plan, kinds=kinds), prompt_ids, args.warmup,
+                                lambda msg: status.update(msg), _done_line(console), draft=spec)
+        release(runtime)
+        del runtime
+        gc.collect()
+    return results, prompt_ids, (target_path, draft_path, eos, pad)

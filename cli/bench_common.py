@@ -32,6 +32,7 @@ class Plan:
     prompts: tuple[Prompt, ...]
     repeat: int = 1
     contexts: tuple[int, ...] = ()        # bench --context: the sweep (cli/bench_context.py); () = the plain bench
+    drafts: tuple[str, ...] = ()          # the drafts compared (paths, names, self[:FMT]); () with --no-draft
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Result:
     target_s: float = 0.0
     budgets: list[int] = field(default_factory=list)      # the tree budget each step asked for (--budget auto)
     lossy: bool = False           # ran with an int8 KV cache (--kv-quant int8): never in an exactness claim
+    draft: str | None = None      # the draft of a specexec row (a path, a name or self[:FMT])
 
     def add(self, ids: list[int], passes: int, decode_s: float, ttft_s: float | None, draft_s: float = 0.0,
             target_s: float = 0.0) -> None:
@@ -89,10 +91,12 @@ def encode_prompts(runtime: Runtime, prompts: tuple[Prompt, ...], max_new: int, 
     return out
 
 
-def config_name(kind: str, budget: int | str | None = None, builder: str = "specexec") -> str:
+def config_name(kind: str, budget: int | str | None = None, builder: str = "specexec", label: str = "specexec"
+                ) -> str:
+    """A row's name: `LABEL budget=N [builder=B]` for a specexec row (label: the draft's, bench.draft_label)."""
     if kind != "specexec":
         return kind
-    return f"specexec budget={budget}" + (f" builder={builder}" if builder != "specexec" else "")
+    return f"{label} budget={budget}" + (f" builder={builder}" if builder != "specexec" else "")
 
 
 def run_variant(name: str, rt: Runtime, budget: int | str | None, plan: Plan, prompt_ids: list[list[int]],

@@ -7,6 +7,9 @@ longer fits the context, the oldest turns are dropped with a notice. Ctrl-C stop
 was shown stays in the history) and keeps the session; Ctrl-D or /exit leaves. When stdin is not a terminal,
 the whole of stdin is one user turn and only the answer is printed (for scripts).
 
+With no --draft, no --no-draft and no draft recommended by models.yaml, the target drafts for itself (--draft
+self: its own layers, shown in the plan) rather than refusing.
+
 Answer text goes to stdout; everything else (progress, notices, stats) goes to stderr through rich.
 
 Failures inside a turn: out of memory in a step (CUDA OOM or MemoryError) is reported in one line with the knobs
@@ -406,7 +409,9 @@ def run(args: argparse.Namespace) -> int:
     config = common.engine_config(args)
     sampling = common.sampling_params(args)
     offload = common.offload_config(args)
-    common.check_draft(args, config)
+    if common.check_draft(args, config, default_self=True) and interactive:
+        console.print("no draft named or recommended: drafting with the target itself (--draft self; --no-draft "
+                      "decodes with the target alone)", style="dim", highlight=False, markup=False)
     runtime = common.load_runtime(args, config, console if interactive else None, offload)
     try:
         return _session(args, runtime, sampling, console, interactive)

@@ -37,7 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                    "or SSD, and the predicted seconds per target pass.")
     p.add_argument("--model", required=True, metavar="PATH|NAME", help="target: a directory with config.json "
                    "(nothing else needed), a .gguf file, or a name from `specexec models` present here")
-    p.add_argument("--draft", metavar="PATH|NAME", help="draft model (default: none)")
+    p.add_argument("--draft", metavar="PATH|NAME|self[:FMT]", help="draft model, or self: the target's own layers "
+                   "(resident copies of the streamed ones in FMT, default the device's: int4 CPU, nf4 CUDA) "
+                   "(default: none)")
+    p.add_argument("--draft-layers", metavar="N|auto", help="with --draft self: decoder layers the draft runs "
+                   "(default auto: the most whose copies fit)")
     p.add_argument("--gpu-memory", metavar="SIZE", help="plan for a GPU with this much memory, e.g. 24GB "
                    "(default: this machine's GPU, or the CPU when there is none)")
     p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 64GB (default: available minus a margin)")
@@ -110,8 +114,16 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     from specexec.loading import resolve_dtype
     from specexec.runtime import make_builder
 
+    from specexec.config import parse_draft_layers
+    from specexec.ledger import with_self_draft
+    from specexec.self_draft import is_self_draft, self_draft_shape
+
     target = read_args(resolve_model_path(ns.model))
-    draft = read_args(resolve_model_path(ns.draft)) if ns.draft else None
+    own = is_self_draft(ns.draft)
+    draft = read_args(resolve_model_path(ns.draft)) if ns.draft and not own else None
+    layers = parse_draft_layers(ns.draft_layers) if ns.draft_layers is not None else None
+    if layers is not None and not own:
+        raise ConfigError("--draft-layers applies to --draft self (a draft made of the target's own layers)")
     budget = budget_options(ns.budget).get("budget", 64) if ns.budget is not None else 64
     check_integer("--budget", budget, 1, 16384)
     if ns.context is not None:
@@ -122,11 +134,18 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     check_choice("--kv-quant", ns.kv_quant or "none", KV_QUANT_CHOICES)
     check_choice("--kv-offload", ns.kv_offload or "auto", KV_OFFLOAD_CHOICES)
     builder = make_builder(ns.builder)
-    draft_kv = builder.kv_slots if draft is not None and builder.needs_draft else None
+    draft_kv = builder.kv_slots if (draft is not None or own) and builder.needs_draft else None
     dtype = resolve_dtype(ns.dtype or "auto", torch.device(device))
-    return RunShape(target, draft, dtype, device, budget, plan_context(ns.context, target, draft),
-                    (ns.draft_quant or "none") if draft is not None else "none", draft_kv,
-                    kv_quant=ns.kv_quant or "none", kv_offload=ns.kv_offload or "auto")
+    shape = RunShape(target, draft, dtype, device, budget, plan_context(ns.context, target, draft),
+                     (ns.draft_quant or "none") if draft is not None else "none", draft_kv,
+                     kv_quant=ns.kv_quant or "none", kv_offload=ns.kv_offload or "auto")
+    if not own:
+        return shape
+    if ns.draft_quant is not None:
+        raise ConfigError(f"--draft-quant is for a draft model; a self-draft's copies take --draft self:FORMAT "
+                          f"(e.g. self:{ns.draft_quant})")
+    spec = self_draft_shape(ns.draft, layers, device)
+    return with_self_draft(shape, spec.fmt, spec.layers)
 
 
 def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:

@@ -39,7 +39,7 @@ CONTRACT (used by specexec/offloaded.py, offload/tiers.py's SSD tier and cli/con
         @classmethod
         def open_or_build(cls, checkpoint_dir, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype, *,
                           cache_root=None, double_quant=False, verify=False, progress=True, lock_timeout=None,
-                          log=None, quantize_device=None) -> LayerCache
+                          log=None, quantize_device=None, on_layer=None) -> LayerCache
         @classmethod
         def open(cls, path, verify=False, expect=None) -> LayerCache     # an existing cache dir, or CacheError
         path: Path (the cache dir); file: Path (layers.bin); built: bool (this call built it); manifest: dict
@@ -127,8 +127,8 @@ class LayerCache:
     def open_or_build(cls, checkpoint_dir: str | os.PathLike, layers: Sequence[LayerNames], fmt: str,
                       dtype: torch.dtype, *, cache_root: str | os.PathLike | None = None, double_quant: bool = False,
                       verify: bool = False, progress: bool = True, lock_timeout: float | None = None,
-                      log: Callable[[str], None] | None = None, quantize_device: str | torch.device | None = None
-                      ) -> LayerCache:
+                      log: Callable[[str], None] | None = None, quantize_device: str | torch.device | None = None,
+                      on_layer: Callable[[int, int], None] | None = None) -> LayerCache:
         """The valid cache for this checkpoint and options, building (or rebuilding) it when needed.
 
         layers[i] names layer i's tensors (LayerNames); fmt in quant.FORMATS; dtype the compute dtype the
@@ -136,7 +136,8 @@ class LayerCache:
         notices (stale/corrupt cache rebuilt, waiting for another builder); default: print to stderr.
         verify: also check every layer's sha256 now (default: each on its first read).
         quantize_device: where a build quantizes ("cuda" is much faster than the CPU; default: CPU). int4 packs for
-        that device's kernel, so pass the device the layers will run on."""
+        that device's kernel, so pass the device the layers will run on. on_layer(done, total): called after each
+        layer a build writes (a caller's own progress display; progress=False turns the bar here off)."""
         log = log or _stderr
         check_format(fmt)
         checkpoint_dir = Path(checkpoint_dir).resolve()
@@ -156,7 +157,7 @@ class LayerCache:
                 return cache
             if again and not problem:
                 log(f"{again}; rebuilding it")
-            _build(checkpoint_dir, layers, final, expect, progress, log, quantize_device)
+            _build(checkpoint_dir, layers, final, expect, progress, log, quantize_device, on_layer)
         cache = cls(final, load_manifest(final), built=True)
         cache._file.mark_verified()                  # the sums came from the bytes just written
         return cache
@@ -272,7 +273,8 @@ def plan(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: to
 
 
 def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expect: dict, progress: bool,
-           log: Callable[[str], None], device: str | torch.device | None = None) -> None:
+           log: Callable[[str], None], device: str | torch.device | None = None,
+           on_layer: Callable[[int, int], None] | None = None) -> None:
     """Quantize every layer into a temporary directory next to `final`, then rename it there (lock held)."""
     dtype = getattr(torch, expect["dtype"])
     layouts = plan(checkpoint_dir, layers, expect["format"], dtype, expect["double_quant"], device)
@@ -282,7 +284,8 @@ def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expe
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
-        entries = _write_layers(tmp / LAYERS_FILE, checkpoint_dir, layers, layouts, expect, progress, device)
+        entries = _write_layers(tmp / LAYERS_FILE, checkpoint_dir, layers, layouts, expect, progress, device,
+                                on_layer)
         manifest = dict(expect, file=LAYERS_FILE, file_nbytes=total, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                         layers=entries)
         _write_json(tmp / MANIFEST, manifest)
@@ -322,7 +325,8 @@ def _remove_leftovers(final: Path) -> None:
 
 
 def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames], layouts: list[LayerLayout],
-                  expect: dict, progress: bool, device: str | torch.device | None = None) -> list[dict]:
+                  expect: dict, progress: bool, device: str | torch.device | None = None,
+                  on_layer: Callable[[int, int], None] | None = None) -> list[dict]:
     """Quantize, pack and write every layer at its aligned offset; returns the manifest's layer entries."""
     ckpt = open_source(checkpoint_dir)
     dtype = getattr(torch, expect["dtype"])
@@ -340,6 +344,8 @@ def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames]
                 offset += layout.nbytes
                 del buf
                 advance()
+                if on_layer is not None:
+                    on_layer(i + 1, len(layers))
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -263,7 +263,9 @@ class OffloadConfig:
     for (None: 4096, at most the model's maximum; longer conversations grow the caches beyond the plan).
     kv_offload: where the target's KV rows live: auto = the planner decides per streamed layer (on the device,
     or in host RAM travelling with the layer when the device runs short); device = always on the device;
-    stream = every streamed layer's rows travel with it (also on a CPU, where it only costs a copy)."""
+    stream = every streamed layer's rows travel with it (also on a CPU, where it only costs a copy).
+    draft_layers: with --draft self, how many of the target's decoder layers the draft runs (None or "auto":
+    the most the budget holds; specexec/self_draft.py)."""
 
     quant: str = "auto"
     draft_quant: str = "none"
@@ -273,11 +275,14 @@ class OffloadConfig:
     cache_dir: str | None = None
     context: int | None = None
     kv_offload: str = "auto"
+    draft_layers: int | str | None = None        # --draft self: decoder layers the draft runs (None/auto: planned)
 
     def __post_init__(self) -> None:
         check_choice("--kv-offload", self.kv_offload, KV_OFFLOAD_CHOICES)
         if self.context is not None:
             check_integer("--context", self.context, low=16, high=10**7)
+        if self.draft_layers is not None and self.draft_layers != "auto":
+            check_integer("--draft-layers", self.draft_layers, low=1, high=10**5)
         for flag, value, choices in (("--quant", self.quant, QUANT_CHOICES),
                                      ("--draft-quant", self.draft_quant, DRAFT_QUANT_CHOICES),
                                      ("--offload", self.offload, OFFLOAD_CHOICES)):
@@ -293,16 +298,36 @@ class OffloadConfig:
     def from_flags(cls, quant: str | None = None, draft_quant: str | None = None, offload: str | None = None,
                    gpu_budget: str | None = None, ram_budget: str | None = None,
                    cache_dir: str | None = None, context: int | None = None,
-                   kv_offload: str | None = None) -> "OffloadConfig":
+                   kv_offload: str | None = None, draft_layers: str | None = None) -> "OffloadConfig":
         """From command-line strings (None = default); sizes like 20GB, 512MiB."""
         kw: dict[str, Any] = {k: v for k, v in (("quant", quant), ("draft_quant", draft_quant),
                                                  ("offload", offload), ("cache_dir", cache_dir),
                                                  ("context", context), ("kv_offload", kv_offload)) if v is not None}
+        if draft_layers is not None:
+            kw["draft_layers"] = parse_draft_layers(draft_layers)
         if gpu_budget is not None:
             kw["gpu_budget"] = parse_size(gpu_budget, "--gpu-budget")
         if ram_budget is not None:
             kw["ram_budget"] = parse_size(ram_budget, "--ram-budget")
         return cls(**kw)
+
+
+SELF_DRAFT = "self"           # --draft self[:FORMAT]: the target drafts with its own layers (specexec/self_draft.py)
+
+
+def is_self_draft(spec: str | None) -> bool:
+    """Whether a --draft value (or a models.yaml drafts item) names the self-draft: "self" or "self:FORMAT"."""
+    return spec is not None and (spec.strip() == SELF_DRAFT or spec.strip().startswith(SELF_DRAFT + ":"))
+
+
+def parse_draft_layers(text: str | int) -> int | str:
+    """--draft-layers N|auto -> N or "auto"."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"--draft-layers {text!r} is not a number of decoder layers or 'auto'") from None
 
 
 def parse_draft_vocab(text: str | None) -> int | str | None:

@@ -12,6 +12,10 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   its rows for the T tokens of a pass are gathered on the CPU and copied over (exact: a gather), and the
   GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
 - draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
+  A self-draft (--draft self: the target's own layers, `with_self_draft`) counts only its copies of the layers
+  it runs that the target streams; its embed/norm/head and the resident layers it runs are the target's. The
+  plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
+  picks the most layers that fit.
 - target KV cache / draft KV cache: each sized for its own user (engine.kv_slots_for): the target for the
   context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
   target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
@@ -45,7 +49,7 @@ from offload.planner import GB, Bandwidths, Needs, Plan, PlanError, plan
 from offload.quant import kernel_for, layer_specs
 from offload.storage import plan_layout
 
-from .config import ModelArgs
+from .config import ConfigError, ModelArgs
 from .engine import LOGIT_CHUNK, PREFILL_CHUNK, kv_slots_for
 from .kv_rows import row_bytes
 from .model import Block
@@ -138,11 +142,24 @@ def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: st
 # ----------------------------------------------------------------------------------------- the run
 
 @dataclass(frozen=True)
+class SelfDraftShape:
+    """A draft made of the target itself (--draft self[:FMT] --draft-layers N|auto): the target's architecture
+    over `layers` of its decoder layers, evenly spaced (spaced_layers). It shares the target's embedding, final
+    norm, LM head and every decoder layer the plan keeps resident; each other layer it runs is a resident copy
+    in `fmt`. layers None: not chosen yet (plan_memory picks the most that fit); auto: it was picked so."""
+
+    fmt: str
+    layers: int | None = None
+    auto: bool = False
+
+
+@dataclass(frozen=True)
 class RunShape:
     """Everything the ledger depends on besides the budgets.
 
     draft_kv: the builder's kv_slots(budget) (draft-cache scratch per tree), None when no builder drafts with
-    the draft model (then the draft, if given, holds no KV cache)."""
+    the draft model (then the draft, if given, holds no KV cache). self_draft: set when the draft is the target
+    itself (with_self_draft); `draft` is then the target's args over the draft's layer count."""
 
     target: ModelArgs
     draft: ModelArgs | None
@@ -155,6 +172,7 @@ class RunShape:
     kv_quant: str = "none"                        # --kv-quant: both caches (int8: LOSSY)
     draft_kv_quant: str = "none"                  # the draft cache's own (int8 when the plan needs it: exact)
     kv_offload: str = "auto"                      # target KV rows: auto | device | stream (planner companions)
+    self_draft: SelfDraftShape | None = None
 
     @property
     def elem(self) -> int:
@@ -204,10 +222,12 @@ def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]
     return passes[top], f"largest: {top} tokens (" + ", ".join(f"{k} {_gb(v)}" for k, v in passes.items()) + ")"
 
 
-def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: int = 0) -> Needs:
+def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: int = 0,
+              shared: frozenset[int] = frozenset()) -> Needs:
     """The planner's Needs of this run with target layers in `fmt`: every fixed line named (see the module
     docstring), the embedding table on the host side when embed_on_host (CUDA) and activations that also
-    cover a streamed prefill of `prefill` tokens."""
+    cover a streamed prefill of `prefill` tokens. A self-draft's weights are copies of the layers it runs
+    except `shared` (layers the plan keeps resident: the draft uses the target's own)."""
     t, elem = shape.target, shape.elem
     tw = weight_bytes(t, fmt, shape.dtype, shape.device)
     t_slots, d_slots = shape.slots
@@ -228,9 +248,8 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
         device.append(("target embed", tw["embed"]))
     device.append(("target norm/head", tw["head"] + tw["norm"]))
     if shape.draft is not None:
-        dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype, shape.device)
-        device.append(("draft weights", sum(dw.values())))
-        notes["draft weights"] = f"{shape.draft.n_layers} layers {_fmt(shape.draft_fmt)}, embed/head {_dtype(shape.dtype)}"
+        draft_bytes, notes["draft weights"] = draft_weights(shape, shared)
+        device.append(("draft weights", draft_bytes))
         device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv)))
         notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
             "none: the builder drafts without it"
@@ -249,6 +268,23 @@ def _draft_kv_note(shape: RunShape) -> str:
     if shape.kv_quant == "int8":
         return ", int8 (--kv-quant)"
     return ", int8: the draft's own cache, to fit (the target verifies: output unchanged)"
+
+
+def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tuple[int, str]:
+    """(bytes, note) of the draft weights line: a model draft counted once in its format; a self-draft only
+    its copies of the layers it runs that are not `shared` (resident in the target): embed/norm/head and
+    shared layers are the target's, counted on their own lines."""
+    sd = shape.self_draft
+    if sd is None:
+        dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype, shape.device)
+        return sum(dw.values()), (f"{shape.draft.n_layers} layers {_fmt(shape.draft_fmt)}, embed/head "
+                                  f"{_dtype(shape.dtype)}")
+    ids = self_layer_ids(shape)
+    copies = [i for i in ids if i not in shared]
+    n = shape.target.n_layers
+    note = (f"self: {len(ids)} of {n} target layers{' (auto)' if sd.auto else ''}, {len(ids) - len(copies)} "
+            f"shared, {len(copies)} {_fmt(sd.fmt)} copies; embed/norm/head shared")
+    return len(copies) * layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device), note
 
 
 def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
@@ -289,14 +325,45 @@ class MemoryPlan:
         """Every item and its bytes, flat (item names are unique across tiers)."""
         return {k: v for tier in self.plan.ledger().values() for k, v in tier.items()}
 
+    @property
+    def draft_layers(self) -> tuple[int, ...]:
+        """The target layers a self-draft runs, ascending (empty for a model draft or none)."""
+        return self_layer_ids(self.shape) if self.shape.self_draft is not None else ()
+
+    @property
+    def draft_copies(self) -> tuple[int, ...]:
+        """The self-draft's layers it holds a copy of (the target streams them); the others are shared."""
+        return tuple(i for i in self.draft_layers if self.plan.tiers[i] != "resident")
+
     def describe(self) -> str:
         s = self.shape
-        head = (f"memory ledger: target {s.target.n_layers} layers {_fmt(self.fmt)}"
-                + (f", draft {s.draft.n_layers} layers {_fmt(s.draft_fmt)}" if s.draft is not None else ", no draft")
+        head = (f"memory ledger: target {s.target.n_layers} layers {_fmt(self.fmt)}" + self._draft_text()
                 + f", {_dtype(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens"
                 + (", KV int8 (LOSSY: no exactness claim)" if s.kv_quant == "int8" else ""))
         streamed = "" if not self.plan.streams else f"; prefill: up to {self.prefill_tokens} tokens per pass"
         return head + streamed + "\n" + self.plan.describe()
+
+    def _draft_text(self) -> str:
+        s = self.shape
+        if s.draft is None:
+            return ", no draft"
+        if s.self_draft is None:
+            return f", draft {s.draft.n_layers} layers {_fmt(s.draft_fmt)}"
+        ids, copies = self.draft_layers, self.draft_copies
+        how = "--draft-layers auto picked " if s.self_draft.auto else ""
+        return (f", draft self ({how}{len(ids)} of {s.target.n_layers} layers {_ids(ids)}: "
+                f"{len(ids) - len(copies)} shared, {len(copies)} {_fmt(s.self_draft.fmt)} copies)")
+
+    def self_json(self) -> dict | None:
+        """The self-draft's choice, for --json (None for a model draft or none)."""
+        sd = self.shape.self_draft
+        if sd is None:
+            return None
+        copies = self.draft_copies
+        return {"format": sd.fmt, "auto": sd.auto, "layers": list(self.draft_layers),
+                "shared": [i for i in self.draft_layers if i not in copies], "copies": list(copies),
+                "copy_bytes": len(copies) * layer_bytes(self.shape.target, sd.fmt, self.shape.dtype,
+                                                        self.shape.device)}
 
     def to_json(self) -> dict:
         p = self.plan
@@ -308,7 +375,7 @@ class MemoryPlan:
                 "prefill_tokens": self.prefill_tokens, "read_ahead": p.read_ahead, "slots": p.n_slots,
                 "budget": self.shape.budget, "context": self.shape.context,
                 "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget, "warnings": list(p.warnings),
-                "kv": self.kv_json()}
+                "kv": self.kv_json(), "self_draft": self.self_json()}
 
     def kv_json(self) -> dict:
         """Where the target's KV rows live and in what format: per layer on the device or streamed with it,
@@ -348,6 +415,8 @@ def plan_memory(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | 
 def _plan_formats(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str,
                   bandwidths: Bandwidths | None) -> MemoryPlan:
     bw = bandwidths or ASSUMED[shape.device]
+    if shape.self_draft is not None and shape.self_draft.layers is None:
+        return _plan_self_auto(shape, formats, ram, gpu, mode, bw)
     for k, fmt in enumerate(formats):
         last = k + 1 == len(formats)
         try:
@@ -391,8 +460,11 @@ def _best(shape: RunShape, fmt: str, ram: int, gpu: int | None, mode: str, bw: B
 
 def _plan_one(shape: RunShape, fmt: str, host: bool, reserve: int, ram: int, gpu: int | None, mode: str,
               bw: Bandwidths) -> MemoryPlan:
-    needs = needs_for(shape, fmt, host, reserve)
-    p = plan(needs, shape.device, ram, gpu, mode, bw)
+    if shape.self_draft is not None:
+        needs, p = _self_placement(shape, fmt, host, reserve, ram, gpu, mode, bw)
+    else:
+        needs = needs_for(shape, fmt, host, reserve)
+        p = plan(needs, shape.device, ram, gpu, mode, bw)
     left = p.device_budget - p.device_bytes - (p.host_bytes if p.device == "cpu" else 0)
     act = dict(needs.fixed_bytes)["activations"]
     chunk = prefill_tokens(shape, fmt, act + max(left, 0)) if p.streams else min(PREFILL_CHUNK, shape.context)
@@ -404,7 +476,10 @@ def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | No
     """The first change that makes the run fit, as flags with what the plan then holds (None: none found):
     a 4-bit draft, then a smaller tree budget, a shorter context, both, and last no draft at all."""
     tries: list[tuple[str, RunShape]] = []
-    if shape.draft is not None and shape.draft_fmt == "none":
+    sd = shape.self_draft
+    if sd is not None and sd.layers is not None and not sd.auto:
+        tries.append(("--draft-layers auto", replace(shape, self_draft=replace(sd, layers=None))))
+    if shape.draft is not None and shape.draft_fmt == "none" and sd is None:
         tries.append(("--draft-quant nf4", replace(shape, draft_fmt="nf4")))
     budgets = [b for b in (shape.budget // 2 ** k for k in range(1, 12)) if b >= 16]
     contexts = [c for c in (2048, 1024) if c < shape.context]
@@ -412,16 +487,110 @@ def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | No
     tries += [(f"--context {c}", replace(shape, context=c)) for c in contexts]
     tries += [(f"--budget {b} --context {c}", replace(shape, budget=b, context=c)) for c in contexts for b in budgets]
     if shape.draft is not None:
-        tries.append(("no draft", replace(shape, draft=None, draft_kv=None)))
+        tries.append(("no draft", replace(shape, draft=None, draft_kv=None, self_draft=None)))
     for flags, candidate in tries:
         try:
             m = plan_memory(candidate, formats, ram, gpu, mode, bandwidths)
         except PlanError:
             continue
         n = len(m.plan.layers_in("resident"))
+        if flags == "--draft-layers auto":
+            flags = f"--draft-layers {m.shape.draft.n_layers}"
         return (f"{flags} would fit ({n} of {len(m.plan.tiers)} target layers resident, "
                 f"{m.plan.expected_s:.2f} s per streamed pass)")
     return None
+
+
+# ----------------------------------------------------------------------------------------- the self-draft
+
+MIN_SELF_LAYERS = 2         # a self-draft runs at least the first and the last decoder layer
+
+
+def spaced_layers(n: int, k: int) -> tuple[int, ...]:
+    """k of n decoder layers, evenly spaced, ascending, the first and the last among them (k >= 2): layer
+    skipping as in self-speculative decoding (Zhang et al. 2023, "Draft & Verify")."""
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot pick {k} of {n} layers")
+    if k == 1:
+        return (0,)
+    return tuple((2 * j * (n - 1) + k - 1) // (2 * (k - 1)) for j in range(k))     # round half up, exact
+
+
+def with_self_draft(shape: RunShape, fmt: str, layers: int | None = None, auto: bool = False) -> RunShape:
+    """`shape` (its draft_kv: the builder's) with the target itself as the draft over `layers` decoder layers
+    in copies of format `fmt` where not shared (None: the most that fit, picked by plan_memory). ConfigError
+    for a layer count the target cannot give."""
+    if layers is not None:
+        check_self_layers(layers, shape.target.n_layers)
+    n = shape.target.n_layers
+    return replace(shape, draft=replace(shape.target, n_layers=layers or n), draft_fmt=fmt,
+                   self_draft=SelfDraftShape(fmt, layers, auto))
+
+
+def check_self_layers(layers: int, n: int) -> None:
+    """ConfigError unless a self-draft of a target with n decoder layers can run `layers` of them."""
+    low = min(MIN_SELF_LAYERS, n)
+    if not low <= layers <= n:
+        raise ConfigError(f"--draft-layers {layers}: a self-draft of this target runs {low} to {n} of its {n} "
+                          "decoder layers (or auto)")
+
+
+def self_layer_ids(shape: RunShape) -> tuple[int, ...]:
+    """The target layers a self-draft shape runs."""
+    return spaced_layers(shape.target.n_layers, shape.draft.n_layers)
+
+
+def _draft_layers_first(tiers: tuple[str, ...], ids: tuple[int, ...]) -> tuple[str, ...]:
+    """The planner's tiers (it keeps a prefix resident; every decoder layer has the same size) with the
+    resident places moved onto the draft's layers first: a resident layer the draft runs needs no copy, and
+    the target streams the same bytes whichever layers stay. The streamed tiers keep their order (RAM, then
+    SSD) over the other layers, ascending."""
+    order = [*ids, *(i for i in range(len(tiers)) if i not in set(ids))]
+    resident = set(order[:tiers.count("resident")])
+    streamed = iter([t for t in tiers if t != "resident"])
+    return tuple("resident" if i in resident else next(streamed) for i in range(len(tiers)))
+
+
+def _self_placement(shape: RunShape, fmt: str, host: bool, reserve: int, ram: int, gpu: int | None, mode: str,
+                    bw: Bandwidths) -> tuple[Needs, Plan]:
+    """The Needs and plan of a self-draft run, exact: which draft layers need a copy depends on which stay
+    resident, which depends on what the copies cost. Start from every draft layer shared (no copies) and
+    count a copy for each the plan streams until the two agree; each round can only keep fewer resident, so
+    this ends at the largest consistent plan (a PlanError on the way holds for it too: it needs more)."""
+    ids = self_layer_ids(shape)
+    shared = frozenset(ids)
+    while True:
+        needs = needs_for(shape, fmt, host, reserve, shared)
+        p = plan(needs, shape.device, ram, gpu, mode, bw)
+        p = replace(p, tiers=_draft_layers_first(p.tiers, ids))
+        now = shared & frozenset(p.layers_in("resident"))
+        if now == shared:
+            return needs, p
+        shared = now
+
+
+def _plan_self_auto(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str,
+                    bw: Bandwidths) -> MemoryPlan:
+    """--draft-layers auto: the most decoder layers whose copies fit (bisection: each more layer costs memory,
+    a copy or KV cache). Over a wholly resident target there are no copies and all its layers would make the
+    draft the target itself: half of them then (a layer-skipping draft)."""
+    n = shape.target.n_layers
+    sd = shape.self_draft
+
+    def attempt(k: int) -> MemoryPlan:
+        return plan_memory(with_self_draft(shape, sd.fmt, k, auto=True), formats, ram, gpu, mode, bw)
+
+    lo, hi = min(MIN_SELF_LAYERS, n), n
+    best = attempt(lo)                                  # PlanError: not even the fewest layers fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            best, lo = attempt(mid), mid
+        except PlanError:
+            hi = mid - 1
+    if not best.plan.streams and lo == n and n > MIN_SELF_LAYERS:
+        best = attempt(max(MIN_SELF_LAYERS, n // 2))
+    return best
 
 
 def card_budget(total: int) -> int:
@@ -437,6 +606,13 @@ def card_for(budget: int) -> int:
 
 def _gb(n: float) -> str:
     return f"{n / GB:.2f} GB" if abs(n) >= 0.01 * GB else f"{n / 1e6:.1f} MB"
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    """Layer ids for a ledger line: all of them when few, else the first and last few."""
+    text = ", ".join(map(str, ids)) if len(ids) <= 8 else (", ".join(map(str, ids[:4])) + ", ..., "
+                                                          + ", ".join(map(str, ids[-2:])))
+    return f"[{text}]"
 
 
 def _fmt(fmt: str) -> str:

@@ -1,5 +1,8 @@
 """models.yaml: the catalogue of known models with their recommended drafts, and model name -> local directory.
 
+An entry's drafts name other entries, or `self` / `self:FORMAT`: the target drafting with its own layers
+(`drafts: self` alone is a one-item list).
+
 The catalogue is a YAML file (the repository's top-level models.yaml, shipped as specexec/models.yaml in the
 package; $SPECEXEC_MODELS_YAML points at another file). Each entry becomes a frozen `ModelEntry`; unknown keys,
 wrong types, unknown families or quantizations and drafts that name no entry raise ConfigError naming the file,
@@ -19,7 +22,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import MAX_BUDGET, SUPPORTED_ARCHITECTURES, ConfigError, check_number
+from .config import MAX_BUDGET, SUPPORTED_ARCHITECTURES, ConfigError, check_number, is_self_draft
 
 CATALOG_ENV = "SPECEXEC_MODELS_YAML"
 DIRS_ENV = "SPECEXEC_MODEL_DIRS"
@@ -99,6 +102,8 @@ _TYPES: dict[str, type] = {"hub": str, "family": str, "params": str, "drafts": l
 def _typed(at: str, key: str, value: Any) -> Any:
     """value checked against the key's type; YAML numbers are accepted for params (70 -> '70')."""
     want = _TYPES[key]
+    if key == "drafts" and isinstance(value, str):            # `drafts: self`: one draft
+        value = [value]
     if key == "params" and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if key == "quant" and value is None:
@@ -107,7 +112,7 @@ def _typed(at: str, key: str, value: Any) -> Any:
         raise ConfigError(f"{at}: {key} must be a {want.__name__}, got {value!r}")
     if key == "drafts":
         if not all(isinstance(d, str) for d in value):
-            raise ConfigError(f"{at}: drafts must be a list of model names, got {value!r}")
+            raise ConfigError(f"{at}: drafts must be a list of model names (or self), got {value!r}")
         return tuple(value)
     return value
 
@@ -158,11 +163,21 @@ def _check_drafts(entries: tuple[ModelEntry, ...], source: str) -> None:
     by_name = {e.name: e for e in entries}
     for e in entries:
         for d in e.drafts:
+            if is_self_draft(d):
+                _check_self(d, f"{source}: model {e.name!r}")
+                continue
             if d not in by_name:
                 raise ConfigError(f"{source}: model {e.name!r} drafts with {d!r}, which is not an entry")
             if d == e.name or by_name[d].family != e.family:
                 raise ConfigError(f"{source}: model {e.name!r} cannot draft with {d!r} "
                                   f"({by_name[d].family} vs {e.family})")
+
+
+def _check_self(spec: str, at: str) -> None:
+    fmt = spec.strip().partition(":")[2].strip()
+    if ":" in spec and fmt not in quant_formats():
+        raise ConfigError(f"{at}: draft {spec!r}: {fmt!r} is not a layer format; use self or self:FORMAT with "
+                          f"FORMAT one of: {', '.join(quant_formats())}")
 
 
 def default_catalog_path() -> Path:

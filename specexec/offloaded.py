@@ -21,6 +21,7 @@ Does not know: how bytes move or where they live (offload.pager/tiers), how the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ from offload.storage import LayerLayout, unpack_layer
 from . import ledger
 from .config import ConfigError, EngineConfig, ModelArgs, OffloadConfig, check_budget_fits
 from .kv_cache import KVCache
-from .ledger import ASSUMED, MemoryPlan, RunShape, plan_memory, what_fits
+from .ledger import ASSUMED, MemoryPlan, RunShape, SelfDraftShape, plan_memory, what_fits
 from .loading import check_tensors, expected_shapes
 from .model import Block, Transformer, rope_inv_freq
 
@@ -187,6 +188,12 @@ class OffloadedTransformer(Transformer):
             self.pager.companion = kv.companion if kv is not None else None
             self._kv = kv
         return super().forward(tokens, positions, mask, cache, slots)
+    def resident_block(self, i: int) -> Block | None:
+        """Layer i's Block when the plan keeps it resident (bound once: the very Block every pass runs), else
+        None. A self-draft runs these as they are (specexec/self_draft.py)."""
+        if self.pager.tier_of(i) != "resident":
+            return None
+        return self._bind(i, -1, self.pager.resident.buffer(i)[:self.pager.sizes[i]])
 
     def layer_modules(self) -> Iterator[tuple[int, Block]]:
         """Decoder layers in order, streamed through the pager; then the next pass's first layers start loading."""
@@ -245,13 +252,18 @@ def target_formats(quant: str, device_type: str) -> tuple[str, ...]:
 
 
 def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, offload: OffloadConfig,
-              device_type: str, dtype: torch.dtype, draft_kv: Callable[[int], int] | None = None) -> RunShape:
+              device_type: str, dtype: torch.dtype, draft_kv: Callable[[int], int] | None = None,
+              self_draft: SelfDraftShape | None = None) -> RunShape:
     """The ledger's view of a run: the models, run dtype, tree budget, planned context (--context, default
     ledger.DEFAULT_CONTEXT, at most what the models support), the draft's format and KV scratch, and the KV
-    caches' format (--kv-quant) and where the target's KV rows may live (--kv-offload)."""
-    return RunShape(args, draft, dtype, device_type, engine.budget, ledger.plan_context(offload.context, args, draft),
-                    offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None,
-                    kv_quant=engine.kv_quant, kv_offload=offload.kv_offload)
+    caches' format (--kv-quant) and where the target's KV rows may live (--kv-offload). With self_draft (the
+    target itself as the draft; `draft` is then None) its format and layer count."""
+    shape = RunShape(args, draft, dtype, device_type, engine.budget, ledger.plan_context(offload.context, args, draft),
+                     offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None,
+                     kv_quant=engine.kv_quant, kv_offload=offload.kv_offload)
+    if self_draft is None:
+        return shape
+    return ledger.with_self_draft(replace(shape, draft_kv=draft_kv), self_draft.fmt, self_draft.layers)
 
 
 class TargetPlan:
@@ -280,10 +292,12 @@ class TargetPlan:
 
 def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: OffloadConfig,
                 engine: EngineConfig, device: torch.device, dtype: torch.dtype,
-                draft_kv: Callable[[int], int] | None = None) -> TargetPlan:
+                draft_kv: Callable[[int], int] | None = None, self_draft: SelfDraftShape | None = None
+                ) -> TargetPlan:
     """Plan the run from the configs (no weight is read; the checkpoint's tensor names and shapes are
     checked): layer format, each layer's tier, the ledger. `draft` is the draft's config (counted once, in
-    --draft-quant's format), draft_kv its builder's kv_slots (None: no draft cache). Budgets: --gpu-budget /
+    --draft-quant's format), draft_kv its builder's kv_slots (None: no draft cache); self_draft: the draft is
+    the target itself (ledger.with_self_draft; its layer count chosen here when auto). Budgets: --gpu-budget /
     --ram-budget, else what is free now (call this before anything of the run is loaded). ConfigError (one
     line, with what would fit) when the budgets cannot hold the run."""
     names = layer_names(path, args)
@@ -291,7 +305,7 @@ def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: O
     budgets = default_budgets(str(device))
     gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu      # None on CPU unless given
     ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
-    shape = run_shape(args, draft, engine, offload, device.type, dtype, draft_kv)
+    shape = run_shape(args, draft, engine, offload, device.type, dtype, draft_kv, self_draft)
     formats = target_formats(offload.quant, device.type)
     try:
         memory = plan_memory(shape, formats, ram, gpu, offload.offload, ASSUMED[device.type])

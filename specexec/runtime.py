@@ -14,6 +14,10 @@ first, then the draft loads (resident, optionally quantized) and the target as p
 its decoder layers quantized and streamed (specexec/offloaded.py). `plan` holds the result; stats() gains
 the pager's streaming figures.
 
+Self-draft (--draft self[:FORMAT], --draft-layers): the plan counts it (its copies of streamed layers only) and
+picks its layers; it is built after the target, sharing the target's embed/norm/head and resident layers
+(specexec/self_draft.py).
+
 VocabTrim (--draft-vocab, EngineConfig.draft_vocab): the draft is wrapped in vocab_trim.TrimmedDraft, keeping
 the tokens the target samples most on the built-in prompts (measured once per target, cached).
 
@@ -48,7 +52,9 @@ from .engine import Engine
 from .loading import check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
 from .model import Transformer
 from .profiler import budget_trace
+from .ledger import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from .offloaded import TargetPlan, load_target, plan_target, quantize_layers
+from .self_draft import SELF, SelfDraft, build_self_draft, is_self_draft, self_draft_shape
 from .tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from .vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
@@ -134,15 +140,50 @@ def _plannable(path: Path, offload: OffloadConfig) -> bool:
     return not plain or is_gguf(path) or any(path.glob("*.safetensors"))
 
 
-def _plan(path: Path, args: ModelArgs, d_args: ModelArgs | None, config: EngineConfig, offload: OffloadConfig
-          ) -> TargetPlan | None:
+def _plan(path: Path, args: ModelArgs, d_args: ModelArgs | None, config: EngineConfig, offload: OffloadConfig,
+          self_spec: SelfDraftShape | None = None) -> TargetPlan | None:
     """The run's memory plan from the configs, before anything is loaded (None: a resident pickle target)."""
     if not _plannable(path, offload):
         return None
     device = torch.device(config.device)
     builder = make_builder(config.builder, config.builder_options)
-    draft_kv = builder.kv_slots if d_args is not None and builder.needs_draft else None
-    return plan_target(path, args, d_args, offload, config, device, resolve_dtype(config.dtype, device), draft_kv)
+    drafts = d_args is not None or self_spec is not None
+    draft_kv = builder.kv_slots if drafts and builder.needs_draft else None
+    return plan_target(path, args, d_args, offload, config, device, resolve_dtype(config.dtype, device), draft_kv,
+                       self_spec)
+
+
+def _self_spec(draft: str | None, config: EngineConfig, offload: OffloadConfig) -> SelfDraftShape | None:
+    """--draft self[:FORMAT] and --draft-layers, checked (None for a model draft or none)."""
+    if not is_self_draft(draft):
+        if offload.draft_layers is not None:
+            raise ConfigError("--draft-layers applies to --draft self (a draft made of the target's own layers)")
+        return None
+    if offload.draft_quant != "none":
+        raise ConfigError(f"--draft-quant is for a draft model; a self-draft's copies take --draft self:FORMAT "
+                          f"(e.g. self:{offload.draft_quant})")
+    return self_draft_shape(draft, offload.draft_layers, config.device)
+
+
+def _load_self(target: Transformer, path: Path, spec: SelfDraftShape, target_plan: TargetPlan | None,
+               offload: OffloadConfig, config: EngineConfig, say: Progress) -> tuple[SelfDraft, ModelInfo]:
+    """The self-draft over the planned layers (unplanned, i.e. a resident pickle target: --draft-layers N, or
+    half its layers), sharing what the target holds resident, copies of the rest."""
+    t0 = time.perf_counter()
+    n = target.args.n_layers
+    if target_plan is not None:
+        ids = target_plan.memory.draft_layers
+    else:
+        if spec.layers is not None:
+            check_self_layers(spec.layers, n)
+        ids = spaced_layers(n, spec.layers or max(min(MIN_SELF_LAYERS, n), n // 2))
+    names = target_plan.names if target_plan is not None else None
+    say(f"building the self-draft ({len(ids)} of {n} layers)")
+    draft = build_self_draft(target, ids, spec.fmt, path, names, offload.cache_dir, say)
+    params = sum(math.prod(s) for s in expected_shapes(draft.args).values())
+    dtype = str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch.")
+    return draft, ModelInfo(path, draft.args, params, f"{dtype} ({draft.describe()})", config.device,
+                            time.perf_counter() - t0)
 
 
 def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: OffloadConfig,
@@ -230,8 +271,10 @@ class Runtime:
     def load(cls, model: str, draft: str | None, config: EngineConfig, allow_pickle: bool = False,
              progress: Progress | None = None, offload: OffloadConfig | None = None,
              on_plan: Callable[[TargetPlan], None] | None = None) -> "Runtime":
-        """Load the target at `model` and, unless `draft` is None, the draft at `draft`. Without a draft the
-        engine decodes with the target alone (when the configured builder needs a draft model). `offload`
+        """Load the target at `model` and, unless `draft` is None, the draft at `draft` ("self[:FORMAT]": the
+        target itself over offload.draft_layers of its layers, specexec/self_draft.py; it loads after the
+        target). Without a draft the engine decodes with the target alone (when the configured builder needs a
+        draft model). `offload`
         (default OffloadConfig()) says how the target's layers are stored and where they live. The memory plan
         is made from the configs before any weight is loaded and handed to `on_plan` (e.g. to print its
         ledger); then the draft loads, then the target as planned."""
@@ -240,7 +283,8 @@ class Runtime:
         check_device(config.device)
         t_path = resolve_model_path(model)
         t_args = read_args(t_path)
-        d_path = resolve_model_path(draft) if draft is not None else None
+        self_spec = _self_spec(draft, config, offload)
+        d_path = resolve_model_path(draft) if draft is not None and self_spec is None else None
         d_args = read_args(d_path) if d_path is not None else None
         say(f"loading tokenizer from {t_path}")
         tokenizer = load_tokenizer(t_path)
@@ -251,7 +295,7 @@ class Runtime:
         if d_path is not None:                  # a broken draft fails before the plan is shown
             check_checkpoint(d_path, d_args, allow_pickle)
         say("planning memory")
-        plan = _plan(t_path, t_args, d_args, config, offload)          # nothing of ours is loaded yet
+        plan = _plan(t_path, t_args, d_args, config, offload, self_spec)    # nothing of ours is loaded yet
         if plan is not None and on_plan is not None:
             on_plan(plan)
         draft_model, d_info = None, None
@@ -260,13 +304,18 @@ class Runtime:
             draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant, draft=True)
         say(f"loading target {t_path}")
         target, t_info = _load_target(t_path, t_args, config, offload, plan, allow_pickle)
+        if self_spec is not None:               # the target itself, so it comes after the target
+            draft_model, d_info = _load_self(target, t_path, self_spec, plan, offload, config, say)
         eos = eos_ids(tokenizer, t_args.eos_token_ids)
         if config.draft_vocab is not None and draft_model is not None:       # VocabTrim (--draft-vocab)
             draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
             d_info = replace(d_info, dtype=f"{d_info.dtype} (head: {draft_model.n_kept} of "
-                                          f"{d_args.vocab_size} tokens)")
+                                          f"{d_info.args.vocab_size} tokens)")
         pair = (acceptance.pair_fingerprint(t_path, d_path, t_args, d_args, config.draft_vocab)
                 if d_path is not None else None)
+        if self_spec is not None:
+            pair = acceptance.pair_fingerprint(t_path, t_path, t_args, (SELF, draft_model.fmt, draft_model.layer_ids),
+                                               config.draft_vocab)
         engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos,
                               plan.memory.context if plan is not None else None, plan)
         runtime = cls(engine, tokenizer, t_info, d_info, config, plan)
