@@ -293,11 +293,12 @@ class Engine:
     def _step(self, state: tuple[KVCache, DraftState | None], root: int, sampling: SamplingParams, rule: Rule,
               rng: torch.Generator, stats: GenerationStats) -> Accepted:
         cache, draft = state
-        draft_span = self.profiler.start("draft")
         budget = None
-        if self.builder is None:
+        if self.builder is None:                     # nothing drafted: the span stays empty
             tree = TokenTree.root_only(root, self.device)
+            draft_span = self.profiler.start("draft")
         else:
+            draft_span = self.profiler.start("draft")
             self.profiler.settle()                   # the tuner hears finished steps' times (never waits)
             budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
             passes = draft.passes if draft is not None else 0
