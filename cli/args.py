@@ -23,9 +23,9 @@ from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_C
                              ConfigError, EngineConfig, OffloadConfig, SamplingParams, budget_options,
                              check_draft_choice)
 from cli.fetch import add_hub_args, fetch_model, target_reserve
-from specexec.offloaded import TargetPlan
-from specexec.runtime import Runtime, builder_needs_draft
-from specexec.self_draft import SELF, is_self_draft
+from specexec.runtime.offloaded import TargetPlan
+from specexec.runtime.assembly import Runtime, builder_needs_draft
+from specexec.runtime.self_draft import SELF, is_self_draft
 
 # SamplingParams fields that get a flag here: name -> (type, metavar, help)
 SAMPLING_FLAGS = {
@@ -88,7 +88,7 @@ def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> 
     p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 48GB (default: free minus a margin)")
     p.add_argument("--cache-dir", metavar="DIR", help="root of the quantized layer cache (default $SPECEXEC_CACHE "
                    "or ~/.cache/specexec)")
-    if context_list:                              # bench: a sweep (cli/bench_context.py); the plan takes the largest
+    if context_list:                              # bench: a sweep (cli/bench/context.py); the plan takes the largest
         p.add_argument("--context", metavar="LIST", help="run the prompts after a long shared document filling each "
                        "of these contexts, e.g. 1k,8k,32k: one table of tok/s, tokens per pass, prefill and pass "
                        "seconds by context (the memory plan reserves KV cache for the largest)")
@@ -147,7 +147,7 @@ def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = N
     """Bring the target onto this machine (a Hub id or models.yaml name is downloaded when not cached, see
     cli/fetch.py), then for a models.yaml name use its recommended draft (unless --draft/--no-draft), default
     budget and quantization (unless given), then bring the draft. A directory path is never looked up."""
-    from specexec.models import find
+    from specexec.runtime.catalog import find
 
     entry = find(args.model)
     fetch_model(args, "model", target_reserve(args))

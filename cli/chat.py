@@ -20,7 +20,7 @@ pass would fail the same way, and the next start rebuilds the cache. A cache dir
 session does not matter: the open file keeps serving it. The offloaded target's pager thread is stopped when
 the session ends, however it ends.
 
-Does not know: how a step works or how models load (specexec.runtime), what a setting may be
+Does not know: how a step works or how models load (specexec.runtime.assembly), what a setting may be
 (specexec.config validates /set values), terminal line editing (input() and readline do it).
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ from cli.generate import read_stdin, write_text
 from cli.prefill_bar import PrefillBar
 from specexec.config import ConfigError, SamplingParams, budget_options, with_field
 from specexec.profiler import summary_table
-from specexec.runtime import Detokenizer, Runtime
-from specexec.tokenizer import encode_messages
+from specexec.runtime.assembly import Detokenizer, Runtime
+from specexec.runtime.tokenizer import encode_messages
 
 DEFAULT_MAX_NEW = 1024          # per answer, capped at half the context
 SAVE_FORMAT = "specexec-chat"

@@ -1,14 +1,14 @@
 """`specexec convert`: quantize a checkpoint's decoder layers into the on-disk layer cache, explicitly.
 
 What `generate --quant ...` would otherwise do on its first offloaded run: read the checkpoint layer by layer,
-quantize, pack, and write the cache (offload.cache) with a progress bar on stderr; then print where it went and
+quantize, pack, and write the cache (offload.cache.store) with a progress bar on stderr; then print where it went and
 its size on stdout. `--verify` then reads every layer back and checks its sha256: the full check that runs
 skip (they check sizes and the manifest at start, and each layer's checksum when they first read it). --out is
 the cache ROOT (as $SPECEXEC_CACHE): the cache lands in a subdirectory named for the checkpoint and options,
 the one later runs with the same root find by themselves.
 
-Does not know: how a cache is laid out or validated (offload.cache), which tensors a layer has
-(specexec.offloaded.layer_names, the same naming the runtime uses, so both find the same cache).
+Does not know: how a cache is laid out or validated (offload.cache.store), which tensors a layer has
+(specexec.runtime.offloaded.layer_names, the same naming the runtime uses, so both find the same cache).
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from offload.cache import LayerCache, default_cache_root, human_bytes
-from offload.quant import FORMATS
+from offload.cache.store import LayerCache, default_cache_root, human_bytes
+from offload.quant.linear import FORMATS
 from specexec.config import DTYPES, check_device
 from cli.fetch import fetch_model
-from specexec.loading import read_args, resolve_dtype, resolve_model_path
-from specexec.offloaded import layer_names
+from specexec.runtime.loading import read_args, resolve_dtype, resolve_model_path
+from specexec.runtime.offloaded import layer_names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specexec.config import EngineConfig, SamplingParams
-from specexec.runtime import Runtime
+from specexec.runtime.assembly import Runtime
 
 VERSION = "v1"                     # bump when the recipe below changes: a new cache directory is built
 TARGET_SHAPE = dict(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, intermediate=688, vocab_size=320)
@@ -54,7 +54,7 @@ def ensure_models(root: Path, rebuild: bool = False) -> tuple[Path, Path, bool]:
         return target, draft, False
     from transformers.utils import logging as hf_logging
 
-    from specexec.demo_models import write_model, write_perturbed
+    from specexec.runtime.demo_models import write_model, write_perturbed
 
     hf_logging.disable_progress_bar()
     root.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ model (built in a temporary directory) whose greedy output on the GPU must equal
 streamed from the SSD tier. On a machine without CUDA it says so and checks the CPU path (resident vs
 streamed). Exit 0 when every check passes, 1 when one fails (a mismatch is a bug). `--json`: one line.
 
-Does not know: how the probes measure (offload/probe.py), how models run (specexec.runtime).
+Does not know: how the probes measure (offload/platform/probe.py), how models run (specexec.runtime.assembly).
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from offload.cache import default_cache_root
-from offload.facilities import missing
-from offload.mounts import slow_mount_warnings
+from offload.cache.store import default_cache_root
+from offload.platform.facilities import missing
+from offload.platform.mounts import slow_mount_warnings
 from specexec.config import ConfigError, check_integer
 
 PROMPT = "The quick brown fox"
@@ -62,7 +62,7 @@ def _driver() -> str | None:
 
 def cuda_report(h2d_mb: int) -> dict:
     """torch/CUDA versions, driver, and per GPU: name, memory, measured pinned/pageable H2D GB/s (GPU 0)."""
-    from offload.probe import h2d_gbps
+    from offload.platform.probe import h2d_gbps
 
     out: dict = {"torch": torch.__version__, "python": platform.python_version(), "cuda_available":
                  torch.cuda.is_available(), "cuda_version": torch.version.cuda, "driver": None, "gpus": []}
@@ -81,7 +81,7 @@ def cuda_report(h2d_mb: int) -> dict:
 
 def disk_report(directory: Path, io_mb: int) -> dict:
     """The directory's sequential read GB/s with O_DIRECT (or buffered after dropping the page cache)."""
-    from offload.probe import direct_read_gbps
+    from offload.platform.probe import direct_read_gbps
 
     try:
         gbps, direct = direct_read_gbps(directory, io_mb << 20)
@@ -121,7 +121,7 @@ def ram_report() -> dict:
 
 def _tokens(target: Path, draft: Path, device: str, cache: Path, offload: str) -> list[int]:
     from specexec.config import EngineConfig, OffloadConfig
-    from specexec.runtime import Runtime
+    from specexec.runtime.assembly import Runtime
 
     config = EngineConfig(device=device, dtype="float32", budget=8, max_new_tokens=TOKENS)
     rt = Runtime.load(str(target), str(draft), config,
@@ -135,7 +135,7 @@ def _tokens(target: Path, draft: Path, device: str, cache: Path, offload: str) -
 def tiny_model_report() -> dict:
     """Greedy tokens of a tiny random pair: CPU resident is the reference; with CUDA the GPU resident and the
     GPU streamed (SSD tier) runs must equal it, without CUDA the CPU streamed run must."""
-    from specexec.demo_models import write_model, write_perturbed
+    from specexec.runtime.demo_models import write_model, write_perturbed
 
     t0 = time.perf_counter()
     quiet = contextlib.redirect_stderr(io.StringIO())      # progress bars of the checkpoint writer and cache build

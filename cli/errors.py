@@ -18,8 +18,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from offload.cache import CacheError
-from offload.checkpoint import CheckpointError
+from offload.cache.store import CacheError
+from offload.formats.checkpoint import CheckpointError
 from specexec.config import ConfigError
 
 USAGE_EXIT = 2

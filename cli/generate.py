@@ -5,7 +5,7 @@ flushed per step, and everything else (load summary, stats, warnings) to stderr.
 JSON line to stdout: {"text", "token_ids" (generated ids only, EOS kept, at most --max-new-tokens), "stats":
 {steps, tokens_per_step, prefill_tok_s, decode_tok_s, draft_ms, target_ms, tree_size, budget, builder}}.
 
-Does not know: how models load or how a step works (specexec.runtime), what values are valid
+Does not know: how models load or how a step works (specexec.runtime.assembly), what values are valid
 (specexec.config checks every one of them).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from specexec.config import (VERIFIERS, ConfigError, EngineConfig, SamplingParam
                              check_chat_options, check_draft_choice, check_number, check_prompt_text,
                              parse_draft_vocab)
 from cli.prefill_bar import prefill_bar
-from specexec.runtime import Detokenizer, ModelInfo, Runtime, builder_needs_draft
+from specexec.runtime.assembly import Detokenizer, ModelInfo, Runtime, builder_needs_draft
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -14,16 +14,20 @@ import sys
 import traceback
 from typing import NoReturn
 
-from cli import bench, chat, convert, demo, doctor, generate, plan, serve
-from cli import models as models_cmd
-from cli import bench_accept, bench_attention, bench_builders, bench_stream
+from cli import chat, convert, demo, doctor, generate, plan, serve
+from cli.bench import main as bench
+from cli import catalog as models_cmd
+from cli.bench import accept as bench_accept
+from cli.bench import attention as bench_attention
+from cli.bench import builders as bench_builders
+from cli.bench import stream as bench_stream
 from cli.errors import INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, report, sigterm_raises
 
 COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
 
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
-# A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench.py.
+# A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench/main.py.
 BENCH_COMMANDS = (bench_builders, bench_accept, bench_stream, bench_attention)
 
 
@@ -48,9 +52,9 @@ def build_parser() -> Parser:
 
 
 def add_bench_group(sub: argparse._SubParsersAction) -> Parser:
-    """The `bench` command group: the end-to-end benchmark (cli/bench.py) when no name follows, else one
+    """The `bench` command group: the end-to-end benchmark (cli/bench/main.py) when no name follows, else one
     sub-subcommand per module in BENCH_COMMANDS."""
-    names = ", ".join(c.__name__.split("_")[-1] for c in BENCH_COMMANDS)
+    names = ", ".join(c.__name__.rsplit(".", 1)[-1] for c in BENCH_COMMANDS)
     group = sub.add_parser("bench", help=f"end-to-end benchmark vs baselines (or: bench {names} ...)",
                            description=bench.DESCRIPTION + f" Other benchmarks: `specexec bench {names} --help`.")
     group.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")

@@ -9,7 +9,7 @@ When nothing fits: one line saying what falls short and what would fit, exit 2. 
 "link_gbps", "kv": {where the target's KV rows live, int8 flagged "lossy"}, ...} (plus the ledger by tier, formats,
 budgets, prefill tokens, read-ahead depth).
 
-Does not know: how the ledger is sized (specexec/ledger.py) or how layers are placed (offload/planner.py).
+Does not know: how the ledger is sized (specexec/runtime/ledger.py) or how layers are placed (offload/planner.py).
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ import argparse
 import json
 import sys
 
-from offload.cache_identity import default_cache_root
-from offload.mounts import slow_mount_warnings
+from offload.cache.identity import default_cache_root
+from offload.platform.mounts import slow_mount_warnings
 from offload.planner import GB, Bandwidths, PlanError, default_budgets
 from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_CHOICES, KV_QUANT_CHOICES,
                              OFFLOAD_CHOICES, QUANT_CHOICES, ConfigError, budget_options, check_choice, check_integer,
                              check_number, parse_size)
-from specexec.ledger import (ASSUMED, MemoryPlan, RunShape, card_budget, card_for, plan_context, plan_memory,
+from specexec.runtime.ledger import (ASSUMED, MemoryPlan, RunShape, card_budget, card_for, plan_context, plan_memory,
                              what_fits, with_warnings)
-from specexec.loading import read_args, resolve_model_path
+from specexec.runtime.loading import read_args, resolve_model_path
 
 DEFAULT_LINK_GBPS = 25.0          # pinned host -> GPU over PCIe 4.0 x16, as measured by `specexec doctor`
 
@@ -111,12 +111,12 @@ def _bandwidths(ns: argparse.Namespace, device: str) -> Bandwidths:
 def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     import torch
 
-    from specexec.loading import resolve_dtype
-    from specexec.runtime import make_builder
+    from specexec.runtime.loading import resolve_dtype
+    from specexec.runtime.assembly import make_builder
 
     from specexec.config import parse_draft_layers
-    from specexec.ledger import with_self_draft
-    from specexec.self_draft import is_self_draft, self_draft_shape
+    from specexec.runtime.ledger import with_self_draft
+    from specexec.runtime.self_draft import is_self_draft, self_draft_shape
 
     target = read_args(resolve_model_path(ns.model))
     own = is_self_draft(ns.draft)
@@ -151,7 +151,7 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
 def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
     """The memory plan the flags describe, and where the GPU budget came from. ConfigError (one line, what
     would fit) when nothing does."""
-    from specexec.offloaded import target_formats
+    from specexec.runtime.offloaded import target_formats
 
     device = _device(ns)
     quant = ns.quant or "auto"

@@ -9,7 +9,7 @@ SIGTERM. --api-key (or $SPECEXEC_API_KEY) makes every route but /health want `Au
 The HTTP stack (starlette + uvicorn) is the optional `serve` extra, imported only here and only when serving:
 without it the command says `pip install 'specexec[serve]'`.
 
-Does not know: routes and request semantics (cli/serve_app.py, specexec/openai_api.py), generation.
+Does not know: routes and request semantics (specexec/serving/app.py, specexec/serving/openai_api.py), generation.
 """
 from __future__ import annotations
 
@@ -120,8 +120,8 @@ def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None
     import uvicorn
 
     from cli.generate import print_load_summary
-    from cli.serve_app import ServeSettings, build_app
-    from specexec.openai_api import ServerDefaults
+    from specexec.serving.app import ServeSettings, build_app
+    from specexec.serving.openai_api import ServerDefaults
 
     print_load_summary(console, runtime)
     defaults = ServerDefaults(name, sampling, runtime.config.max_new_tokens)

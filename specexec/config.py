@@ -185,7 +185,7 @@ def check_integer(name: str, value: Any, low: int, high: int) -> None:
 VERIFIERS = ("auto", "greedy", "sample_match", "rrs", "rrs_wor")   # see verify.RULES
 BUILDERS = ("specexec", "chain", "static", "dynamic", "optree", "rsd", "rsd-c", "recycling")   # runtime.BUILDERS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_QUANT_CHOICES = ("none", "int8")                      # specexec.kv_rows.QUANTS
+KV_QUANT_CHOICES = ("none", "int8")                      # specexec.kv.rows.QUANTS
 MAX_BUDGET = 16384
 AUTO_MAX_BUDGET = 1024              # the largest tree --budget auto tries unless --max-budget says otherwise
 
@@ -209,7 +209,7 @@ class EngineConfig:
     """How the engine runs: tree budget and builder, device and dtype. Validated on construction."""
 
     budget: int = 64                # the tree budget, or with auto_budget the largest budget tried
-    auto_budget: bool = False       # --budget auto: specexec.tuning picks each step's budget
+    auto_budget: bool = False       # --budget auto: specexec.tuning.budget picks each step's budget
     builder: str = "specexec"
     device: str = "cpu"
     dtype: str = "auto"
@@ -244,7 +244,7 @@ class EngineConfig:
         return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
 
-QUANT_CHOICES = ("auto", "none", "nf4", "fp4", "int8", "int4")   # offload.quant.FORMATS plus auto
+QUANT_CHOICES = ("auto", "none", "nf4", "fp4", "int8", "int4")   # offload.quant.linear.FORMATS plus auto
 KV_OFFLOAD_CHOICES = ("auto", "device", "stream")        # where target KV rows live (OffloadConfig.kv_offload)
 DRAFT_QUANT_CHOICES = ("none", "nf4", "fp4", "int8", "int4")
 OFFLOAD_CHOICES = ("auto", "none", "ram", "ssd")          # offload.planner.OFFLOAD_MODES
@@ -255,7 +255,7 @@ class OffloadConfig:
     """Where the target's decoder layers live and how they are stored. Validated on construction.
 
     quant: target layer format; auto = none while every layer stays resident, and once any layer streams int4 on
-    a CPU (torch's fused int4 kernel), nf4 on CUDA (offload.quant.auto_format).
+    a CPU (torch's fused int4 kernel), nf4 on CUDA (offload.quant.linear.auto_format).
     draft_quant: the (always resident) draft's linear layers (none: the run dtype, fp32 on a CPU). offload: auto = the planner decides from the
     budgets; none / ram / ssd put every target layer resident / in pinned RAM / in the on-disk cache.
     gpu_budget, ram_budget: bytes (None: what is free now minus a margin). cache_dir: layer cache root (None:
@@ -265,7 +265,7 @@ class OffloadConfig:
     or in host RAM travelling with the layer when the device runs short); device = always on the device;
     stream = every streamed layer's rows travel with it (also on a CPU, where it only costs a copy).
     draft_layers: with --draft self, how many of the target's decoder layers the draft runs (None or "auto":
-    the most the budget holds; specexec/self_draft.py)."""
+    the most the budget holds; specexec/runtime/self_draft.py)."""
 
     quant: str = "auto"
     draft_quant: str = "none"
@@ -312,7 +312,7 @@ class OffloadConfig:
         return cls(**kw)
 
 
-SELF_DRAFT = "self"           # --draft self[:FORMAT]: the target drafts with its own layers (specexec/self_draft.py)
+SELF_DRAFT = "self"           # --draft self[:FORMAT]: the target drafts with its own layers (specexec/runtime/self_draft.py)
 
 
 def is_self_draft(spec: str | None) -> bool:

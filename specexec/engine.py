@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .builders.base import DraftState, TreeBuilder
-from .config import ConfigError, EngineConfig, SamplingParams
-from .kv_cache import KVCache
-from .model import Transformer, TreeMask
-from .profiler import Profiler, Span
-from .sampling import greedy, make_generator, node_histories, process_logits, sample
-from .tree import TokenTree
-from .tuning import BudgetTuner, CostModel, calibration_sizes, cost_fingerprint, default_cost_path
-from .verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
+from specexec.builders.base import DraftState, TreeBuilder
+from specexec.config import ConfigError, EngineConfig, SamplingParams
+from specexec.kv.cache import KVCache
+from specexec.model import Transformer, TreeMask
+from specexec.profiler import Profiler, Span
+from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
+from specexec.tree import TokenTree
+from specexec.tuning.budget import BudgetTuner, CostModel, calibration_sizes, cost_fingerprint, default_cost_path
+from specexec.verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
 
 LOGIT_CHUNK = 256        # rows of the LM head computed at once: 256 x 152k fp32 = 155 MB
 PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (EngineConfig.prefill_chunk overrides)

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
-from .config import ModelArgs
-from .kv_cache import KVCache
+from specexec.attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
+from specexec.config import ModelArgs
+from specexec.kv.cache import KVCache
 
 
 class RMSNorm(nn.Module):

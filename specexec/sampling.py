@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .config import SamplingParams
-from .tree import TokenTree
+from specexec.config import SamplingParams
+from specexec.tree import TokenTree
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

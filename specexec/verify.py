@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .config import SamplingParams
-from .tree import TokenTree
+from specexec.config import SamplingParams
+from specexec.tree import TokenTree
 
 ProbsFn = Callable[[int], Tensor]          # node -> processed probabilities [V] at that node
 

@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# What a machine without the POSIX-only facilities lacks (Windows; offload/facilities.py has the stand-ins).
+# What a machine without the POSIX-only facilities lacks (Windows; offload/platform/facilities.py has the stand-ins).
 POSIX_ONLY = ("O_DIRECT", "O_DIRECTORY", "preadv", "pread", "pwrite", "posix_fadvise")
 
 

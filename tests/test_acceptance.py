@@ -1,4 +1,4 @@
-"""specexec/acceptance.py: the positional acceptance vector, counted the way the static builder drafts and
+"""specexec/tuning/acceptance.py: the positional acceptance vector, counted the way the static builder drafts and
 is verified (top-k + argmax at T = 0; draws without replacement + V5 at T > 0), and its cache file."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from specexec import acceptance
+from specexec.tuning import acceptance
 from specexec.builders.static import StaticBuilder, load_acceptance, load_acceptance_table
 from specexec.config import ConfigError, SamplingParams
-from specexec.loading import load_model
+from specexec.runtime.loading import load_model
 
 
 def _log(rows: list[list[float]]) -> torch.Tensor:
@@ -68,7 +68,7 @@ def test_a_damaged_cache_file_is_read_as_absent_or_refused(tmp_path) -> None:
 
 
 def test_expected_tokens_grow_with_the_budget() -> None:
-    from cli.bench_accept import expected_tokens
+    from cli.bench.accept import expected_tokens
 
     vec = [0.6, 0.15, 0.05]
     assert expected_tokens(vec, 1) == pytest.approx(1.6)

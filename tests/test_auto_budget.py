@@ -8,8 +8,8 @@ import pytest
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, budget_options
 from specexec.engine import Engine
-from specexec.loading import load_model
-from specexec.tuning import cost_fingerprint, default_cost_path
+from specexec.runtime.loading import load_model
+from specexec.tuning.budget import cost_fingerprint, default_cost_path
 
 
 @pytest.fixture()

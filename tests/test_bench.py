@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cli.bench import CONFIG_KINDS, hf_available
+from cli.bench.main import CONFIG_KINDS, hf_available
 from cli.main import main
 from specexec.config import ConfigError, parse_budget_list
 from specexec.prompts import load_prompts, parse_prompts

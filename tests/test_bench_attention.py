@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cli.bench_attention import parse_contexts
+from cli.bench.attention import parse_contexts
 from cli.main import main
 from specexec.config import ConfigError
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from specexec import acceptance
+from specexec.tuning import acceptance
 from specexec.config import BUILDERS, EngineConfig
-from specexec.runtime import Runtime
+from specexec.runtime.assembly import Runtime
 
 ROW_KEYS = {"builder", "budget", "temperature", "rule", "tokens_per_pass", "draft_ms_per_step",
             "target_ms_per_step", "tok_s", "speedup", "identical", "first_mismatch"}

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cli.bench_context import parse_contexts
+from cli.bench.context import parse_contexts
 from cli.main import main
 from specexec.config import ConfigError
 from specexec.prompts.document import compose, long_document

@@ -11,11 +11,11 @@ import openai
 import pytest
 
 from cli.main import main
-from cli.serve_app import ServeSettings, build_app
+from specexec.serving.app import ServeSettings, build_app
 from specexec.config import EngineConfig, SamplingParams
-from specexec.openai_api import ServerDefaults
+from specexec.serving.openai_api import ServerDefaults
 from specexec.prompts import load_prompts
-from specexec.runtime import Runtime
+from specexec.runtime.assembly import Runtime
 from tests.test_serve import running
 
 MODEL, KEY, LIMIT, MAX_NEW = "tiny-pair", "sekret", 3, 8

@@ -19,12 +19,12 @@ from specexec.builders.rsd import RSDBuilder, branching_shape, shift_gumbel
 from specexec.builders.static import StaticBuilder, load_acceptance, save_acceptance, tree_shape
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.loading import load_model
-from specexec.runtime import BUILDERS, Runtime, builder_needs_draft, make_builder
+from specexec.runtime.loading import load_model
+from specexec.runtime.assembly import BUILDERS, Runtime, builder_needs_draft, make_builder
 from specexec.sampling import process_logits
 from specexec.tree import TokenTree
 from tests.tiny_models import load_pair_models, prompt
-from specexec.vocab_trim import TrimmedDraft, auto_size, counts_from_tokens, select_vocab
+from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, counts_from_tokens, select_vocab
 
 NEW_BUILDERS = [name for name in BUILDERS if name != "specexec"]
 N_NEW = 32
@@ -354,7 +354,7 @@ def test_trimmed_draft_keeps_greedy_exactness_and_never_drafts_outside_the_set(m
 
 def test_runtime_draft_vocab_measures_once_then_uses_the_cache(monkeypatch, tmp_path, tiny_pair,
                                                                tiny_perturbed_draft) -> None:
-    import specexec.runtime as runtime_module
+    import specexec.runtime.assembly as runtime_module
     monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
     monkeypatch.setattr(runtime_module, "VOCAB_CALIBRATION_TOKENS", 3)
     target, _ = tiny_pair

@@ -1,4 +1,4 @@
-"""offload.cache: build + reuse, byte-exact round trip against direct quantization, corruption and staleness
+"""offload.cache.store: build + reuse, byte-exact round trip against direct quantization, corruption and staleness
 detection (rebuilt with a message), atomicity under a crash mid-write, lock handling (dead holder, concurrent
 builder), disk-full handling, and the `specexec convert` command in-process; each with this machine's facilities
 and again without the POSIX-only ones (O_DIRECT, preadv, fadvise, flock, SIGTERM: what Windows lacks)."""
@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from cli.main import main
-from offload import cache as C
-from offload import facilities
-from offload.cache import CacheCorruptError, CacheError, LayerCache
-from offload.checkpoint import SafetensorsCheckpoint
-from offload.quant import QuantLinear, bind_module, quantize_tensors, swap_linears
-from offload.storage import ALIGN, unpack_layer
-from specexec.loading import read_args
+from offload.cache import store as C
+from offload.platform import facilities
+from offload.cache.store import CacheCorruptError, CacheError, LayerCache
+from offload.formats.checkpoint import SafetensorsCheckpoint
+from offload.quant.linear import QuantLinear, bind_module, quantize_tensors, swap_linears
+from offload.streaming.storage import ALIGN, unpack_layer
+from specexec.runtime.loading import read_args
 from specexec.model import Block
-from specexec.offloaded import layer_names
+from specexec.runtime.offloaded import layer_names
 
 
 # Every test runs twice: natively, and with the POSIX-only facilities taken away (conftest.posix_facilities).
@@ -121,7 +121,7 @@ def test_read_layer_into_given_buffers(model: Path, tmp_path: Path) -> None:
 
 
 class ReadCounter:
-    """Counts positional reads and bytes (every layer read of offload.cache and offload.tiers goes through
+    """Counts positional reads and bytes (every layer read of offload.cache.store and offload.streaming.tiers goes through
     facilities.pread_into: os.preadv, or its stand-in)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,7 +139,7 @@ class ReadCounter:
 def test_opening_a_cache_reads_no_layer_bytes(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Startup checks sizes, manifest and fingerprint only; each layer is read (and checksummed) when a pass
     first needs it, once; the RAM tier's fill reads each of its layers once."""
-    from offload.pager import build_pager
+    from offload.streaming.pager import build_pager
 
     with build(model, tmp_path) as first:
         want = [first.read_layer(i).clone() for i in range(first.n_layers)]
@@ -293,7 +293,7 @@ HOLD_AND_DIE = """
 import os, pathlib, signal, sys
 if sys.argv[2] == "fallback":
     sys.modules["fcntl"] = None
-from offload.locking import exclusive_lock
+from offload.cache.locking import exclusive_lock
 with exclusive_lock(pathlib.Path(sys.argv[1])):
     print("held", flush=True)
     if sys.argv[3:] == ["wait"]:

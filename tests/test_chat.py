@@ -16,8 +16,8 @@ from rich.console import Console
 from cli.chat import ChatSession, read_message, repl
 from cli.main import main
 from specexec.config import EngineConfig, SamplingParams
-from specexec.runtime import Runtime
-from specexec.tokenizer import encode_messages
+from specexec.runtime.assembly import Runtime
+from specexec.runtime.tokenizer import encode_messages
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",

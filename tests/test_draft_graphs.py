@@ -15,9 +15,9 @@ from specexec.builders.base import DraftState
 from specexec.builders.growth import padded
 from specexec.config import EngineConfig
 from specexec.engine import Engine
-from specexec.kv_cache import KVCache
-from specexec.loading import load_model
-from specexec.runtime import make_builder
+from specexec.kv.cache import KVCache
+from specexec.runtime.loading import load_model
+from specexec.runtime.assembly import make_builder
 from tests.tiny_models import prompt
 
 

@@ -1,4 +1,4 @@
-"""The stand-ins for POSIX-only facilities (offload/facilities.py, offload/locking.py, offload/mounts.py,
+"""The stand-ins for POSIX-only facilities (offload/platform/facilities.py, offload/cache/locking.py, offload/platform/mounts.py,
 cli/errors.py), each taken on its own on this Linux machine: positional reads and writes without preadv/pread/
 pwrite, reads past the page cache via F_NOCACHE (macOS) or not at all, lock files via msvcrt (Windows, faked) or
 a lock directory (stale owners broken, live and foreign ones waited for), SIGTERM absent, cache directory names
@@ -24,10 +24,11 @@ import torch
 
 from cli import errors
 from cli.main import main
-from offload import facilities, locking
-from offload.cache_identity import cache_dir_for
-from offload.locking import LockTimeout, exclusive_lock
-from offload.mounts import mount_of, slow_mount_warnings
+from offload.platform import facilities
+from offload.cache import locking
+from offload.cache.identity import cache_dir_for
+from offload.cache.locking import LockTimeout, exclusive_lock
+from offload.platform.mounts import mount_of, slow_mount_warnings
 
 DATA = random.Random(0).randbytes(16384)      # no two blocks alike: a read from a wrong offset shows
 
@@ -349,10 +350,10 @@ def test_slow_mount_warnings_name_the_path_and_a_linux_side_one(tmp_path: Path) 
 
 def test_the_plan_warns_when_the_cache_or_the_model_is_on_a_windows_drive(tiny_llama: Path, tmp_path: Path,
                                                                           monkeypatch, capsys) -> None:
-    from offload import mounts
+    from offload.platform import mounts
     from specexec.config import EngineConfig, OffloadConfig
-    from specexec.loading import read_args
-    from specexec.offloaded import plan_target
+    from specexec.runtime.loading import read_args
+    from specexec.runtime.offloaded import plan_target
 
     drive = tmp_path / "mnt" / "c"
     monkeypatch.setattr(mounts, "MOUNTS", fake_mounts(tmp_path, drive))

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (offload/gguf.py through specexec.loading): tiny fixtures written with gguf.GGUFWriter the
+"""GGUF checkpoints (offload/formats/gguf.py through specexec.runtime.loading): tiny fixtures written with gguf.GGUFWriter the
 way llama.cpp's converter writes them (tests/gguf_writer.py: its Q/K permutation, its names, rope_freqs for a
 Llama-3 rope, the tokenizer as metadata) load to the same logits as the HF model: exactly in F32, within the
 quantization error for F16/BF16/Q8_0/Q4_0/Q5_0; K-quants (which gguf cannot quantize in Python) as random valid
@@ -21,11 +21,11 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from offload.checkpoint import CheckpointError  # noqa: E402
-from offload.gguf import GGUFCheckpoint, llama3_rope_scaling  # noqa: E402
-from offload.sources import detect_format, open_source  # noqa: E402
+from offload.formats.checkpoint import CheckpointError  # noqa: E402
+from offload.formats.gguf import GGUFCheckpoint, llama3_rope_scaling  # noqa: E402
+from offload.formats.sources import detect_format, open_source  # noqa: E402
 from specexec.config import ConfigError  # noqa: E402
-from specexec.loading import load_model, read_args, resolve_model_path  # noqa: E402
+from specexec.runtime.loading import load_model, read_args, resolve_model_path  # noqa: E402
 from tests.gguf_writer import gguf_name, llama3_rope_freqs, llama_cpp_permute, write_gguf  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
@@ -185,7 +185,7 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(factor, low, high, ori
 def test_tokenizer_comes_from_the_metadata(tiny_llama: Path, tmp_path: Path) -> None:
     """Same vocabulary, ids (BOS added), special tokens and chat template as the fixture's tokenizer.json;
     the second load reads the cached build."""
-    from specexec.tokenizer import encode_prompt, load_tokenizer
+    from specexec.runtime.tokenizer import encode_prompt, load_tokenizer
 
     path = write_gguf(tiny_llama, tmp_path / "m.gguf", "F32")
     ours, ref = load_tokenizer(path), load_tokenizer(tiny_llama)

@@ -1,4 +1,4 @@
-"""Models by Hub name (specexec.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on 127.0.0.1
+"""Models by Hub name (specexec.runtime.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on 127.0.0.1
 (tests/hub_server.py, reached through HF_ENDPOINT): only what loads is fetched (never pickles), a dropped
 connection resumes with a Range request, an interrupted process resumes from its .part file, a corrupted part
 is caught by the checksum, 401/403/404 and offline-without-cache each end as one line (exit 2 from the CLI),
@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cli.main import main
-from specexec import hub as hub_mod
+from specexec.runtime import hub as hub_mod
 from specexec.config import ConfigError, EngineConfig, OffloadConfig
-from specexec.disk_need import layer_cache_bytes
-from specexec.ledger import layer_bytes
-from specexec.hub import HubOptions, cached, fetch
-from specexec.loading import load_model, read_args, resolve_model_path
+from specexec.runtime.disk_need import layer_cache_bytes
+from specexec.runtime.ledger import layer_bytes
+from specexec.runtime.hub import HubOptions, cached, fetch
+from specexec.runtime.loading import load_model, read_args, resolve_model_path
 from tests.hub_server import LocalHub, serve, stop
 
 REPO = "tiny-org/tiny-llama"
@@ -235,8 +235,8 @@ def test_free_disk_is_checked_before_the_weights_with_the_layer_cache(online: Lo
 
 
 def test_layer_cache_estimate_matches_the_cache_planner(tiny_llama: Path) -> None:
-    from offload import cache as layer_cache
-    from specexec.offloaded import layer_names
+    from offload.cache import store as layer_cache
+    from specexec.runtime.offloaded import layer_names
 
     args = read_args(tiny_llama)
     engine = EngineConfig(dtype="float32")

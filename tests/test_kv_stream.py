@@ -1,4 +1,4 @@
-"""KV that streams with its layer (specexec/kv_cache.py, kv_stream.py), on the CPU's RAM tier (fp32, tiny models):
+"""KV that streams with its layer (specexec/kv/cache.py, kv_stream.py), on the CPU's RAM tier (fp32, tiny models):
 - a cache with streamed layers holds the same rows, bit for bit, as a device cache under any sequence of
   write / keep / advance / truncate / grow (tail path and write-through path);
 - what moves is counted: a pass stages exactly the committed rows of each streamed layer (H2D), a step writes
@@ -18,19 +18,19 @@ import pytest
 import torch
 
 from cli.main import main
-from offload.cache import LayerCache
-from offload.tiers import is_pinned
+from offload.cache.store import LayerCache
+from offload.streaming.tiers import is_pinned
 from specexec.builders.chain import ChainBuilder
 from specexec.builders.dynamic import DynamicBuilder
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.engine import Engine
-from specexec.kv_cache import KVCache
-from specexec.kv_rows import row_bytes
-from specexec.loading import load_model, read_args
+from specexec.kv.cache import KVCache
+from specexec.kv.rows import row_bytes
+from specexec.runtime.loading import load_model, read_args
 from specexec.model import TreeMask
-from specexec.offloaded import OffloadedTransformer, build_offloaded, layer_names
-from specexec.runtime import Runtime
+from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded, layer_names
+from specexec.runtime.assembly import Runtime
 
 CPU = torch.device("cpu")
 LAYERS, HEADS, DIM = 3, 2, 4

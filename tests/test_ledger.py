@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from cli.main import main
-from offload.cache import plan as cache_plan
+from offload.cache.store import plan as cache_plan
 from offload.planner import GB
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.kv_cache import KVCache
-from specexec.ledger import CUDA_CONTEXT, RunShape, card_budget, layer_bytes, plan_memory, weight_bytes
-from specexec.loading import load_model, read_args
-from specexec.offloaded import layer_names, module_bytes, quantize_layers
-from specexec.runtime import Runtime
+from specexec.kv.cache import KVCache
+from specexec.runtime.ledger import CUDA_CONTEXT, RunShape, card_budget, layer_bytes, plan_memory, weight_bytes
+from specexec.runtime.loading import load_model, read_args
+from specexec.runtime.offloaded import layer_names, module_bytes, quantize_layers
+from specexec.runtime.assembly import Runtime
 
 CONFIGS = Path(__file__).parent / "configs"
 T70, D8, Q32 = (CONFIGS / n for n in ("llama-3.1-70b-instruct", "llama-3.1-8b-instruct", "qwen2.5-32b-instruct"))
@@ -186,7 +186,7 @@ def test_plan_flag_errors_are_one_line(capsys, tmp_path: Path) -> None:
 def test_config_only_sizes_equal_the_real_objects(tiny_pair, fmt: str) -> None:
     """layer_bytes = the layer cache's layouts (from the checkpoint's headers); weight_bytes = a loaded,
     quantized model's parameters and buffers; kv_bytes = a KVCache's."""
-    from specexec.ledger import kv_bytes
+    from specexec.runtime.ledger import kv_bytes
 
     target, draft = tiny_pair
     args = read_args(target)
@@ -201,7 +201,7 @@ def test_config_only_sizes_equal_the_real_objects(tiny_pair, fmt: str) -> None:
 
 def test_runtime_plans_before_loading_and_counts_the_draft_once(tiny_pair, tmp_path, monkeypatch) -> None:
     """The plan is made (and shown) before any weight loads; its draft line equals the loaded draft's bytes."""
-    import specexec.runtime as runtime_mod
+    import specexec.runtime.assembly as runtime_mod
 
     events: list[str] = []
     real_load = runtime_mod.load_model

@@ -1,4 +1,4 @@
-"""specexec.loading on real (tiny) HF checkpoints: logits equal transformers', pickle weights are never
+"""specexec.runtime.loading on real (tiny) HF checkpoints: logits equal transformers', pickle weights are never
 unpickled by default (and never executed even when allowed), and every broken checkpoint fails with one
 clear CheckpointError / ConfigError instead of a traceback from deep inside torch or safetensors."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from offload.checkpoint import CheckpointError
+from offload.formats.checkpoint import CheckpointError
 from specexec.config import ConfigError
-from specexec.loading import load_model, resolve_model_path
+from specexec.runtime.loading import load_model, resolve_model_path
 
 
 def _copy(src: Path, dest: Path) -> Path:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specexec.kv_cache import KVCache
-from specexec.loading import load_model
+from specexec.kv.cache import KVCache
+from specexec.runtime.loading import load_model
 from specexec.model import Transformer, TreeMask, prefix_tree_mask
 from specexec.tree import TokenTree
 from tests.tiny_models import write_tiny_model

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from cli.main import main
-from offload.cache import LayerCache
-from offload.quant import QuantLinear, quantize_module
+from offload.cache.store import LayerCache
+from offload.quant.linear import QuantLinear, quantize_module
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import ConfigError, EngineConfig, OffloadConfig
 from specexec.engine import Engine
-from specexec.kv_cache import KVCache
-from specexec.loading import load_model, read_args
+from specexec.kv.cache import KVCache
+from specexec.runtime.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
-from specexec.offloaded import OffloadedTransformer, build_offloaded, layer_names
-from specexec.runtime import BUILDERS, Runtime, make_builder
+from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded, layer_names
+from specexec.runtime.assembly import BUILDERS, Runtime, make_builder
 from tests.tiny_models import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,8 +243,8 @@ MEMORY_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     from specexec.config import EngineConfig, OffloadConfig
     from specexec.engine import Engine
-    from specexec.loading import expected_shapes, read_args
-    from specexec.offloaded import load_target, plan_target
+    from specexec.runtime.loading import expected_shapes, read_args
+    from specexec.runtime.offloaded import load_target, plan_target
 
     def anon():
         for line in open("/proc/self/status"):

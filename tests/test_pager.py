@@ -1,4 +1,4 @@
-"""offload.pager and offload.tiers on random packed bytes: every tier mix hands out the exact bytes in order,
+"""offload.streaming.pager and offload.streaming.tiers on random packed bytes: every tier mix hands out the exact bytes in order,
 stats count what moved, read-ahead overlaps a slow reader with compute, cancellation and errors are clean,
 the SSD file reads with and without O_DIRECT (and without any POSIX-only facility: conftest.posix_facilities).
 `gpu` tests cover pinned memory (and its fallback), copy streams and events."""
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload.pager import LayerPager, build_pager, stream_summary
-from offload.pager_timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold
-from offload.storage import ALIGN
-from offload import tiers
-from offload.tiers import PackedFile, RamTier, ResidentTier, fill, host_buffer, probe_copy, probe_read, split
+from offload.streaming.pager import LayerPager, build_pager, stream_summary
+from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold
+from offload.streaming.storage import ALIGN
+from offload.streaming import tiers
+from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, fill, host_buffer, probe_copy, probe_read, split
 
 SIZES = [3 * ALIGN, 2 * ALIGN, 5 * ALIGN, ALIGN, 4 * ALIGN, 2 * ALIGN]
 
@@ -187,7 +187,7 @@ def test_leaving_a_pass_early_cancels_the_read_ahead(layers, staged: bool) -> No
 
 @pytest.mark.timeout(20)
 def test_a_job_interrupted_before_it_was_queued_does_not_hang_the_next_pass(layers) -> None:
-    from offload.pager import _Job
+    from offload.streaming.pager import _Job
 
     with build_pager(["ssd"] * 6, MemoryReader(layers), "cpu", n_slots=2) as pager:
         check_pass(pager, layers)
@@ -482,7 +482,7 @@ def test_cuda_streamed_pass_runs_at_the_pinned_link_rate(arch: str, fmt: str) ->
     """Real layer sizes (Llama-3 8B/70B, bf16 and NF4) streamed from pinned RAM: the pass's GPU time is within
     1.15x of bytes / the link's measured pinned bandwidth, the one copy stream is busy >= 90 % of the pass, and
     copy spans never overlap."""
-    from cli.bench_stream import layer_layout, synthetic_args
+    from cli.bench.stream import layer_layout, synthetic_args
 
     size = layer_layout(synthetic_args(arch, 1), fmt, torch.bfloat16).nbytes
     n = 12

@@ -12,7 +12,7 @@ import torch
 
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.runtime import make_builder
+from specexec.runtime.assembly import make_builder
 from specexec.sampling import apply_presence_frequency, process_logits
 from tests.tiny_models import load_pair_models, prompt
 
@@ -164,7 +164,7 @@ def test_cli_flags_and_chat_set(tiny_pair: tuple[Path, Path], tiny_perturbed_dra
 
     from cli import args as common
     from cli.chat import ChatSession
-    from specexec.runtime import Runtime
+    from specexec.runtime.assembly import Runtime
 
     parser = argparse.ArgumentParser()
     common.add_sampling_args(parser)

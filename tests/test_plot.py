@@ -1,4 +1,4 @@
-"""`--plot FILE.png|svg` on `specexec bench`, `bench stream` and `bench builders` (cli/plot.py): the lines drawn are
+"""`--plot FILE.png|svg` on `specexec bench`, `bench stream` and `bench builders` (cli/bench/plot.py): the lines drawn are
 the JSON rows (read back from the Figure), the file is a valid PNG/SVG of the promised size whose embedded rows
 equal what `--json` printed, and a missing matplotlib or a bad file name is one line (exit 2) before anything
 runs."""
@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from cli import plot  # noqa: E402
+from cli.bench import plot  # noqa: E402
 from cli.main import main  # noqa: E402
 
 PX = (int(plot.FIG_SIZE[0] * plot.DPI), int(plot.FIG_SIZE[1] * plot.DPI))

@@ -23,10 +23,10 @@ from cli.prefill_bar import PrefillBar, worth_showing
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.engine import KV_GROW_QUANTUM, PREFILL_CHUNK, Engine, PrefillProgress
-from specexec.loading import load_model, read_args
+from specexec.runtime.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
-from specexec.offloaded import HostEmbedding, build_offloaded, layer_names
-from specexec.runtime import Runtime
+from specexec.runtime.offloaded import HostEmbedding, build_offloaded, layer_names
+from specexec.runtime.assembly import Runtime
 from tests.tiny_models import write_tiny_model
 
 PROMPT_TOKENS = 2000
@@ -94,7 +94,7 @@ def test_each_kv_cache_is_sized_for_its_own_user(tiny_pair, tiny_perturbed_draft
 
 
 def test_the_embedding_in_host_ram_is_exact(tiny_pair, tmp_path: Path) -> None:
-    from offload.cache import LayerCache
+    from offload.cache.store import LayerCache
 
     path = tiny_pair[0]
     args = read_args(path)
@@ -132,8 +132,8 @@ def budget_for_chunk(path: Path, chunk: int) -> tuple[int, int]:
     """A --ram-budget whose plan (streamed target, --context 16k + 64) prefills about `chunk` tokens per pass,
     and that plan's exact figure: the activation budget the plan gives is what sizes the prefill."""
     from offload.planner import PlanError
-    from specexec.ledger import plan_memory
-    from specexec.offloaded import run_shape
+    from specexec.runtime.ledger import plan_memory
+    from specexec.runtime.offloaded import run_shape
 
     shape = run_shape(read_args(path), None, EngineConfig(budget=4), OffloadConfig(context=LONG_PROMPT + 64), "cpu",
                       torch.float32)

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from specexec.config import EngineConfig
 from specexec.profiler import PeakMemory, Profiler, Span, summary_table
-from specexec.runtime import Runtime
+from specexec.runtime.assembly import Runtime
 
 
 def test_spans_time_regions_and_sum_by_name() -> None:

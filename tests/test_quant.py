@@ -1,4 +1,4 @@
-"""offload.quant: error bounds per format, QuantLinear == F.linear on the dequantized weight for 1 and 64 tokens
+"""offload.quant.linear: error bounds per format, QuantLinear == F.linear on the dequantized weight for 1 and 64 tokens
 (int4/int8: on bf16 activations, as their kernels compute), one dequantization per call, bind() re-targeting
 without copies, and the size planning helpers. The int4/int8 kernels themselves: tests/test_quant_kernels.py."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload import quant
-from offload.storage import pack_layer, unpack_layer
+from offload.quant import linear as quant
+from offload.streaming.storage import pack_layer, unpack_layer
 
 # relative Frobenius error of dequant(quant(W)) for W ~ N(0, 1); measured: nf4 0.092, fp4 0.122, int8 (per channel)
 # 0.0075, int4 (group 64, values rounded to bf16 by dequantize) 0.0895

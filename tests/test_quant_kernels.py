@@ -1,4 +1,4 @@
-"""torch's weight-only kernels behind --quant int4 / int8 (offload/int4.py, offload/int8.py) and the kernel choice
+"""torch's weight-only kernels behind --quant int4 / int8 (offload/quant/int4.py, offload/quant/int8.py) and the kernel choice
 (quant.kernel_for): int4's error against NF4's per group size, rows that do not depend on the batch (bit for bit,
 any number of rows, any thread count), no dequantization on the CPU, an fp32 residual stream around bf16 kernels,
 int4's int8 fallback for shapes its kernel cannot take, packings from another machine refused, the packing in the
@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload import cache as layer_cache
-from offload import int4, int8, quant
-from offload.storage import pack_layer, unpack_layer
-from specexec.loading import read_args
-from specexec.offloaded import layer_names
+from offload.cache import store as layer_cache
+from offload.quant import int4
+from offload.quant import int8
+from offload.quant import linear as quant
+from offload.streaming.storage import pack_layer, unpack_layer
+from specexec.runtime.loading import read_args
+from specexec.runtime.offloaded import layer_names
 
 ROWS = (1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 64, 65, 128, 257)
 
@@ -181,8 +183,8 @@ def test_pass_traffic_counts_what_each_kernel_moves() -> None:
 
 
 def test_draft_quant_marks_the_draft_not_row_exact(tiny_llama) -> None:
-    from specexec.loading import load_model
-    from specexec.offloaded import quantize_layers
+    from specexec.runtime.loading import load_model
+    from specexec.runtime.offloaded import quantize_layers
 
     model = load_model(tiny_llama)
     quantize_layers(model, "int4", row_exact=False)

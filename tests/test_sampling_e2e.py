@@ -12,7 +12,7 @@ import torch
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.loading import load_model
+from specexec.runtime.loading import load_model
 from specexec.sampling import process_logits
 
 TRIALS = 800

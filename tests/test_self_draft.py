@@ -24,12 +24,12 @@ from offload.planner import PlanError
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import ConfigError, EngineConfig, OffloadConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.ledger import RunShape, card_budget, layer_bytes, plan_memory, spaced_layers, with_self_draft
-from specexec.loading import load_model, read_args
-from specexec.models import parse_catalog
-from specexec.offloaded import HostEmbedding, target_formats
-from specexec.runtime import Runtime
-from specexec.self_draft import SelfDraft, build_self_draft, self_draft_format
+from specexec.runtime.ledger import RunShape, card_budget, layer_bytes, plan_memory, spaced_layers, with_self_draft
+from specexec.runtime.loading import load_model, read_args
+from specexec.runtime.catalog import parse_catalog
+from specexec.runtime.offloaded import HostEmbedding, target_formats
+from specexec.runtime.assembly import Runtime
+from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
 from tests.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
 from tests.tiny_models import prompt
 
@@ -237,7 +237,7 @@ def test_sampling_keeps_the_target_distribution(tiny_pair, verifier: str, temper
 def test_on_cuda_copies_live_on_the_gpu_and_run_the_drafts_kernel(tiny_pair, tmp_path) -> None:
     """CUDA: the NF4 copies sit on the GPU (one region), run bitsandbytes' fused 4-bit GEMM where it exists
     (a draft may), and fp32 greedy output still equals the target alone."""
-    from offload.quant import _bnb_gemm_4bit, pass_traffic
+    from offload.quant.linear import _bnb_gemm_4bit, pass_traffic
 
     off = OffloadConfig(offload="ssd", cache_dir=str(tmp_path), draft_layers=4)
     config = EngineConfig(budget=8, dtype="float32", device="cuda")

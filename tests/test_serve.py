@@ -26,10 +26,10 @@ import pytest
 import uvicorn
 
 from cli.main import main
-from cli.serve_app import ServeSettings, build_app
+from specexec.serving.app import ServeSettings, build_app
 from specexec.config import EngineConfig, SamplingParams
-from specexec.openai_api import ServerDefaults
-from specexec.runtime import Runtime
+from specexec.serving.openai_api import ServerDefaults
+from specexec.runtime.assembly import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-pair"

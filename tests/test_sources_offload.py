@@ -1,5 +1,5 @@
 """GGUF and AWQ/GPTQ targets through the offloaded runtime: the layer cache builds from any checkpoint source
-(offload.sources), records the source format in its manifest, and the streamed target decodes exactly as the
+(offload.formats.sources), records the source format in its manifest, and the streamed target decodes exactly as the
 same weights from a plain safetensors checkpoint at the same quantization."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
-from specexec.runtime import Runtime
+from specexec.runtime.assembly import Runtime
 from tests.gguf_writer import write_gguf
 from tests.test_awq_gptq import VARIANTS, write_packed
 

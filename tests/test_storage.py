@@ -1,4 +1,4 @@
-"""offload.storage: pack/unpack round trip for every dtype kind, alignment, views (no copies), layout JSON."""
+"""offload.streaming.storage: pack/unpack round trip for every dtype kind, alignment, views (no copies), layout JSON."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from offload import storage
-from offload.storage import ALIGN, ENTRY_ALIGN, LayerLayout, pack_into, pack_layer, plan_layout, unpack_layer
+from offload.streaming import storage
+from offload.streaming.storage import ALIGN, ENTRY_ALIGN, LayerLayout, pack_into, pack_layer, plan_layout, unpack_layer
 
 
 def sample() -> dict[str, torch.Tensor]:

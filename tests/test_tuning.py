@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from specexec.tuning import AcceptanceModel, BudgetTuner, CostModel, CurveFit, budget_grid
+from specexec.tuning.budget import AcceptanceModel, BudgetTuner, CostModel, CurveFit, budget_grid
 
 MAX = 1024
 

@@ -225,7 +225,7 @@ def _write_perturbed(dest: Path, base: Path, perturb: float, seed: int) -> Path:
 
 def load_pair_models(pair: tuple[Path, Path], perturbed: Path) -> dict:
     """The tiny pair loaded through specexec: target, an unrelated random draft and a perturbed copy."""
-    from specexec.loading import load_model
+    from specexec.runtime.loading import load_model
     return {"target": load_model(pair[0]), "random": load_model(pair[1]), "perturbed": load_model(perturbed)}
 
 

@@ -14,11 +14,11 @@ from typing import Protocol
 
 import torch
 
-from ..config import SamplingParams
-from ..kv_cache import KVCache
-from ..model import Transformer, TreeMask
-from ..tree import TokenTree
-from . import draft_graphs
+from specexec.config import SamplingParams
+from specexec.kv.cache import KVCache
+from specexec.model import Transformer, TreeMask
+from specexec.tree import TokenTree
+from specexec.builders import draft_graphs
 
 
 @dataclass

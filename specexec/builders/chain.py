@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..config import SamplingParams
-from ..tree import TokenTree
-from .growth import Growth, QStore, draft_passes, host_values, pick_children
+from specexec.config import SamplingParams
+from specexec.tree import TokenTree
+from specexec.builders.growth import Growth, QStore, draft_passes, host_values, pick_children
 
 
 @dataclass

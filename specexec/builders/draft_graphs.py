@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kv_cache import KVCache
+from specexec.kv.cache import KVCache
 
 SPAN = 512                       # key-span granularity: a graph is reused until L0 + K crosses a multiple
 ENV = "SPECEXEC_CUDA_GRAPHS"

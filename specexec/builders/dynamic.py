@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SamplingParams
-from ..tree import TokenTree, best_nodes
-from .growth import Growth, draft_passes, host_values, kth_best, pick_children
+from specexec.config import SamplingParams
+from specexec.tree import TokenTree, best_nodes
+from specexec.builders.growth import Growth, draft_passes, host_values, kth_best, pick_children
 
 
 @dataclass

@@ -32,10 +32,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..config import SamplingParams
-from ..sampling import gumbel_topk, process_logits
-from ..tree import TokenTree
-from .base import DraftState
+from specexec.config import SamplingParams
+from specexec.sampling import gumbel_topk, process_logits
+from specexec.tree import TokenTree
+from specexec.builders.base import DraftState
 
 
 def padded(b: int) -> int:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..config import SamplingParams
-from ..tree import TokenTree
-from .static import Shape, tree_shape
+from specexec.config import SamplingParams
+from specexec.tree import TokenTree
+from specexec.builders.static import Shape, tree_shape
 
 RANK_ACCEPTANCE = (0.45, 0.15, 0.08, 0.05, 0.035, 0.025, 0.02, 0.015)
 

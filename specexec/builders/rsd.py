@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..config import SamplingParams
-from ..sampling import gumbel_topk
-from ..tree import TokenTree
-from .growth import Growth, QStore, draft_passes, host_values
-from .static import Shape, StaticBuilder
+from specexec.config import SamplingParams
+from specexec.sampling import gumbel_topk
+from specexec.tree import TokenTree
+from specexec.builders.growth import Growth, QStore, draft_passes, host_values
+from specexec.builders.static import Shape, StaticBuilder
 
 
 def shift_gumbel(g_child: Tensor, g_parent: Tensor, z: Tensor) -> Tensor:

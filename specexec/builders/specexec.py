@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..config import SamplingParams
-from ..tree import TokenTree, best_nodes
-from .growth import Growth, draft_passes, host_values
+from specexec.config import SamplingParams
+from specexec.tree import TokenTree, best_nodes
+from specexec.builders.growth import Growth, draft_passes, host_values
 
 
 def processed_capacity(budget: int) -> int:

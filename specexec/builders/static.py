@@ -16,7 +16,7 @@ score -inf until the one host sync of the tree drops them (with their subtrees):
 
 The acceptance vector: DEFAULT_ACCEPTANCE (a plausible profile for a same-family pair), or measured ones from
 a JSON file (`acceptance_file`): a single vector (`save_acceptance`), or the per-temperature table that
-`specexec bench accept` measures on a pair (specexec/acceptance.py), from which each build uses the vector
+`specexec bench accept` measures on a pair (specexec/tuning/acceptance.py), from which each build uses the vector
 measured at the temperature nearest to its own. The runtime passes the pair's cached table when it exists.
 
 Does not know: the target, verification, how the acceptance vector was measured.
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..config import ConfigError, SamplingParams
-from ..tree import TokenTree
-from .growth import Growth, QStore, draft_passes, host_values, pick_children, upload
+from specexec.config import ConfigError, SamplingParams
+from specexec.tree import TokenTree
+from specexec.builders.growth import Growth, QStore, draft_passes, host_values, pick_children, upload
 
 DEFAULT_ACCEPTANCE = (0.60, 0.12, 0.05, 0.03, 0.02, 0.014, 0.01, 0.008,
                       0.006, 0.005, 0.004, 0.003, 0.0025, 0.002, 0.0015, 0.001)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..config import ConfigError
+from specexec.config import ConfigError
 
 BUILTIN = "builtin.jsonl"
 KEYS = ("id", "category", "prompt", "system")

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from offload import cache as C
-from offload.cache import LayerCache
+from offload.cache import store as C
+from offload.cache.store import LayerCache
 from specexec.config import OffloadConfig, SamplingParams
-from specexec.loading import read_args
-from specexec.offloaded import layer_names
+from specexec.runtime.loading import read_args
+from specexec.runtime.offloaded import layer_names
 from tests.test_chat import Screen  # noqa: F401 -- re-exported: what a ChatSession shows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,7 +205,7 @@ class ScriptedTerminal(io.TextIOBase):
 def streamed_runtime(pair: tuple[Path, Path], draft: Path, cache_root: Path, budget: int) -> Iterator[object]:
     """A fixture body: the tiny pair with the target on the SSD tier under cache_root; the pager stops after."""
     from specexec.config import EngineConfig
-    from specexec.runtime import Runtime
+    from specexec.runtime.assembly import Runtime
 
     runtime = Runtime.load(str(pair[0]), str(draft), EngineConfig(budget=budget, dtype="float32"),
                            offload=ssd(cache_root))

@@ -6,7 +6,7 @@ A hook is `PHASE@N:ACTION`:
   PHASE   prefill | draft | verify   (Engine.prefill, a tree builder's build, Engine._verify): fires at the
                                      2nd decoder-Block forward inside the N-th such call, i.e. mid-pass (for an
                                      offloaded target: while the pager streams layers)
-          write                      (offload.cache._write_layer): fires before the N-th layer is written
+          write                      (offload.cache.store._write_layer): fires before the N-th layer is written
   ACTION  INT | TERM | KILL          the signal sent to this very process
           hold                       wait until the file $RELIABILITY_RELEASE exists (lock held, temp dir made)
 Armed from $RELIABILITY_HOOK at start, and, for `chat`, by a message that starts with `!hook SPEC ` (the message
@@ -83,8 +83,9 @@ def wrap_phase(owner: type, attr: str, name: str) -> None:
 
 def install() -> None:
     from cli import chat
-    from offload import cache
-    from specexec import model, runtime
+    from offload.cache import store as cache
+    from specexec import model
+    from specexec.runtime import assembly as runtime
     from specexec.engine import Engine
 
     wrap_phase(Engine, "prefill", "prefill")

@@ -19,9 +19,9 @@ import torch
 
 from cli.chat import ChatSession
 from cli.main import main
-from offload import cache as C
+from offload.cache import store as C
 from specexec.config import EngineConfig, SamplingParams
-from specexec.runtime import Runtime
+from specexec.runtime.assembly import Runtime
 from tests.reliability.faults_helpers import (Forked, Screen, ScriptedTerminal, cache_dir, entries, error_lines,
                                               fork_cli, fresh_answer, layer_digests, lock_is_free, pager_threads,
                                               streamed_runtime)

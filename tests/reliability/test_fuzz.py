@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specexec.config import SamplingParams
-from specexec.kv_cache import KVCache
+from specexec.kv.cache import KVCache
 from specexec.sampling import process_logits
 from specexec.tree import TokenTree
 from specexec.verify import RULES, Accepted

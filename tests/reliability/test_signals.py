@@ -24,7 +24,7 @@ import pytest
 
 from cli.main import main
 from specexec.config import EngineConfig
-from specexec.runtime import Runtime
+from specexec.runtime.assembly import Runtime
 from tests.reliability.faults_helpers import (cache_dir, entries, fork_cli, fresh_answer, layer_digests,
                                               lock_is_free, ssd)
 

@@ -15,7 +15,7 @@ import pytest
 
 from cli.chat import ChatSession
 from specexec.config import SamplingParams
-from specexec.runtime import Runtime
+from specexec.runtime.assembly import Runtime
 from tests.reliability.faults_helpers import Screen, open_fds, pager_threads, rss_bytes, streamed_runtime
 
 BUILDERS = ("specexec", "chain", "dynamic", "rsd", "recycling")

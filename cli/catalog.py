@@ -1,0 +1,67 @@
+"""`specexec models`: list the models.yaml catalogue (recommended pairs, defaults) and which models are on this
+machine, looked up offline in the Hugging Face cache and under $SPECEXEC_MODEL_DIRS.
+
+Table on stdout (it is the answer); `--json` prints one line {"catalog": PATH, "models": [...]} instead.
+
+Does not know: how the catalogue is parsed or checked, or where models are looked for (specexec.runtime.catalog).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from specexec.runtime.catalog import DIRS_ENV, Catalog, load_catalog
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("models", help="list known models and recommended draft/target pairs",
+                       description="List the models.yaml catalogue and which models are present locally "
+                                   f"(Hugging Face cache, ${DIRS_ENV}). Nothing is downloaded.")
+    p.add_argument("--catalog", metavar="FILE", help="another models.yaml (default: the shipped one, or "
+                                                     "$SPECEXEC_MODELS_YAML)")
+    p.add_argument("--local", action="store_true", help="only the models present on this machine")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    return p
+
+
+def rows(catalog: Catalog, local_only: bool = False) -> list[dict]:
+    out = []
+    for e in catalog:
+        path = e.local_path()
+        if local_only and path is None:
+            continue
+        out.append({"name": e.name, "hub": e.hub, "family": e.family, "params": e.params, "drafts": list(e.drafts),
+                    "budget": e.budget, "quant": e.quant, "notes": e.notes,
+                    "local_path": str(path) if path is not None else None})
+    return out
+
+
+def table(found: list[dict], source: str) -> Table:
+    t = Table(title=f"models ({source})", title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("name", "params", "family", "drafts (best first)", "budget", "quant", "local", "hub id"):
+        t.add_column(col, justify="right" if col in ("params", "budget") else "left")
+    for r in found:
+        local = f"[green]yes[/] {r['local_path']}" if r["local_path"] else "[dim]no[/]"
+        t.add_row(r["name"], r["params"], r["family"], ", ".join(r["drafts"]) or "[dim]-[/]", str(r["budget"]),
+                  r["quant"], local, r["hub"])
+    return t
+
+
+def run(args: argparse.Namespace) -> int:
+    catalog = load_catalog(args.catalog)
+    found = rows(catalog, args.local)
+    if args.json:
+        print(json.dumps({"catalog": catalog.source, "models": found}, separators=(",", ":")), flush=True)
+        return 0
+    out = Console(soft_wrap=True)
+    if not out.is_terminal:                    # a file or a pipe: wide enough that no cell is cut
+        out.width = max(out.width, 200)
+    out.print(table(found, catalog.source))
+    present = sum(r["local_path"] is not None for r in found)
+    Console(stderr=True).print(f"{present} of {len(found)} present locally · `--model NAME` uses a name, its "
+                               f"first draft, budget and quant · add directories with ${DIRS_ENV}",
+                               style="dim", highlight=False)
+    return 0

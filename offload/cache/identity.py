@@ -1,0 +1,133 @@
+"""What a layer cache was built from: the checkpoint's fingerprint, the build options, and the directory name.
+
+`fingerprint` is cheap (names, sizes, mtimes and header hashes of the checkpoint's files: no tensor data is
+read); `options_of` is everything else that decides the cache's bytes; `cache_dir_for` names the directory
+after both, under `default_cache_root()`. `source_specs` gives every checkpoint tensor's dtype and shape from
+the headers alone (for planning layer sizes before anything is quantized).
+
+Does not know: the manifest's checks (cache_manifest.py), reading or building layers (cache_reading.py,
+cache.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+import torch
+
+from offload.cache.manifest import VERSION, CacheError
+from offload.formats.checkpoint import INDEX, SINGLE
+from offload.quant.linear import dtype_name, packing
+from offload.formats.sources import detect_format, is_gguf, open_source, tensor_specs
+
+# safetensors header dtype codes -> torch dtypes (for planning sizes from headers alone)
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Where one layer's tensors come from: packed name (as the runtime binds it, e.g. 'mlp.up_proj.weight')
+    -> checkpoint tensor name ('model.layers.3.mlp.up_proj.weight'), in packing order; `linear` holds the
+    packed names of the 2-D nn.Linear weights to quantize (every other tensor is cast to the dtype)."""
+    tensors: Mapping[str, str]
+    linear: frozenset[str]
+
+    def to_dict(self) -> dict:
+        return {"tensors": dict(self.tensors), "linear": sorted(self.linear)}
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def default_cache_root() -> Path:
+    """$SPECEXEC_CACHE, else $XDG_CACHE_HOME/specexec, else ~/.cache/specexec."""
+    if os.environ.get("SPECEXEC_CACHE"):
+        return Path(os.environ["SPECEXEC_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specexec"
+
+
+def _header(path: Path) -> tuple[bytes, dict]:
+    """(raw header bytes, parsed header) of a safetensors file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+    try:
+        return raw, json.loads(raw)
+    except ValueError as e:
+        raise CacheError(f"{path}: unreadable safetensors header ({e})") from None
+
+
+def _weight_files(checkpoint_dir: Path) -> list[Path]:
+    index = checkpoint_dir / INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [checkpoint_dir / n for n in names]
+    return [checkpoint_dir / SINGLE]
+
+
+def fingerprint(checkpoint_dir: str | os.PathLike) -> list[list]:
+    """[[file name, size, mtime_ns, sha256 of its header or whole text]] for config.json, the safetensors index
+    and every weight file: changes whenever the checkpoint is rewritten, costs a few header reads. A .gguf
+    file: its own name, size, mtime and header hash."""
+    d = Path(checkpoint_dir)
+    if is_gguf(d):
+        return open_source(d).fingerprint()
+    out = []
+    for p in [d / "config.json", d / INDEX] + _weight_files(d):
+        if not p.is_file():
+            continue
+        st = p.stat()
+        head = _header(p)[0] if p.suffix == ".safetensors" else p.read_bytes()
+        out.append([p.name, st.st_size, st.st_mtime_ns, hashlib.sha256(head).hexdigest()])
+    return out
+
+
+def source_specs(checkpoint_dir: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Checkpoint tensor name -> (dtype, shape), from the safetensors headers alone (GGUF, AWQ, GPTQ: the
+    dense tensors their source returns, offload.formats.sources)."""
+    if detect_format(checkpoint_dir) != "safetensors":
+        return tensor_specs(open_source(checkpoint_dir))
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for f in _weight_files(checkpoint_dir):
+        for name, info in _header(f)[1].items():
+            if name != "__metadata__":
+                if info["dtype"] not in ST_DTYPES:
+                    raise CacheError(f"{f}: tensor {name} has dtype {info['dtype']}, which the cache cannot pack")
+                specs[name] = (ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+    return specs
+
+
+def options_of(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype,
+               double_quant: bool, device: str | torch.device | None = None) -> dict:
+    """Everything that decides the cache's bytes besides the source files (stored in the manifest). `device`:
+    where the layers are quantized; int4 packs for that device's kernel (quant.packing), int8 names its scheme."""
+    dq = bool(double_quant and fmt in ("nf4", "fp4"))
+    options = {"version": VERSION, "checkpoint": str(checkpoint_dir), "source_format": detect_format(checkpoint_dir),
+               "format": fmt, "dtype": dtype_name(dtype), "double_quant": dq, "sources": [s.to_dict() for s in layers]}
+    layout = packing(fmt, device or "cpu")
+    return options if layout is None else {**options, "packing": layout}
+
+
+NAME_CHARS = 64                    # of the checkpoint's name in a cache directory's name (Windows: 260-char paths)
+
+
+def cache_dir_for(checkpoint_dir: PurePath, options: dict, cache_root: Path) -> Path:
+    """<root>/<checkpoint name>-<fmt>-<dtype>[-dq]-<16 hex of the options' hash>. The name part keeps letters,
+    digits and "._-" (anything else, e.g. the spaces, colons and backslashes of a Windows path, becomes "_"),
+    never starts with a dot and has at most NAME_CHARS characters: a valid file name on every platform."""
+    key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in checkpoint_dir.name)
+    name = name.lstrip(".")[:NAME_CHARS] or "model"
+    dq = "-dq" if options["double_quant"] else ""
+    return cache_root / f"{name}-{options['format']}-{options['dtype']}{dq}-{key}"

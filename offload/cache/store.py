@@ -1,0 +1,378 @@
+"""On-disk cache of quantized, packed decoder layers for one checkpoint + quantization format + dtype.
+
+One directory per (checkpoint path, format, dtype, double quant, packing, layer naming) under the cache root
+($SPECEXEC_CACHE, else $XDG_CACHE_HOME/specexec, else ~/.cache/specexec) holds:
+  layers.bin     every layer packed by offload.streaming.storage, each at a 4 KiB-aligned offset and padded to 4 KiB, so
+                 it can be read with O_DIRECT straight into aligned (pinned) buffers
+  manifest.json  version, source fingerprint (name, size, mtime and header hash of config.json, the index and
+                 every safetensors file), format, dtype, and per layer: offset, nbytes, sha256, packed layout
+
+Building (LayerCache.open_or_build): under an exclusive lock on "<dir>.lock" (offload/cache/locking.py: flock or the
+platform's stand-in; a lock left by a dead process never blocks), quantize layer by layer from the checkpoint
+(peak RAM about one layer), write into a temporary directory next to the final one, fsync, rename. Free space
+is checked first. A second process waits for the lock, then reuses what the first built. Any exception (Ctrl-C
+and the CLI's SIGTERM included) removes the temporary directory; a disk that fills up or a file-size limit
+(EFBIG: ulimit -f) part-way is a one-line CacheError. One left by a killed process is removed by the next builder.
+
+Trust: every open checks the manifest, the version, the source fingerprint, the build options and the exact
+file size (cache_manifest.py; a stale, truncated, garbled or marked-corrupt cache is rebuilt with a message,
+never used) and reads no layer. Each layer's sha256 is checked the first time this process reads it
+(cache_reading.py: the RAM/resident tiers when they are filled, a streamed layer in the read-ahead thread); a
+mismatch is one CacheCorruptError line and marks the cache so the next open rebuilds it. verify=True (or
+`specexec convert --verify`) checks every layer at once.
+
+Split by job: cache_identity.py (fingerprints, options, directory names), cache_manifest.py (errors, checks
+made at open), cache_reading.py (reads, checksums), locking.py; this module opens and builds. Their public
+names are importable from here.
+
+Does not know: models or architectures. The caller names, per layer, which checkpoint tensors make it up (under
+the names the runtime binds them by) and which of them are linear weights to quantize (LayerNames).
+
+CONTRACT (used by specexec/runtime/offloaded.py, offload/streaming/tiers.py's SSD tier and cli/convert.py):
+
+    @dataclass(frozen=True)
+    class LayerNames:
+        tensors: Mapping[str, str]       # packed name (module-local, e.g. "mlp.up_proj.weight") -> checkpoint name
+        linear: frozenset[str]           # packed names of the nn.Linear weights to quantize
+
+    class LayerCache:
+        @classmethod
+        def open_or_build(cls, checkpoint_dir, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype, *,
+                          cache_root=None, double_quant=False, verify=False, progress=True, lock_timeout=None,
+                          log=None, quantize_device=None, on_layer=None) -> LayerCache
+        @classmethod
+        def open(cls, path, verify=False, expect=None) -> LayerCache     # an existing cache dir, or CacheError
+        path: Path (the cache dir); file: Path (layers.bin); built: bool (this call built it); manifest: dict
+        n_layers, fmt, dtype (str), max_nbytes, total_nbytes, direct_io
+        layout(i) -> storage.LayerLayout (meta = quant meta for quant.bind_module); nbytes(i); offset(i)
+        read_layer(i, out=None, direct=None, verify=None) -> uint8 [nbytes(i)] (a view of out when given;
+            verify None: check the sha256 on this process's first read of layer i)
+        verify(i, buffer=None); verify_all(memo=False, progress=False) -> bytes read; close(); context manager
+
+    class CacheError(ValueError); class CacheCorruptError(CacheError)    # one-line messages; CLI exit 2
+    default_cache_root() -> Path; aligned_empty(nbytes) -> uint8 tensor at a 4 KiB boundary
+    plan(checkpoint_dir, layers, fmt, dtype, double_quant, device=None) -> list[LayerLayout]   # from headers only
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from offload.cache.identity import (ST_DTYPES, LayerNames, cache_dir_for, default_cache_root, fingerprint,  # noqa: F401
+                             human_bytes, options_of, source_specs)
+from offload.cache.manifest import (CORRUPT, LAYERS_FILE, MANIFEST, VERSION, CacheCorruptError, CacheError,  # noqa: F401
+                             check_expected, load_manifest, mark_corrupt)
+from offload.cache.reading import _VERIFIED, LayerFile, aligned_empty  # noqa: F401 -- _VERIFIED: tests clear it
+from offload.platform.facilities import fsync_dir, pwrite_all
+from offload.cache.locking import exclusive_lock as _exclusive_lock
+from offload.cache.progress import progress_bar
+from offload.quant.linear import check_format, layer_specs, quantize_tensors
+from offload.formats.sources import CheckpointSource, open_source
+from offload.streaming.storage import LayerLayout, pack_layer, plan_layout
+
+SPACE_MARGIN = 64 << 20            # bytes kept free beyond the cache itself (manifest, filesystem slack)
+
+
+def exclusive_lock(lock_path: Path, timeout: float | None = None, log: Callable[[str], None] | None = None):
+    """locking.exclusive_lock raising CacheError on timeout (one line naming the lock file)."""
+    return _exclusive_lock(lock_path, timeout, log, CacheError)
+
+
+class LayerCache:
+    """An opened, validated cache: layout(i), nbytes(i), offset(i), read_layer(i, out), verify(i).
+
+    Reads are positional (facilities.pread_into), so one LayerCache may be read from several threads at once."""
+
+    def __init__(self, path: Path, manifest: dict, built: bool = False) -> None:
+        self.path = Path(path)                          # the cache directory
+        self.file = self.path / LAYERS_FILE
+        self.manifest = manifest
+        self.built = built                              # True when this call built it (tests, messages)
+        self.layouts = [LayerLayout.from_dict(e["layout"]) for e in manifest["layers"]]
+        entries = manifest["layers"]
+        self._file = LayerFile(self.file, [int(e["offset"]) for e in entries], [lay.nbytes for lay in self.layouts],
+                               [str(e["sha256"]) for e in entries], lambda why: mark_corrupt(self.path, why))
+
+    # -- opening
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, verify: bool = False, expect: dict | None = None) -> LayerCache:
+        """Open the cache directory `path`; CacheError/CacheCorruptError if it is unusable. Reads no layer
+        unless verify=True (every layer's sha256 checked now, once per process and file).
+
+        expect: the options (options_of) and "fingerprint" it must have been built for, if any."""
+        path = Path(path)
+        manifest = load_manifest(path)
+        if expect is not None:
+            check_expected(path, manifest, expect)
+        cache = cls(path, manifest)
+        try:
+            if verify:
+                cache.verify_all(memo=True)
+        except BaseException:
+            cache.close()
+            raise
+        return cache
+
+    @classmethod
+    def open_or_build(cls, checkpoint_dir: str | os.PathLike, layers: Sequence[LayerNames], fmt: str,
+                      dtype: torch.dtype, *, cache_root: str | os.PathLike | None = None, double_quant: bool = False,
+                      verify: bool = False, progress: bool = True, lock_timeout: float | None = None,
+                      log: Callable[[str], None] | None = None, quantize_device: str | torch.device | None = None,
+                      on_layer: Callable[[int, int], None] | None = None) -> LayerCache:
+        """The valid cache for this checkpoint and options, building (or rebuilding) it when needed.
+
+        layers[i] names layer i's tensors (LayerNames); fmt in quant.FORMATS; dtype the compute dtype the
+        layer's floating tensors are stored in (nf4/fp4/int8 dequantize to it). log(msg) receives one-line
+        notices (stale/corrupt cache rebuilt, waiting for another builder); default: print to stderr.
+        verify: also check every layer's sha256 now (default: each on its first read).
+        quantize_device: where a build quantizes ("cuda" is much faster than the CPU; default: CPU). int4 packs for
+        that device's kernel, so pass the device the layers will run on. on_layer(done, total): called after each
+        layer a build writes (a caller's own progress display; progress=False turns the bar here off)."""
+        log = log or _stderr
+        check_format(fmt)
+        checkpoint_dir = Path(checkpoint_dir).resolve()
+        open_source(checkpoint_dir)          # CheckpointError for missing/truncated/pickle-only/unsupported weights
+        options = options_of(checkpoint_dir, layers, fmt, dtype, double_quant, quantize_device)
+        root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
+        final = cache_dir_for(checkpoint_dir, options, root)
+        expect = dict(options, fingerprint=fingerprint(checkpoint_dir))
+        cache, problem = _try_open(final, verify, expect)
+        if cache is not None:
+            return cache
+        if problem:
+            log(f"{problem}; rebuilding it")
+        with exclusive_lock(final.with_name(final.name + ".lock"), lock_timeout, log):
+            cache, again = _try_open(final, verify, expect)          # built by another process while we waited?
+            if cache is not None:
+                return cache
+            if again and not problem:
+                log(f"{again}; rebuilding it")
+            _build(checkpoint_dir, layers, final, expect, progress, log, quantize_device, on_layer)
+        cache = cls(final, load_manifest(final), built=True)
+        cache._file.mark_verified()                  # the sums came from the bytes just written
+        return cache
+
+    # -- facts
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layouts)
+
+    @property
+    def fmt(self) -> str:
+        return self.manifest["format"]
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    def layout(self, i: int) -> LayerLayout:
+        return self.layouts[i]
+
+    def nbytes(self, i: int) -> int:
+        """Packed size of layer i (a multiple of storage.ALIGN)."""
+        return self.layouts[i].nbytes
+
+    def offset(self, i: int) -> int:
+        """Byte offset of layer i in layers.bin (a multiple of storage.ALIGN)."""
+        return int(self.manifest["layers"][i]["offset"])
+
+    @property
+    def max_nbytes(self) -> int:
+        return max(self.nbytes(i) for i in range(self.n_layers))
+
+    @property
+    def total_nbytes(self) -> int:
+        return int(self.manifest["file_nbytes"])
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether O_DIRECT reads are available for this file (else buffered reads + fadvise DONTNEED)."""
+        return self._file.direct_io
+
+    # -- reading
+
+    def read_layer(self, i: int, out: torch.Tensor | None = None, direct: bool | None = None,
+                   verify: bool | None = None) -> torch.Tensor:
+        """Layer i's packed bytes: uint8 [nbytes(i)], a view of `out` (CPU, contiguous uint8, >= nbytes(i);
+        pinned memory is fine) or of a new 4 KiB-aligned buffer.
+
+        direct: None = O_DIRECT when the file allows it and `out` starts 4 KiB-aligned, else a buffered read
+        followed by posix_fadvise(DONTNEED) so the page cache does not keep a second copy; True = O_DIRECT or
+        CacheError; False = buffered. verify: check the sha256 (CacheCorruptError on mismatch, and the cache is
+        marked for rebuilding): None = on this process's first read of layer i, True = always, False = never."""
+        return self._file.read(i, out, direct, verify)
+
+    def verify(self, i: int, buffer: torch.Tensor | None = None) -> None:
+        """Read layer i and check its sha256; CacheCorruptError on mismatch."""
+        self.read_layer(i, buffer, verify=True)
+
+    def verify_all(self, memo: bool = False, progress: bool = False) -> int:
+        """Check every layer's sha256 (one sequential pass, one buffer; a rich bar on stderr with progress);
+        with memo, skip layers this process already checked. Returns the bytes read."""
+        return self._file.verify_all(memo, progress)
+
+    def close(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> LayerCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"LayerCache({self.path}, {self.n_layers} layers, {self.fmt}, {self.dtype}, "
+                f"{human_bytes(self.total_nbytes)})")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _try_open(final: Path, verify: bool, expect: dict) -> tuple[LayerCache | None, str | None]:
+    """(the cache at `final`, None) if it is valid; (None, why not) if it is unusable; (None, None) if absent."""
+    if not final.exists():
+        return None, None
+    try:
+        return LayerCache.open(final, verify=verify, expect=expect), None
+    except (CacheError, OSError) as e:              # OSError: removed while we opened it (a rebuild elsewhere)
+        return None, str(e)
+
+
+# ----------------------------------------------------------------------------------------- building
+
+def plan(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype, double_quant: bool,
+         device: str | torch.device | None = None) -> list[LayerLayout]:
+    """Every layer's packed layout when quantized on `device` (default CPU), from the safetensors headers alone
+    (nothing is read or quantized)."""
+    src = source_specs(checkpoint_dir)
+    layouts = []
+    for i, s in enumerate(layers):
+        missing = [c for c in s.tensors.values() if c not in src]
+        if missing:
+            raise CacheError(f"{checkpoint_dir}: layer {i} needs tensor {missing[0]!r}, which no weight file has")
+        specs, meta = layer_specs({p: src[c] for p, c in s.tensors.items()}, fmt, dtype, s.linear, double_quant,
+                                  device or "cpu")
+        layouts.append(plan_layout(specs, meta))
+    return layouts
+
+
+def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expect: dict, progress: bool,
+           log: Callable[[str], None], device: str | torch.device | None = None,
+           on_layer: Callable[[int, int], None] | None = None) -> None:
+    """Quantize every layer into a temporary directory next to `final`, then rename it there (lock held)."""
+    dtype = getattr(torch, expect["dtype"])
+    layouts = plan(checkpoint_dir, layers, expect["format"], dtype, expect["double_quant"], device)
+    _remove_leftovers(final)
+    total = sum(lay.nbytes for lay in layouts)
+    check_free_space(final.parent, total + SPACE_MARGIN)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        entries = _write_layers(tmp / LAYERS_FILE, checkpoint_dir, layers, layouts, expect, progress, device,
+                                on_layer)
+        manifest = dict(expect, file=LAYERS_FILE, file_nbytes=total, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        layers=entries)
+        _write_json(tmp / MANIFEST, manifest)
+        fsync_dir(tmp)
+        _replace_dir(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CacheError(f"disk full while writing the layer cache in {final.parent} (needs "
+                             f"{human_bytes(total)}); nothing was kept — free space or set SPECEXEC_CACHE") from None
+        if e.errno == errno.EFBIG:          # RLIMIT_FSIZE (ulimit -f; SIGXFSZ is ignored by Python) or the fs's limit
+            raise CacheError(f"cannot write the layer cache in {final.parent}: {human_bytes(total)} exceeds the "
+                             "largest file this process may write (ulimit -f, or the file system's limit); nothing "
+                             "was kept — raise the limit, or point SPECEXEC_CACHE (or --out) at another file "
+                             "system") from None
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_free_space(directory: Path, needed: int) -> None:
+    """CacheError naming needed vs free bytes when `directory`'s file system cannot hold `needed` more."""
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise CacheError(f"not enough disk space for the layer cache in {directory}: needs {human_bytes(needed)}, "
+                         f"{human_bytes(free)} free; free some space or point SPECEXEC_CACHE (or --out) elsewhere")
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Remove temporary dirs of dead builders and the invalid cache itself (lock held, so nobody writes)."""
+    for p in final.parent.glob(f".{final.name}.*"):
+        shutil.rmtree(p, ignore_errors=True)
+    if final.exists():                     # stale or corrupt (else _try_open would have returned it)
+        shutil.rmtree(final)
+
+
+def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames], layouts: list[LayerLayout],
+                  expect: dict, progress: bool, device: str | torch.device | None = None,
+                  on_layer: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Quantize, pack and write every layer at its aligned offset; returns the manifest's layer entries."""
+    ckpt = open_source(checkpoint_dir)
+    dtype = getattr(torch, expect["dtype"])
+    entries, offset = [], 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
+    try:
+        with progress_bar(progress, len(layers), f"quantizing to {expect['format']}") as advance:
+            for i, (source, planned) in enumerate(zip(layers, layouts)):
+                buf, layout = _quantize_layer(ckpt, source, expect["format"], dtype, expect["double_quant"], device)
+                if layout != planned:
+                    raise RuntimeError(f"layer {i}: packed layout differs from the planned one")
+                _write_layer(fd, buf, offset)
+                entries.append({"offset": offset, "nbytes": layout.nbytes,
+                                "sha256": hashlib.sha256(buf.numpy()).hexdigest(), "layout": layout.to_dict()})
+                offset += layout.nbytes
+                del buf
+                advance()
+                if on_layer is not None:
+                    on_layer(i + 1, len(layers))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return entries
+
+
+def _quantize_layer(ckpt: CheckpointSource, source: LayerNames, fmt: str, dtype: torch.dtype,
+                    double_quant: bool, device: str | torch.device | None = None) -> tuple[torch.Tensor, LayerLayout]:
+    """One layer read from the checkpoint, quantized (on `device`, default CPU) and packed: (uint8 [nbytes], layout)."""
+    tensors = {packed: ckpt.get(name).to(device or "cpu") for packed, name in source.tensors.items()}
+    qtensors, meta = quantize_tensors(tensors, fmt, dtype, source.linear, double_quant)
+    return pack_layer(qtensors, meta)
+
+
+def _write_layer(fd: int, buf: torch.Tensor, offset: int) -> None:
+    """Write one packed layer at `offset` (loops over short writes)."""
+    pwrite_all(fd, memoryview(buf.numpy()), offset)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Atomically publish tmp as final (final does not exist: _remove_leftovers removed an invalid one)."""
+    os.rename(tmp, final)
+    fsync_dir(final.parent)

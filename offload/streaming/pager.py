@@ -1,0 +1,512 @@
+"""LayerPager: hands out packed layers in order, streaming the non-resident ones through N slots.
+
+`layers(ids)` yields (i, view) for each layer id; a view of a streamed layer lives in a slot and is valid
+until the next iteration (then the slot is refilled). Loader threads fill slots ahead of the consumer:
+- the copier, in layer order: slot k % n_slots gets the k-th streamed layer of the pass, from the RAM tier (on
+  CUDA an async H2D copy on the pager's ONE copy stream), from a bounce buffer (staged SSD reads, below) or, on
+  the CPU, straight from the disk (the SSD read fills the host slot);
+- the reader (staged SSD, i.e. CUDA): reads SSD layers from disk into a ring of n_bounce pinned host buffers,
+  as far ahead as the ring allows, independently of the slots; the copier moves them to the device.
+So the read-ahead depth is n_slots layers (n_slots + n_bounce when staged); `prefetch_start()` (called after a
+pass, while the draft grows its tree) starts the next pass and the threads keep loading until every buffer
+is full. The planner decides n_slots and n_bounce; the pager works with any depth >= 1.
+
+On CUDA nothing here blocks the host or the device beyond need: the copy stream waits (event) until the
+compute that last read a slot is done, compute waits (event) until the slot's copy is done, the reader waits
+(event, in its own thread) until the copy out of a bounce buffer is done. No device-wide synchronize anywhere.
+
+Companions: a caller may hang per-layer byte buffers on the layers it streams (`companion`, e.g. a layer's
+KV cache rows kept in host RAM). The copier calls companion(i, slot, stopped) right after it queued layer i's
+bytes into `slot` (inside the copy stream on CUDA), so whatever it copies travels with the layer: it is part
+of the slot's fill, compute waits for it like for the weights, and its bytes count in `companion_bytes`. It
+may wait (for its source to be final) but returns when stopped() says the fill was cancelled. `discard()`
+cancels a read-ahead (e.g. one made for another companion).
+
+Timing is on the device's clock (pager_timing.py): per layer, copy start/end events on the copy stream and
+compute start/end events on the compute stream; a pass is folded into `stats` once all its events completed
+(`collect()` never waits unless asked). On CPU the same records hold host timestamps.
+
+Does not know: what the bytes mean (the caller's `bind` turns a buffer into views or a module; a companion
+moves its own buffers), which layer goes in which tier (planner.py), models or tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold, stream_summary  # noqa: F401
+from offload.streaming.tiers import LayerReader, RamTier, ResidentTier, fill, host_buffer
+
+Bind = Callable[[int, int, torch.Tensor], Any]      # (layer, slot or -1 when resident, uint8 buffer) -> view
+Companion = Callable[[int, int, Callable[[], bool]], int]   # (layer, slot, stopped) -> bytes it moved
+WAIT_TICK = 0.05                                    # seconds between checks for cancellation while waiting
+
+
+class _Buffer:
+    """A slot (device memory; host memory on CPU) or a bounce buffer (host), and what it holds. Its state is
+    guarded by the pager's condition variable."""
+
+    __slots__ = ("buf", "full", "layer", "job", "timing", "used")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.full, self.layer, self.job = False, -1, None
+        self.timing: LayerTiming | None = None      # slot: how it was filled
+        self.used: Any = None                       # slot: after the compute that last read it; bounce: after
+                                                    # the copy out of it (an event; None before first use)
+
+    def holds(self, job: "_Job", i: int) -> bool:
+        return self.full and self.job is job and self.layer == i
+
+    def empty(self) -> None:
+        self.full, self.layer, self.job, self.timing = False, -1, None, None
+
+
+class _Job:
+    """The streamed layers of one pass, in order, and (staged) its SSD layers for the reader."""
+
+    def __init__(self, ids: list[int], ssd: Sequence[int] = ()) -> None:
+        self.ids, self.ssd = ids, list(ssd)
+        self.cancelled = False
+        self.error: BaseException | None = None
+        self.error_layer = -1
+        self.stages = 0             # loader threads still working on it (set when the copier takes it)
+        self.started = False        # the copier has taken it off the queue
+        self.done = False           # no loader thread touches it any more
+        self.taken = False          # a pass consumes it
+
+    @property
+    def stopped(self) -> bool:
+        return self.cancelled or self.error is not None
+
+
+class LayerPager:
+    """Layers by id from a ResidentTier (used in place), a RamTier and/or an SSD LayerReader (streamed).
+
+    n_slots: slots streamed layers pass through (>= 1 when anything streams); n_bounce: host bounce buffers
+    the SSD reader reads ahead into when staged (default: on CUDA with an SSD tier; `staged=True` runs the same
+    two-thread path on the CPU, for tests)."""
+
+    def __init__(self, sizes: Sequence[int], device: torch.device | str, resident: ResidentTier | None = None,
+                 ram: RamTier | None = None, ssd: LayerReader | None = None, ssd_ids: Sequence[int] = (),
+                 n_slots: int = 2, n_bounce: int = 2, bind: Bind | None = None, staged: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.sizes = list(sizes)
+        self.resident, self.ram, self.ssd = resident, ram, ssd
+        self.tiers = [self._tier(i, set(ssd_ids)) for i in range(len(self.sizes))]
+        self.bind: Bind = bind or (lambda i, slot, buf: buf)
+        self.companion: Companion | None = None        # bytes that travel with each streamed layer (see above)
+        self.stats = PagerStats()
+        cuda = self.device.type == "cuda"
+        streamed = [self.sizes[i] for i, t in enumerate(self.tiers) if t != "resident"]
+        if streamed and n_slots < 1:
+            raise ValueError("streamed layers need at least one slot")
+        self.slot_bytes = max(streamed, default=0)
+        self.slots = [_Buffer(self._slot_memory()) for _ in range(n_slots if streamed else 0)]
+        self.staged = "ssd" in self.tiers and (cuda or bool(staged))
+        self.bounce = [_Buffer(host_buffer(self.slot_bytes, pin=cuda)) for _ in range(max(n_bounce, 1))
+                       ] if self.staged else []
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda and streamed else None
+        self._cv = threading.Condition()
+        self._queues: dict[str, deque[_Job | None]] = {"copy": deque(), "read": deque()}
+        self._waiting: dict[str, Callable[[], bool]] = {}      # stage -> what it waits for
+        self._threads: dict[str, threading.Thread] = {}
+        self._pending: deque[PassTiming] = deque()             # passes not folded into stats yet
+        self.last_pass: PassTiming | None = None                # the latest pass's events (benchmarks, tests)
+        self._stats_lock = threading.Lock()
+        self._job: _Job | None = None
+        self._last_ids: list[int] = list(range(len(self.sizes)))
+
+    def _tier(self, i: int, ssd_ids: set[int]) -> str:
+        if self.resident is not None and i in self.resident.buffers:
+            return "resident"
+        if self.ram is not None and i in self.ram.buffers:
+            return "ram"
+        if i in ssd_ids and self.ssd is not None:
+            return "ssd"
+        raise ValueError(f"layer {i} is in no tier (resident, ram, or an ssd source with it in ssd_ids)")
+
+    def _slot_memory(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+        return host_buffer(self.slot_bytes)
+
+    def tier_of(self, i: int) -> str:
+        return self.tiers[i]
+
+    @property
+    def depth(self) -> int:
+        """Streamed layers loaded ahead of the consumer at most: the slots, plus the bounce ring when staged."""
+        return len(self.slots) + len(self.bounce)
+
+    def _event(self, stream: Any = None) -> Any:
+        """An event recorded now: on `stream` (default: the current compute stream) on CUDA, else host time."""
+        if self.device.type != "cuda":
+            return HostEvent().record()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return ev
+
+    # ------------------------------------------------------------------------------------- consumer side
+
+    def layers(self, ids: Sequence[int] | None = None) -> Iterator[tuple[int, Any]]:
+        """(i, bind(i, slot, buffer)) for each id in order; a streamed layer's buffer is valid until the next
+        iteration. Leaving the loop early cancels the read-ahead."""
+        ids = list(range(len(self.sizes))) if ids is None else list(ids)
+        job = self._take([i for i in ids if self.tiers[i] != "resident"])
+        self.collect()                                   # fold what the device already finished (never waits)
+        timing = PassTiming(self._event())
+        k, finished = 0, False
+        try:
+            for i in ids:
+                if self.tiers[i] == "resident":
+                    timing.layers.append(lt := LayerTiming("resident"))
+                    yield from self._serve(i, -1, self.resident.buffer(i)[:self.sizes[i]], lt)
+                    continue
+                slot_index = k % len(self.slots)
+                slot = self.slots[slot_index]
+                timing.layers.append(lt := self._acquire(slot, job, i))
+                self.stats.bytes[self.tiers[i]] += self.sizes[i]
+                self.stats.companion_bytes += lt.companion_bytes
+                try:
+                    yield from self._serve(i, slot_index, slot.buf[:self.sizes[i]], lt)
+                finally:
+                    self._release(slot, lt)
+                k += 1
+            finished = True
+        finally:
+            if not finished:
+                self._cancel(job)
+            self._last_ids = ids
+            self.stats.passes += 1
+            with self._stats_lock:
+                self._pending.append(timing)
+            self.last_pass = timing
+            self.collect()
+
+    def _serve(self, i: int, slot: int, buf: torch.Tensor, lt: LayerTiming) -> Iterator[tuple[int, Any]]:
+        """Yield one layer between compute start/end events (the consumer's work on it is the compute)."""
+        lt.compute_start = self._event()
+        try:
+            yield i, self.bind(i, slot, buf)
+        finally:
+            lt.compute_end = self._event()
+            self.stats.layers += 1
+
+    def _acquire(self, slot: _Buffer, job: _Job, i: int) -> LayerTiming:
+        """Wait (host) until the copier filled `slot` with layer i; on CUDA make compute wait for the copy."""
+        with self._cv:
+            while not slot.holds(job, i):
+                if job.error is not None:
+                    raise RuntimeError(f"loading layer {job.error_layer} failed: {job.error}") from job.error
+                if slot.full or job.done:
+                    raise RuntimeError(f"pager slot holds layer {slot.layer}, expected {i} (loader out of step)")
+                self._cv.wait(WAIT_TICK)
+            lt = slot.timing
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(lt.copy_end)
+        return lt
+
+    def _release(self, slot: _Buffer, lt: LayerTiming) -> None:
+        with self._cv:
+            slot.used = lt.compute_end
+            slot.empty()
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------------------------- jobs
+
+    def prefetch_start(self, ids: Sequence[int] | None = None) -> None:
+        """Start loading the streamed layers of the next pass (default: the same ids as the last pass) now,
+        e.g. while the draft grows its tree: the loader threads fill every slot (and bounce buffer) and then
+        wait for the pass. A no-op when nothing streams or a job is already queued for those layers."""
+        ids = self._last_ids if ids is None else list(ids)
+        streamed = [i for i in ids if self.tiers[i] != "resident"]
+        job = self._job
+        if not streamed or (job is not None and not job.taken and not job.cancelled and job.ids == streamed):
+            return
+        self._submit(streamed)
+
+    def _take(self, streamed: list[int]) -> _Job:
+        """The queued job if it loads exactly `streamed`, nothing consumed it yet and it was not cancelled (a
+        read-ahead that failed is taken: the pass raises its error); else a new one."""
+        job = self._job
+        if job is None or job.taken or job.cancelled or job.ids != streamed or self._orphan(job):
+            job = self._submit(streamed)
+        job.taken = True
+        return job
+
+    def _submit(self, streamed: list[int]) -> _Job:
+        if self._job is not None and not self._job.done:
+            self._cancel(self._job)
+        job = _Job(streamed, [i for i in streamed if self.staged and self.tiers[i] == "ssd"])
+        self._job = job
+        if not streamed:
+            job.done = True
+            return job
+        self._start_threads()
+        with self._cv:
+            self._queues["copy"].append(job)
+            self._cv.notify_all()
+        return job
+
+    def _cancel(self, job: _Job) -> None:
+        """Stop `job`, wait for the loader threads to let go of it, and mark every buffer empty."""
+        with self._cv:
+            job.cancelled = True
+            if job in self._queues["copy"]:
+                self._queues["copy"].remove(job)
+                job.done = True
+            self._cv.notify_all()
+            while not job.done:
+                if not job.started:                 # never queued (Ctrl-C between `_job = job` and the queue)
+                    job.done = True
+                    break
+                self._cv.wait(WAIT_TICK)
+            for b in self.slots + self.bounce:
+                b.empty()
+            self._cv.notify_all()
+
+    def discard(self) -> None:
+        """Cancel the read-ahead (queued or running job): every buffer is empty afterwards; the next pass loads
+        afresh. A no-op when nothing is loading."""
+        if self._job is not None:
+            self._cancel(self._job)
+
+    def _orphan(self, job: _Job) -> bool:
+        """A job that never reached the loader (Ctrl-C between `self._job = job` and the queue)."""
+        with self._cv:
+            return not job.done and not job.started and job not in self._queues["copy"]
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every loader thread waits for a buffer the consumer must free (or for a job): all that
+        can be read ahead is loaded. False on timeout. For tests and benchmarks."""
+        with self._cv:
+            return self._cv.wait_for(self._quiet, timeout)
+
+    def _quiet(self) -> bool:
+        if any(q for q in self._queues.values()):
+            return False
+        return all(stage in self._waiting and not self._waiting[stage]() for stage in self._threads)
+
+    def loaded(self) -> list[int]:
+        """Layer ids held ahead of the consumer now: the slots in fill order, then the bounce ring."""
+        with self._cv:
+            slots = sorted((b for b in self.slots if b.full), key=lambda b: self._job.ids.index(b.layer)
+                           if self._job is not None and b.layer in self._job.ids else -1)
+            return [b.layer for b in slots] + sorted(b.layer for b in self.bounce if b.full)
+
+    def close(self) -> None:
+        """Stop the loader threads (the pager can still be used: new threads start on demand)."""
+        if self._job is not None:
+            self._cancel(self._job)
+        with self._cv:
+            for q in self._queues.values():
+                q.append(None)
+            self._cv.notify_all()
+        for t in self._threads.values():
+            t.join()
+        with self._cv:
+            self._threads = {}
+            for q in self._queues.values():
+                q.clear()
+
+    def __enter__(self) -> "LayerPager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------- loader side
+
+    def _start_threads(self) -> None:
+        stages = {"copy": self._copy_loop, "read": self._read_loop} if self.staged else {"copy": self._copy_loop}
+        for stage, target in stages.items():
+            if stage not in self._threads:
+                self._threads[stage] = threading.Thread(target=target, name="layer-pager", daemon=True)
+                self._threads[stage].start()
+
+    def _next(self, stage: str) -> _Job | None:
+        """The stage's next job (None: stop). The copier hands a job with SSD layers on to the reader."""
+        queue = self._queues[stage]
+        with self._cv:
+            while not queue:
+                self._waiting[stage] = lambda: bool(queue)
+                self._cv.notify_all()
+                self._cv.wait()
+                self._waiting.pop(stage, None)
+            job = queue.popleft()
+            if job is not None and stage == "copy":
+                job.started = True
+                job.stages = 2 if job.ssd else 1
+                if job.ssd:
+                    self._queues["read"].append(job)
+                    self._cv.notify_all()
+            return job
+
+    def _await(self, stage: str, ready: Callable[[], bool], job: _Job) -> bool:
+        """(cv held) Wait until ready(); False if the job stops first."""
+        while not ready() and not job.stopped:
+            self._waiting[stage] = ready
+            self._cv.notify_all()
+            self._cv.wait(WAIT_TICK)
+            self._waiting.pop(stage, None)
+        return not job.stopped
+
+    def _finish(self, job: _Job) -> None:
+        with self._cv:
+            job.stages -= 1
+            if job.stages <= 0:
+                job.done = True
+            self._cv.notify_all()
+
+    def _fail(self, job: _Job, i: int, error: BaseException) -> None:
+        with self._cv:
+            if job.error is None:
+                job.error, job.error_layer = error, i
+            self._cv.notify_all()
+
+    def _copy_loop(self) -> None:
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with device:
+            while (job := self._next("copy")) is not None:
+                try:
+                    self._copy_job(job)
+                finally:
+                    self._finish(job)
+
+    def _copy_job(self, job: _Job) -> None:
+        """Fill slot k % n_slots with the k-th layer, in order, as slots (and staged SSD layers) become ready."""
+        m = 0
+        for k, i in enumerate(job.ids):
+            slot, bounce = self.slots[k % len(self.slots)], None
+            with self._cv:
+                if not self._await("copy", lambda: not slot.full, job):
+                    return
+                if job.ssd and self.tiers[i] == "ssd":
+                    bounce = self.bounce[m % len(self.bounce)]
+                    m += 1
+                    if not self._await("copy", lambda: bounce.full, job):
+                        return
+                    if not bounce.holds(job, i):
+                        self._fail(job, i, RuntimeError(f"bounce buffer holds layer {bounce.layer}, expected {i}"))
+                        return
+            try:
+                lt = self._fill(i, k % len(self.slots), bounce, job)
+            except BaseException as e:          # noqa: BLE001 -- handed to the consumer, which raises it
+                self._fail(job, i, e)
+                return
+            with self._cv:
+                if bounce is not None:
+                    bounce.used = lt.copy_end
+                    bounce.empty()
+                slot.full, slot.layer, slot.job, slot.timing = True, i, job, lt
+                self._cv.notify_all()
+
+    def _fill(self, i: int, slot_index: int, bounce: _Buffer | None, job: _Job) -> LayerTiming:
+        """Move layer i into the slot (from the RAM tier, the bounce buffer, or the disk on CPU), then its
+        companion's bytes; its timing."""
+        tier, n, slot = self.tiers[i], self.sizes[i], self.slots[slot_index]
+        dst = slot.buf[:n]
+        if tier == "ssd" and bounce is None:                      # CPU: the disk read fills the slot
+            lt = LayerTiming("ssd", copy_start=self._event())
+            self.ssd.read_layer(i, dst)
+            lt.companion_bytes = self._companion(i, slot_index, job)
+            lt.copy_end = self._event()
+            return lt
+        src = bounce.buf[:n] if bounce is not None else self.ram.buffer(i)[:n]
+        lt = LayerTiming(tier, count_copy=bounce is None)        # staged SSD: the disk read is the tier's time
+        stream = self.copy_stream
+        if stream is None:
+            lt.copy_start = self._event()
+            dst.copy_(src)
+            lt.companion_bytes = self._companion(i, slot_index, job)
+            lt.copy_end = self._event()
+            return lt
+        if slot.used is not None:
+            stream.wait_event(slot.used)                          # the compute that last read the slot is done
+        lt.copy_start = self._event(stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            lt.companion_bytes = self._companion(i, slot_index, job)
+        lt.copy_end = self._event(stream)
+        return lt
+
+    def _companion(self, i: int, slot_index: int, job: _Job) -> int:
+        companion = self.companion
+        return companion(i, slot_index, lambda: job.stopped) if companion is not None else 0
+
+    def _read_loop(self) -> None:
+        while (job := self._next("read")) is not None:
+            try:
+                self._read_job(job)
+            finally:
+                self._finish(job)
+
+    def _read_job(self, job: _Job) -> None:
+        """Read the job's SSD layers, in order, into the bounce ring as far ahead as it has free buffers."""
+        for m, i in enumerate(job.ssd):
+            b = self.bounce[m % len(self.bounce)]
+            with self._cv:
+                if not self._await("read", lambda: not b.full, job):
+                    return
+            try:
+                if b.used is not None:
+                    b.used.synchronize()                          # the copy out of it finished (this thread waits)
+                t0 = time.perf_counter()
+                self.ssd.read_layer(i, b.buf[:self.sizes[i]])
+            except BaseException as e:          # noqa: BLE001 -- handed to the consumer, which raises it
+                self._fail(job, i, e)
+                return
+            with self._stats_lock:
+                self.stats.copy_s["ssd"] += time.perf_counter() - t0
+            with self._cv:
+                b.full, b.layer, b.job = True, i, job
+                self._cv.notify_all()
+
+    # ------------------------------------------------------------------------------------- timings
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters since the pager was made (a Profiler stream source: bytes_streamed, copy_s,
+        stall_s, plus per-tier bytes/copy seconds, compute_s, pass_s, busy_s, passes). Never reset: callers
+        diff two snapshots (stream_summary). Never waits: passes still running on the device count later."""
+        return self.collect().totals()
+
+    def collect(self, wait: bool = False) -> PagerStats:
+        """Fold every pass whose events have completed into self.stats, in order, and return the stats.
+        wait=True also waits for the remaining passes' own events (not a device-wide synchronize); only
+        callers outside the step path (benchmarks, end of a run) should ask."""
+        with self._stats_lock:
+            while self._pending:
+                p = self._pending[0]
+                if not p.ready():
+                    if not wait:
+                        break
+                    p.synchronize()
+                fold(self.stats, self._pending.popleft())
+        return self.stats
+
+
+def build_pager(tiers: Sequence[str], reader: LayerReader, device: torch.device | str, n_slots: int = 2,
+                n_bounce: int = 2, bind: Bind | None = None, staged: bool | None = None) -> LayerPager:
+    """A pager for layers 0..len(tiers)-1 with layer i in tiers[i] ("resident" | "ram" | "ssd"): the resident
+    and RAM tiers are allocated (one region each; RAM pinned on CUDA) and filled from `reader` now (a layer
+    cache checks each layer's checksum as it is read); the SSD tier reads from `reader` on demand."""
+    device = torch.device(device)
+    bad = sorted(set(tiers) - {"resident", "ram", "ssd"})
+    if bad:
+        raise ValueError(f"unknown tier {bad[0]!r}; tiers are resident, ram, ssd")
+    sizes = [reader.nbytes(i) for i in range(len(tiers))]
+    by_tier = {t: {i: sizes[i] for i, ti in enumerate(tiers) if ti == t} for t in ("resident", "ram")}
+    resident = ResidentTier(by_tier["resident"], device) if by_tier["resident"] else None
+    ram = RamTier(by_tier["ram"], pin=device.type == "cuda") if by_tier["ram"] else None
+    for tier in (resident, ram):
+        if tier is not None:
+            fill(tier.buffers, reader)
+    ssd_ids = [i for i, t in enumerate(tiers) if t == "ssd"]
+    return LayerPager(sizes, device, resident, ram, reader, ssd_ids, n_slots, n_bounce, bind, staged)

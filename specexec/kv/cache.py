@@ -1,0 +1,167 @@
+"""Preallocated static KV cache for one model, with per-layer storage: on the device, or streamed.
+
+Slots [0, length) hold the committed prefix; slots from `length` on are scratch for new rows (tree node i
+usually lives at slot length + i). `keep(slots)` commits accepted scratch rows by gathering them to
+[length, length + n) — never a torch.cat; `advance(n)` commits rows written in order; `truncate(n)` forgets
+from n on (a shared prompt prefix is kept); `grow(capacity)` reallocates, keeping the committed rows.
+
+Where each layer's rows live (chosen by the memory plan, per layer):
+- "device": one token-major store for all such layers on the model's device (specexec/kv/rows.py);
+- "streamed": host RAM (pinned on CUDA), staged to the device with the layer's weights through the pager's
+  slots; only committed rows move in, only committed rows move out (specexec/kv/stream.py).
+Both hold the same rows bit for bit, so attention (hence greedy output) is identical either way.
+
+`quant="int8"` stores rows as int8 with per-token, per-head scales (kv_rows.py): LOSSY, off by default, and
+outside every exactness claim of this project.
+
+Does not know: positions (RoPE is applied before write), trees, which slots are visible (the mask says), or
+how the pager moves layers (it calls `companion`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from specexec.kv.rows import QUANTS, Rows
+from specexec.kv.stream import StreamedKV
+
+
+class KVCache:
+    """Static per-model cache; capacity = context length + the largest tree budget (+1 for the root).
+
+    streamed: layer ids whose rows live on the host and travel with their layer; tail: rows of one forward a
+    streamed layer keeps on the device until they are committed (the tree budget + 1; longer forwards, i.e.
+    prefill chunks, write straight through to the host)."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str, batch: int = 1, quant: str = "none",
+                 streamed: Sequence[int] = (), tail: int = 0) -> None:
+        if quant not in QUANTS:
+            raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(QUANTS)}")
+        self.device, self.dtype, self.quant = torch.device(device), dtype, quant
+        streamed = sorted(set(streamed))
+        if streamed and not 0 <= streamed[0] <= streamed[-1] < n_layers:
+            raise ValueError(f"streamed KV layers {streamed} are not all in [0, {n_layers})")
+        resident = [i for i in range(n_layers) if i not in set(streamed)]
+        self.where: list[tuple[str, int]] = [("device", resident.index(i)) if i in resident else
+                                             ("streamed", streamed.index(i)) for i in range(n_layers)]
+        self.rows = Rows.empty(len(resident), capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device)
+        self.stream = StreamedKV(streamed, capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device,
+                                 tail) if streamed else None
+        self.capacity = capacity
+        self.length = 0
+
+    # ------------------------------------------------------------------------------------- what it holds
+
+    @property
+    def streams(self) -> bool:
+        """Whether any layer's rows are streamed."""
+        return self.stream is not None
+
+    @property
+    def streamed_layers(self) -> list[int]:
+        return [i for i, (where, _) in enumerate(self.where) if where == "streamed"]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored row: device store, host rows, and the streamed layers' stages and tail."""
+        return self.rows.nbytes + (self.stream.nbytes if self.stream is not None else 0)
+
+    @property
+    def k(self) -> Tensor:
+        """Head-major views [n_device_layers, B, H_kv, S, D] of the device store's K (V: `v`), as stored."""
+        return self.rows.data[:, :, 0].permute(0, 2, 3, 1, 4)
+
+    @property
+    def v(self) -> Tensor:
+        return self.rows.data[:, :, 1].permute(0, 2, 3, 1, 4)
+
+    # ------------------------------------------------------------------------------------- per layer
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v [B, H_kv, T, D] at slots [T] (each >= length) of one layer."""
+        where, j = self.where[layer]
+        if where == "streamed":
+            self.stream.write(layer, slots, k, v)
+        else:
+            self.rows.put(j, slots, self.rows.pack(k, v))
+
+    def view(self, layer: int, n_slots: int) -> tuple[Tensor, Tensor]:
+        """The first n_slots slots of one layer: k, v [B, H_kv, n_slots, D] in the run dtype (views of the
+        stored rows, or their dequantized copy with int8)."""
+        where, j = self.where[layer]
+        if where == "streamed":
+            return self.stream.view(layer, n_slots)
+        return self.rows.read(j, n_slots)
+
+    # ------------------------------------------------------------------------------------- commits
+
+    def keep(self, slots: Tensor) -> None:
+        """Commit the rows at `slots` [n] (ascending, all >= length) as the next n committed positions."""
+        n = int(slots.numel())
+        if n == 0:
+            return
+        self._check_room(n)
+        if self.rows.data.shape[0]:
+            dest = slice(self.length, self.length + n)
+            for t, rows in zip(self.rows.parts(), self.rows.take(slots).parts()):
+                t[:, dest] = rows                    # take() copies: no overlap hazard
+        if self.stream is not None:
+            self.stream.keep(slots)
+        self.length += n
+
+    def advance(self, n: int) -> None:
+        """Commit the n rows already written at [length, length + n) (a plain sequence: nothing moves on the
+        device; a streamed layer writes them back)."""
+        self._check_room(n)
+        if self.stream is not None and n:
+            self.stream.advance(n)
+        self.length += n
+
+    def _check_room(self, n: int) -> None:
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {self.length} + {n} > capacity {self.capacity}")
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to exactly `capacity` slots (never more: growth is the caller's choice, and the memory
+        plan counts the capacity it reserved), keeping the committed prefix (used when a chat outgrows the
+        planned context). The old store is dropped before the streamed part grows: at most one old store is
+        held beside the new ones."""
+        if capacity <= self.capacity:
+            return
+        self.rows = self.rows.grown(capacity, self.length)
+        if self.stream is not None:
+            self.stream.grow(capacity)
+        self.capacity = capacity
+
+    def truncate(self, length: int) -> None:
+        """Forget everything from `length` on (used to reuse a shared prompt prefix)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+        if self.stream is not None:
+            self.stream.truncate(length)
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    # ------------------------------------------------------------------------------------- streaming
+
+    def begin_forward(self) -> None:
+        """A forward over this cache starts (the model calls it): what it needs of the streamed layers is
+        what is committed now."""
+        if self.stream is not None:
+            self.stream.begin_forward()
+
+    def attach(self, n_stages: int, discard: Callable[[], None] | None = None) -> None:
+        """Stage the streamed layers through a pager with n_stages slots (`companion` is its callback;
+        `discard` cancels its read-ahead, e.g. before the stages are reallocated)."""
+        if self.stream is not None:
+            self.stream.attach(n_stages, discard)
+
+    def companion(self, layer: int, slot: int, stopped: Callable[[], bool]) -> int:
+        """The pager's companion callback (offload.streaming.pager.Companion): stage a streamed layer's committed rows
+        into the slot's stage as part of the slot's fill; bytes moved."""
+        return self.stream.companion(layer, slot, stopped) if self.stream is not None else 0

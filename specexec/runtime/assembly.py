@@ -1,0 +1,463 @@
+"""Runtime: a loaded target (+ optional draft), their tokenizer and an Engine, ready to generate.
+
+`Runtime.load()` is the one place that turns user-facing choices (model paths, EngineConfig) into running
+objects: it resolves the checkpoint paths, reads their configs (unsupported architectures fail before any
+weight is read), loads and cross-checks the tokenizers, loads both models on the configured device and dtype,
+and picks the tree builder from a small registry. `generate_ids()` adds what the engine deliberately leaves
+out: the context-length check and stop strings (which need the tokenizer). `Detokenizer` turns generated ids
+into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
+
+Memory plan and offloading: before any weight is loaded, the run is planned from the configs
+(specexec/runtime/ledger.py via offloaded.plan_target: the draft counted once in its --draft-quant format, each KV
+cache for its own user, budgets measured while nothing of ours holds memory); `on_plan` sees the ledger
+first, then the draft loads (resident, optionally quantized) and the target as planned: resident, or with
+its decoder layers quantized and streamed (specexec/runtime/offloaded.py). `plan` holds the result; stats() gains
+the pager's streaming figures.
+
+Self-draft (--draft self[:FORMAT], --draft-layers): the plan counts it (its copies of streamed layers only) and
+picks its layers; it is built after the target, sharing the target's embed/norm/head and resident layers
+(specexec/runtime/self_draft.py).
+
+VocabTrim (--draft-vocab, EngineConfig.draft_vocab): the draft is wrapped in vocab_trim.TrimmedDraft, keeping
+the tokens the target samples most on the built-in prompts (measured once per target, cached).
+
+Does not know: argument parsing, terminal output, chat history, how layers are streamed (specexec.runtime.offloaded).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from offload.streaming.pager import stream_summary
+from offload.quant.linear import quantize_module
+from offload.formats.sources import is_gguf
+
+from specexec.tuning import acceptance
+from specexec.builders.base import TreeBuilder
+from specexec.builders.chain import ChainBuilder
+from specexec.builders.dynamic import DynamicBuilder
+from specexec.builders.optree import OptTreeBuilder
+from specexec.builders.recycling import RecyclingBuilder
+from specexec.builders.rsd import RSDBuilder, RSDConstantBuilder
+from specexec.builders.specexec import SpecExecBuilder
+from specexec.builders.static import StaticBuilder
+from specexec.config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
+                     check_draft_vocab, check_prompt_length)
+from specexec.engine import Engine
+from specexec.runtime.loading import check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
+from specexec.model import Transformer
+from specexec.profiler import budget_trace
+from specexec.runtime.ledger import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
+from specexec.runtime.offloaded import TargetPlan, load_target, plan_target, quantize_layers
+from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, is_self_draft, self_draft_shape
+from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
+from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
+
+# Builder name -> factory. config.BUILDERS validates the names; add a builder in both places.
+BUILDERS: dict[str, Callable[[], TreeBuilder]] = {
+    "specexec": SpecExecBuilder,
+    "chain": ChainBuilder,
+    "static": StaticBuilder,
+    "dynamic": DynamicBuilder,
+    "optree": OptTreeBuilder,
+    "rsd": RSDBuilder,
+    "rsd-c": RSDConstantBuilder,
+    "recycling": RecyclingBuilder,
+}
+
+Progress = Callable[[str], None]
+
+
+def make_builder(name: str, options: tuple[tuple[str, object], ...] = ()) -> TreeBuilder:
+    """A fresh builder by name, with EngineConfig.builder_options as keyword arguments (e.g. static's
+    acceptance_file); ConfigError for a name the registry lacks or an option the builder does not take."""
+    if name not in BUILDERS:
+        raise ConfigError(f"unknown builder {name!r}; choose one of: {', '.join(BUILDERS)}")
+    fixed = [k for k, _ in options if k in ("name", "drafting", "needs_draft") or k.startswith("_")]
+    if fixed:                                   # the drafting kind decides which verifiers are exact
+        raise ConfigError(f"builder option(s) {', '.join(fixed)} cannot be set")
+    try:
+        return BUILDERS[name](**dict(options))
+    except TypeError as e:
+        raise ConfigError(f"builder {name!r} does not take the options {dict(options)}: {e}") from None
+
+
+def builder_needs_draft(name: str) -> bool:
+    """Whether the named builder grows its tree with a draft model."""
+    return bool(make_builder(name).needs_draft)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded, for the load summary."""
+
+    path: Path
+    args: ModelArgs
+    params: int
+    dtype: str
+    device: str
+    load_s: float
+
+    def describe(self) -> dict:
+        return {"path": str(self.path), "family": self.args.family, "layers": self.args.n_layers,
+                "params": self.params, "dtype": self.dtype, "device": self.device,
+                "load_s": round(self.load_s, 2)}
+
+
+def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool,
+              quant: str = "none", draft: bool = False) -> tuple[Transformer, ModelInfo]:
+    """A resident model on the configured device; its decoder linears quantized to `quant` (on CUDA block by
+    block as they arrive, so the GPU never holds the unquantized model; freed blocks go back to the driver).
+    A draft may use batch-dependent fused kernels (quant.kernel_for row_exact=False); a target never does."""
+    t0 = time.perf_counter()
+    device = torch.device(config.device)
+    run_dtype = resolve_dtype(config.dtype, device)
+    dtype = str(run_dtype).removeprefix("torch.")
+    if quant != "none" and device.type == "cuda":
+        model = load_model(path, "cpu", dtype, allow_pickle)
+        params = sum(p.numel() for p in model.parameters())
+        for block in model.layers:
+            quantize_module(block.to(device), quant, run_dtype, row_exact=not draft)
+        model.to(device)
+        torch.cuda.empty_cache()
+    else:
+        model = load_model(path, config.device, config.dtype, allow_pickle)
+        params = sum(p.numel() for p in model.parameters())
+        quantize_layers(model, quant, row_exact=not draft)
+    dtype += f" ({quant} layers)" if quant != "none" else ""
+    return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
+
+
+def _plannable(path: Path, offload: OffloadConfig) -> bool:
+    """Whether the target gets a memory plan: always, except a pickle checkpoint that stays resident as it is
+    (the planner reads safetensors/GGUF headers)."""
+    plain = offload.quant.linear in ("auto", "none") and offload.offload in ("auto", "none")
+    return not plain or is_gguf(path) or any(path.glob("*.safetensors"))
+
+
+def _plan(path: Path, args: ModelArgs, d_args: ModelArgs | None, config: EngineConfig, offload: OffloadConfig,
+          self_spec: SelfDraftShape | None = None) -> TargetPlan | None:
+    """The run's memory plan from the configs, before anything is loaded (None: a resident pickle target)."""
+    if not _plannable(path, offload):
+        return None
+    device = torch.device(config.device)
+    builder = make_builder(config.builder, config.builder_options)
+    drafts = d_args is not None or self_spec is not None
+    draft_kv = builder.kv_slots if drafts and builder.needs_draft else None
+    return plan_target(path, args, d_args, offload, config, device, resolve_dtype(config.dtype, device), draft_kv,
+                       self_spec)
+
+
+def _self_spec(draft: str | None, config: EngineConfig, offload: OffloadConfig) -> SelfDraftShape | None:
+    """--draft self[:FORMAT] and --draft-layers, checked (None for a model draft or none)."""
+    if not is_self_draft(draft):
+        if offload.draft_layers is not None:
+            raise ConfigError("--draft-layers applies to --draft self (a draft made of the target's own layers)")
+        return None
+    if offload.draft_quant != "none":
+        raise ConfigError(f"--draft-quant is for a draft model; a self-draft's copies take --draft self:FORMAT "
+                          f"(e.g. self:{offload.draft_quant})")
+    return self_draft_shape(draft, offload.draft_layers, config.device)
+
+
+def _load_self(target: Transformer, path: Path, spec: SelfDraftShape, target_plan: TargetPlan | None,
+               offload: OffloadConfig, config: EngineConfig, say: Progress) -> tuple[SelfDraft, ModelInfo]:
+    """The self-draft over the planned layers (unplanned, i.e. a resident pickle target: --draft-layers N, or
+    half its layers), sharing what the target holds resident, copies of the rest."""
+    t0 = time.perf_counter()
+    n = target.args.n_layers
+    if target_plan is not None:
+        ids = target_plan.memory.draft_layers
+    else:
+        if spec.layers is not None:
+            check_self_layers(spec.layers, n)
+        ids = spaced_layers(n, spec.layers or max(min(MIN_SELF_LAYERS, n), n // 2))
+    names = target_plan.names if target_plan is not None else None
+    say(f"building the self-draft ({len(ids)} of {n} layers)")
+    draft = build_self_draft(target, ids, spec.fmt, path, names, offload.cache_dir, say)
+    params = sum(math.prod(s) for s in expected_shapes(draft.args).values())
+    dtype = str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch.")
+    return draft, ModelInfo(path, draft.args, params, f"{dtype} ({draft.describe()})", config.device,
+                            time.perf_counter() - t0)
+
+
+def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: OffloadConfig,
+                 target_plan: TargetPlan | None, allow_pickle: bool) -> tuple[Transformer, ModelInfo]:
+    """The resident loader when every layer stays resident and unquantized, else the offloaded target."""
+    if target_plan is None or not target_plan.offloaded:
+        return _load_one(path, args, config, allow_pickle)
+    t0 = time.perf_counter()
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model = load_target(path, args, target_plan, offload, device, dtype)
+    params = sum(math.prod(s) for s in expected_shapes(args).values())
+    name = f"{str(dtype).removeprefix('torch.')} ({target_plan.fmt} layers)"
+    return model, ModelInfo(path, args, params, name, config.device, time.perf_counter() - t0)
+
+
+def _make_engine(target: Transformer, draft: Transformer | None, config: EngineConfig,
+                 eos: tuple[int, ...], context: int | None = None, plan: TargetPlan | None = None) -> Engine:
+    """The configured builder; none (target-only decoding) when it needs a draft and there is none. context:
+    the tokens the memory plan reserved KV cache for (None: not planned); the plan may have chosen an int8
+    draft cache to fit (exact: the draft only proposes)."""
+    builder: TreeBuilder | None = make_builder(config.builder, config.builder_options)
+    if builder.needs_draft and draft is None:
+        builder = None
+    draft_kv = "int8" if plan is not None and plan.memory.shape.draft_kv_quant == "int8" else None
+    engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv)
+    pager = getattr(target, "pager", None)
+    if pager is not None:                 # offloaded target: per step, the profiler records what streaming cost
+        engine.profiler.watch(pager.counters)
+    return engine
+
+
+def with_measured_acceptance(config: EngineConfig, pair: str | None) -> EngineConfig:
+    """--builder static without an acceptance_file option: the pair's vectors from `specexec bench accept`,
+    when they were measured (else the builder's default profile)."""
+    if config.builder != "static" or pair is None or any(k == "acceptance_file" for k, _ in config.builder_options):
+        return config
+    path = acceptance.default_path(pair)
+    if not path.is_file():
+        return config
+    return config.replace(builder_options=(*config.builder_options, ("acceptance_file", str(path))))
+
+
+VOCAB_CALIBRATION_TOKENS = 64     # --draft-vocab: target samples per built-in prompt (then cached)
+
+
+def _trim_draft(draft: Transformer, target: Transformer, tokenizer, t_path: Path, config: EngineConfig,
+                eos: tuple[int, ...], say: Progress) -> TrimmedDraft:
+    """VocabTrim: the draft head keeps the --draft-vocab tokens the target samples most often on the built-in
+    prompts (T = 1; drawn through speculative sampling, which is exact; counts cached per target)."""
+    from specexec.prompts import load_prompts
+
+    vocab = draft.args.vocab_size
+    check_draft_vocab(config.draft_vocab, vocab)
+    prompts = [encode_prompt(tokenizer, p.prompt, True, p.system) for p in load_prompts()]
+    key = (f"draft-vocab|{t_path.resolve()}|{vocab}|{len(prompts)}|{sum(map(len, prompts))}|T=1|"
+           f"{VOCAB_CALIBRATION_TOKENS}")
+
+    def measure() -> torch.Tensor:
+        say(f"--draft-vocab: sampling the target on {len(prompts)} prompts to count its tokens (cached)")
+        calib = config.replace(budget=16, auto_budget=False, builder="specexec", draft_vocab=None, verifier="auto")
+        engine = Engine(target, draft, calib, SpecExecBuilder(), eos)
+        sampling = SamplingParams(temperature=1.0, seed=0)
+        return measure_counts(lambda ids: [t for s in engine.generate(ids, VOCAB_CALIBRATION_TOKENS, sampling)
+                                           for t in s], prompts, vocab)
+
+    counts = load_or_measure_counts(key, vocab, measure)
+    n = auto_size(counts) if config.draft_vocab == "auto" else int(config.draft_vocab)
+    always = set(eos) | set(getattr(tokenizer, "all_special_ids", None) or ())
+    return TrimmedDraft(draft, select_vocab(counts, n, sorted(t for t in always if 0 <= t < vocab)))
+
+
+class Runtime:
+    """A target (+ draft), the shared tokenizer and the Engine that runs them. Build it with Runtime.load()."""
+
+    def __init__(self, engine: Engine, tokenizer, target: ModelInfo, draft: ModelInfo | None,
+                 config: EngineConfig, plan: TargetPlan | None = None) -> None:
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.target_info, self.draft_info = target, draft
+        self.plan = plan                                  # where the target's layers live (None: not planned)
+        self.pair: str | None = None                      # draft/target fingerprint (acceptance vectors' key)
+        self._stream_base: dict[str, float] = {}
+
+    @classmethod
+    def load(cls, model: str, draft: str | None, config: EngineConfig, allow_pickle: bool = False,
+             progress: Progress | None = None, offload: OffloadConfig | None = None,
+             on_plan: Callable[[TargetPlan], None] | None = None) -> "Runtime":
+        """Load the target at `model` and, unless `draft` is None, the draft at `draft` ("self[:FORMAT]": the
+        target itself over offload.draft_layers of its layers, specexec/runtime/self_draft.py; it loads after the
+        target). Without a draft the engine decodes with the target alone (when the configured builder needs a
+        draft model). `offload`
+        (default OffloadConfig()) says how the target's layers are stored and where they live. The memory plan
+        is made from the configs before any weight is loaded and handed to `on_plan` (e.g. to print its
+        ledger); then the draft loads, then the target as planned."""
+        offload = offload or OffloadConfig()
+        say = progress or (lambda _msg: None)
+        check_device(config.device)
+        t_path = resolve_model_path(model)
+        t_args = read_args(t_path)
+        self_spec = _self_spec(draft, config, offload)
+        d_path = resolve_model_path(draft) if draft is not None and self_spec is None else None
+        d_args = read_args(d_path) if d_path is not None else None
+        say(f"loading tokenizer from {t_path}")
+        tokenizer = load_tokenizer(t_path)
+        if d_path is not None:
+            check_compatible(tokenizer, load_tokenizer(d_path), t_args.vocab_size, d_args.vocab_size)
+        else:
+            check_compatible(tokenizer, tokenizer, t_args.vocab_size, t_args.vocab_size)
+        if d_path is not None:                  # a broken draft fails before the plan is shown
+            check_checkpoint(d_path, d_args, allow_pickle)
+        say("planning memory")
+        plan = _plan(t_path, t_args, d_args, config, offload, self_spec)    # nothing of ours is loaded yet
+        if plan is not None and on_plan is not None:
+            on_plan(plan)
+        draft_model, d_info = None, None
+        if d_path is not None:
+            say(f"loading draft {d_path}")
+            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant, draft=True)
+        say(f"loading target {t_path}")
+        target, t_info = _load_target(t_path, t_args, config, offload, plan, allow_pickle)
+        if self_spec is not None:               # the target itself, so it comes after the target
+            draft_model, d_info = _load_self(target, t_path, self_spec, plan, offload, config, say)
+        eos = eos_ids(tokenizer, t_args.eos_token_ids)
+        if config.draft_vocab is not None and draft_model is not None:       # VocabTrim (--draft-vocab)
+            draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
+            d_info = replace(d_info, dtype=f"{d_info.dtype} (head: {draft_model.n_kept} of "
+                                          f"{d_info.args.vocab_size} tokens)")
+        pair = (acceptance.pair_fingerprint(t_path, d_path, t_args, d_args, config.draft_vocab)
+                if d_path is not None else None)
+        if self_spec is not None:
+            pair = acceptance.pair_fingerprint(t_path, t_path, t_args, (SELF, draft_model.fmt, draft_model.layer_ids),
+                                               config.draft_vocab)
+        engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos,
+                              plan.memory.context if plan is not None else None, plan)
+        runtime = cls(engine, tokenizer, t_info, d_info, config, plan)
+        runtime.pair = pair
+        return runtime
+
+    def variant(self, config: EngineConfig, use_draft: bool = True) -> "Runtime":
+        """The same loaded models and tokenizer under another budget/builder, or without the draft."""
+        if (config.device, config.dtype) != (self.config.device, self.config.dtype):
+            raise ConfigError(f"a variant keeps the loaded device/dtype ({self.config.device}/{self.config.dtype}); "
+                              f"got {config.device}/{config.dtype}")
+        draft = self.engine.draft if use_draft else None
+        engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
+                              tuple(sorted(self.engine.eos_ids)), self.engine.planned_context,
+                              self.plan)
+        runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
+                          self.plan)
+        runtime.pair = self.pair
+        return runtime
+
+    @property
+    def context(self) -> int:
+        """Longest sequence (prompt + generated) every loaded model supports."""
+        infos = [i for i in (self.target_info, self.draft_info) if i is not None]
+        return min(i.args.max_position_embeddings for i in infos)
+
+    @property
+    def builder_name(self) -> str:
+        return self.engine.builder.name if self.engine.builder is not None else "none"
+
+    def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
+        """Prompt ids: the tokenizer's default encoding, or the chat template when chat=True."""
+        return encode_prompt(self.tokenizer, text, chat, system)
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> None:
+        """ConfigError unless the prompt plus max_new_tokens fit every loaded model's context."""
+        check_prompt_length(len(prompt_ids), max_new_tokens or self.config.max_new_tokens, self.context)
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
+                     sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = ()) -> Iterator[list[int]]:
+        """Yield new token ids as they are accepted. With stop strings, tokens that could still be the start
+        of one are held back until they cannot; generation ends before the first stop string (excluded)."""
+        limit = max_new_tokens or self.config.max_new_tokens
+        self.check_prompt(prompt_ids, limit)
+        pager = getattr(self.engine.target, "pager", None)
+        self._stream_base = pager.counters() if pager is not None else {}
+        stops = [s for s in stop if s]
+        if not stops:
+            yield from self.engine.generate(prompt_ids, limit, sampling)
+            return
+        watcher = StopWatcher(Detokenizer(self.tokenizer, prompt_ids), stops)
+        ids: list[int] = []
+        emitted = 0
+        for new in self.engine.generate(prompt_ids, limit, sampling, should_stop=watcher):
+            ids += new
+            if watcher.keep is None:
+                safe = watcher.safe_count(ids, emitted)
+                if safe > emitted:
+                    yield ids[emitted:safe]
+                    emitted = safe
+        if watcher.keep is not None:
+            ids = ids[:max(watcher.keep, emitted)]
+        if len(ids) > emitted:
+            yield ids[emitted:]
+
+    def kv_summary(self) -> dict:
+        return _kv_cache_summary(self.engine)
+
+    def stats(self) -> dict:
+        """Summary of the last generate_ids() call (see GenerationStats.summary)."""
+        budget = (("auto" if self.config.auto_budget else self.config.budget)
+                  if self.engine.builder is not None else 0)
+        out = self.engine.stats.summary(budget, self.builder_name)
+        out["budget_trace"] = budget_trace(s.budget for s in self.engine.profiler.steps)      # what --budget auto picked, per step
+        out["kv"] = self.kv_summary()
+        pager = getattr(self.engine.target, "pager", None)
+        if pager is not None:                 # offloaded target: what streaming cost during the last call
+            out.update(stream_summary(self._stream_base, pager.counters()))
+            out["offload"] = {"quant": self.plan.fmt, **self.plan.plan.summary()}
+        return out
+
+
+def _kv_cache_summary(engine: Engine) -> dict:
+    """The target cache's format (int8 marked LOSSY: outside every exactness claim) and streamed layers."""
+    caches = engine._caches
+    quant = engine.config.kv_quant
+    out = {"quant": quant, "lossy": quant != "none", "draft_quant": engine.draft_kv_quant}
+    if caches is not None:
+        out["streamed_layers"] = len(caches[0].streamed_layers)
+    return out
+
+
+class Detokenizer:
+    """Text of generated ids. They are decoded after the last few prompt tokens, so tokenizers that drop a
+    word's leading space at the start of a decode (SentencePiece) keep it; special tokens are skipped."""
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.prefix = list(prompt_ids[-self.CONTEXT:])
+        self.prefix_text = self._decode(self.prefix)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def text(self, ids: Sequence[int]) -> str:
+        full = self._decode(self.prefix + list(ids))
+        if full.startswith(self.prefix_text):
+            return full[len(self.prefix_text):]
+        return self._decode(list(ids))
+
+    def stable_text(self, ids: Sequence[int]) -> str:
+        """text(ids) without a trailing replacement character (an incomplete multi-byte character)."""
+        return self.text(ids).rstrip("\ufffd")
+
+
+class StopWatcher:
+    """Engine.generate's should_stop callback for stop strings: on the first stop string in the decoded text,
+    keep the tokens whose text ends before it (a token that holds part of the stop string is dropped)."""
+
+    def __init__(self, detok: Detokenizer, stops: Sequence[str]) -> None:
+        self.detok, self.stops = detok, list(stops)
+        self.longest = max(len(s) for s in self.stops)
+        self.keep: int | None = None
+
+    def __call__(self, ids: list[int]) -> int | None:
+        text = self.detok.text(ids)
+        hits = [text.find(s) for s in self.stops if s in text]
+        if not hits:
+            return None
+        self.keep = self._tokens_within(ids, min(hits), 0)
+        return self.keep
+
+    def safe_count(self, ids: list[int], start: int) -> int:
+        """How many leading tokens cannot be part of a stop string that the next tokens may complete."""
+        boundary = len(self.detok.text(ids)) - (self.longest - 1)
+        return self._tokens_within(ids, boundary, start)
+
+    def _tokens_within(self, ids: list[int], n_chars: int, start: int) -> int:
+        """The largest k >= start with len(text(ids[:k])) <= n_chars (k = start when none is)."""
+        k = start
+        while k < len(ids) and len(self.detok.text(ids[:k + 1])) <= n_chars:
+            k += 1
+        return k

@@ -1,0 +1,231 @@
+"""models.yaml: the catalogue of known models with their recommended drafts, and model name -> local directory.
+
+An entry's drafts name other entries, or `self` / `self:FORMAT`: the target drafting with its own layers
+(`drafts: self` alone is a one-item list).
+
+The catalogue is one YAML file, specexec/runtime/models.yaml, shipped in the package ($SPECEXEC_MODELS_YAML
+points at another file). Each entry becomes a frozen `ModelEntry`; unknown keys,
+wrong types, unknown families or quantizations and drafts that name no entry raise ConfigError naming the file,
+the entry and the value. A name is present locally when its checkpoint is in huggingface_hub's local cache
+or in a directory named like the entry (or like the last part of its Hub id) under one of the directories in
+$SPECEXEC_MODEL_DIRS (separated like PATH).
+
+Does not know: how a checkpoint loads (loading.py), the network (nothing is downloaded or queried online),
+terminal output.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from specexec.config import MAX_BUDGET, SUPPORTED_ARCHITECTURES, ConfigError, check_number, is_self_draft
+
+CATALOG_ENV = "SPECEXEC_MODELS_YAML"
+DIRS_ENV = "SPECEXEC_MODEL_DIRS"
+FAMILIES = tuple(sorted(set(SUPPORTED_ARCHITECTURES.values())))
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+TOP_KEYS = ("version", "models")
+
+
+def quant_formats() -> tuple[str, ...]:
+    """The quantization formats offload/ implements (none, nf4, fp4, int8)."""
+    from offload.quant.linear import FORMATS
+    return tuple(FORMATS)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One known model: where it lives on the Hub and how to run it as a target."""
+
+    name: str
+    hub: str
+    family: str
+    params: str
+    drafts: tuple[str, ...] = ()
+    budget: int = 64
+    quant: str = "none"
+    notes: str = ""
+
+    @classmethod
+    def from_dict(cls, name: str, raw: Any, where: str) -> "ModelEntry":
+        """Build from one parsed YAML mapping; ConfigError for unknown keys, missing keys or bad values."""
+        at = f"{where}: model {name!r}"
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ConfigError(f"{where}: model name {name!r} must be letters, digits, '.', '_' or '-'")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{at} must be a mapping of keys, got {type(raw).__name__}")
+        known = [f.name for f in fields(cls) if f.name != "name"]
+        unknown = sorted(set(raw) - set(known), key=str)
+        if unknown:
+            raise ConfigError(f"{at}: unknown key {unknown[0]!r}; known keys: {', '.join(known)}")
+        missing = [k for k in ("hub", "family", "params") if k not in raw]
+        if missing:
+            raise ConfigError(f"{at}: missing key {missing[0]!r}")
+        values = {k: _typed(at, k, v) for k, v in raw.items()}
+        entry = cls(name=name, **values)
+        entry._check(at)
+        return entry
+
+    def _check(self, at: str) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"{at}: family {self.family!r} is not supported; use one of: {', '.join(FAMILIES)}")
+        if self.quant not in quant_formats():
+            raise ConfigError(f"{at}: quant {self.quant!r} is unknown; use one of: {', '.join(quant_formats())}")
+        try:
+            check_number("budget", self.budget, low=1, high=MAX_BUDGET)
+        except ConfigError as e:
+            raise ConfigError(f"{at}: {e}") from None
+        if "/" not in self.hub:
+            raise ConfigError(f"{at}: hub {self.hub!r} is not a Hub id like org/name")
+
+    @property
+    def hub_name(self) -> str:
+        return self.hub.rsplit("/", 1)[-1]
+
+    def local_path(self) -> Path | None:
+        """The checkpoint directory on this machine, or None (searched offline only)."""
+        for root in model_dirs():
+            for candidate in dict.fromkeys((self.name, self.hub_name, self.hub_name.lower())):
+                if (root / candidate / "config.json").is_file():
+                    return (root / candidate).resolve()
+        return hf_cache_path(self.hub)
+
+
+_TYPES: dict[str, type] = {"hub": str, "family": str, "params": str, "drafts": list, "budget": int,
+                           "quant": str, "notes": str}
+
+
+def _typed(at: str, key: str, value: Any) -> Any:
+    """value checked against the key's type; YAML numbers are accepted for params (70 -> '70')."""
+    want = _TYPES[key]
+    if key == "drafts" and isinstance(value, str):            # `drafts: self`: one draft
+        value = [value]
+    if key == "params" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if key == "quant" and value is None:
+        value = "none"
+    if not isinstance(value, want) or isinstance(value, bool):
+        raise ConfigError(f"{at}: {key} must be a {want.__name__}, got {value!r}")
+    if key == "drafts":
+        if not all(isinstance(d, str) for d in value):
+            raise ConfigError(f"{at}: drafts must be a list of model names (or self), got {value!r}")
+        return tuple(value)
+    return value
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """All entries of one models.yaml, in file order."""
+
+    source: str
+    entries: tuple[ModelEntry, ...]
+
+    def get(self, spec: str) -> ModelEntry | None:
+        """The entry named `spec` (or with Hub id `spec`), case-insensitively; None when there is none."""
+        key = spec.strip().lower()
+        return next((e for e in self.entries if key in (e.name.lower(), e.hub.lower())), None)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def parse_catalog(text: str, source: str = "models.yaml") -> Catalog:
+    """Parse and check a models.yaml text (ConfigError naming `source` for every problem)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a mapping with the keys {', '.join(TOP_KEYS)}")
+    unknown = sorted(set(data) - set(TOP_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level key {unknown[0]!r}; known keys: {', '.join(TOP_KEYS)}")
+    if data.get("version") != 1:
+        raise ConfigError(f"{source}: version must be 1, got {data.get('version')!r}")
+    models = data.get("models") or {}
+    if not isinstance(models, dict):
+        raise ConfigError(f"{source}: models must be a mapping of name -> entry")
+    entries = tuple(ModelEntry.from_dict(name, raw, source) for name, raw in models.items())
+    _check_drafts(entries, source)
+    return Catalog(source, entries)
+
+
+def _check_drafts(entries: tuple[ModelEntry, ...], source: str) -> None:
+    by_name = {e.name: e for e in entries}
+    for e in entries:
+        for d in e.drafts:
+            if is_self_draft(d):
+                _check_self(d, f"{source}: model {e.name!r}")
+                continue
+            if d not in by_name:
+                raise ConfigError(f"{source}: model {e.name!r} drafts with {d!r}, which is not an entry")
+            if d == e.name or by_name[d].family != e.family:
+                raise ConfigError(f"{source}: model {e.name!r} cannot draft with {d!r} "
+                                  f"({by_name[d].family} vs {e.family})")
+
+
+def _check_self(spec: str, at: str) -> None:
+    fmt = spec.strip().partition(":")[2].strip()
+    if ":" in spec and fmt not in quant_formats():
+        raise ConfigError(f"{at}: draft {spec!r}: {fmt!r} is not a layer format; use self or self:FORMAT with "
+                          f"FORMAT one of: {', '.join(quant_formats())}")
+
+
+def default_catalog_path() -> Path:
+    """$SPECEXEC_MODELS_YAML, else the shipped catalogue beside this module (specexec/runtime/models.yaml)."""
+    env = os.environ.get(CATALOG_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().with_name("models.yaml")
+
+
+def load_catalog(path: Path | str | None = None) -> Catalog:
+    """The catalogue at `path` (default: default_catalog_path()), parsed once per file version."""
+    p = Path(path) if path is not None else default_catalog_path()
+    try:
+        stamp = p.stat().st_mtime_ns
+    except OSError:
+        raise ConfigError(f"models catalogue {p} does not exist" +
+                          (f" (set by ${CATALOG_ENV})" if os.environ.get(CATALOG_ENV) else "")) from None
+    return _load(str(p), stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, _stamp: int) -> Catalog:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read models catalogue {path}: {e}") from None
+    return parse_catalog(text, path)
+
+
+def model_dirs() -> list[Path]:
+    """The directories listed in $SPECEXEC_MODEL_DIRS (os.pathsep-separated), those that exist."""
+    raw = os.environ.get(DIRS_ENV, "")
+    return [Path(p).expanduser() for p in raw.split(os.pathsep) if p and Path(p).expanduser().is_dir()]
+
+
+def hf_cache_path(hub_id: str) -> Path | None:
+    """The snapshot directory of `hub_id` in huggingface_hub's local cache when it is complete (config.json
+    and every weight file its index names; see specexec.runtime.hub.missing), else None."""
+    from specexec.runtime.hub import HubOptions, cached
+    try:
+        return cached(hub_id, HubOptions(offline=True))
+    except (ConfigError, OSError):          # a broken cache entry means "not present"
+        return None
+
+
+def find(spec: str | None, catalog: Catalog | None = None) -> ModelEntry | None:
+    """The catalogue entry for a --model/--draft value, unless that value is an existing directory."""
+    if not spec or Path(spec).expanduser().exists():
+        return None
+    return (catalog or load_catalog()).get(spec)

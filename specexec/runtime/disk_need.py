@@ -1,0 +1,52 @@
+"""How much disk a run will write besides its weights, known before the weights are here: the layer cache the
+offload plan builds, estimated from config.json alone (shapes -> packed layer sizes -> the planner).
+
+The estimate is specexec.runtime.offloaded.plan_target's own ledger planning (specexec.runtime.ledger.plan_memory) without the
+draft: the format is --quant, or for auto `none` while every layer stays resident and the device's streamed
+format once any layer streams; a layer cache is built whenever the target is offloaded (a
+quantized format, or any streamed layer). The draft is not counted in the plan (its size is not known before
+it is fetched), so the plan may stream a little less than the real one; the cache is all layers either way.
+
+Does not know: where weights come from (specexec.runtime.hub), how the cache is written (offload.cache.store).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from offload.cache.store import SPACE_MARGIN, default_cache_root
+from offload.planner import PlanError, default_budgets
+
+from specexec.config import EngineConfig, ModelArgs, OffloadConfig
+from specexec.runtime.ledger import layer_bytes, plan_memory
+from specexec.runtime.loading import read_args, resolve_dtype
+from specexec.runtime.offloaded import ASSUMED, run_shape, target_formats
+
+
+def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineConfig) -> int:
+    """Bytes of the layer cache the plan would build for a target of `args` (0: everything stays resident
+    and unquantized, or the budgets cannot hold the run at all, which loading reports)."""
+    device = torch.device(engine.device)
+    dtype = resolve_dtype(engine.dtype, device)
+    budgets = default_budgets(device.type)
+    gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu
+    ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
+    shape = run_shape(args, None, engine, offload, device.type, dtype)
+    try:
+        memory = plan_memory(shape, target_formats(offload.quant.linear, device.type), ram, gpu, offload.offload,
+                             ASSUMED[device.type])
+    except PlanError:
+        return 0
+    if memory.fmt == "none" and not memory.plan.streams:
+        return 0
+    return layer_bytes(args, memory.fmt, dtype, device.type) * args.n_layers + SPACE_MARGIN
+
+
+def reserve_for(offload: OffloadConfig, engine: EngineConfig):
+    """A specexec.runtime.hub Reserve: snapshot dir (config.json fetched) -> [(layer cache root, bytes)]."""
+    def reserve(snapshot: Path) -> list[tuple[Path, int]]:
+        args = read_args(snapshot)
+        root = Path(offload.cache_dir).expanduser() if offload.cache_dir else default_cache_root()
+        return [(root, layer_cache_bytes(args, offload, engine))]
+    return reserve

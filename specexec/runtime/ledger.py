@@ -1,0 +1,623 @@
+"""The memory ledger of a run, from config.json alone: what every byte the GPU (or, on a CPU, the RAM budget)
+holds is, sized for the model shapes, formats, tree budget and context of this run, and the plan built on it.
+
+Nothing here loads or reads a weight: the sizes come from ModelArgs (config.json) and the formats
+(offload.quant.linear.layer_specs gives the packed size of a layer in any format), so `specexec plan` can answer for
+a checkpoint that is not downloaded and a card that is not installed. The runtime plans with the same code
+before it loads anything, and prints the same ledger.
+
+Ledger lines (device side: the GPU on CUDA, RAM on CPU):
+- target embed / target norm/head: the target's resident embedding table, final norm and LM head. The
+  embedding table of a STREAMED, untied target may instead live in host RAM (line "target embed (host RAM)"):
+  its rows for the T tokens of a pass are gathered on the CPU and copied over (exact: a gather), and the
+  GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
+- draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
+  A self-draft (--draft self: the target's own layers, `with_self_draft`) counts only its copies of the layers
+  it runs that the target streams; its embed/norm/head and the resident layers it runs are the target's. The
+  plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
+  picks the most layers that fit.
+- target KV cache / draft KV cache: each sized for its own user (engine.kv_slots_for): the target for the
+  context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
+  target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
+  streamed layer when the device runs short, in (pinned) RAM travelling with the layer ("target KV cache
+  (streamed)", its bytes in the pass time) through "target KV cache stages" (one per slot, plus the tree rows
+  each such layer keeps on the device until they are committed). When nothing fits with the draft's cache in
+  the run dtype, the draft's cache is planned in int8 (exact: the draft only proposes). --kv-quant int8
+  sizes both caches in int8 (LOSSY) and adds one layer's dequantized K/V to the activations.
+- activations: the largest transient of any pass that runs (attention_bytes has the attention formula):
+  the target's tree pass, a streamed prefill chunk of PREFILL_RESERVE tokens (dropped when it does not fit),
+  the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
+- resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
+
+Also here: how many tokens one streamed prefill pass takes (as many as the activations and the budget left
+over allow, `prefill_tokens`), and, when nothing fits, what would (`what_fits`).
+
+Does not know: how layers stream (offload.streaming.pager), where the budgets come from (the caller), checkpoints.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from offload.planner import GB, Bandwidths, Needs, Plan, PlanError, plan
+from offload.quant.linear import kernel_for, layer_specs
+from offload.streaming.storage import plan_layout
+
+from specexec.config import ConfigError, ModelArgs
+from specexec.engine import LOGIT_CHUNK, PREFILL_CHUNK, kv_slots_for
+from specexec.kv.rows import row_bytes
+from specexec.model import Block
+
+DEFAULT_CONTEXT = 4096        # tokens (prompt + answer) the KV caches are planned for unless --context says
+PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
+PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
+DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
+CUDA_CONTEXT = 500 * 10**6    # a simulated card (--gpu-memory): what the CUDA context and libraries take
+ASSUMED = {"cuda": Bandwidths(ram=25e9, ssd=3e9), "cpu": Bandwidths(ram=8e9, ssd=1.5e9)}
+
+
+# ----------------------------------------------------------------------------------------- shapes and sizes
+
+@functools.cache
+def block_specs(args: ModelArgs) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
+    """((name, shape) of every tensor of one decoder Block in state_dict order), names of its Linear weights."""
+    with torch.device("meta"):
+        block = Block(args)
+    shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())
+    linear = frozenset(f"{path}.weight" for path, m in block.named_modules() if isinstance(m, nn.Linear))
+    return shapes, linear
+
+
+@functools.cache
+def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> int:
+    """Packed bytes of one decoder layer in `fmt`, packed for `device`'s kernel, as the layer cache and the
+    tiers hold it (aligned layout); equal to what offload.cache.store.plan computes from a checkpoint's headers."""
+    shapes, linear = block_specs(args)
+    specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
+    return plan_layout(specs, meta).nbytes
+
+
+@functools.cache
+def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, int]:
+    """Bytes a resident Transformer of `args` holds on `device` with its decoder linears quantized to `fmt`
+    (what quantize_module leaves): {"embed", "head" (0 when tied), "norm" (+ RoPE buffer), "layers"}."""
+    shapes, linear = block_specs(args)
+    specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
+    per_layer = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
+    table = args.vocab_size * args.dim * dtype.itemsize
+    return {"embed": table, "head": 0 if args.tie_word_embeddings else table,
+            "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4, "layers": args.n_layers * per_layer}
+
+
+def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
+    """One model's KV cache: K and V of every layer and KV head for `slots` slots (int8: plus the scales)."""
+    return args.n_layers * slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
+
+
+def kv_layer_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
+    """One layer's share of kv_bytes."""
+    return slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
+
+
+def dequant_bytes(args: ModelArgs, context: int, elem: int, quant: str) -> int:
+    """The transient K/V of one layer dequantized for attention (int8 caches only; else 0)."""
+    return 2 * args.n_kv_heads * context * args.head_dim * elem if quant == "int8" else 0
+
+
+def attention_bytes(args: ModelArgs, tokens: int, context: int, elem: int, device: str) -> int:
+    """Transient bytes of one layer's attention for `tokens` queries over `context` cache slots, for the
+    kernels that run: the committed prefix is attended WITHOUT a mask (flash / memory-efficient SDPA never
+    builds the H x T x S scores; on CPU budgeted as query chunks of PREFIX_CHUNK rows x context in fp32), the
+    tree part with its small [T, T] mask (budgeted as H x T x T scores plus the mask), and the two partial
+    results merged by log-sum-exp (two fp32 outputs and their H x T log-sum-exps)."""
+    H, T = args.n_heads, tokens
+    merge = 2 * T * H * args.head_dim * 4 + 2 * H * T * 4
+    tree = H * T * T * elem + T * T * (elem + 1)
+    prefix = 0 if device == "cuda" else H * min(T, PREFIX_CHUNK) * context * 4
+    return merge + tree + prefix
+
+
+def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str,
+                  logit_rows: int, kv_quant: str = "none") -> int:
+    """Peak transient bytes of one forward of `tokens` rows over `context` slots: the residual stream, norm
+    outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
+    up and product, the attention (attention_bytes), one dequantized weight (when the format's kernel on
+    `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy;
+    with an int8 cache, one layer's dequantized K/V."""
+    T, D, I = tokens, args.dim, args.intermediate_size
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    hidden = T * (4 * D + 2 * (q + 2 * kv) + q + 3 * I) * elem + 2 * T * D * 4 + 2 * T * args.head_dim * elem
+    dequant = max(I, q) * D * elem if fmt != "none" and kernel_for(fmt, device) == "dequantize" else 0
+    logits = min(T, logit_rows) * args.vocab_size * 4 * 2
+    return (hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
+            + dequant_bytes(args, context, elem, kv_quant))
+
+
+# ----------------------------------------------------------------------------------------- the run
+
+@dataclass(frozen=True)
+class SelfDraftShape:
+    """A draft made of the target itself (--draft self[:FMT] --draft-layers N|auto): the target's architecture
+    over `layers` of its decoder layers, evenly spaced (spaced_layers). It shares the target's embedding, final
+    norm, LM head and every decoder layer the plan keeps resident; each other layer it runs is a resident copy
+    in `fmt`. layers None: not chosen yet (plan_memory picks the most that fit); auto: it was picked so."""
+
+    fmt: str
+    layers: int | None = None
+    auto: bool = False
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """Everything the ledger depends on besides the budgets.
+
+    draft_kv: the builder's kv_slots(budget) (draft-cache scratch per tree), None when no builder drafts with
+    the draft model (then the draft, if given, holds no KV cache). self_draft: set when the draft is the target
+    itself (with_self_draft); `draft` is then the target's args over the draft's layer count."""
+
+    target: ModelArgs
+    draft: ModelArgs | None
+    dtype: torch.dtype
+    device: str                                   # "cuda" | "cpu"
+    budget: int = 64
+    context: int = DEFAULT_CONTEXT
+    draft_fmt: str = "none"
+    draft_kv: Callable[[int], int] | None = None
+    kv_quant: str = "none"                        # --kv-quant: both caches (int8: LOSSY)
+    draft_kv_quant: str = "none"                  # the draft cache's own (int8 when the plan needs it: exact)
+    kv_offload: str = "auto"                      # target KV rows: auto | device | stream (planner companions)
+    self_draft: SelfDraftShape | None = None
+
+    @property
+    def elem(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def draft_quant_kv(self) -> str:
+        """The draft cache's format: int8 when either the run (--kv-quant) or the plan chose it."""
+        return "int8" if "int8" in (self.kv_quant, self.draft_kv_quant) else "none"
+
+    @property
+    def draft_scratch(self) -> int | None:
+        """Draft-cache slots one tree writes beyond the committed context (None: no draft cache)."""
+        return self.draft_kv(self.budget) if self.draft_kv is not None and self.draft is not None else None
+
+    @property
+    def slots(self) -> tuple[int, int]:
+        """(target, draft) KV slots: engine.kv_slots_for at this context and budget."""
+        return kv_slots_for(self.context, self.budget, self.draft_scratch)
+
+
+def plan_context(requested: int | None, target: ModelArgs, draft: ModelArgs | None = None) -> int:
+    """Tokens (prompt + answer) to plan the KV caches for: --context, else DEFAULT_CONTEXT, at most what every
+    model supports (max_position_embeddings)."""
+    limit = min(m.max_position_embeddings for m in (target, draft) if m is not None)
+    return min(requested or DEFAULT_CONTEXT, limit)
+
+
+def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]:
+    """(bytes, what they are for) of the activations line: the largest of the passes that run."""
+    t_slots, d_slots = shape.slots
+    dev, elem = shape.device, shape.elem
+    tq, dq = shape.kv_quant, shape.draft_quant_kv
+    passes = {f"tree {shape.budget + 1}": forward_bytes(shape.target, shape.budget + 1, t_slots, elem, fmt, dev,
+                                                        LOGIT_CHUNK, tq)}
+    if prefill:
+        passes[f"prefill {prefill}"] = forward_bytes(shape.target, prefill, t_slots, elem, fmt, dev, 0, tq)
+    if shape.draft is not None:
+        rows = min(shape.budget + 1, DRAFT_ROWS)
+        growth = (shape.draft_scratch or 0) ** 2                        # the builder's ancestor matrix (bool)
+        passes[f"draft {rows} rows"] = forward_bytes(shape.draft, rows, d_slots or shape.context, elem,
+                                                     shape.draft_fmt, dev, rows, dq) + growth
+        chunk = min(PREFILL_CHUNK, shape.context)
+        passes[f"draft prefill {chunk}"] = forward_bytes(shape.draft, chunk, d_slots or shape.context, elem,
+                                                         shape.draft_fmt, dev, 0, dq)
+    top = max(passes, key=passes.get)
+    return passes[top], f"largest: {top} tokens (" + ", ".join(f"{k} {_gb(v)}" for k, v in passes.items()) + ")"
+
+
+def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: int = 0,
+              shared: frozenset[int] = frozenset()) -> Needs:
+    """The planner's Needs of this run with target layers in `fmt`: every fixed line named (see the module
+    docstring), the embedding table on the host side when embed_on_host (CUDA) and activations that also
+    cover a streamed prefill of `prefill` tokens. A self-draft's weights are copies of the layers it runs
+    except `shared` (layers the plan keeps resident: the draft uses the target's own)."""
+    t, elem = shape.target, shape.elem
+    tw = weight_bytes(t, fmt, shape.dtype, shape.device)
+    t_slots, d_slots = shape.slots
+    act, act_note = activation_lines(shape, fmt, prefill)
+    device: list[tuple[str, int]] = []
+    host: list[tuple[str, int]] = []
+    lossy = ", int8: LOSSY" if shape.kv_quant == "int8" else ""
+    notes = {"activations": act_note, "target KV cache": f"{t_slots} slots ({shape.context} context + "
+             f"{shape.budget + 1} tree{lossy})", "target norm/head": "tied: the embedding is the head"
+             if t.tie_word_embeddings else "",
+             "target KV cache stages": "one per streaming slot, and the tree rows of streamed layers",
+             "target KV cache (streamed)": "pinned: committed rows travel with their layer"
+             if shape.device == "cuda" else "committed rows travel with their layer"}
+    if embed_on_host:
+        (host if shape.device == "cuda" else device).append(("target embed (host RAM)", tw["embed"]))
+        notes["target embed (host RAM)"] = "rows gathered on the CPU for each pass"
+    else:
+        device.append(("target embed", tw["embed"]))
+    device.append(("target norm/head", tw["head"] + tw["norm"]))
+    if shape.draft is not None:
+        draft_bytes, notes["draft weights"] = draft_weights(shape, shared)
+        device.append(("draft weights", draft_bytes))
+        device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv)))
+        notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
+            "none: the builder drafts without it"
+    device.append(("activations", act))
+    sizes = (layer_bytes(t, fmt, shape.dtype, shape.device),) * t.n_layers
+    kv = kv_layer_bytes(t, t_slots, elem, shape.kv_quant)
+    tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
+    return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
+                 companion_bytes=(kv,) * t.n_layers, companion_residue=(tail,) * t.n_layers,
+                 companion_name="target KV cache", companions=shape.kv_offload)
+
+
+def _draft_kv_note(shape: RunShape) -> str:
+    if shape.draft_quant_kv != "int8":
+        return ""
+    if shape.kv_quant == "int8":
+        return ", int8 (--kv-quant)"
+    return ", int8: the draft's own cache, to fit (the target verifies: output unchanged)"
+
+
+def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tuple[int, str]:
+    """(bytes, note) of the draft weights line: a model draft counted once in its format; a self-draft only
+    its copies of the layers it runs that are not `shared` (resident in the target): embed/norm/head and
+    shared layers are the target's, counted on their own lines."""
+    sd = shape.self_draft
+    if sd is None:
+        dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype, shape.device)
+        return sum(dw.values()), (f"{shape.draft.n_layers} layers {_fmt(shape.draft_fmt)}, embed/head "
+                                  f"{_dtype(shape.dtype)}")
+    ids = self_layer_ids(shape)
+    copies = [i for i in ids if i not in shared]
+    n = shape.target.n_layers
+    note = (f"self: {len(ids)} of {n} target layers{' (auto)' if sd.auto else ''}, {len(ids) - len(copies)} "
+            f"shared, {len(copies)} {_fmt(sd.fmt)} copies; embed/norm/head shared")
+    return len(copies) * layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device), note
+
+
+def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
+    """The most tokens (<= context) one prefill pass of the target can take within `room` bytes of
+    activation memory (the activations line plus what the plan left over)."""
+    t_slots = shape.slots[0]
+
+    def fits(c: int) -> bool:
+        return forward_bytes(shape.target, c, t_slots, shape.elem, fmt, shape.device, 0, shape.kv_quant) <= room
+
+    lo, hi = 1, shape.context
+    if fits(hi):
+        return hi
+    while lo < hi:                                 # largest c with fits(c); fits(1) assumed (the tree fits)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+# ----------------------------------------------------------------------------------------- planning
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A run's ledger and plan: the target layer format, each layer's tier (plan), where the embedding table
+    lives, how many tokens one prefill pass of the target takes."""
+
+    shape: RunShape
+    fmt: str
+    plan: Plan
+    embed_on_host: bool
+    prefill_tokens: int
+
+    @property
+    def context(self) -> int:
+        return self.shape.context
+
+    def ledger(self) -> dict[str, int]:
+        """Every item and its bytes, flat (item names are unique across tiers)."""
+        return {k: v for tier in self.plan.ledger().values() for k, v in tier.items()}
+
+    @property
+    def draft_layers(self) -> tuple[int, ...]:
+        """The target layers a self-draft runs, ascending (empty for a model draft or none)."""
+        return self_layer_ids(self.shape) if self.shape.self_draft is not None else ()
+
+    @property
+    def draft_copies(self) -> tuple[int, ...]:
+        """The self-draft's layers it holds a copy of (the target streams them); the others are shared."""
+        return tuple(i for i in self.draft_layers if self.plan.tiers[i] != "resident")
+
+    def describe(self) -> str:
+        s = self.shape
+        head = (f"memory ledger: target {s.target.n_layers} layers {_fmt(self.fmt)}" + self._draft_text()
+                + f", {_dtype(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens"
+                + (", KV int8 (LOSSY: no exactness claim)" if s.kv_quant == "int8" else ""))
+        streamed = "" if not self.plan.streams else f"; prefill: up to {self.prefill_tokens} tokens per pass"
+        return head + streamed + "\n" + self.plan.describe()
+
+    def _draft_text(self) -> str:
+        s = self.shape
+        if s.draft is None:
+            return ", no draft"
+        if s.self_draft is None:
+            return f", draft {s.draft.n_layers} layers {_fmt(s.draft_fmt)}"
+        ids, copies = self.draft_layers, self.draft_copies
+        how = "--draft-layers auto picked " if s.self_draft.auto else ""
+        return (f", draft self ({how}{len(ids)} of {s.target.n_layers} layers {_ids(ids)}: "
+                f"{len(ids) - len(copies)} shared, {len(copies)} {_fmt(s.self_draft.fmt)} copies)")
+
+    def self_json(self) -> dict | None:
+        """The self-draft's choice, for --json (None for a model draft or none)."""
+        sd = self.shape.self_draft
+        if sd is None:
+            return None
+        copies = self.draft_copies
+        return {"format": sd.fmt, "auto": sd.auto, "layers": list(self.draft_layers),
+                "shared": [i for i in self.draft_layers if i not in copies], "copies": list(copies),
+                "copy_bytes": len(copies) * layer_bytes(self.shape.target, sd.fmt, self.shape.dtype,
+                                                        self.shape.device)}
+
+    def to_json(self) -> dict:
+        p = self.plan
+        return {"resident_layers": len(p.layers_in("resident")),
+                "streamed_layers": {"ram": len(p.layers_in("ram")), "ssd": len(p.layers_in("ssd"))},
+                "ledger": self.ledger(), "predicted_seconds_per_pass": round(p.expected_s, 4),
+                "link_gbps": round(p.bandwidths.ram / GB, 3), "ssd_gbps": round(p.bandwidths.ssd / GB, 3),
+                "device": p.device, "format": self.fmt, "embed_on_host": self.embed_on_host,
+                "prefill_tokens": self.prefill_tokens, "read_ahead": p.read_ahead, "slots": p.n_slots,
+                "budget": self.shape.budget, "context": self.shape.context,
+                "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget, "warnings": list(p.warnings),
+                "kv": self.kv_json(), "self_draft": self.self_json()}
+
+    def kv_json(self) -> dict:
+        """Where the target's KV rows live and in what format: per layer on the device or streamed with it,
+        the bytes streamed per pass (at the planned context), int8 flagged as lossy."""
+        p, s = self.plan, self.shape
+        streamed = p.companions_streamed
+        return {"quant": s.kv_quant, "lossy": s.kv_quant != "none", "draft_quant": s.draft_quant_kv,
+                "device_layers": len(p.tiers) - len(streamed), "streamed_layers": len(streamed),
+                "streamed_bytes_per_pass": p.companion_bytes(True), "offload": s.kv_offload}
+
+
+def with_warnings(memory: MemoryPlan, warnings: tuple[str, ...]) -> MemoryPlan:
+    """The plan with more warning lines (printed with it, e.g. a path on a slow file system)."""
+    if not warnings:
+        return memory
+    return replace(memory, plan=replace(memory.plan, warnings=memory.plan.warnings + tuple(warnings)))
+
+
+def plan_memory(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str = "auto",
+                bandwidths: Bandwidths | None = None) -> MemoryPlan:
+    """Plan the run with the first target format of `formats` that fits (a list of more than one: the first
+    only while every layer stays resident, e.g. ("none", "nf4") for --quant auto). When nothing fits with the
+    draft's KV cache in the run dtype, the draft's cache is planned in int8 (the draft only proposes: the
+    output stays exact). PlanError (one line, what would fit) when none does."""
+    try:
+        return _plan_formats(shape, formats, ram, gpu, mode, bandwidths)
+    except PlanError:
+        if shape.draft_scratch is None or shape.draft_quant_kv == "int8":
+            raise
+        error = sys.exc_info()[1]
+    try:
+        return _plan_formats(replace(shape, draft_kv_quant="int8"), formats, ram, gpu, mode, bandwidths)
+    except PlanError:
+        raise error from None
+
+
+def _plan_formats(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str,
+                  bandwidths: Bandwidths | None) -> MemoryPlan:
+    bw = bandwidths or ASSUMED[shape.device]
+    if shape.self_draft is not None and shape.self_draft.layers is None:
+        return _plan_self_auto(shape, formats, ram, gpu, mode, bw)
+    for k, fmt in enumerate(formats):
+        last = k + 1 == len(formats)
+        try:
+            chosen = _best(shape, fmt, ram, gpu, mode, bw)
+        except PlanError:
+            if last:
+                raise
+            continue
+        if not last and chosen.plan.streams:
+            continue                                          # auto: streamed layers take the next format
+        return chosen
+    raise PlanError("no target format to plan with")
+
+
+def _best(shape: RunShape, fmt: str, ram: int, gpu: int | None, mode: str, bw: Bandwidths) -> MemoryPlan:
+    """A plan that keeps every layer resident when there is one; else the best of the embedding placements
+    (device, or host RAM when the target is untied), with the prefill reserve when it fits, else without."""
+    error: PlanError | None = None
+    try:
+        resident = _plan_one(shape, fmt, False, 0, ram, gpu, mode, bw)
+        if not resident.plan.streams:
+            return resident
+    except PlanError as e:
+        error = e
+    placements = (False,) if shape.target.tie_word_embeddings else (False, True)
+    for reserve in (min(PREFILL_RESERVE, shape.context), 0):
+        found = []
+        for host in placements:
+            try:
+                m = _plan_one(shape, fmt, host, reserve, ram, gpu, mode, bw)
+            except PlanError as e:
+                error = e                      # the last one tried needs the least: its figures are the floor
+                continue
+            if m.plan.streams:                 # the table moves to RAM only for a streamed target
+                found.append(m)
+        if found:
+            return min(found, key=lambda m: (round(m.plan.expected_s, 9), -len(m.plan.layers_in("resident")),
+                                             not m.embed_on_host))
+    raise error if error is not None else PlanError("nothing to plan")
+
+
+def _plan_one(shape: RunShape, fmt: str, host: bool, reserve: int, ram: int, gpu: int | None, mode: str,
+              bw: Bandwidths) -> MemoryPlan:
+    if shape.self_draft is not None:
+        needs, p = _self_placement(shape, fmt, host, reserve, ram, gpu, mode, bw)
+    else:
+        needs = needs_for(shape, fmt, host, reserve)
+        p = plan(needs, shape.device, ram, gpu, mode, bw)
+    left = p.device_budget - p.device_bytes - (p.host_bytes if p.device == "cpu" else 0)
+    act = dict(needs.fixed_bytes)["activations"]
+    chunk = prefill_tokens(shape, fmt, act + max(left, 0)) if p.streams else min(PREFILL_CHUNK, shape.context)
+    return MemoryPlan(shape, fmt, p, host, chunk)
+
+
+def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str = "auto",
+              bandwidths: Bandwidths | None = None) -> str | None:
+    """The first change that makes the run fit, as flags with what the plan then holds (None: none found):
+    a 4-bit draft, then a smaller tree budget, a shorter context, both, and last no draft at all."""
+    tries: list[tuple[str, RunShape]] = []
+    sd = shape.self_draft
+    if sd is not None and sd.layers is not None and not sd.auto:
+        tries.append(("--draft-layers auto", replace(shape, self_draft=replace(sd, layers=None))))
+    if shape.draft is not None and shape.draft_fmt == "none" and sd is None:
+        tries.append(("--draft-quant nf4", replace(shape, draft_fmt="nf4")))
+    budgets = [b for b in (shape.budget // 2 ** k for k in range(1, 12)) if b >= 16]
+    contexts = [c for c in (2048, 1024) if c < shape.context]
+    tries += [(f"--budget {b}", replace(shape, budget=b)) for b in budgets]
+    tries += [(f"--context {c}", replace(shape, context=c)) for c in contexts]
+    tries += [(f"--budget {b} --context {c}", replace(shape, budget=b, context=c)) for c in contexts for b in budgets]
+    if shape.draft is not None:
+        tries.append(("no draft", replace(shape, draft=None, draft_kv=None, self_draft=None)))
+    for flags, candidate in tries:
+        try:
+            m = plan_memory(candidate, formats, ram, gpu, mode, bandwidths)
+        except PlanError:
+            continue
+        n = len(m.plan.layers_in("resident"))
+        if flags == "--draft-layers auto":
+            flags = f"--draft-layers {m.shape.draft.n_layers}"
+        return (f"{flags} would fit ({n} of {len(m.plan.tiers)} target layers resident, "
+                f"{m.plan.expected_s:.2f} s per streamed pass)")
+    return None
+
+
+# ----------------------------------------------------------------------------------------- the self-draft
+
+MIN_SELF_LAYERS = 2         # a self-draft runs at least the first and the last decoder layer
+
+
+def spaced_layers(n: int, k: int) -> tuple[int, ...]:
+    """k of n decoder layers, evenly spaced, ascending, the first and the last among them (k >= 2): layer
+    skipping as in self-speculative decoding (Zhang et al. 2023, "Draft & Verify")."""
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot pick {k} of {n} layers")
+    if k == 1:
+        return (0,)
+    return tuple((2 * j * (n - 1) + k - 1) // (2 * (k - 1)) for j in range(k))     # round half up, exact
+
+
+def with_self_draft(shape: RunShape, fmt: str, layers: int | None = None, auto: bool = False) -> RunShape:
+    """`shape` (its draft_kv: the builder's) with the target itself as the draft over `layers` decoder layers
+    in copies of format `fmt` where not shared (None: the most that fit, picked by plan_memory). ConfigError
+    for a layer count the target cannot give."""
+    if layers is not None:
+        check_self_layers(layers, shape.target.n_layers)
+    n = shape.target.n_layers
+    return replace(shape, draft=replace(shape.target, n_layers=layers or n), draft_fmt=fmt,
+                   self_draft=SelfDraftShape(fmt, layers, auto))
+
+
+def check_self_layers(layers: int, n: int) -> None:
+    """ConfigError unless a self-draft of a target with n decoder layers can run `layers` of them."""
+    low = min(MIN_SELF_LAYERS, n)
+    if not low <= layers <= n:
+        raise ConfigError(f"--draft-layers {layers}: a self-draft of this target runs {low} to {n} of its {n} "
+                          "decoder layers (or auto)")
+
+
+def self_layer_ids(shape: RunShape) -> tuple[int, ...]:
+    """The target layers a self-draft shape runs."""
+    return spaced_layers(shape.target.n_layers, shape.draft.n_layers)
+
+
+def _draft_layers_first(tiers: tuple[str, ...], ids: tuple[int, ...]) -> tuple[str, ...]:
+    """The planner's tiers (it keeps a prefix resident; every decoder layer has the same size) with the
+    resident places moved onto the draft's layers first: a resident layer the draft runs needs no copy, and
+    the target streams the same bytes whichever layers stay. The streamed tiers keep their order (RAM, then
+    SSD) over the other layers, ascending."""
+    order = [*ids, *(i for i in range(len(tiers)) if i not in set(ids))]
+    resident = set(order[:tiers.count("resident")])
+    streamed = iter([t for t in tiers if t != "resident"])
+    return tuple("resident" if i in resident else next(streamed) for i in range(len(tiers)))
+
+
+def _self_placement(shape: RunShape, fmt: str, host: bool, reserve: int, ram: int, gpu: int | None, mode: str,
+                    bw: Bandwidths) -> tuple[Needs, Plan]:
+    """The Needs and plan of a self-draft run, exact: which draft layers need a copy depends on which stay
+    resident, which depends on what the copies cost. Start from every draft layer shared (no copies) and
+    count a copy for each the plan streams until the two agree; each round can only keep fewer resident, so
+    this ends at the largest consistent plan (a PlanError on the way holds for it too: it needs more)."""
+    ids = self_layer_ids(shape)
+    shared = frozenset(ids)
+    while True:
+        needs = needs_for(shape, fmt, host, reserve, shared)
+        p = plan(needs, shape.device, ram, gpu, mode, bw)
+        p = replace(p, tiers=_draft_layers_first(p.tiers, ids))
+        now = shared & frozenset(p.layers_in("resident"))
+        if now == shared:
+            return needs, p
+        shared = now
+
+
+def _plan_self_auto(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str,
+                    bw: Bandwidths) -> MemoryPlan:
+    """--draft-layers auto: the most decoder layers whose copies fit (bisection: each more layer costs memory,
+    a copy or KV cache). Over a wholly resident target there are no copies and all its layers would make the
+    draft the target itself: half of them then (a layer-skipping draft)."""
+    n = shape.target.n_layers
+    sd = shape.self_draft
+
+    def attempt(k: int) -> MemoryPlan:
+        return plan_memory(with_self_draft(shape, sd.fmt, k, auto=True), formats, ram, gpu, mode, bw)
+
+    lo, hi = min(MIN_SELF_LAYERS, n), n
+    best = attempt(lo)                                  # PlanError: not even the fewest layers fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            best, lo = attempt(mid), mid
+        except PlanError:
+            hi = mid - 1
+    if not best.plan.streams and lo == n and n > MIN_SELF_LAYERS:
+        best = attempt(max(MIN_SELF_LAYERS, n // 2))
+    return best
+
+
+def card_budget(total: int) -> int:
+    """GPU budget of a card with `total` bytes that is not this machine's (specexec plan --gpu-memory): the
+    card minus the CUDA context (CUDA_CONTEXT) minus the margin planner.default_budgets keeps on a real GPU."""
+    return int(total - CUDA_CONTEXT - max(0.05 * total, 2**29))
+
+
+def card_for(budget: int) -> int:
+    """The smallest card (bytes) whose card_budget is at least `budget`."""
+    return int(max((budget + CUDA_CONTEXT) / 0.95, budget + CUDA_CONTEXT + 2**29)) + 1
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f} GB" if abs(n) >= 0.01 * GB else f"{n / 1e6:.1f} MB"
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    """Layer ids for a ledger line: all of them when few, else the first and last few."""
+    text = ", ".join(map(str, ids)) if len(ids) <= 8 else (", ".join(map(str, ids[:4])) + ", ..., "
+                                                          + ", ".join(map(str, ids[-2:])))
+    return f"[{text}]"
+
+
+def _fmt(fmt: str) -> str:
+    return "unquantized" if fmt == "none" else fmt
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,226 @@
+"""Local HF checkpoint directory (or a Hub id / models.yaml name: cached, or downloaded through specexec.runtime.hub),
+AWQ/GPTQ directory or .gguf file -> resident Transformer.
+
+The model is built on the meta device and filled tensor by tensor from safetensors (assign=True), so the
+weights exist once in memory, cast to the run dtype. Names, shapes and the tensor set are checked against the
+config before anything is used. Pickle checkpoints are refused unless the caller allows them, and even then
+are read with torch.load(weights_only=True). Weights come through offload.formats.sources, which picks the reader: plain
+safetensors, AWQ/GPTQ (by config.json's quantization_config; dequantized to float32 tensor by tensor) or GGUF
+(dequantized likewise; its ModelArgs come from the file's metadata instead of a config.json).
+
+Does not know: offloading (the offload runtime builds on the same checkpoint reader), tokens, trees.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from offload.formats.checkpoint import CheckpointError, pickle_files
+from offload.formats.sources import CheckpointSource, is_gguf, open_source, tensor_specs
+
+from specexec.config import ConfigError, ModelArgs
+from specexec.runtime.hub import HubOptions
+from specexec.model import Transformer, rope_inv_freq
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(spec: str, hub: HubOptions | None = None) -> Path:
+    """A local directory or .gguf file as given (a path always wins; a directory without config.json that holds
+    one .gguf file means that file), else a models.yaml name or a Hub id `org/name`: found on this machine
+    (huggingface_hub's cache, $SPECEXEC_MODEL_DIRS for models.yaml names) or, with `hub` given and downloads
+    on, downloaded into that cache (specexec.runtime.hub: config, tokenizer and safetensors only, resumable). Without
+    `hub` nothing goes online."""
+    path = Path(spec).expanduser()
+    if path.is_symlink() and not path.exists():           # else "does not exist" would puzzle whoever sees it
+        raise ConfigError(f"{spec} is a symlink that leads nowhere (dangling, or a loop); pass the checkpoint itself")
+    if path.is_dir():
+        return _gguf_in(path.resolve()) or path.resolve()
+    if path.exists():
+        if is_gguf(path):
+            return path.resolve()
+        raise ConfigError(f"{spec} is a file; pass the checkpoint directory (with config.json) or a .gguf file instead")
+    from specexec.runtime import hub as hub_mod
+    from specexec.runtime.catalog import DIRS_ENV, find
+    entry = find(spec)
+    if entry is not None:
+        local = entry.local_path() if hub is None or not hub.gguf_file else None
+        if local is not None:
+            return local
+        repo = entry.hub
+    elif HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        repo = spec
+    else:
+        raise ConfigError(f"model path {spec} does not exist; pass a local checkpoint directory, a Hub id like "
+                          "org/name, or a name that `specexec models` lists")
+    opts = hub or hub_mod.HubOptions(offline=True)
+    found = hub_mod.cached(repo, opts)
+    if found is not None:
+        return found
+    if opts.is_offline():
+        why = ("this call only looks in the cache; the specexec commands download" if hub is None else
+               "--offline" if hub.offline else "HF_HUB_OFFLINE=1")
+        elsewhere = f" nor under ${DIRS_ENV}: {os.environ.get(DIRS_ENV) or 'unset'}" if entry is not None else ""
+        prefix = f"model {spec!r} is not on this machine: " if entry is not None else ""
+        raise ConfigError(prefix + str(hub_mod.not_cached_error(repo, opts, why, elsewhere)))
+    return hub_mod.fetch(repo, opts)
+
+
+def _gguf_in(directory: Path) -> Path | None:
+    """The one .gguf file of a directory without config.json (None when it has config.json or no .gguf)."""
+    if (directory / "config.json").exists():
+        return None
+    found = sorted(directory.glob("*.gguf"))
+    if len(found) > 1:
+        raise ConfigError(f"{directory} holds {len(found)} .gguf files ({', '.join(f.name for f in found[:3])}"
+                          f"{', ...' if len(found) > 3 else ''}); pass one of them as --model")
+    return found[0] if found else None
+
+
+def read_args(path: Path) -> ModelArgs:
+    """ModelArgs from path/config.json (or a .gguf file's metadata) with one-line errors for a missing or
+    unreadable file."""
+    if is_gguf(path):
+        from offload.formats.gguf import open_gguf
+        return ModelArgs.from_hf_config(open_gguf(path).config())
+    cfg_file = path / "config.json"
+    if cfg_file.is_symlink() and not cfg_file.exists():
+        raise ConfigError(f"{cfg_file} is a symlink that leads nowhere (dangling, or a loop)")
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_file} must hold a JSON object")
+    return ModelArgs.from_hf_config(cfg)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on CUDA and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the Transformer for `args` (built on meta, nothing allocated)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+
+def _ignored(name: str, args: ModelArgs) -> bool:
+    """Tensors a checkpoint may carry that the model does not use: a tied head's copy, RoPE's inv_freq."""
+    return name == "lm_head.weight" and args.tie_word_embeddings or name.endswith("rotary_emb.inv_freq")
+
+
+def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: ModelArgs) -> None:
+    """CheckpointError unless `source` holds exactly the tensors `args` implies: no unexpected name (an extra
+    tensor means the checkpoint is not the model config.json describes), the right shapes, floating-point
+    dtypes, nothing missing. Headers only, nothing read: the resident loader, the offload planner and
+    `convert` all call it before they load, plan or cache anything."""
+    expected = expected_shapes(args)
+    seen: set[str] = set()
+    for raw, (dtype, shape) in tensor_specs(source).items():
+        name = raw.removeprefix("model.")
+        if _ignored(name, args):
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor {raw!r} for a {args.family} model of this config")
+        if tuple(shape) != expected[name]:
+            raise CheckpointError(f"{path}: {raw} has shape {list(shape)}, config.json implies {list(expected[name])}")
+        if not dtype.is_floating_point:
+            raise CheckpointError(f"{path}: {raw} has dtype {dtype}; expected floating-point weights")
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+
+
+def check_checkpoint(path: Path, args: ModelArgs, allow_pickle: bool = False) -> None:
+    """check_tensors on the weights load_model would read (headers only for safetensors/GGUF), so a broken
+    checkpoint is refused before anything is planned or loaded."""
+    check_tensors(path, _open_weights(path, allow_pickle), args)
+
+
+def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+               allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Checked tensors (check_tensors) by model parameter name, cast to dtype on device, one tensor at a time."""
+    source = _open_weights(path, allow_pickle)
+    check_tensors(path, source, args)
+    state: dict[str, torch.Tensor] = {}
+    for raw in source.names():
+        name = raw.removeprefix("model.")
+        if not _ignored(name, args):
+            state[name] = source.get(raw).to(device=device, dtype=dtype)
+    return state
+
+
+def load_model(path: Path, device: str | torch.device = "cpu", dtype: str = "auto",
+               allow_pickle: bool = False) -> Transformer:
+    """A resident Transformer in eval mode with every weight from the checkpoint at `path`."""
+    device = torch.device(device)
+    args = read_args(path)
+    state = read_state(path, args, resolve_dtype(dtype, device), device, allow_pickle)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval().requires_grad_(False)
+
+
+class _PickleSource:
+    """Pickle weights read with torch.load(weights_only=True): only when the user asked for it."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                self.tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+            except Exception as e:
+                raise CheckpointError(f"{f}: cannot read it as plain tensors ({_first_reason(e)})") from None
+        odd = next((k for k, v in self.tensors.items() if not isinstance(v, torch.Tensor)), None)
+        if odd is not None:                      # e.g. a training checkpoint: {"model": {...}, "step": 3}
+            raise CheckpointError(f"{files[0].parent}: pickle entry {odd!r} is not a tensor; expected a flat "
+                                  "name -> tensor state dict")
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def _first_reason(e: Exception) -> str:
+    """The telling part of torch.load's long weights_only refusal ("Unsupported global: ..."), else its first line."""
+    text = str(e)
+    start = text.find("Unsupported global")
+    return (text[start:].split(". ")[0] if start >= 0 else text.strip().splitlines()[0] if text.strip() else
+            type(e).__name__)
+
+
+def _open_weights(path: Path, allow_pickle: bool) -> CheckpointSource | _PickleSource:
+    if is_gguf(path):
+        return open_source(path)
+    has_safetensors = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()
+    pickles = pickle_files(path)
+    if not has_safetensors and pickles:
+        if not allow_pickle:
+            raise CheckpointError(f"{path} holds pickle weights ({pickles[0].name}), which can run code when "
+                                  "loaded; convert them to safetensors, or pass --allow-pickle to read them "
+                                  "with torch.load(weights_only=True)")
+        return _PickleSource(pickles)
+    return open_source(path)                    # safetensors, or AWQ/GPTQ by config.json's quantization_config

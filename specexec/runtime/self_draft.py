@@ -1,0 +1,161 @@
+"""The self-draft: the target's own network drafting for it (`--draft self[:FORMAT]`, `--draft-layers N|auto`).
+
+No second model to find, and a draft that agrees with the target far more often than a small model: it is the
+same network. Layer skipping as in self-speculative decoding (Zhang et al. 2023, "Draft & Verify": the draft
+runs a subset of the target's layers) and a resident low-bit copy of the layers the target streams (SubSpec,
+Wang et al. 2025): on a machine where the target streams, those are the layers that never stay.
+
+`SelfDraft` is a Transformer like any draft (forward, logits, args), so builders and verifiers never know:
+- it runs `layer_ids` of the target's decoder layers (evenly spaced, the first and the last among them:
+  ledger.spaced_layers), and its ModelArgs say len(layer_ids) layers, so its KV cache is sized for it;
+- its token embedding (a HostEmbedding too), final norm and LM head ARE the target's modules;
+- a layer the plan keeps resident is the target's own Block (the one every target pass runs, same tensors);
+- every other layer it runs is a resident copy in FORMAT, read from that format's layer cache
+  (offload/cache/store.py: one entry per checkpoint, format, dtype and packing - the very entry a target streamed
+  in that format uses, so with the device's default format nothing is quantized twice), built on first use
+  with per-layer progress through the caller's callback.
+
+Also here: `--draft self[:FORMAT]` parsing (`is_self_draft`, `self_draft_shape`).
+
+Does not know: which layers stay resident or how many the draft runs (the plan: specexec/runtime/ledger.py), how
+layers stream (offload.streaming.pager), trees, builders or verification.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from offload.cache.store import LayerCache, LayerNames
+from offload.quant.linear import FORMATS, QuantLinear, auto_format, bind_module, device_problem, swap_linears
+from offload.streaming.storage import LayerLayout, unpack_layer
+from offload.streaming.tiers import ResidentTier, fill, host_buffer
+
+from specexec.config import SELF_DRAFT, ConfigError, ModelArgs, is_self_draft  # noqa: F401 -- is_self_draft: re-exported
+from specexec.runtime.ledger import SelfDraftShape
+from specexec.model import Block, Transformer
+
+SELF = SELF_DRAFT
+Say = Callable[[str], None]
+
+
+def self_draft_format(spec: str, device: torch.device | str) -> str:
+    """The copies' format of `--draft self[:FORMAT]`: FORMAT, default quant.auto_format(device) (int4 on a CPU,
+    nf4 on CUDA). ConfigError (one line) for an unknown format or one the device cannot run."""
+    _, colon, fmt = spec.strip().partition(":")
+    fmt = fmt.strip().lower()
+    if colon and fmt not in FORMATS:
+        raise ConfigError(f"--draft {spec}: {fmt!r} is not a layer format; use self or self:FORMAT with FORMAT "
+                          f"one of: {', '.join(FORMATS)}")
+    fmt = fmt or auto_format(device)
+    problem = device_problem(fmt, device)
+    if problem:
+        raise ConfigError(f"--draft {spec}: {problem}")
+    return fmt
+
+
+def self_draft_shape(spec: str, layers: int | str | None, device: torch.device | str) -> SelfDraftShape:
+    """The ledger's SelfDraftShape of `--draft self[:FORMAT] --draft-layers N|auto` (None/auto: planned)."""
+    return SelfDraftShape(self_draft_format(spec, device), None if layers in (None, "auto") else int(layers))
+
+
+class SelfDraft(Transformer):
+    """The target over `layer_ids` of its decoder layers; see the module docstring. `blocks[j]` runs layer
+    layer_ids[j] (the target's own Block for the ids in `shared`, a resident copy in `fmt` for the others)."""
+
+    def __init__(self, target: Transformer, layer_ids: Sequence[int], blocks: Sequence[nn.Module], fmt: str,
+                 shared: Sequence[int]) -> None:
+        if len(blocks) != len(layer_ids):
+            raise ValueError(f"{len(blocks)} blocks for {len(layer_ids)} layers")
+        args = replace(target.args, n_layers=len(layer_ids))
+        with torch.device("meta"):                              # allocates nothing: every tensor is replaced
+            super().__init__(args)
+        self.embed_tokens = target.embed_tokens
+        self.layers = nn.ModuleList(blocks)
+        self.norm = target.norm
+        if not args.tie_word_embeddings:
+            self.lm_head = target.lm_head
+        self.inv_freq = target.inv_freq
+        self.layer_ids, self.fmt, self.shared = tuple(layer_ids), fmt, tuple(shared)
+        self.train(False)
+
+    @property
+    def copies(self) -> tuple[int, ...]:
+        """The layers held as copies (the target streams them)."""
+        return tuple(i for i in self.layer_ids if i not in set(self.shared))
+
+    def describe(self) -> str:
+        n = len(self.layer_ids)
+        return f"self: {n} layers, {len(self.shared)} shared, {n - len(self.shared)} {_name(self.fmt)} copies"
+
+
+def build_self_draft(target: Transformer, layer_ids: Sequence[int], fmt: str, path: Path | None = None,
+                     names: Sequence[LayerNames] | None = None, cache_root: str | Path | None = None,
+                     say: Say | None = None) -> SelfDraft:
+    """The SelfDraft of `target` over `layer_ids`: the target's resident Blocks where it has them
+    (OffloadedTransformer.resident_block; every layer of a resident Transformer), copies in `fmt` of the
+    others, read from the layer cache of the checkpoint at `path` (`names`: its per-layer tensor naming, as
+    the target's cache was built with) under `cache_root`. say(msg): progress lines (the cache build and the
+    reads, with a text bar)."""
+    say = say or (lambda _msg: None)
+    blocks = {i: b for i in layer_ids if (b := _resident(target, i)) is not None}
+    shared = sorted(blocks)
+    copies = [i for i in layer_ids if i not in blocks]
+    if copies:
+        if path is None or names is None:
+            raise ValueError(f"layers {copies} are streamed by the target: their copies need the checkpoint")
+        blocks.update(_copies(target.args, copies, fmt, target.norm.weight, path, names, cache_root, say))
+    return SelfDraft(target, layer_ids, [blocks[i] for i in layer_ids], fmt, shared)
+
+
+def _resident(target: Transformer, i: int) -> nn.Module | None:
+    """The target's own Block for layer i when it is resident (None: the target streams it)."""
+    get = getattr(target, "resident_block", None)
+    return get(i) if get is not None else target.layers[i]
+
+
+def _copies(args: ModelArgs, ids: Sequence[int], fmt: str, like: torch.Tensor, path: Path,
+            names: Sequence[LayerNames], cache_root: str | Path | None, say: Say) -> dict[int, Block]:
+    """Resident Blocks for layers `ids` in `fmt`, on like's device and in its dtype: the cache of that format
+    opened (built on first use: the whole checkpoint, so any --draft-layers later reuses it), the layers read
+    into one region and bound."""
+    device, dtype = like.device, like.dtype
+    on_layer = lambda done, total: say(f"self-draft: packing the target's layers {_name(fmt)} (cached) "  # noqa: E731
+                                       f"{bar(done, total)} {done}/{total}")
+    with LayerCache.open_or_build(path, names, fmt, dtype, cache_root=cache_root, progress=False, log=say,
+                                  quantize_device=str(device) if device.type == "cuda" else None,
+                                  on_layer=on_layer) as cache:
+        tier = ResidentTier({i: cache.nbytes(i) for i in ids}, device)
+        bounce = host_buffer(max(cache.nbytes(i) for i in ids)) if device.type == "cuda" else None
+        out = {}
+        for j, i in enumerate(ids, 1):
+            fill({i: tier.buffer(i)}, cache, bounce)
+            out[i] = copy_block(args, cache.layout(i), tier.buffer(i), fmt, dtype)
+            say(f"self-draft: {_name(fmt)} copies of the streamed layers {bar(j, len(ids))} {j}/{len(ids)}")
+    return out
+
+
+def copy_block(args: ModelArgs, layout: LayerLayout, buf: torch.Tensor, fmt: str, dtype: torch.dtype) -> Block:
+    """A Block bound to one packed layer in `buf` (views, no copy). A draft's linears may use batch-dependent
+    fused kernels (quant.kernel_for with row_exact=False)."""
+    with torch.device("meta"):
+        block = Block(args)
+    swap_linears(block, fmt, dtype)
+    for m in block.modules():
+        if isinstance(m, QuantLinear):
+            m.row_exact = False
+    bind_module(block, unpack_layer(buf, layout), layout.meta)
+    return block.eval().requires_grad_(False)
+
+
+def _name(fmt: str) -> str:
+    return "unquantized" if fmt == "none" else fmt
+
+
+def bar(done: int, total: int, width: int = 20) -> str:
+    """A text progress bar for a progress line (the terminal renders it; nothing here draws)."""
+    filled = width * done // max(total, 1)
+    return "█" * filled + "░" * (width - filled)

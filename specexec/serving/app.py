@@ -1,0 +1,339 @@
+"""The ASGI app behind `specexec serve`: starlette routes over one GenerationQueue (specexec/serving/queue.py).
+
+Routes: POST /v1/chat/completions and /v1/completions (JSON or server-sent events), GET /v1/models,
+/v1/models/{id}, /health and /metrics (Prometheus text; `?format=json` for JSON). With an API key every route
+but /health wants `Authorization: Bearer KEY` (401 otherwise). Each request is read (at most max_body bytes),
+checked and tokenized on the event loop's side (tokenizing on one helper thread), then queued: the engine runs
+on the queue's single worker thread, so the loop stays free to answer /health, /metrics and new requests while a
+generation runs. A client that disconnects (streamed or not) cancels its job at the next step. Every failure is
+an OpenAI-style JSON error body: 4xx for the client's mistakes, 500 only for bugs, and the server lives on.
+
+Importing this module needs starlette (the `serve` extra); cli/serve.py imports it only when serving.
+
+Does not know: request semantics (specexec.serving.openai_api), how jobs run (specexec.serving.queue), argument parsing and
+binding sockets (cli/serve.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specexec.serving import openai_api as api
+from specexec.config import ConfigError
+from specexec.runtime.assembly import Runtime
+from specexec.serving.queue import Delta, End, Failed, Finished, GenerationQueue, QueueFull, Ticket
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    api_key: str | None = None
+    max_queue: int = 64                    # waiting requests before 429
+    max_body: int = 8 * 2**20              # request body bytes before 413
+
+
+def error_response(err: api.ApiError) -> JSONResponse:
+    return JSONResponse(api.api_error_body(err), status_code=err.status)
+
+
+class EventStream(StreamingResponse):
+    """text/event-stream that always watches for the client going away (whatever ASGI version the server
+    speaks): a disconnect cancels the body iterator, whose cleanup cancels the job."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with anyio.create_task_group() as group:
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                group.cancel_scope.cancel()
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next_event(ticket: Ticket, gone: asyncio.Future) -> Any:
+    """The ticket's next event, or None when the client disconnected first."""
+    get = asyncio.ensure_future(ticket.events.get())
+    done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    return None
+
+
+class Server:
+    """The routes' state: the runtime, its queue, the defaults requests start from, request counters."""
+
+    def __init__(self, runtime: Runtime, defaults: api.ServerDefaults, settings: ServeSettings) -> None:
+        self.runtime, self.defaults, self.settings = runtime, defaults, settings
+        self.queue = GenerationQueue(runtime, settings.max_queue)
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specexec-tokenize")
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- plumbing
+    def route(self, handler: Handler, guarded: bool = True) -> Handler:
+        """Wrap a handler: API key check, ApiError/ConfigError -> OpenAI error body, request counting."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                if guarded:
+                    self._authorize(request)
+                response = await handler(request)
+            except api.ApiError as e:
+                response = error_response(e)
+            except ConfigError as e:
+                response = error_response(api.ApiError(str(e)))
+            self.requests[(request.url.path, response.status_code)] += 1
+            return response
+        return endpoint
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise api.ApiError("missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                               code="invalid_api_key", status=401)
+
+    async def _body(self, request: Request) -> dict:
+        limit = self.settings.max_body
+        length = request.headers.get("content-length", "")
+        too_big = api.ApiError(f"the request body exceeds {limit} bytes", code="request_too_large", status=413)
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return api.read_json(b"".join(chunks))
+
+    async def _tokenize(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
+
+    # ---------------------------------------------------------------- generation routes
+    async def chat(self, request: Request) -> Response:
+        body = await self._body(request)
+        options = api.parse_options(body, self.defaults)
+        messages = api.parse_messages(body)
+        ids = await self._tokenize(lambda: api.encode_chat(self.runtime.tokenizer, messages))
+        job = api.make_job("chat", options, [ids], self.defaults, self.runtime.context)
+        return await self._run(request, job)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        options = api.parse_options(body, self.defaults)
+        prompts = api.parse_prompts(body, self.runtime.target_info.args.vocab_size)
+        tok = self.runtime.tokenizer
+
+        def encode() -> tuple[list[list[int]], list[str]]:
+            ids = [api.encode_text(tok, p) for p in prompts]
+            texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if options.echo else []
+            return ids, texts
+        ids, texts = await self._tokenize(encode)
+        job = api.make_job("text", options, ids, self.defaults, self.runtime.context, texts)
+        return await self._run(request, job)
+
+    async def _run(self, request: Request, job: api.Job) -> Response:
+        try:
+            self.runtime.engine.rule_for(job.sampling)      # e.g. a verifier that is not exact at T > 0
+        except ConfigError as e:
+            raise api.ApiError(str(e), param="temperature", code="invalid_value") from None
+        try:
+            ticket = self.queue.submit(job)
+        except QueueFull as e:
+            raise api.ApiError(str(e), code="queue_full", status=429, kind="server_error") from None
+        if job.stream:
+            return EventStream(self._stream(ticket), headers={"Cache-Control": "no-cache",
+                                                              "X-Accel-Buffering": "no"})
+        result = await self._collect(request, ticket)
+        if result is None:                                  # the client is gone: nobody reads this
+            return Response(status_code=499)
+        choices, queue_ms = result
+        build = api.chat_response if job.kind == "chat" else api.completion_response
+        return JSONResponse(build(job, choices, queue_ms))
+
+    async def _collect(self, request: Request, ticket: Ticket) -> tuple[list[api.Choice], float] | None:
+        """Every event of a non-streamed job; None when the client disconnected (the job is cancelled)."""
+        choices = [api.Choice(i) for i in range(ticket.job.choices)]
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while (event := await _next_event(ticket, gone)) is not None:
+                if isinstance(event, End):
+                    return choices, event.queue_ms
+                if isinstance(event, Failed):
+                    raise api.ApiError(event.message, code="generation_failed", status=500, kind="server_error")
+                _apply(event, choices)
+            return None
+        finally:
+            gone.cancel()
+            ticket.cancel()
+
+    async def _stream(self, ticket: Ticket) -> AsyncIterator[bytes]:
+        """SSE chunks as the worker's events arrive; cancelling this iterator cancels the job."""
+        job = ticket.job
+        choices = [api.Choice(i) for i in range(job.choices)]
+        try:
+            if job.kind == "chat":
+                for i in range(job.choices):
+                    yield api.sse(api.chat_chunk(job, i, {"role": "assistant", "content": ""}))
+            while not isinstance(event := await ticket.events.get(), End):
+                if isinstance(event, Failed):
+                    yield api.sse(api.error_body(event.message, "server_error", code="generation_failed"))
+                    continue
+                _apply(event, choices)
+                yield api.sse(_chunk(job, event))
+            if job.include_usage:
+                yield api.sse(api.usage_chunk(job, choices, event.queue_ms))
+            yield api.SSE_DONE
+        finally:
+            ticket.cancel()
+
+    # ---------------------------------------------------------------- other routes
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(api.models_list(self.defaults.model_id, self.created))
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.defaults.model_id:
+            raise api.ApiError(f"the model {model_id!r} does not exist; this server has {self.defaults.model_id!r}",
+                               param="model", code="model_not_found", status=404)
+        return JSONResponse(api.model_card(model_id, self.created))
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.defaults.model_id, "queue_depth": self.queue.depth,
+                             "busy": self.queue.busy})
+
+    async def metrics(self, request: Request) -> Response:
+        snap = {**self.queue.metrics.snapshot(), "queue_depth": self.queue.depth, "busy": self.queue.busy,
+                "requests": [{"path": p, "status": s, "count": n} for (p, s), n in sorted(self.requests.items())]}
+        if request.query_params.get("format") == "json":
+            return JSONResponse(snap)
+        return PlainTextResponse(prometheus_text(snap), media_type="text/plain; version=0.0.4")
+
+    def close(self) -> None:
+        self.queue.close()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _apply(event: Any, choices: list[api.Choice]) -> None:
+    """Fold a Delta or Finished event into its choice."""
+    c = choices[event.index]
+    if isinstance(event, Delta):
+        c.text += event.text
+    elif isinstance(event, Finished):
+        c.finish_reason, c.prompt_tokens = event.finish_reason, event.prompt_tokens
+        c.completion_tokens, c.stats = event.completion_tokens, event.stats
+
+
+def _chunk(job: api.Job, event: Any) -> dict:
+    """The stream chunk of a Delta (new text) or Finished (finish reason and that choice's step stats)."""
+    if job.kind == "chat":
+        if isinstance(event, Delta):
+            return api.chat_chunk(job, event.index, {"content": event.text})
+        return api.chat_chunk(job, event.index, {}, event.finish_reason, event.stats)
+    if isinstance(event, Delta):
+        return api.completion_chunk(job, event.index, event.text)
+    return api.completion_chunk(job, event.index, "", event.finish_reason, event.stats)
+
+
+# name -> (type, help, snapshot key)
+PROMETHEUS = {
+    "specexec_queue_depth": ("gauge", "Requests waiting for the generation worker.", "queue_depth"),
+    "specexec_busy": ("gauge", "1 while a generation runs.", "busy"),
+    "specexec_jobs_submitted_total": ("counter", "Generation jobs accepted into the queue.", "jobs_submitted"),
+    "specexec_generated_tokens_total": ("counter", "Tokens generated.", "generated_tokens"),
+    "specexec_prefilled_tokens_total": ("counter", "Prompt tokens run through the target.", "prefilled_tokens"),
+    "specexec_reused_tokens_total": ("counter", "Prompt tokens whose KV cache was reused.", "reused_tokens"),
+    "specexec_steps_total": ("counter", "Target passes (decoding steps).", "steps"),
+    "specexec_decode_seconds_total": ("counter", "Seconds spent drafting and verifying.", "decode_seconds"),
+    "specexec_streamed_bytes_total": ("counter", "Target weight bytes streamed (offloaded).", "bytes_streamed"),
+    "specexec_tokens_per_step": ("gauge", "Generated tokens per target pass, all time.", "tokens_per_step"),
+    "specexec_tokens_per_second": ("gauge", "Generated tokens per decoding second, all time.", "tokens_per_second"),
+}
+LAST = {"tokens_per_second": "Decode tokens/s of the last generation.",
+        "tokens_per_step": "Tokens per target pass of the last generation.",
+        "effective_gb_s": "Streamed GB/s of the last generation (offloaded target only)."}
+
+
+def prometheus_text(snap: dict) -> str:
+    """The /metrics snapshot in the Prometheus text exposition format (values that are unknown are left out)."""
+    lines = []
+    for name, (kind, text, key) in PROMETHEUS.items():
+        if snap.get(key) is not None:
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {float(snap[key]):g}"]
+    for key, text in LAST.items():
+        if snap["last"].get(key) is not None:
+            name = f"specexec_last_{key}"
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {float(snap['last'][key]):g}"]
+    lines += ["# HELP specexec_jobs_total Generation jobs by outcome.", "# TYPE specexec_jobs_total counter"]
+    lines += [f'specexec_jobs_total{{outcome="{o}"}} {snap[f"jobs_{o}"]:g}'
+              for o in ("completed", "cancelled", "failed")]
+    lines += ["# HELP specexec_requests_total HTTP requests by path and status.",
+              "# TYPE specexec_requests_total counter"]
+    lines += [f'specexec_requests_total{{path="{r["path"]}",status="{r["status"]}"}} {r["count"]}'
+              for r in snap["requests"]]
+    return "\n".join(lines) + "\n"
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 404
+    message = f"{request.method} {request.url.path}: " + ("no such route" if status == 404 else
+                                                          getattr(exc, "detail", "refused"))
+    return error_response(api.ApiError(message, code="not_found" if status == 404 else None, status=status))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return error_response(api.ApiError(f"internal error {type(exc).__name__}: {exc}", status=500,
+                                       kind="server_error"))
+
+
+def build_app(runtime: Runtime, defaults: api.ServerDefaults, settings: ServeSettings = ServeSettings()) -> Starlette:
+    """The app; its lifespan starts the generation worker and stops it (cancelling what runs) at shutdown."""
+    server = Server(runtime, defaults, settings)
+    r = server.route
+    routes = [Route("/v1/chat/completions", r(server.chat), methods=["POST"]),
+              Route("/v1/completions", r(server.completions), methods=["POST"]),
+              Route("/v1/models", r(server.models), methods=["GET"]),
+              Route("/v1/models/{model_id:path}", r(server.model), methods=["GET"]),
+              Route("/health", r(server.health, guarded=False), methods=["GET"]),
+              Route("/metrics", r(server.metrics), methods=["GET"])]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.queue.start()
+        try:
+            yield
+        finally:
+            server.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _not_found, Exception: _server_error})
+    app.state.server = server
+    return app

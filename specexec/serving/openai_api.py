@@ -1,0 +1,402 @@
+"""The OpenAI HTTP API as pure functions: request bodies -> a validated `Job`, generation events -> response
+bodies, stream chunks and server-sent events, and OpenAI-style error bodies.
+
+Requests: `read_json` parses a body; `parse_options` checks the fields both endpoints share (types here, values
+through specexec.config: SamplingParams and check_number/check_integer are the one place values are judged);
+`parse_messages` / `parse_prompts` read what to continue; `encode_chat` / `encode_text` turn them into ids;
+`make_job` checks lengths against the context and freezes everything into a Job. Fields that common clients
+send are accepted: unknown ones are ignored, known ones asking for something this engine cannot do exactly
+(logprobs, logit_bias, tools, JSON mode, suffix) are a 400 that says so. presence_penalty and frequency_penalty
+(in [-2, 2], else a 400) apply with OpenAI's semantics over the tokens this request generates, exactly per tree
+node (specexec.sampling); repetition_penalty (HF's, over the whole context) is accepted too.
+Omitted sampling fields take the server's defaults (its --temperature etc.), not OpenAI's temperature 1.
+
+Responses: `chat_response` / `completion_response` (non-streamed) and `chat_chunk` / `completion_chunk` /
+`usage_chunk` (streamed, framed by `sse`, ended by SSE_DONE), each with `usage` and a `specexec` extension
+holding the engine's step statistics.
+
+Does not know: HTTP, sockets, the ASGI framework, threads and queues (specexec/serving/queue.py and specexec/serving/app.py
+do), how a token is generated (specexec.runtime.assembly).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from specexec.config import ConfigError, SamplingParams, check_integer, check_prompt_length
+from specexec.runtime.tokenizer import encode_messages
+
+SSE_DONE = b"data: [DONE]\n\n"
+MAX_N = 16                 # choices per request
+MAX_STOP = 16              # stop strings per request
+MAX_PROMPTS = 64           # prompts in one /v1/completions request
+# request field -> SamplingParams field, for the fields a request may set per call
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty", "seed": "seed"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(ConfigError):
+    """A request the server refuses: HTTP `status` and the OpenAI error body's type/param/code."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """{"error": {"message", "type", "param", "code"}} as OpenAI sends it."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def api_error_body(err: ApiError) -> dict:
+    return error_body(err.message, err.kind, err.param, err.code)
+
+
+# ------------------------------------------------------------------------------------------- requests
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What the server was started with: the model id it reports, default sampling and answer length."""
+
+    model_id: str
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int = 128          # default for a request that names none (capped by the context left)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The prompt-independent fields of one request, checked. `model` is accepted whatever it names (one
+    model is served); responses name the served model."""
+
+    model: str
+    n: int
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request, ready for the worker: every prompt as ids, n choices per prompt (choice index =
+    prompt index * n + sample index; sample i of a seeded request uses seed + choice index)."""
+
+    kind: str                                  # "chat" | "text"
+    id: str
+    created: int
+    model: str
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: tuple[int, ...]                # per prompt
+    n: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    echo_texts: tuple[str, ...] = ()           # /v1/completions echo=true: each prompt's text
+    enqueued: float = field(default_factory=time.perf_counter)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def sampling_for(self, choice: int) -> SamplingParams:
+        seed = self.sampling.seed
+        return self.sampling if seed is None or choice == 0 else replace(self.sampling, seed=seed + choice)
+
+
+def read_json(body: bytes) -> dict:
+    """The request body as a JSON object; ApiError for anything else."""
+    try:
+        obj = json.loads(body)
+    except UnicodeDecodeError:
+        raise ApiError("the request body is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ApiError(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise ApiError("the request body is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+               dict: "an object"}
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """body[name] if it has one of `kinds` (null/absent -> default); ints count as numbers, bools never do."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        want = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        raise ApiError(f"'{name}' must be {want}, got {json.dumps(value)[:80]}", param=name, code="invalid_type")
+    return value
+
+
+def _checked(param: str, check, *args: Any) -> None:
+    """Run a specexec.config check; its ConfigError becomes an ApiError naming `param`."""
+    try:
+        check(*args)
+    except ConfigError as e:
+        raise ApiError(str(e), param=param, code="invalid_value") from None
+
+
+def _unsupported(body: dict) -> None:
+    """400 for known fields that ask for what this engine cannot do exactly; their neutral values pass."""
+    checks = (("logprobs", (bool, int), lambda v: v in (False, 0)), ("top_logprobs", (int,), lambda v: v == 0),
+              ("logit_bias", (dict,), lambda v: not v), ("tools", (list,), lambda v: not v),
+              ("functions", (list,), lambda v: not v), ("suffix", (str,), lambda v: v == ""),
+              ("response_format", (dict,), lambda v: v.get("type", "text") == "text"))
+    for name, kinds, neutral in checks:
+        value = _field(body, name, kinds)
+        if value is not None and not neutral(value):
+            raise ApiError(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+
+
+def _sampling(body: dict, defaults: SamplingParams) -> SamplingParams:
+    """The server's defaults with the request's sampling fields on top, validated by SamplingParams."""
+    known = {f.name for f in fields(SamplingParams)}
+    given: dict[str, Any] = {}
+    for name, target in SAMPLING_FIELDS.items():
+        if target not in known:
+            continue
+        kinds = (int,) if target in ("top_k", "seed") else (int, float)
+        value = _field(body, name, kinds)
+        if value is not None:
+            given[target] = value
+    try:
+        return replace(defaults, **given)
+    except ConfigError as e:
+        param = next((n for n in given if str(e).startswith(n)), None)
+        raise ApiError(str(e), param=param, code="invalid_value") from None
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = _field(body, "stop", (str, list), [])
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP or not all(isinstance(s, str) for s in stops):
+        raise ApiError(f"'stop' must be a string or an array of at most {MAX_STOP} strings", param="stop",
+                       code="invalid_value")
+    return tuple(s for s in stops if s)
+
+
+def parse_options(body: dict, defaults: ServerDefaults) -> Options:
+    """Check the fields both endpoints share; raise ApiError naming the first bad one."""
+    _unsupported(body)
+    model = _field(body, "model", (str,), defaults.model_id)
+    n = _field(body, "n", (int,), 1)
+    _checked("n", check_integer, "n", n, 1, MAX_N)
+    best_of = _field(body, "best_of", (int,), n)
+    if best_of != n:
+        raise ApiError("'best_of' other than n is not supported", param="best_of", code="unsupported_parameter")
+    max_tokens = _field(body, "max_completion_tokens", (int,), None)
+    max_tokens = _field(body, "max_tokens", (int,), max_tokens)
+    if max_tokens is not None:
+        _checked("max_tokens", check_integer, "max_tokens", max_tokens, 1, 10**7)
+    stream = _field(body, "stream", (bool,), False)
+    stream_options = _field(body, "stream_options", (dict,), {})
+    include_usage = _field(stream_options, "include_usage", (bool,), False)
+    return Options(model, n, max_tokens, _sampling(body, defaults.sampling), _stop(body), stream,
+                   stream and include_usage, _field(body, "echo", (bool,), False))
+
+
+def _content_text(content: Any, index: int) -> str:
+    """A message's content as text: a string, null, or an array of {"type": "text", "text"} parts."""
+    param = f"messages[{index}].content"
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError("only text content parts ({'type': 'text', 'text': ...}) are supported",
+                               param=param, code="unsupported_content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(f"'{param}' must be a string or an array of text parts", param=param, code="invalid_type")
+
+
+def parse_messages(body: dict) -> list[dict[str, str]]:
+    """[{"role", "content"}] with text content; 'developer' is the system role under another name."""
+    messages = _field(body, "messages", (list,))
+    if not messages:
+        raise ApiError("'messages' must be a non-empty array of {'role', 'content'} objects", param="messages",
+                       code="invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(f"messages[{i}] must be an object whose 'role' is one of {', '.join(ROLES)}",
+                           param=f"messages[{i}]", code="invalid_value")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+    return out
+
+
+def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
+    """/v1/completions 'prompt': a string, an array of strings, an array of token ids, or an array of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_id(t) for t in prompt):
+            return [_ids(prompt, vocab_size)]
+        if len(prompt) <= MAX_PROMPTS and all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if len(prompt) <= MAX_PROMPTS and all(isinstance(p, list) and p for p in prompt):
+            return [_ids(p, vocab_size) for p in prompt]
+    raise ApiError(f"'prompt' must be a string, an array of at most {MAX_PROMPTS} strings, an array of token ids "
+                   "or an array of such arrays (none empty)", param="prompt", code="invalid_value")
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _ids(ids: list, vocab_size: int) -> list[int]:
+    bad = next((t for t in ids if not _is_id(t) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"token id {bad!r} in 'prompt' is not an id of this model's vocabulary "
+                       f"(0..{vocab_size - 1})", param="prompt", code="invalid_value")
+    return list(ids)
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt ids of a conversation through the model's chat template; a template's refusal is a 400."""
+    try:
+        return encode_messages(tokenizer, messages)
+    except ConfigError as e:
+        raise ApiError(str(e), param="messages", code="invalid_value") from None
+    except Exception as e:                  # noqa: BLE001 -- jinja's TemplateError, raise_exception(), ...
+        raise ApiError(f"the model's chat template rejected the messages: {e}", param="messages",
+                       code="invalid_value") from None
+
+
+def encode_text(tokenizer, prompt: str | list[int]) -> list[int]:
+    """Prompt ids of a /v1/completions prompt (ids pass through): the tokenizer's default encoding."""
+    return list(prompt) if isinstance(prompt, list) else list(tokenizer(prompt)["input_ids"])
+
+
+def _budget(n_prompt: int, max_tokens: int | None, default: int, context: int, param: str) -> int:
+    """max_tokens for one prompt: the request's (checked against the context) or the default, capped."""
+    limit = max_tokens if max_tokens is not None else max(min(default, context - n_prompt), 1)
+    try:
+        check_prompt_length(n_prompt, limit, context)
+    except ConfigError as e:
+        code = "context_length_exceeded" if n_prompt else "invalid_value"
+        raise ApiError(str(e).replace("--max-new-tokens", "max_tokens"), param=param, code=code) from None
+    return limit
+
+
+def make_job(kind: str, options: Options, prompts: Sequence[list[int]], defaults: ServerDefaults, context: int,
+             echo_texts: Sequence[str] = ()) -> Job:
+    """Freeze a request into a Job after checking every prompt plus its max_tokens against the context."""
+    param = "messages" if kind == "chat" else "prompt"
+    limits = tuple(_budget(len(p), options.max_tokens, defaults.max_tokens, context, param) for p in prompts)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    return Job(kind, prefix + uuid.uuid4().hex[:24], int(time.time()), defaults.model_id,
+               tuple(tuple(p) for p in prompts), limits, options.n, options.sampling, options.stop, options.stream,
+               options.include_usage, tuple(echo_texts) if options.echo else ())
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+@dataclass
+class Choice:
+    """What one choice produced (filled in as its events arrive)."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    stats: dict = field(default_factory=dict)
+
+
+def usage(choices: Sequence[Choice], job: Job) -> dict:
+    """OpenAI usage: each prompt counted once, every choice's generated tokens."""
+    prompt = sum(len(p) for p in job.prompts)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def extension(choices: Sequence[Choice], queue_ms: float) -> dict:
+    """The `specexec` field: totals over the choices plus each choice's step statistics."""
+    steps = sum(c.stats.get("steps", 0) for c in choices)
+    tokens = sum(c.completion_tokens for c in choices)
+    first = choices[0].stats if choices else {}
+    return {"queue_ms": round(queue_ms, 2), "steps": steps,
+            "tokens_per_step": round(tokens / steps, 3) if steps else None,
+            "reused_tokens": first.get("reused_tokens"), "budget": first.get("budget"),
+            "builder": first.get("builder"), "choices": [c.stats for c in choices]}
+
+
+def _head(job: Job, obj: str) -> dict:
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model}
+
+
+def chat_response(job: Job, choices: Sequence[Choice], queue_ms: float) -> dict:
+    body = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+             "finish_reason": c.finish_reason} for c in choices]
+    return {**_head(job, "chat.completion"), "choices": body, "usage": usage(choices, job),
+            "specexec": extension(choices, queue_ms)}
+
+
+def completion_response(job: Job, choices: Sequence[Choice], queue_ms: float) -> dict:
+    body = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            for c in choices]
+    return {**_head(job, "text_completion"), "choices": body, "usage": usage(choices, job),
+            "specexec": extension(choices, queue_ms)}
+
+
+def chat_chunk(job: Job, index: int, delta: dict, finish_reason: str | None = None,
+               stats: dict | None = None) -> dict:
+    """One chat.completion.chunk for one choice (`usage` null, as OpenAI sends when usage is requested)."""
+    out = {**_head(job, "chat.completion.chunk"),
+           "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if job.include_usage:
+        out["usage"] = None
+    if stats is not None:
+        out["specexec"] = stats
+    return out
+
+
+def completion_chunk(job: Job, index: int, text: str, finish_reason: str | None = None,
+                     stats: dict | None = None) -> dict:
+    out = {**_head(job, "text_completion"),
+           "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if job.include_usage:
+        out["usage"] = None
+    if stats is not None:
+        out["specexec"] = stats
+    return out
+
+
+def usage_chunk(job: Job, choices: Sequence[Choice], queue_ms: float) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage and the totals."""
+    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    return {**_head(job, obj), "choices": [], "usage": usage(choices, job), "specexec": extension(choices, queue_ms)}
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying `obj` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def models_list(model_id: str, created: int) -> dict:
+    return {"object": "list", "data": [model_card(model_id, created)]}
+
+
+def model_card(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "specexec"}

@@ -1,0 +1,261 @@
+"""One generation at a time for a server: a FIFO of Jobs run by ONE worker thread, events handed to the asyncio
+loop of the request that submitted them, cancellation at the next step, and running totals for /metrics.
+
+`GenerationQueue.submit(job)` (on the event loop) returns a Ticket; the worker runs the ticket's job with
+`run_job`, which calls Runtime.generate_ids once per choice and emits `Delta` (new text of one choice),
+`Finished` (its finish reason, token counts and the engine's step statistics) and finally `End` (or `Failed`
+when the job raised). `Ticket.cancel()` (a client went away) takes a waiting ticket out of the queue, or stops a
+running one before its next step: the engine's generator is closed and the worker moves on. Consecutive jobs
+share the engine, so a prompt that extends the previous one reuses its KV cache (Engine does it by prefix).
+
+Does not know: HTTP, JSON shapes (specexec.serving.openai_api), how a step works (specexec.runtime.assembly, specexec.engine).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specexec.serving.openai_api import Job
+from specexec.runtime.assembly import Detokenizer, Runtime
+
+
+class QueueFull(RuntimeError):
+    """The queue already holds max_queue waiting requests."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    index: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclass(frozen=True)
+class End:
+    queue_ms: float            # how long the job waited for the worker
+
+
+Event = Delta | Finished | Failed | End
+
+
+class Ticket:
+    """A submitted job: its events arrive on `events` (an asyncio.Queue of the submitting loop)."""
+
+    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
+        self.job, self.loop = job, loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self.on_cancel: Callable[[Ticket], None] | None = None
+
+    def cancel(self) -> None:
+        """Stop this job before its next step (or drop it from the queue); harmless once it has ended."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self.on_cancel is not None:
+                self.on_cancel(self)
+
+    def emit(self, event: Event) -> None:
+        """From the worker thread: hand `event` to the submitting loop (a closed loop cancels the job)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            self.cancelled.set()
+
+
+class Metrics:
+    """Running totals over every generation the worker ran (read with snapshot(); thread-safe)."""
+
+    COUNTERS = ("jobs_submitted", "jobs_completed", "jobs_cancelled", "jobs_failed", "generated_tokens",
+                "prefilled_tokens", "reused_tokens", "steps", "decode_seconds", "bytes_streamed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.totals: dict[str, float] = {k: 0 for k in self.COUNTERS}
+        self.last: dict[str, Any] = {}
+
+    def add(self, **values: float) -> None:
+        with self._lock:
+            for k, v in values.items():
+                self.totals[k] += v
+
+    def record(self, runtime: Runtime, n_tokens: int) -> dict:
+        """Account one finished generate_ids call; returns runtime.stats() for it."""
+        stats = runtime.stats()
+        gen = runtime.engine.stats
+        with self._lock:
+            for k, v in (("generated_tokens", n_tokens), ("prefilled_tokens", gen.prompt_tokens),
+                         ("reused_tokens", gen.reused_tokens), ("steps", len(gen.steps)),
+                         ("decode_seconds", gen.decode_s), ("bytes_streamed", stats.get("bytes_streamed", 0))):
+                self.totals[k] += v
+            self.last = {"tokens_per_second": stats.get("decode_tok_s"),
+                         "tokens_per_step": stats.get("tokens_per_step"),
+                         "effective_gb_s": stats.get("effective_gbps")}
+        return stats
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            totals, last = dict(self.totals), dict(self.last)
+        steps, secs = totals["steps"], totals["decode_seconds"]
+        return {**totals, "tokens_per_step": round(totals["generated_tokens"] / steps, 3) if steps else None,
+                "tokens_per_second": round(totals["generated_tokens"] / secs, 2) if secs else None,
+                "last": last}
+
+
+def _texts(runtime: Runtime, prompt: list[int], ids_iter: Iterator[list[int]], ids: list[int],
+           cancelled: threading.Event) -> Iterator[str]:
+    """New text after each step (held back while a character is incomplete); stops early when cancelled."""
+    detok = Detokenizer(runtime.tokenizer, prompt)
+    shown = 0
+    for new in ids_iter:
+        ids += new
+        text = detok.stable_text(ids)
+        if len(text) > shown:
+            yield text[shown:]
+            shown = len(text)
+        if cancelled.is_set():
+            return
+    rest = detok.text(ids)[shown:]
+    if rest:
+        yield rest
+
+
+def _finish_reason(ids: list[int], limit: int, eos: set[int]) -> str:
+    return "length" if len(ids) >= limit and not (ids and ids[-1] in eos) else "stop"
+
+
+def run_choice(runtime: Runtime, job: Job, choice: int, ticket: Ticket, metrics: Metrics) -> bool:
+    """Generate one choice, emitting its text as it comes; False when the ticket was cancelled."""
+    p = choice // job.n
+    prompt, limit = list(job.prompts[p]), job.max_tokens[p]
+    if job.echo_texts:
+        ticket.emit(Delta(choice, job.echo_texts[p]))
+    ids: list[int] = []
+    gen = runtime.generate_ids(prompt, limit, job.sampling_for(choice), job.stop)
+    try:
+        for text in _texts(runtime, prompt, gen, ids, ticket.cancelled):
+            ticket.emit(Delta(choice, text))
+    finally:
+        gen.close()
+    stats = metrics.record(runtime, len(ids))
+    if ticket.cancelled.is_set():
+        return False
+    reason = _finish_reason(ids, limit, runtime.engine.eos_ids)
+    ticket.emit(Finished(choice, reason, len(prompt), len(ids), stats))
+    return True
+
+
+def run_job(runtime: Runtime, ticket: Ticket, metrics: Metrics) -> None:
+    """Every choice of the ticket's job in order; ends with End (after Failed if it raised)."""
+    queue_ms = 1000 * (time.perf_counter() - ticket.submitted)
+    outcome = "jobs_completed"
+    try:
+        for choice in range(ticket.job.choices):
+            if ticket.cancelled.is_set() or not run_choice(runtime, ticket.job, choice, ticket, metrics):
+                outcome = "jobs_cancelled"
+                break
+    except Exception as e:                   # noqa: BLE001 -- reported to the client; the worker lives on
+        outcome = "jobs_failed"
+        ticket.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+    metrics.add(**{outcome: 1})
+    ticket.emit(End(queue_ms))
+
+
+class GenerationQueue:
+    """FIFO of tickets and the ONE thread that runs them (start() it; close() stops it)."""
+
+    def __init__(self, runtime: Runtime, max_queue: int = 64) -> None:
+        self.runtime, self.max_queue = runtime, max_queue
+        self.metrics = Metrics()
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._cond = threading.Condition()
+        self._running: Ticket | None = None
+        self._closed = False
+        self._threads = torch.get_num_threads()    # intra-op threads of the starting thread, for the worker
+        self._thread = threading.Thread(target=self._work, name="specexec-generate", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting (not counting the one running)."""
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def submit(self, job: Job) -> Ticket:
+        """Queue `job` (from a running event loop); QueueFull when max_queue tickets already wait."""
+        ticket = Ticket(job, asyncio.get_running_loop())
+        with self._cond:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting; retry later")
+            ticket.on_cancel = self._drop
+            self._waiting.append(ticket)
+            self._cond.notify()
+        self.metrics.add(jobs_submitted=1)
+        return ticket
+
+    def _drop(self, ticket: Ticket) -> None:
+        with self._cond:
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+                self.metrics.add(jobs_cancelled=1)
+
+    def _next(self) -> Ticket | None:
+        with self._cond:
+            while not self._waiting and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            self._running = self._waiting.popleft()
+            return self._running
+
+    def _work(self) -> None:
+        torch.set_num_threads(self._threads)
+        while (ticket := self._next()) is not None:
+            try:
+                run_job(self.runtime, ticket, self.metrics)
+            finally:
+                self._running = None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel the running job and every waiting one, then stop the worker."""
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            self._cond.notify_all()
+        for t in waiting:                        # the running one ends itself at its next step
+            t.cancelled.set()
+            t.emit(End(0.0))
+        if self._running is not None:
+            self._running.cancelled.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.runtime.engine.close()          # an offloaded target's pager thread

@@ -1,0 +1,129 @@
+"""Positional acceptance vectors (Sequoia's p_k): measured on a draft/target pair, cached per pair.
+
+p_k is the probability that, at a node on the accepted path, the k-th child the static builder proposes
+(ALGORITHMS.md §6) is the one the target accepts; 1 - sum(p) is the chance that none is. The static builder
+turns the vector into its tree shape. It is measured the way that builder drafts and is verified:
+- temperature 0: children are the draft's top-k, the target takes its argmax, so p_k is the share of
+  positions where the target's token is the draft's k-th most likely one;
+- temperature > 0: children are k draws without replacement from the processed q (Gumbel-top-k, draw order)
+  verified by V5 (verify.accept_rrs_without_replacement, the very rule the engine runs) against the processed
+  p, so p_k is the share of (position, draw) pairs where the k-th drawn child was accepted.
+Positions are the continuations the target itself produced for a prompt set (teacher forcing: one forward of
+each model over prompt + continuation gives p and q at every position at once).
+
+The vectors are cached as JSON under <cache>/acceptance/<pair fingerprint>.json, one per temperature;
+`--builder static` reads the file for its pair when it exists and picks the vector measured at the nearest
+temperature (builders/static.py).
+
+Does not know: how the continuations were generated, the CLI, tree shapes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from specexec.config import SamplingParams
+from specexec.model import Transformer
+from specexec.sampling import gumbel_topk, process_logits
+from specexec.tree import TokenTree
+from specexec.verify import accept_rrs_without_replacement
+
+POSITIONS = 16           # length of a measured vector (children per node the static shape may use)
+LOGIT_ROWS = 256         # positions per LM-head chunk ([rows, V] fp32 logits at a time)
+
+
+def pair_fingerprint(target_path: str | Path, draft_path: str | Path, target_args: object, draft_args: object,
+                     draft_vocab: object = None) -> str:
+    """What a pair's acceptance depends on: both checkpoints (path and shapes) and a trimmed draft head."""
+    parts = [str(Path(target_path).resolve()), str(Path(draft_path).resolve()), repr(target_args),
+             repr(draft_args), repr(draft_vocab)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def default_path(fingerprint: str) -> Path:
+    root = os.environ.get("SPECEXEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specexec")
+    return Path(root) / "acceptance" / f"{fingerprint}.json"
+
+
+@torch.no_grad()
+def position_log_probs(model: Transformer, ids: Sequence[int], start: int, sampling: SamplingParams) -> Tensor:
+    """Teacher-forced processed log-probs of the next token at positions start-1 .. len(ids)-2, i.e. the
+    distributions the tokens ids[start:] were drawn from: float32 [len(ids) - start, V]."""
+    dev = next(model.parameters()).device
+    tokens = torch.tensor(list(ids), device=dev)
+    hidden = model(tokens[None], torch.arange(tokens.numel(), device=dev)[None])[0]
+    rows = torch.arange(start - 1, tokens.numel() - 1, device=dev)
+    return torch.cat([process_logits(model.logits(hidden, rows[i:i + LOGIT_ROWS]), sampling)
+                      for i in range(0, rows.numel(), LOGIT_ROWS)])
+
+
+def greedy_rank_counts(logp: Tensor, logq: Tensor, k: int = POSITIONS) -> Tensor:
+    """T = 0: logp, logq [T, V]; counts [k + 1]: how often the target's argmax is the draft's top-(i+1)
+    token (index k: outside the draft's top-k). Ties in q rank by token id, as torch.topk does on CPU."""
+    target = logp.argmax(dim=-1)
+    top = torch.topk(logq, min(k, logq.shape[-1]), dim=-1).indices         # [T, k]
+    hit = top == target[:, None]
+    rank = torch.where(hit.any(dim=-1), hit.float().argmax(dim=-1), torch.full_like(target, k))
+    return torch.bincount(rank, minlength=k + 1)[: k + 1].double()
+
+
+def sampled_rank_counts(logp: Tensor, logq: Tensor, k: int = POSITIONS, draws: int = 4,
+                        generator: torch.Generator | None = None) -> Tensor:
+    """T > 0: for each position, `draws` times: k children drawn from q without replacement, verified by V5
+    against p; counts [k + 1] of which child was accepted (index k: none)."""
+    counts = torch.zeros(k + 1, dtype=torch.float64)
+    p_all, q_all = logp.exp(), logq.exp()
+    for t in range(logp.shape[0]):
+        p, q = p_all[t], q_all[t]
+        for _ in range(draws):
+            toks, _keys = gumbel_topk(logq[t], k, generator)
+            tree = TokenTree.from_lists([0, *toks.tolist()], [-1] + [0] * toks.numel(), device=logp.device)
+            acc = accept_rrs_without_replacement(tree, lambda node: p, lambda node: q, generator)
+            counts[acc.nodes[1] - 1 if len(acc.nodes) > 1 else k] += 1
+    return counts
+
+
+def measure(target: Transformer, draft: Transformer, sequences: Sequence[tuple[Sequence[int], int]],
+            sampling: SamplingParams, k: int = POSITIONS, draws: int = 4,
+            generator: torch.Generator | None = None) -> tuple[list[float], int]:
+    """The acceptance vector p_1..p_k over `sequences` = (prompt + continuation ids, continuation start);
+    returns (vector, number of positions measured)."""
+    counts = torch.zeros(k + 1, dtype=torch.float64)
+    for ids, start in sequences:
+        if start < 1 or start >= len(ids):
+            continue
+        logp = position_log_probs(target, ids, start, sampling)
+        logq = position_log_probs(draft, ids, start, sampling).to(logp.device)
+        counts += (greedy_rank_counts(logp, logq, k) if sampling.greedy
+                   else sampled_rank_counts(logp, logq, k, draws, generator))
+    total = float(counts.sum())
+    if total == 0:
+        return [], 0
+    return [round(float(c) / total, 6) for c in counts[:k]], int(total if sampling.greedy else total // draws)
+
+
+def save(path: Path, temperature: float, vector: list[float], **meta: object) -> None:
+    """Add (or replace) the vector for `temperature` in the pair's file, keeping the others."""
+    data = read(path) or {}
+    vectors = dict(data.get("vectors", {}))
+    vectors[f"{float(temperature):g}"] = {"acceptance": list(vector), **meta}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"vectors": vectors}, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read(path: Path) -> dict | None:
+    """The pair's file, or None when absent or unreadable (a damaged cache is re-measured, never trusted)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
