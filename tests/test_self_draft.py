@@ -108,6 +108,19 @@ def test_resident_layers_are_shared_first_and_the_ledger_is_exact(quant: str, fm
 
 
 @pytest.mark.parametrize("target", [T70, Q32])
+def test_copies_in_the_targets_format_never_displace_resident_layers(target: Path) -> None:
+    """NF4 self-draft of an NF4 target on a 24 GB card: a copy costs what a resident layer costs, so every
+    draft layer stays resident and shared (none copied) and the target streams only the others; a layer
+    count that cannot all stay resident is refused (auto then picks fewer), not planned as all copies."""
+    budget = card_budget(24 * GB)
+    m = _plan(target, "nf4", None, budget, 64 * GB)
+    resident = set(m.plan.layers_in("resident"))
+    assert not m.draft_copies and set(m.draft_layers) <= resident and m.ledger()["draft weights"] == 0
+    with pytest.raises(PlanError, match="try fewer --draft-layers"):
+        _plan(target, "nf4", len(resident) + 1, budget, 64 * GB, quant="nf4")
+
+
+@pytest.mark.parametrize("target", [T70, Q32])
 def test_auto_picks_the_most_layers_that_fit(capsys, target: Path) -> None:
     """`specexec plan --draft self` on a 24 GB card from config.json alone: --draft-layers auto's choice fits,
     one layer more does not; the plan prints the choice."""

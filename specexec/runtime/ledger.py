@@ -559,6 +559,8 @@ def _self_placement(shape: RunShape, fmt: str, host: bool, reserve: int, ram: in
     this ends at the largest consistent plan (a PlanError on the way holds for it too: it needs more)."""
     ids = self_layer_ids(shape)
     shared = frozenset(ids)
+    if shape.self_draft.fmt == fmt and mode in ("auto", "none"):
+        return _self_all_shared(shape, fmt, host, reserve, ram, gpu, mode, bw, ids)
     while True:
         needs = needs_for(shape, fmt, host, reserve, shared)
         p = plan(needs, shape.device, ram, gpu, mode, bw)
@@ -567,6 +569,21 @@ def _self_placement(shape: RunShape, fmt: str, host: bool, reserve: int, ram: in
         if now == shared:
             return needs, p
         shared = now
+
+
+def _self_all_shared(shape: RunShape, fmt: str, host: bool, reserve: int, ram: int, gpu: int | None, mode: str,
+                     bw: Bandwidths, ids: tuple[int, ...]) -> tuple[Needs, Plan]:
+    """Copies in the target's own format cost exactly what keeping those layers resident costs, and a resident
+    layer also spares the target its stream: every draft layer stays resident, shared (PlanError when they do
+    not all fit; --draft-layers auto then tries fewer). Without this a plan short of one resident place
+    would fall through the fixed point to all copies and none resident."""
+    needs = needs_for(shape, fmt, host, reserve, frozenset(ids))
+    p = plan(needs, shape.device, ram, gpu, mode, bw)
+    p = replace(p, tiers=_draft_layers_first(p.tiers, ids))
+    if not frozenset(ids) <= frozenset(p.layers_in("resident")):
+        raise PlanError(f"the self-draft's {len(ids)} layers do not all fit resident beside the run "
+                        f"({len(p.layers_in('resident'))} do); try fewer --draft-layers")
+    return needs, p
 
 
 def _plan_self_auto(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str,
