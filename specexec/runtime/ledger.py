@@ -589,8 +589,10 @@ def _self_all_shared(shape: RunShape, fmt: str, host: bool, reserve: int, ram: i
 def _plan_self_auto(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | None, mode: str,
                     bw: Bandwidths) -> MemoryPlan:
     """--draft-layers auto: the most decoder layers whose copies fit (bisection: each more layer costs memory,
-    a copy or KV cache). Over a wholly resident target there are no copies and all its layers would make the
-    draft the target itself: half of them then (a layer-skipping draft)."""
+    a copy or KV cache), at most half of them when the target keeps half or more of its layers resident: its
+    pass then costs little more than computing them, and a draft as deep would cost nearly as much (over a
+    wholly resident target, all its layers would make the draft the target itself). Half: a layer-skipping
+    draft."""
     n = shape.target.n_layers
     sd = shape.self_draft
 
@@ -605,8 +607,9 @@ def _plan_self_auto(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: in
             best, lo = attempt(mid), mid
         except PlanError:
             hi = mid - 1
-    if not best.plan.streams and lo == n and n > MIN_SELF_LAYERS:
-        best = attempt(max(MIN_SELF_LAYERS, n // 2))
+    half = max(MIN_SELF_LAYERS, n // 2)
+    if lo > half and len(best.plan.layers_in("resident")) >= half:
+        best = attempt(half)          # the target mostly resident: a deeper draft costs nearly a target pass
     return best
 
 
