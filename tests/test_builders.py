@@ -20,13 +20,14 @@ from specexec.builders.static import StaticBuilder, load_acceptance, save_accept
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.runtime.loading import load_model
-from specexec.runtime.assembly import BUILDERS, Runtime, builder_needs_draft, make_builder
+from specexec.builders.registry import builder_needs_draft, make_builder, names as builder_names
+from specexec.runtime.assembly import Runtime
 from specexec.sampling import process_logits
 from specexec.tree import TokenTree
 from tests.tiny_models import load_pair_models, prompt
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, counts_from_tokens, select_vocab
 
-NEW_BUILDERS = [name for name in BUILDERS if name != "specexec"]
+NEW_BUILDERS = [name for name in builder_names() if name != "specexec"]
 N_NEW = 32
 
 
@@ -188,11 +189,11 @@ def test_a_verifier_that_is_not_exact_for_the_builder_is_refused(models, name: s
 
 
 def test_declared_drafting_kinds() -> None:
-    kinds = {name: make_builder(name).drafting for name in BUILDERS}
+    kinds = {name: make_builder(name).drafting for name in builder_names()}
     assert kinds == {"specexec": "deterministic", "chain": "without_replacement", "static": "without_replacement",
                      "dynamic": "deterministic", "optree": "deterministic", "rsd": "without_replacement",
                      "rsd-c": "without_replacement", "recycling": "deterministic"}
-    for name in BUILDERS:
+    for name in builder_names():
         b = make_builder(name)
         assert b.name == name and (b.drafting == "deterministic" or callable(getattr(b, "draft_probs", None)))
     assert not builder_needs_draft("recycling") and all(builder_needs_draft(n) for n in NEW_BUILDERS

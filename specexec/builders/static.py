@@ -35,6 +35,7 @@ from torch import Tensor
 from specexec.config import ConfigError, SamplingParams
 from specexec.tree import TokenTree
 from specexec.builders.growth import Growth, QStore, draft_passes, host_values, pick_children, upload
+from specexec.builders.registry import register
 
 DEFAULT_ACCEPTANCE = (0.60, 0.12, 0.05, 0.03, 0.02, 0.014, 0.01, 0.008,
                       0.006, 0.005, 0.004, 0.003, 0.0025, 0.002, 0.0015, 0.001)
@@ -163,6 +164,7 @@ def save_acceptance(path: str | Path, acceptance: list[float], **meta: object) -
     Path(path).write_text(json.dumps({"acceptance": list(acceptance), **meta}, indent=1), encoding="utf-8")
 
 
+@register
 @dataclass
 class StaticBuilder:
     acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
