@@ -29,13 +29,12 @@ import torch
 from torch import Tensor
 
 from specexec.config import SamplingParams
-from specexec.model import Transformer
+from specexec.model import LOGIT_CHUNK, Transformer
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
 from specexec.verify import accept_rrs_without_replacement
 
 POSITIONS = 16           # length of a measured vector (children per node the static shape may use)
-LOGIT_ROWS = 256         # positions per LM-head chunk ([rows, V] fp32 logits at a time)
 
 
 def pair_fingerprint(target_path: str | Path, draft_path: str | Path, target_args: object, draft_args: object,
@@ -60,8 +59,8 @@ def position_log_probs(model: Transformer, ids: Sequence[int], start: int, sampl
     tokens = torch.tensor(list(ids), device=dev)
     hidden = model(tokens[None], torch.arange(tokens.numel(), device=dev)[None])[0]
     rows = torch.arange(start - 1, tokens.numel() - 1, device=dev)
-    return torch.cat([process_logits(model.logits(hidden, rows[i:i + LOGIT_ROWS]), sampling)
-                      for i in range(0, rows.numel(), LOGIT_ROWS)])
+    return torch.cat([process_logits(model.logits(hidden, rows[i:i + LOGIT_CHUNK]), sampling)
+                      for i in range(0, rows.numel(), LOGIT_CHUNK)])
 
 
 def greedy_rank_counts(logp: Tensor, logq: Tensor, k: int = POSITIONS) -> Tensor:
