@@ -208,7 +208,7 @@ def _trim_draft(draft: Transformer, target: Transformer, tokenizer, t_path: Path
     def measure() -> torch.Tensor:
         say(f"--draft-vocab: sampling the target on {len(prompts)} prompts to count its tokens (cached)")
         calib = config.replace(budget=16, auto_budget=False, builder="specexec", draft_vocab=None, verifier="auto")
-        engine = Engine(target, draft, calib, SpecExecBuilder(), eos)
+        engine = Engine(target, draft, calib, make_builder("specexec"), eos)
         sampling = SamplingParams(temperature=1.0, seed=0)
         return measure_counts(lambda ids: [t for s in engine.generate(ids, VOCAB_CALIBRATION_TOKENS, sampling)
                                            for t in s], prompts, vocab)
