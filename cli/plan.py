@@ -21,7 +21,7 @@ from offload.cache.identity import default_cache_root
 from offload.platform.mounts import slow_mount_warnings
 from offload.planner import GB, Bandwidths, PlanError, default_budgets
 from specexec.config import (ConfigError, budget_options, check_choice, check_integer, check_number, choices,
-                             parse_size)
+                             choices_help, parse_size)
 from specexec.runtime.ledger import (ASSUMED, MemoryPlan, RunShape, card_budget, card_for, plan_context, plan_memory,
                              what_fits, with_warnings)
 from specexec.runtime.loading import read_args, resolve_model_path
@@ -45,18 +45,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "(default: this machine's GPU, or the CPU when there is none)")
     p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 64GB (default: available minus a margin)")
     p.add_argument("--device", metavar="DEV", help="cpu or cuda (default: cuda with --gpu-memory or a GPU here)")
-    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {' | '.join(choices('--quant'))} (default auto)")
-    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {' | '.join(choices('--draft-quant'))} "
+    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {choices_help('--quant')} (default auto)")
+    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {choices_help('--draft-quant')} "
                    "(default none)")
-    p.add_argument("--offload", metavar="TIER", help=f"{' | '.join(choices('--offload'))} (default auto)")
+    p.add_argument("--offload", metavar="TIER", help=f"{choices_help('--offload')} (default auto)")
     p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens (default 64; auto: 1024)")
-    p.add_argument("--builder", metavar="NAME", default="specexec", help=f"tree builder: {', '.join(choices('--builder'))} (default specexec)")
+    p.add_argument("--builder", metavar="NAME", default="specexec",
+                   help=f"tree builder: {choices_help('--builder')} (default specexec)")
     p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) to plan the KV caches for "
                    "(default 4096, at most the model's maximum)")
-    p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(choices('--dtype'))} (default auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--kv-quant", metavar="FMT", help=f"KV cache rows: {' | '.join(choices('--kv-quant'))} (default "
+    p.add_argument("--dtype", metavar="TYPE", help=f"{choices_help('--dtype')} (default auto: bf16 on CUDA, fp32 "
+                   "on CPU)")
+    p.add_argument("--kv-quant", metavar="FMT", help=f"KV cache rows: {choices_help('--kv-quant')} (default "
                    "none; int8 is LOSSY: half the bytes, no exactness claim)")
-    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {' | '.join(choices('--kv-offload'))} "
+    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {choices_help('--kv-offload')} "
                    "(default auto: on the device, streamed with their layer from RAM when the device runs short)")
     p.add_argument("--link-gbps", type=float, metavar="GB/S", help=f"host -> GPU bandwidth (default "
                    f"{DEFAULT_LINK_GBPS:g} on CUDA; on a CPU the RAM tier's copy rate, default "

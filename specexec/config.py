@@ -220,6 +220,11 @@ def choices(flag: str) -> tuple[str, ...]:
     return _CHOICES[flag]()
 
 
+def choices_help(flag: str) -> str:
+    """choices(flag) as --help text writes them: 'a | b | c'."""
+    return " | ".join(choices(flag))
+
+
 def check_integer(name: str, value: Any, low: int, high: int) -> None:
     """Raise ConfigError unless value is an integer (not a bool, not 2.5) in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -22,7 +22,7 @@ from cli import args as common
 from cli.bench import plot
 from cli.bench.common import Plan, Result, encode_prompts, first_mismatch, run_variant, wide
 from specexec.builders.registry import builder_needs_draft, names as builder_names
-from specexec.config import ConfigError, check_number, parse_budget_list, parse_float_list
+from specexec.config import ConfigError, check_number, choices_help, parse_budget_list, parse_float_list
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 
@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Run the prompt set through each tree builder at equal node budgets and "
                                    "temperatures, with the target alone as the reference; print one table.")
     common.add_common_args(p, max_new_default="64")
-    p.add_argument("--builders", metavar="LIST", help=f"builders to compare (default all: {', '.join(builder_names())})")
+    p.add_argument("--builders", metavar="LIST", help=f"builders to compare (default all: {choices_help('--builder')})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, metavar="LIST",
                    help=f"node budgets (default {DEFAULT_BUDGETS})")
     p.add_argument("--temperatures", default="0,0.6", metavar="LIST", help="temperatures (default 0,0.6)")
