@@ -19,12 +19,12 @@ from dataclasses import fields
 
 from rich.console import Console
 
-from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_CHOICES, OFFLOAD_CHOICES, QUANT_CHOICES,
-                             ConfigError, EngineConfig, OffloadConfig, SamplingParams, budget_options,
-                             check_draft_choice)
+from specexec.config import (ConfigError, EngineConfig, OffloadConfig, SamplingParams, budget_options,
+                             check_draft_choice, choices_help)
 from cli.fetch import add_hub_args, fetch_model, target_reserve
 from specexec.runtime.offloaded import TargetPlan
-from specexec.runtime.assembly import Runtime, builder_needs_draft
+from specexec.builders.registry import builder_needs_draft
+from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SELF, is_self_draft
 
 # SamplingParams fields that get a flag here: name -> (type, metavar, help)
@@ -62,11 +62,13 @@ def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") ->
     p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens, or auto: picked per step from "
                    "measured pass costs and acceptance (default 64, or the models.yaml entry's)")
     p.add_argument("--max-budget", type=int, metavar="N", help="largest tree --budget auto tries (default 1024)")
-    p.add_argument("--builder", metavar="NAME", help=f"tree builder: {', '.join(BUILDERS)} (default specexec)")
+    p.add_argument("--builder", metavar="NAME", help=f"tree builder: {choices_help('--builder')} (default specexec)")
     p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--kv-quant", metavar="FMT", help="KV cache rows: none (default) | int8 (LOSSY: half the memory "
-                   "and bytes moved; the output may differ from the target's, so no exactness claim holds)")
+    p.add_argument("--dtype", metavar="TYPE", help=f"{choices_help('--dtype')} (default auto: bf16 on CUDA, fp32 "
+                   "on CPU)")
+    p.add_argument("--kv-quant", metavar="FMT", help=f"KV cache rows: {choices_help('--kv-quant')} (default "
+                   "none; int8 is LOSSY: half the memory and bytes moved; the output may differ from the target's, so "
+                   "no exactness claim holds)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -77,11 +79,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> None:
-    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {' | '.join(QUANT_CHOICES)} (default auto, "
+    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {choices_help('--quant')} (default auto, "
                    "or the models.yaml entry's)")
-    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {' | '.join(DRAFT_QUANT_CHOICES)} "
+    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {choices_help('--draft-quant')} "
                    "(default none; the draft always stays resident)")
-    p.add_argument("--offload", metavar="TIER", help=f"where target layers live: {' | '.join(OFFLOAD_CHOICES)} "
+    p.add_argument("--offload", metavar="TIER", help=f"where target layers live: {choices_help('--offload')} "
                    "(default auto: the planner decides from the budgets; none = all resident, ram = all streamed "
                    "from (pinned) RAM, ssd = all streamed from the on-disk layer cache)")
     p.add_argument("--gpu-budget", metavar="SIZE", help="GPU memory to use, e.g. 22GB (default: free minus a margin)")
@@ -95,7 +97,7 @@ def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> 
     else:
         p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) the memory plan reserves "
                        "KV cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
-    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {' | '.join(KV_OFFLOAD_CHOICES)} (default "
+    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {choices_help('--kv-offload')} (default "
                    "auto: on the device, or in RAM travelling with their layer when the device runs short)")
     p.add_argument("--draft-layers", metavar="N|auto", help="with --draft self: how many of the target's decoder "
                    "layers the draft runs, evenly spaced, first and last included (default auto: the most whose "

@@ -20,11 +20,12 @@ from rich.console import Console
 
 from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sampling_args, apply_catalog_defaults,
                       engine_config, offload_config, print_plan, sampling_params)
-from specexec.config import (VERIFIERS, ConfigError, EngineConfig, SamplingParams,
+from specexec.config import (ConfigError, EngineConfig, SamplingParams, choices_help,
                              check_chat_options, check_draft_choice, check_number, check_prompt_text,
                              parse_draft_vocab)
 from cli.prefill_bar import prefill_bar
-from specexec.runtime.assembly import Detokenizer, ModelInfo, Runtime, builder_needs_draft
+from specexec.builders.registry import builder_needs_draft
+from specexec.runtime.assembly import Detokenizer, ModelInfo, Runtime
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1, metavar="N",
                    help="N independent samples of the same prompt (loaded and prefilled once)")
     p.add_argument("--verifier", metavar="RULE",
-                   help=f"acceptance rule at T > 0: {', '.join(VERIFIERS)} (default auto: the builder's own)")
+                   help=f"acceptance rule at T > 0: {choices_help('--verifier')} (default auto: the builder's own)")
     add_engine_args(p)
     p.add_argument("--draft-vocab", metavar="N|auto",
                    help="VocabTrim: the draft proposes only the N tokens the target samples most (measured once "

@@ -20,9 +20,8 @@ import sys
 from offload.cache.identity import default_cache_root
 from offload.platform.mounts import slow_mount_warnings
 from offload.planner import GB, Bandwidths, PlanError, default_budgets
-from specexec.config import (BUILDERS, DRAFT_QUANT_CHOICES, DTYPES, KV_OFFLOAD_CHOICES, KV_QUANT_CHOICES,
-                             OFFLOAD_CHOICES, QUANT_CHOICES, ConfigError, budget_options, check_choice, check_integer,
-                             check_number, parse_size)
+from specexec.config import (ConfigError, budget_options, check_choice, check_integer, check_number, choices,
+                             choices_help, parse_size)
 from specexec.runtime.ledger import (ASSUMED, MemoryPlan, RunShape, card_budget, card_for, plan_context, plan_memory,
                              what_fits, with_warnings)
 from specexec.runtime.loading import read_args, resolve_model_path
@@ -46,18 +45,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "(default: this machine's GPU, or the CPU when there is none)")
     p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 64GB (default: available minus a margin)")
     p.add_argument("--device", metavar="DEV", help="cpu or cuda (default: cuda with --gpu-memory or a GPU here)")
-    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {' | '.join(QUANT_CHOICES)} (default auto)")
-    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {' | '.join(DRAFT_QUANT_CHOICES)} "
+    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {choices_help('--quant')} (default auto)")
+    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {choices_help('--draft-quant')} "
                    "(default none)")
-    p.add_argument("--offload", metavar="TIER", help=f"{' | '.join(OFFLOAD_CHOICES)} (default auto)")
+    p.add_argument("--offload", metavar="TIER", help=f"{choices_help('--offload')} (default auto)")
     p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens (default 64; auto: 1024)")
-    p.add_argument("--builder", metavar="NAME", default="specexec", help="tree builder (default specexec)")
+    p.add_argument("--builder", metavar="NAME", default="specexec",
+                   help=f"tree builder: {choices_help('--builder')} (default specexec)")
     p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) to plan the KV caches for "
                    "(default 4096, at most the model's maximum)")
-    p.add_argument("--dtype", metavar="TYPE", help=f"{' | '.join(DTYPES)} (default auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--kv-quant", metavar="FMT", help="KV cache rows: none (default) | int8 (LOSSY: half the bytes, "
-                   "no exactness claim)")
-    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {' | '.join(KV_OFFLOAD_CHOICES)} "
+    p.add_argument("--dtype", metavar="TYPE", help=f"{choices_help('--dtype')} (default auto: bf16 on CUDA, fp32 "
+                   "on CPU)")
+    p.add_argument("--kv-quant", metavar="FMT", help=f"KV cache rows: {choices_help('--kv-quant')} (default "
+                   "none; int8 is LOSSY: half the bytes, no exactness claim)")
+    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {choices_help('--kv-offload')} "
                    "(default auto: on the device, streamed with their layer from RAM when the device runs short)")
     p.add_argument("--link-gbps", type=float, metavar="GB/S", help=f"host -> GPU bandwidth (default "
                    f"{DEFAULT_LINK_GBPS:g} on CUDA; on a CPU the RAM tier's copy rate, default "
@@ -112,7 +113,7 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     import torch
 
     from specexec.runtime.loading import resolve_dtype
-    from specexec.runtime.assembly import make_builder
+    from specexec.builders.registry import make_builder
 
     from specexec.config import parse_draft_layers
     from specexec.runtime.ledger import with_self_draft
@@ -128,11 +129,10 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     check_integer("--budget", budget, 1, 16384)
     if ns.context is not None:
         check_integer("--context", ns.context, 16, 10**7)
-    check_choice("--builder", ns.builder, BUILDERS)
-    check_choice("--dtype", ns.dtype or "auto", DTYPES)
-    check_choice("--draft-quant", ns.draft_quant or "none", DRAFT_QUANT_CHOICES)
-    check_choice("--kv-quant", ns.kv_quant or "none", KV_QUANT_CHOICES)
-    check_choice("--kv-offload", ns.kv_offload or "auto", KV_OFFLOAD_CHOICES)
+    for flag, value in (("--builder", ns.builder), ("--dtype", ns.dtype or "auto"),
+                        ("--draft-quant", ns.draft_quant or "none"), ("--kv-quant", ns.kv_quant or "none"),
+                        ("--kv-offload", ns.kv_offload or "auto")):
+        check_choice(flag, value, choices(flag))
     builder = make_builder(ns.builder)
     draft_kv = builder.kv_slots if (draft is not None or own) and builder.needs_draft else None
     dtype = resolve_dtype(ns.dtype or "auto", torch.device(device))
@@ -155,9 +155,9 @@ def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
 
     device = _device(ns)
     quant = ns.quant or "auto"
-    check_choice("--quant", quant, QUANT_CHOICES)
+    check_choice("--quant", quant, choices("--quant"))
     mode = ns.offload or "auto"
-    check_choice("--offload", mode, OFFLOAD_CHOICES)
+    check_choice("--offload", mode, choices("--offload"))
     shape = _shape(ns, device)
     gpu, ram, source = _budgets(ns, device)
     bandwidths = _bandwidths(ns, device)

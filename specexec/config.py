@@ -2,7 +2,10 @@
 
 ModelArgs comes from a checkpoint's config.json; SamplingParams and EngineConfig from CLI flags (or a server
 request, or models.yaml). Every check of a user-supplied value lives here and raises ConfigError with the
-offending value and what to do instead; callers never re-validate.
+offending value and what to do instead; callers never re-validate. The names a choice flag accepts
+(--builder, --verifier, --quant, --offload, ...) are not listed here: `choices(flag)` reads each from the
+registry that owns it (builders.registry, verify.RULES, offload's quant formats and planner modes), lazily
+where that registry imports this module or torch.
 
 Does not know: how weights are loaded or anything about trees; which devices exist only in check_device,
 which asks torch lazily.
@@ -12,7 +15,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
+
+from offload import planner
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -175,6 +180,51 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
 
 
+def _builders() -> tuple[str, ...]:
+    from specexec.builders.registry import names      # lazy: the builders import this module
+    return names()
+
+
+def _verifiers() -> tuple[str, ...]:
+    from specexec.verify import RULES                  # lazy: verify imports this module
+    return ("auto", *RULES)
+
+
+def _quant_formats() -> tuple[str, ...]:
+    from offload.quant.linear import FORMATS           # lazy: keeps torch out of this module's import
+    return tuple(FORMATS)
+
+
+def _kv_quants() -> tuple[str, ...]:
+    from specexec.kv.rows import QUANTS                # lazy: keeps torch out of this module's import
+    return tuple(QUANTS)
+
+
+# Choice flag -> where its accepted values are registered. Flags, --help text, validation and error messages
+# all call choices(); no other module lists these names.
+_CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+    "--builder": _builders,                            # specexec.builders.registry (@register)
+    "--verifier": _verifiers,                          # specexec.verify.RULES, plus auto (the builder's own)
+    "--dtype": lambda: DTYPES,
+    "--kv-quant": _kv_quants,                          # specexec.kv.rows.QUANTS
+    "--quant": lambda: ("auto", *_quant_formats()),    # offload.quant.linear.FORMATS, plus auto
+    "--draft-quant": _quant_formats,
+    "--offload": lambda: planner.OFFLOAD_MODES,
+    "--kv-offload": lambda: planner.COMPANION_MODES,   # where streamed layers' KV rows live
+}
+
+
+def choices(flag: str) -> tuple[str, ...]:
+    """The accepted values of a choice flag ("--builder", "--quant", ...), read from the registry that owns
+    them; KeyError for a flag that has no registry."""
+    return _CHOICES[flag]()
+
+
+def choices_help(flag: str) -> str:
+    """choices(flag) as --help text writes them: 'a | b | c'."""
+    return " | ".join(choices(flag))
+
+
 def check_integer(name: str, value: Any, low: int, high: int) -> None:
     """Raise ConfigError unless value is an integer (not a bool, not 2.5) in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -182,10 +232,7 @@ def check_integer(name: str, value: Any, low: int, high: int) -> None:
     check_number(name, value, low=low, high=high)
 
 
-VERIFIERS = ("auto", "greedy", "sample_match", "rrs", "rrs_wor")   # see verify.RULES
-BUILDERS = ("specexec", "chain", "static", "dynamic", "optree", "rsd", "rsd-c", "recycling")   # runtime.BUILDERS
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_QUANT_CHOICES = ("none", "int8")                      # specexec.kv.rows.QUANTS
+DTYPES = ("auto", "float32", "bfloat16", "float16")     # the run dtype; loading.DTYPES maps these to torch
 MAX_BUDGET = 16384
 AUTO_MAX_BUDGET = 1024              # the largest tree --budget auto tries unless --max-budget says otherwise
 
@@ -222,17 +269,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_number("budget", self.budget, low=1, high=MAX_BUDGET)
-        check_choice("--kv-quant", self.kv_quant, KV_QUANT_CHOICES)
+        check_choice("--kv-quant", self.kv_quant, choices("--kv-quant"))
         check_draft_vocab(self.draft_vocab)
         check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
         if self.prefill_chunk is not None:
             check_integer("prefill_chunk", self.prefill_chunk, low=1, high=10**6)
-        if self.builder not in BUILDERS:
-            raise ConfigError(f"unknown builder {self.builder!r}; choose one of: {', '.join(BUILDERS)}")
-        if self.verifier not in VERIFIERS:
-            raise ConfigError(f"unknown verifier {self.verifier!r}; choose one of: {', '.join(VERIFIERS)}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        check_choice("builder", self.builder, choices("--builder"))
+        check_choice("verifier", self.verifier, choices("--verifier"))
+        check_choice("dtype", self.dtype, DTYPES)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"unknown device {self.device!r}; use cpu or cuda")
 
@@ -243,11 +287,6 @@ class EngineConfig:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(bad))}")
         return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
-
-QUANT_CHOICES = ("auto", "none", "nf4", "fp4", "int8", "int4")   # offload.quant.linear.FORMATS plus auto
-KV_OFFLOAD_CHOICES = ("auto", "device", "stream")        # where target KV rows live (OffloadConfig.kv_offload)
-DRAFT_QUANT_CHOICES = ("none", "nf4", "fp4", "int8", "int4")
-OFFLOAD_CHOICES = ("auto", "none", "ram", "ssd")          # offload.planner.OFFLOAD_MODES
 
 
 @dataclass(frozen=True)
@@ -278,16 +317,15 @@ class OffloadConfig:
     draft_layers: int | str | None = None        # --draft self: decoder layers the draft runs (None/auto: planned)
 
     def __post_init__(self) -> None:
-        check_choice("--kv-offload", self.kv_offload, KV_OFFLOAD_CHOICES)
+        check_choice("--kv-offload", self.kv_offload, choices("--kv-offload"))
         if self.context is not None:
             check_integer("--context", self.context, low=16, high=10**7)
         if self.draft_layers is not None and self.draft_layers != "auto":
             check_integer("--draft-layers", self.draft_layers, low=1, high=10**5)
-        for flag, value, choices in (("--quant", self.quant, QUANT_CHOICES),
-                                     ("--draft-quant", self.draft_quant, DRAFT_QUANT_CHOICES),
-                                     ("--offload", self.offload, OFFLOAD_CHOICES)):
-            if value not in choices:
-                raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+        for flag, value in (("--quant", self.quant), ("--draft-quant", self.draft_quant),
+                            ("--offload", self.offload)):
+            if value not in choices(flag):
+                raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(choices(flag))}")
         for flag, value in (("--gpu-budget", self.gpu_budget), ("--ram-budget", self.ram_budget)):
             if value is not None:
                 check_number(flag, value, low=1, high=2**62)

@@ -18,14 +18,13 @@ import torch
 from specexec.builders.base import DraftState, TreeBuilder
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.kv.cache import KVCache
-from specexec.model import Transformer, TreeMask
+from specexec.model import LOGIT_CHUNK, Transformer, TreeMask
 from specexec.profiler import Profiler, Span
 from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.tuning.budget import BudgetTuner, CostModel, calibration_sizes, cost_fingerprint, default_cost_path
 from specexec.verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
 
-LOGIT_CHUNK = 256        # rows of the LM head computed at once: 256 x 152k fp32 = 155 MB
 PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (EngineConfig.prefill_chunk overrides)
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
 

@@ -25,6 +25,8 @@ from specexec.attention import AttentionPlan, TreeMask, attend, build_plan, pick
 from specexec.config import ModelArgs
 from specexec.kv.cache import KVCache
 
+LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:

@@ -2,13 +2,14 @@
 is verified (top-k + argmax at T = 0; draws without replacement + V5 at T > 0), and its cache file."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from specexec.tuning import acceptance
-from specexec.builders.static import StaticBuilder, load_acceptance, load_acceptance_table
+from specexec.builders.static import StaticBuilder
 from specexec.config import ConfigError, SamplingParams
 from specexec.runtime.loading import load_model
 
@@ -47,13 +48,12 @@ def test_save_keeps_other_temperatures_and_static_picks_the_nearest(tmp_path) ->
     acceptance.save(path, 0.0, [0.7, 0.1], positions=10)
     acceptance.save(path, 0.6, [0.5, 0.2, 0.1])
     acceptance.save(path, 0.0, [0.8, 0.1])                         # replaces T=0 only
-    table = load_acceptance_table(path)
+    table = acceptance.load_table(path)
     assert table == {0.0: (0.8, 0.1), 0.6: (0.5, 0.2, 0.1)}
     b = StaticBuilder(acceptance_file=str(path))
     assert b.vector_for(0.0) == (0.8, 0.1) and b.vector_for(0.35) == (0.5, 0.2, 0.1) and b.vector_for(2) == (0.5, 0.2, 0.1)
     assert b.shape_for(6, 0.0).size == 6
-    with pytest.raises(ConfigError, match="per temperature"):
-        load_acceptance(path)
+    assert b.vector_for(None) == (0.8, 0.1)                         # no temperature: the lowest measured
 
 
 def test_a_damaged_cache_file_is_read_as_absent_or_refused(tmp_path) -> None:
@@ -61,7 +61,7 @@ def test_a_damaged_cache_file_is_read_as_absent_or_refused(tmp_path) -> None:
     path.write_text("{not json")
     assert acceptance.read(path) is None
     acceptance.save(path, 0.6, [0.5])                              # a damaged file is replaced, not trusted
-    assert load_acceptance_table(path) == {0.6: (0.5,)}
+    assert acceptance.load_table(path) == {0.6: (0.5,)}
     path.write_text('{"vectors": {"0": {"acceptance": [0.9, 0.9]}}}')
     with pytest.raises(ConfigError, match="summing to at most 1"):
         StaticBuilder(acceptance_file=str(path))
@@ -74,3 +74,21 @@ def test_expected_tokens_grow_with_the_budget() -> None:
     assert expected_tokens(vec, 1) == pytest.approx(1.6)
     assert expected_tokens(vec, 4) > expected_tokens(vec, 2) > expected_tokens(vec, 1)
     assert expected_tokens(vec, 1000) < 1 / (1 - sum(vec)) + 1e-6 + math.inf
+
+
+@pytest.mark.parametrize("content", ["[0.7, 0.1]", '{"acceptance": [0.7, 0.1]}', '{"vectors": {}}', "{not json"])
+def test_anything_but_the_one_file_format_is_refused_in_one_line(tmp_path, content: str) -> None:
+    path = tmp_path / "acc.json"                    # bare vectors (the old single-vector format) included
+    path.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        StaticBuilder(acceptance_file=str(path))
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_the_format_round_trips_with_metadata_and_temperatures_as_keys(tmp_path) -> None:
+    path = tmp_path / "acc.json"
+    acceptance.save(path, 0.6, [0.7, 0.1, 0.05], pair="tiny", positions=12)
+    data = json.loads(path.read_text())
+    assert data == {"vectors": {"0.6": {"acceptance": [0.7, 0.1, 0.05], "pair": "tiny", "positions": 12}}}
+    assert acceptance.load_table(path) == {0.6: (0.7, 0.1, 0.05)} == {0.6: tuple(acceptance.read(path)["vectors"]
+                                                                                   ["0.6"]["acceptance"])}

@@ -10,7 +10,8 @@ import pytest
 
 from cli.main import main
 from specexec.tuning import acceptance
-from specexec.config import BUILDERS, EngineConfig
+from specexec.builders.registry import names as builder_names
+from specexec.config import EngineConfig
 from specexec.runtime.assembly import Runtime
 
 ROW_KEYS = {"builder", "budget", "temperature", "rule", "tokens_per_pass", "draft_ms_per_step",
@@ -36,10 +37,10 @@ def test_every_builder_at_both_temperatures(capsys, tiny_pair, tiny_perturbed_dr
     assert code == 0, err
     data = json.loads(out)
     rows = data["rows"]
-    assert len(rows) == 2 * (1 + 2 * len(BUILDERS))               # per T: target only + builders × budgets
+    assert len(rows) == 2 * (1 + 2 * len(builder_names()))               # per T: target only + builders × budgets
     assert all(ROW_KEYS <= r.keys() for r in rows)
     greedy = [r for r in rows if r["temperature"] == 0 and r["budget"] is not None]
-    assert {r["builder"] for r in greedy} == set(BUILDERS)
+    assert {r["builder"] for r in greedy} == set(builder_names())
     assert all(r["identical"] is True for r in greedy), [r for r in greedy if not r["identical"]]
     assert all(r["tokens_per_pass"] >= 1 for r in rows if r["tokens_per_pass"] is not None)
     drafted = [r for r in greedy if r["builder"] not in ("recycling",)]

@@ -16,17 +16,19 @@ import torch
 from cli.main import main
 from specexec.builders.recycling import RecyclingBuilder
 from specexec.builders.rsd import RSDBuilder, branching_shape, shift_gumbel
-from specexec.builders.static import StaticBuilder, load_acceptance, save_acceptance, tree_shape
+from specexec.builders.static import StaticBuilder, tree_shape
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.runtime.loading import load_model
-from specexec.runtime.assembly import BUILDERS, Runtime, builder_needs_draft, make_builder
+from specexec.builders.registry import builder_needs_draft, make_builder, names as builder_names
+from specexec.runtime.assembly import Runtime
 from specexec.sampling import process_logits
 from specexec.tree import TokenTree
 from tests.tiny_models import load_pair_models, prompt
+from specexec.tuning import acceptance
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, counts_from_tokens, select_vocab
 
-NEW_BUILDERS = [name for name in BUILDERS if name != "specexec"]
+NEW_BUILDERS = [name for name in builder_names() if name != "specexec"]
 N_NEW = 32
 
 
@@ -188,11 +190,11 @@ def test_a_verifier_that_is_not_exact_for_the_builder_is_refused(models, name: s
 
 
 def test_declared_drafting_kinds() -> None:
-    kinds = {name: make_builder(name).drafting for name in BUILDERS}
+    kinds = {name: make_builder(name).drafting for name in builder_names()}
     assert kinds == {"specexec": "deterministic", "chain": "without_replacement", "static": "without_replacement",
                      "dynamic": "deterministic", "optree": "deterministic", "rsd": "without_replacement",
                      "rsd-c": "without_replacement", "recycling": "deterministic"}
-    for name in BUILDERS:
+    for name in builder_names():
         b = make_builder(name)
         assert b.name == name and (b.drafting == "deterministic" or callable(getattr(b, "draft_probs", None)))
     assert not builder_needs_draft("recycling") and all(builder_needs_draft(n) for n in NEW_BUILDERS
@@ -247,12 +249,12 @@ def test_dp_shape_grows_with_budget_and_handles_large_budgets() -> None:
 
 def test_acceptance_vector_file_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "acc.json"
-    save_acceptance(path, [0.7, 0.1, 0.05], pair="tiny", temperature=0.6)
-    assert load_acceptance(path) == (0.7, 0.1, 0.05)
+    acceptance.save(path, 0.6, [0.7, 0.1, 0.05], pair="tiny")
+    assert acceptance.load_table(path) == {0.6: (0.7, 0.1, 0.05)}
     assert StaticBuilder(acceptance_file=str(path)).shape_for(6).size == 6
-    path.write_text(json.dumps({"acceptance": [0.9, 0.5]}))
+    path.write_text(json.dumps({"vectors": {"0.6": {"acceptance": [0.9, 0.5]}}}))
     with pytest.raises(ConfigError, match="summing to at most 1"):
-        load_acceptance(path)
+        acceptance.load_table(path)
 
 
 def test_rsd_c_shape_and_rsd_s_beam() -> None:
@@ -380,9 +382,9 @@ def test_cli_rejects_a_bad_draft_vocab(capsys, tiny_pair) -> None:
 
 def test_builder_options_reach_the_builder_but_not_its_drafting_kind(tmp_path: Path) -> None:
     path = tmp_path / "acc.json"
-    save_acceptance(path, [0.8, 0.1])
+    acceptance.save(path, 0.0, [0.8, 0.1])
     builder = make_builder("static", (("acceptance_file", str(path)), ("max_depth", 4)))
-    assert builder.acceptance == (0.8, 0.1) and builder.max_depth == 4
+    assert builder.vector_for(0.0) == (0.8, 0.1) and builder.max_depth == 4
     with pytest.raises(ConfigError, match="cannot be set"):
         make_builder("rsd", (("drafting", "deterministic"),))
     with pytest.raises(ConfigError, match="does not take"):

@@ -17,7 +17,7 @@ from specexec.config import EngineConfig
 from specexec.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.runtime.loading import load_model
-from specexec.runtime.assembly import make_builder
+from specexec.builders.registry import make_builder
 from tests.tiny_models import prompt
 
 

@@ -23,7 +23,8 @@ from specexec.kv.cache import KVCache
 from specexec.runtime.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded, layer_names
-from specexec.runtime.assembly import BUILDERS, Runtime, make_builder
+from specexec.builders.registry import make_builder, names as builder_names
+from specexec.runtime.assembly import Runtime
 from tests.tiny_models import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +132,7 @@ def test_greedy_generation_through_the_offloaded_target_is_unchanged(tiny_pair, 
         model.close()
 
 
-@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize("name", builder_names())
 def test_greedy_output_with_an_int4_target_equals_that_target_alone(tiny_pair, tiny_perturbed_draft, cache_root,
                                                                     name: str) -> None:
     """Every builder, budgets 1/8/32: the int4 target streamed (mixed tiers, bf16 kernels, fp32 residual stream)

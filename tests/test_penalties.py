@@ -12,7 +12,7 @@ import torch
 
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.runtime.assembly import make_builder
+from specexec.builders.registry import make_builder
 from specexec.sampling import apply_presence_frequency, process_logits
 from tests.tiny_models import load_pair_models, prompt
 

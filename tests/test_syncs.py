@@ -14,7 +14,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.attention import TreeMask
-from specexec.runtime.assembly import make_builder
+from specexec.builders.registry import make_builder
 from specexec.tree import TokenTree, best_nodes
 from tests.sync_count import SyncCounter, count_calls
 from tests.tiny_models import load_pair_models, prompt

@@ -21,9 +21,10 @@ from rich.table import Table
 from cli import args as common
 from cli.bench import plot
 from cli.bench.common import Plan, Result, encode_prompts, first_mismatch, run_variant, wide
-from specexec.config import BUILDERS, ConfigError, check_number, parse_budget_list, parse_float_list
+from specexec.builders.registry import builder_needs_draft, names as builder_names
+from specexec.config import ConfigError, check_number, choices_help, parse_budget_list, parse_float_list
 from specexec.prompts import load_prompts
-from specexec.runtime.assembly import Runtime, builder_needs_draft
+from specexec.runtime.assembly import Runtime
 
 DEFAULT_BUDGETS = "16,64,256,1024"
 
@@ -33,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Run the prompt set through each tree builder at equal node budgets and "
                                    "temperatures, with the target alone as the reference; print one table.")
     common.add_common_args(p, max_new_default="64")
-    p.add_argument("--builders", metavar="LIST", help=f"builders to compare (default all: {', '.join(BUILDERS)})")
+    p.add_argument("--builders", metavar="LIST", help=f"builders to compare (default all: {choices_help('--builder')})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, metavar="LIST",
                    help=f"node budgets (default {DEFAULT_BUDGETS})")
     p.add_argument("--temperatures", default="0,0.6", metavar="LIST", help="temperatures (default 0,0.6)")
@@ -49,10 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def parse_builders(text: str | None, has_draft: bool) -> tuple[str, ...]:
     """The builders to run, in registry order when all; drafted builders need a draft."""
-    names = list(BUILDERS) if text is None else [b.strip() for b in text.split(",") if b.strip()]
+    known = builder_names()
+    names = list(known) if text is None else [b.strip() for b in text.split(",") if b.strip()]
     for b in names:
-        if b not in BUILDERS:
-            raise ConfigError(f"--builders: unknown builder {b!r}; choose from: {', '.join(BUILDERS)}")
+        if b not in known:
+            raise ConfigError(f"--builders: unknown builder {b!r}; choose from: {', '.join(known)}")
     if not names:
         raise ConfigError("--builders lists no builder")
     if not has_draft:

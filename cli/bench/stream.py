@@ -33,7 +33,8 @@ from offload.streaming import storage
 from offload.streaming.pager import LayerPager
 from offload.planner import Needs, Plan, PlanError, default_budgets, plan
 from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read
-from specexec.config import DTYPES, ConfigError, ModelArgs, check_choice, check_device, check_integer, parse_size
+from specexec.config import (DTYPES, ConfigError, ModelArgs, check_choice, check_device, check_integer, choices,
+                             parse_size)
 from specexec.runtime.loading import resolve_dtype
 from specexec.model import Block
 from specexec.runtime.offloaded import (ASSUMED, N_BOUNCE, N_SLOTS, OffloadedTransformer, activation_bytes,
@@ -51,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                    "pager and measure one pass per tree size against the tier's raw bandwidth.")
     p.add_argument("--synthetic", required=True, choices=sorted(ARCHS), help="architecture shapes (Llama-3)")
     p.add_argument("--quant", default="nf4", choices=quant.FORMATS, help="layer format (default nf4)")
-    p.add_argument("--offload", default="ssd", choices=("auto", "none", "ram", "ssd"),
+    p.add_argument("--offload", default="ssd", choices=choices("--offload"),
                    help="where the layers live (default ssd; auto = planned from the budgets)")
     p.add_argument("--gpu-budget", metavar="SIZE", help="GPU memory for the plan (default: free minus a margin)")
     p.add_argument("--ram-budget", metavar="SIZE", help="RAM for the plan (default: available minus a margin)")

@@ -20,14 +20,9 @@ from pathlib import Path, PurePath
 import torch
 
 from offload.cache.manifest import VERSION, CacheError
-from offload.formats.checkpoint import INDEX, SINGLE
+from offload.formats.checkpoint import INDEX, SINGLE, ST_DTYPES
 from offload.quant.linear import dtype_name, packing
 from offload.formats.sources import detect_format, is_gguf, open_source, tensor_specs
-
-# safetensors header dtype codes -> torch dtypes (for planning sizes from headers alone)
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload.formats.checkpoint import CheckpointError, SafetensorsCheckpoint
+from offload.formats.checkpoint import ST_DTYPES, CheckpointError, SafetensorsCheckpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # AutoAWQ GEMM: nibble i of each int32 holds column AWQ_ORDER[i]
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)      # column k of each group of 8 sits in nibble AWQ_REVERSE[k]
@@ -275,19 +275,14 @@ class PackedCheckpoint:
         return {k: self.ckpt.get(f"{prefix}.{k}") for k in keys if f"{prefix}.{k}" in self._stored}
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
-
 def stored_dtype(ckpt: SafetensorsCheckpoint, name: str) -> torch.dtype:
     """The dtype of a safetensors tensor, from its file's header (nothing read)."""
     if name not in ckpt._where:
         raise CheckpointError(f"{ckpt.directory}: tensor {name!r} is missing")
     code = ckpt._open(ckpt._where[name]).get_slice(name).get_dtype()
-    if code not in _ST_DTYPES:
+    if code not in ST_DTYPES:
         raise CheckpointError(f"{ckpt.directory}: tensor {name} has dtype {code}, which this runtime cannot read")
-    return _ST_DTYPES[code]
+    return ST_DTYPES[code]
 
 
 # ----------------------------------------------------------------------------------------- packed linear

@@ -23,8 +23,10 @@ from torch import Tensor
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree
 from specexec.builders.growth import Growth, QStore, draft_passes, host_values, pick_children
+from specexec.builders.registry import register
 
 
+@register
 @dataclass
 class ChainBuilder:
     min_path_prob: float = 0.0

@@ -29,8 +29,10 @@ import torch
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree, best_nodes
 from specexec.builders.growth import Growth, draft_passes, host_values, kth_best, pick_children
+from specexec.builders.registry import register
 
 
+@register
 @dataclass
 class DynamicBuilder:
     top_k: int | None = None        # branching and nodes expanded per layer (None: from the budget)

@@ -28,8 +28,10 @@ import torch
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree, best_nodes
 from specexec.builders.growth import Growth, draft_passes, host_values, kth_best, pick_children
+from specexec.builders.registry import register
 
 
+@register
 @dataclass
 class OptTreeBuilder:
     threshold: float = 0.5          # delta: the least gain in expected accepted tokens worth another layer

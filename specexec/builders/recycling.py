@@ -26,10 +26,12 @@ from torch import Tensor
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree
 from specexec.builders.static import Shape, tree_shape
+from specexec.builders.registry import register
 
 RANK_ACCEPTANCE = (0.45, 0.15, 0.08, 0.05, 0.035, 0.025, 0.02, 0.015)
 
 
+@register
 @dataclass
 class RecyclingBuilder:
     k: int = 8

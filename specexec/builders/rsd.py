@@ -33,6 +33,7 @@ from specexec.sampling import gumbel_topk
 from specexec.tree import TokenTree
 from specexec.builders.growth import Growth, QStore, draft_passes, host_values
 from specexec.builders.static import Shape, StaticBuilder
+from specexec.builders.registry import register
 
 
 def shift_gumbel(g_child: Tensor, g_parent: Tensor, z: Tensor) -> Tensor:
@@ -42,6 +43,7 @@ def shift_gumbel(g_child: Tensor, g_parent: Tensor, z: Tensor) -> Tensor:
     return g_parent - u.clamp(min=0) - torch.log1p(torch.exp(-u.abs()))
 
 
+@register
 @dataclass
 class RSDBuilder:
     """RSD-S: beam width W = budget // L over L = depth (default round(sqrt(budget)), at most max_depth)."""
@@ -122,6 +124,7 @@ def branching_shape(budget: int, branching: tuple[int, ...]) -> Shape:
     return Shape.from_parents(parents)
 
 
+@register
 @dataclass
 class RSDConstantBuilder(StaticBuilder):
     """RSD-C: the static builder's level-by-level drafting over a constant-branching shape

@@ -39,6 +39,7 @@ from torch import Tensor
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree, best_nodes
 from specexec.builders.growth import Growth, draft_passes, host_values
+from specexec.builders.registry import register
 
 
 def processed_capacity(budget: int) -> int:
@@ -75,6 +76,7 @@ def width_fraction(ratio: float | None, narrow: float, wide: float, economy: flo
     return economy ** (math.log(wide / ratio) / math.log(wide / narrow))
 
 
+@register
 @dataclass
 class SpecExecBuilder:
     """Paper defaults: up to 128 beams per pass, top-32 children, at most 32 draft passes, depth decay 0.95."""

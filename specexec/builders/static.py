@@ -15,26 +15,26 @@ node i of the shape, every level's index tensors are built once per shape, and t
 score -inf until the one host sync of the tree drops them (with their subtrees): no sync per pass.
 
 The acceptance vector: DEFAULT_ACCEPTANCE (a plausible profile for a same-family pair), or measured ones from
-a JSON file (`acceptance_file`): a single vector (`save_acceptance`), or the per-temperature table that
-`specexec bench accept` measures on a pair (specexec/tuning/acceptance.py), from which each build uses the vector
-measured at the temperature nearest to its own. The runtime passes the pair's cached table when it exists.
+an acceptance file (`acceptance_file`, the one format of specexec/tuning/acceptance.py: vectors per temperature,
+as `specexec bench accept` measures them on a pair), from which each build uses the vector measured at the
+temperature nearest to its own. The runtime passes the pair's cached file when it exists.
 
 Does not know: the target, verification, how the acceptance vector was measured.
 """
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from specexec.config import ConfigError, SamplingParams
+from specexec.config import SamplingParams
 from specexec.tree import TokenTree
+from specexec.tuning.acceptance import load_table as load_acceptance_table
 from specexec.builders.growth import Growth, QStore, draft_passes, host_values, pick_children, upload
+from specexec.builders.registry import register
 
 DEFAULT_ACCEPTANCE = (0.60, 0.12, 0.05, 0.03, 0.02, 0.014, 0.01, 0.008,
                       0.006, 0.005, 0.004, 0.003, 0.0025, 0.002, 0.0015, 0.001)
@@ -123,46 +123,7 @@ def tree_shape(budget: int, max_depth: int, acceptance: tuple[float, ...] = DEFA
     return Shape.from_parents(parents, logv)
 
 
-def load_acceptance(path: str | Path) -> tuple[float, ...]:
-    """A measured acceptance vector from JSON: a list, or an object with an "acceptance" list."""
-    table = load_acceptance_table(path)
-    if None not in table:
-        raise ConfigError(f"{path} holds acceptance vectors per temperature ({', '.join(map(str, table))}); "
-                          "use load_acceptance_table")
-    return table[None]
-
-
-def load_acceptance_table(path: str | Path) -> dict[float | None, tuple[float, ...]]:
-    """Measured acceptance vectors from JSON: {None: vector} for a single vector (a list, or an object with
-    an "acceptance" list), or {temperature: vector} for `specexec bench accept`'s {"vectors": {...}} file."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the acceptance vector {path}: {e}") from None
-    if isinstance(data, dict) and isinstance(data.get("vectors"), dict) and data["vectors"]:
-        try:
-            temps = [float(t) for t in data["vectors"]]
-        except ValueError:
-            raise ConfigError(f"{path}: temperatures must be numbers, got {list(data['vectors'])}") from None
-        return {t: _checked(path, v.get("acceptance") if isinstance(v, dict) else v)
-                for t, v in zip(temps, data["vectors"].values())}
-    return {None: _checked(path, data.get("acceptance") if isinstance(data, dict) else data)}
-
-
-def _checked(path: str | Path, vec: object) -> tuple[float, ...]:
-    if (not isinstance(vec, list) or not vec or any(not isinstance(a, (int, float)) or not 0 <= a <= 1 for a in vec)
-            or sum(vec) > 1.0 + 1e-6):
-        raise ConfigError(f"{path}: the acceptance vector must be a non-empty list of probabilities summing to "
-                          f"at most 1, got {vec!r}")
-    return tuple(float(a) for a in vec)
-
-
-def save_acceptance(path: str | Path, acceptance: list[float], **meta: object) -> None:
-    """Write a measured acceptance vector (plus free-form metadata: pair, temperature, prompts) as JSON."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"acceptance": list(acceptance), **meta}, indent=1), encoding="utf-8")
-
-
+@register
 @dataclass
 class StaticBuilder:
     acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
@@ -176,11 +137,7 @@ class StaticBuilder:
 
     def __post_init__(self) -> None:
         if self.acceptance_file is not None:
-            table = load_acceptance_table(self.acceptance_file)
-            if None in table:
-                self.acceptance = table[None]
-            else:
-                self._by_temperature = {float(t): v for t, v in table.items() if t is not None}
+            self._by_temperature = load_acceptance_table(self.acceptance_file)
 
     def build(self, draft, root_token: int, budget: int, sampling: SamplingParams,
               rng: torch.Generator | None = None) -> TokenTree:
@@ -205,8 +162,7 @@ class StaticBuilder:
         return tree_shape(budget, self.max_depth, self.vector_for(temperature))
 
     def vector_for(self, temperature: float | None) -> tuple[float, ...]:
-        """The vector measured at the temperature nearest to `temperature` (None: the lowest), else the
-        single one."""
+        """The file's vector measured at the temperature nearest to `temperature` (None: 0), else `acceptance`."""
         if not self._by_temperature:
             return tuple(self.acceptance)
         t = 0.0 if temperature is None else float(temperature)

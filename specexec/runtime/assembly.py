@@ -3,9 +3,9 @@
 `Runtime.load()` is the one place that turns user-facing choices (model paths, EngineConfig) into running
 objects: it resolves the checkpoint paths, reads their configs (unsupported architectures fail before any
 weight is read), loads and cross-checks the tokenizers, loads both models on the configured device and dtype,
-and picks the tree builder from a small registry. `generate_ids()` adds what the engine deliberately leaves
-out: the context-length check and stop strings (which need the tokenizer). `Detokenizer` turns generated ids
-into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
+and makes the tree builder (specexec.builders.registry). `generate_ids()` adds what the engine deliberately
+leaves out: the context-length check and stop strings (which need the tokenizer). `Detokenizer` turns
+generated ids into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
 
 Memory plan and offloading: before any weight is loaded, the run is planned from the configs
 (specexec/runtime/ledger.py via offloaded.plan_target: the draft counted once in its --draft-quant format, each KV
@@ -39,13 +39,7 @@ from offload.formats.sources import is_gguf
 
 from specexec.tuning import acceptance
 from specexec.builders.base import TreeBuilder
-from specexec.builders.chain import ChainBuilder
-from specexec.builders.dynamic import DynamicBuilder
-from specexec.builders.optree import OptTreeBuilder
-from specexec.builders.recycling import RecyclingBuilder
-from specexec.builders.rsd import RSDBuilder, RSDConstantBuilder
-from specexec.builders.specexec import SpecExecBuilder
-from specexec.builders.static import StaticBuilder
+from specexec.builders.registry import make_builder
 from specexec.config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
                      check_draft_vocab, check_prompt_length)
 from specexec.engine import Engine
@@ -58,38 +52,7 @@ from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, is_se
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
-# Builder name -> factory. config.BUILDERS validates the names; add a builder in both places.
-BUILDERS: dict[str, Callable[[], TreeBuilder]] = {
-    "specexec": SpecExecBuilder,
-    "chain": ChainBuilder,
-    "static": StaticBuilder,
-    "dynamic": DynamicBuilder,
-    "optree": OptTreeBuilder,
-    "rsd": RSDBuilder,
-    "rsd-c": RSDConstantBuilder,
-    "recycling": RecyclingBuilder,
-}
-
 Progress = Callable[[str], None]
-
-
-def make_builder(name: str, options: tuple[tuple[str, object], ...] = ()) -> TreeBuilder:
-    """A fresh builder by name, with EngineConfig.builder_options as keyword arguments (e.g. static's
-    acceptance_file); ConfigError for a name the registry lacks or an option the builder does not take."""
-    if name not in BUILDERS:
-        raise ConfigError(f"unknown builder {name!r}; choose one of: {', '.join(BUILDERS)}")
-    fixed = [k for k, _ in options if k in ("name", "drafting", "needs_draft") or k.startswith("_")]
-    if fixed:                                   # the drafting kind decides which verifiers are exact
-        raise ConfigError(f"builder option(s) {', '.join(fixed)} cannot be set")
-    try:
-        return BUILDERS[name](**dict(options))
-    except TypeError as e:
-        raise ConfigError(f"builder {name!r} does not take the options {dict(options)}: {e}") from None
-
-
-def builder_needs_draft(name: str) -> bool:
-    """Whether the named builder grows its tree with a draft model."""
-    return bool(make_builder(name).needs_draft)
 
 
 @dataclass(frozen=True)
@@ -245,7 +208,7 @@ def _trim_draft(draft: Transformer, target: Transformer, tokenizer, t_path: Path
     def measure() -> torch.Tensor:
         say(f"--draft-vocab: sampling the target on {len(prompts)} prompts to count its tokens (cached)")
         calib = config.replace(budget=16, auto_budget=False, builder="specexec", draft_vocab=None, verifier="auto")
-        engine = Engine(target, draft, calib, SpecExecBuilder(), eos)
+        engine = Engine(target, draft, calib, make_builder("specexec"), eos)
         sampling = SamplingParams(temperature=1.0, seed=0)
         return measure_counts(lambda ids: [t for s in engine.generate(ids, VOCAB_CALIBRATION_TOKENS, sampling)
                                            for t in s], prompts, vocab)

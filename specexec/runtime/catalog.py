@@ -22,19 +22,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from specexec.config import MAX_BUDGET, SUPPORTED_ARCHITECTURES, ConfigError, check_number, is_self_draft
+from specexec.config import MAX_BUDGET, SUPPORTED_ARCHITECTURES, ConfigError, check_number, choices, is_self_draft
 
 CATALOG_ENV = "SPECEXEC_MODELS_YAML"
 DIRS_ENV = "SPECEXEC_MODEL_DIRS"
 FAMILIES = tuple(sorted(set(SUPPORTED_ARCHITECTURES.values())))
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TOP_KEYS = ("version", "models")
-
-
-def quant_formats() -> tuple[str, ...]:
-    """The quantization formats offload/ implements (none, nf4, fp4, int8)."""
-    from offload.quant.linear import FORMATS
-    return tuple(FORMATS)
 
 
 @dataclass(frozen=True)
@@ -73,8 +67,9 @@ class ModelEntry:
     def _check(self, at: str) -> None:
         if self.family not in FAMILIES:
             raise ConfigError(f"{at}: family {self.family!r} is not supported; use one of: {', '.join(FAMILIES)}")
-        if self.quant not in quant_formats():
-            raise ConfigError(f"{at}: quant {self.quant!r} is unknown; use one of: {', '.join(quant_formats())}")
+        formats = choices("--draft-quant")                 # offload's layer formats (none, nf4, ...)
+        if self.quant not in formats:
+            raise ConfigError(f"{at}: quant {self.quant!r} is unknown; use one of: {', '.join(formats)}")
         try:
             check_number("budget", self.budget, low=1, high=MAX_BUDGET)
         except ConfigError as e:
@@ -175,9 +170,10 @@ def _check_drafts(entries: tuple[ModelEntry, ...], source: str) -> None:
 
 def _check_self(spec: str, at: str) -> None:
     fmt = spec.strip().partition(":")[2].strip()
-    if ":" in spec and fmt not in quant_formats():
+    formats = choices("--draft-quant")
+    if ":" in spec and fmt not in formats:
         raise ConfigError(f"{at}: draft {spec!r}: {fmt!r} is not a layer format; use self or self:FORMAT with "
-                          f"FORMAT one of: {', '.join(quant_formats())}")
+                          f"FORMAT one of: {', '.join(formats)}")
 
 
 def default_catalog_path() -> Path:

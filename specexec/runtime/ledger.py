@@ -50,7 +50,8 @@ from offload.quant.linear import kernel_for, layer_specs
 from offload.streaming.storage import plan_layout
 
 from specexec.config import ConfigError, ModelArgs
-from specexec.engine import LOGIT_CHUNK, PREFILL_CHUNK, kv_slots_for
+from specexec.engine import PREFILL_CHUNK, kv_slots_for
+from specexec.model import LOGIT_CHUNK
 from specexec.kv.rows import row_bytes
 from specexec.model import Block
 

@@ -22,12 +22,13 @@ import torch
 from offload.formats.checkpoint import CheckpointError, pickle_files
 from offload.formats.sources import CheckpointSource, is_gguf, open_source, tensor_specs
 
+from specexec import config
 from specexec.config import ConfigError, ModelArgs
 from specexec.runtime.hub import HubOptions
 from specexec.model import Transformer, rope_inv_freq
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in config.DTYPES if name != "auto"}   # config names the choices
 
 
 def resolve_model_path(spec: str, hub: HubOptions | None = None) -> Path:

@@ -42,7 +42,7 @@ from specexec.config import ConfigError, EngineConfig, ModelArgs, OffloadConfig,
 from specexec.kv.cache import KVCache
 from specexec.runtime.ledger import ASSUMED, MemoryPlan, RunShape, SelfDraftShape, plan_memory, what_fits
 from specexec.runtime.loading import check_tensors, expected_shapes
-from specexec.model import Block, Transformer, rope_inv_freq
+from specexec.model import LOGIT_CHUNK, Block, Transformer, rope_inv_freq
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
@@ -236,7 +236,7 @@ def module_bytes(model: nn.Module) -> int:
 def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str = "cpu") -> int:
     """Peak transient bytes of one target pass over `tokens` rows and `context` slots (ledger.forward_bytes
     with one LM-head chunk of logits)."""
-    return ledger.forward_bytes(args, tokens, context, elem, fmt, device, ledger.LOGIT_CHUNK)
+    return ledger.forward_bytes(args, tokens, context, elem, fmt, device, LOGIT_CHUNK)
 
 
 def target_formats(quant: str, device_type: str) -> tuple[str, ...]:

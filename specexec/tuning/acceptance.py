@@ -11,9 +11,13 @@ turns the vector into its tree shape. It is measured the way that builder drafts
 Positions are the continuations the target itself produced for a prompt set (teacher forcing: one forward of
 each model over prompt + continuation gives p and q at every position at once).
 
-The vectors are cached as JSON under <cache>/acceptance/<pair fingerprint>.json, one per temperature;
-`--builder static` reads the file for its pair when it exists and picks the vector measured at the nearest
-temperature (builders/static.py).
+The file format (the only one; `save` writes it, `load_table` reads it for the static builder):
+    {"vectors": {"<temperature>": {"acceptance": [p_1, ..., p_k], <metadata: positions, prompts, ...>}, ...}}
+The pair's vectors are cached under <cache>/acceptance/<pair fingerprint>.json; `--builder static` reads the
+file for its pair when it exists (or any file given as its acceptance_file option) and picks the vector
+measured at the nearest temperature (builders/static.py). The single-vector files the static builder once
+wrote ({"acceptance": [...]} or a bare list) are refused with a ConfigError saying how to rewrite them; pair
+caches were always in this format.
 
 Does not know: how the continuations were generated, the CLI, tree shapes.
 """
@@ -28,14 +32,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specexec.config import SamplingParams
-from specexec.model import Transformer
+from specexec.config import ConfigError, SamplingParams
+from specexec.model import LOGIT_CHUNK, Transformer
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
 from specexec.verify import accept_rrs_without_replacement
 
 POSITIONS = 16           # length of a measured vector (children per node the static shape may use)
-LOGIT_ROWS = 256         # positions per LM-head chunk ([rows, V] fp32 logits at a time)
 
 
 def pair_fingerprint(target_path: str | Path, draft_path: str | Path, target_args: object, draft_args: object,
@@ -60,8 +63,8 @@ def position_log_probs(model: Transformer, ids: Sequence[int], start: int, sampl
     tokens = torch.tensor(list(ids), device=dev)
     hidden = model(tokens[None], torch.arange(tokens.numel(), device=dev)[None])[0]
     rows = torch.arange(start - 1, tokens.numel() - 1, device=dev)
-    return torch.cat([process_logits(model.logits(hidden, rows[i:i + LOGIT_ROWS]), sampling)
-                      for i in range(0, rows.numel(), LOGIT_ROWS)])
+    return torch.cat([process_logits(model.logits(hidden, rows[i:i + LOGIT_CHUNK]), sampling)
+                      for i in range(0, rows.numel(), LOGIT_CHUNK)])
 
 
 def greedy_rank_counts(logp: Tensor, logq: Tensor, k: int = POSITIONS) -> Tensor:
@@ -127,3 +130,31 @@ def read(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def load_table(path: str | Path) -> dict[float, tuple[float, ...]]:
+    """{temperature: acceptance vector} from an acceptance file; ConfigError (one line) for a file that cannot
+    be read, is not in this module's format, or holds a vector that is not probabilities summing to <= 1."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the acceptance file {path}: {e}") from None
+    vectors = data.get("vectors") if isinstance(data, dict) else None
+    if not isinstance(vectors, dict) or not vectors:
+        raise ConfigError(f'{path} is not an acceptance file {{"vectors": {{"<temperature>": {{"acceptance": '
+                          '[...]}}}; measure one with `specexec bench accept`, or put a bare vector under the '
+                          'temperature it was measured at')
+    try:
+        temps = [float(t) for t in vectors]
+    except ValueError:
+        raise ConfigError(f"{path}: temperatures must be numbers, got {list(vectors)}") from None
+    return {t: _checked(path, v.get("acceptance") if isinstance(v, dict) else None)
+            for t, v in zip(temps, vectors.values())}
+
+
+def _checked(path: str | Path, vec: object) -> tuple[float, ...]:
+    if (not isinstance(vec, list) or not vec or any(isinstance(a, bool) or not isinstance(a, (int, float))
+                                                    or not 0 <= a <= 1 for a in vec) or sum(vec) > 1.0 + 1e-6):
+        raise ConfigError(f"{path}: the acceptance vector must be a non-empty list of probabilities summing to "
+                          f"at most 1, got {vec!r}")
+    return tuple(float(a) for a in vec)

@@ -85,12 +85,12 @@ def install() -> None:
     from cli import chat
     from offload.cache import store as cache
     from specexec import model
-    from specexec.runtime import assembly as runtime
+    from specexec.builders import registry
     from specexec.engine import Engine
 
     wrap_phase(Engine, "prefill", "prefill")
     wrap_phase(Engine, "_verify", "verify")
-    owners = {k for c in runtime.BUILDERS.values() if isinstance(c, type) for k in c.__mro__
+    owners = {k for c in registry.factories().values() if isinstance(c, type) for k in c.__mro__
               if "build" in k.__dict__ and k.__module__.startswith("specexec")}
     for klass in owners:
         wrap_phase(klass, "build", "draft")
