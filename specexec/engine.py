@@ -94,9 +94,8 @@ class GenerationStats:
         return sum(s.draft_ms + s.target_ms for s in self.steps) / 1000
 
     def summary(self, budget: int | str, builder: str) -> dict:
-        steps = self.steps
+        steps, decode_s = self.steps, self.decode_s
         n = max(len(steps), 1)
-        decode_s = sum(s.draft_ms + s.target_ms for s in steps) / 1000
         return {
             "steps": len(steps),
             "tokens_per_step": round(self.generated / n, 3),
