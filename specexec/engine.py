@@ -149,7 +149,8 @@ class Engine:
         self._prefill_span: Span | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
         self._generated_from = 0        # where this generate() call's own tokens begin in _context
-        self.tuner = (tuner or BudgetTuner(config.budget)) if config.auto_budget and builder is not None else None
+        auto = config.auto_budget and builder is not None
+        self.tuner = (tuner if tuner is not None else BudgetTuner(config.budget)) if auto else None
         self.on_calibrated: Callable[[CurveFit], None] | None = None     # hears measured target pass costs
         self.keeps_draft_probs = has(builder, KeepsDraftProbs)            # may be verified with rrs_wor
         self.observe_topk = int(builder.observe_topk or 0) if has(builder, LearnsFromTarget) else 0

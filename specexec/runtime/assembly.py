@@ -21,6 +21,9 @@ picks its layers; it is built after the target, sharing the target's embed/norm/
 VocabTrim (--draft-vocab, EngineConfig.draft_vocab): the draft is wrapped in vocab_trim.TrimmedDraft, keeping
 the tokens the target samples most on the built-in prompts (measured once per target, cached).
 
+--budget auto: the engine is given a tuner holding the target's saved pass costs and hands back what it
+measures when there were none; the files are specexec/tuning/calibration.py's (the engine writes none).
+
 Does not know: argument parsing, terminal output, chat history, how layers are streamed (specexec.runtime.offloaded).
 """
 from __future__ import annotations
@@ -212,7 +215,8 @@ def _make_engine(target: Transformer, draft: Transformer | None, config: EngineC
     draft_kv = "int8" if plan is not None and plan.memory.shape.draft_kv_quant == "int8" else None
     tuner = tuner_for(config.budget, target) if config.auto_budget and builder is not None else None
     engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv, tuner=tuner)
-    engine.on_calibrated = lambda curve: save_target_costs(target, curve)     # --budget auto: kept per machine
+    if tuner is not None:                 # --budget auto: what the engine measures is kept for the next run
+        engine.on_calibrated = lambda curve: save_target_costs(target, curve)
     if has(target, Streams):              # offloaded target: per step, the profiler records what streaming cost
         engine.profiler.watch(target.pager.counters)
     return engine
