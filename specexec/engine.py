@@ -1,28 +1,38 @@
-"""Engine.generate(): the speculative decoding loop, one step = grow -> verify -> accept -> commit -> yield.
+"""Engine.generate(): the speculative decoding loop. One step is five stages (Engine._step):
 
-The target sees the whole tree in one forward (positions = prefix + depth, mask = prefix + ancestors), the
-verifier picks the accepted path plus one bonus token, both KV caches keep the accepted rows, and the new
-token ids are yielded. With no builder the same loop is plain autoregressive decoding (the baseline).
+1. draft   - the builder grows a token tree under the root with the draft (the tuner picks its budget);
+2. verify  - the target sees the whole tree in one forward (positions = prefix + depth, mask = prefix +
+             ancestors) and the acceptance rule picks the accepted path plus one bonus token;
+3. commit  - both KV caches keep the accepted rows, the context gains the new tokens;
+4. observe - the builder learns from the outcome (accepted path; the target's top-k when it asks);
+5. account - the step goes into the one ledger (the profiler's step records, which GenerationStats reads);
+             once its times are known the budget tuner and a cost-following builder hear them.
 
-Does not know: tokenizers and text (stop strings come in as a callable), the CLI, where weights live (the
-target may be resident or an OffloadedTransformer with the same forward signature).
+With no builder the same loop is plain autoregressive decoding (the baseline). Optional abilities of the
+builder and the models (specexec/builders/base.py, specexec/model.py Protocols) are checked once, when the
+engine is built. `--budget auto` calibration: the engine measures target passes when its tuner has no costs
+and hands them to `on_calibrated`; saving and loading them is the runtime's (specexec/tuning/calibration.py).
+
+Does not know: tokenizers and text (stop strings come in as a callable), the CLI, files, where weights live
+(the target may be resident or an OffloadedTransformer with the same forward signature).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from specexec.builders.base import DraftState, TreeBuilder
+from specexec.abilities import has
+from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.kv.cache import KVCache
-from specexec.model import LOGIT_CHUNK, Transformer, TreeMask
-from specexec.profiler import Profiler, Span
+from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
+from specexec.profiler import Profiler, Span, StepStat, budget_trace
 from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
-from specexec.tuning.budget import BudgetTuner, CostModel, calibration_sizes, cost_fingerprint, default_cost_path
+from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
 from specexec.verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
 
 PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (EngineConfig.prefill_chunk overrides)
@@ -31,9 +41,8 @@ KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this 
 
 def new_cache(model: Transformer, slots: int, quant: str, tail: int) -> KVCache:
     """`model`'s KV cache (its own `new_cache`, else a device cache in its dtype, e.g. a wrapped draft)."""
-    make = getattr(model, "new_cache", None)
-    if make is not None:
-        return make(slots, quant, tail)
+    if has(model, MakesCache):
+        return model.new_cache(slots, quant, tail)
     a, p = model.args, next(model.parameters())
     return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device, quant=quant)
 
@@ -64,42 +73,52 @@ class PrefillProgress:
 
 
 @dataclass
-class StepRecord:
-    tree_size: int
-    depth: int
-    accepted: int          # tokens emitted by this step (accepted path + bonus)
-    draft_s: float
-    target_s: float
-
-
-@dataclass
 class GenerationStats:
-    """What one generate() call did; filled in as it runs."""
+    """What one generate() call did; filled in as it runs. Its steps are the ledger's (the profiler's step
+    records of this call): one ledger, read here, never kept twice."""
 
     prompt_tokens: int = 0          # prompt tokens prefilled by this call
     reused_tokens: int = 0          # prompt tokens whose KV was kept from the previous call (shared prefix)
     prefill_s: float = 0.0
     generated: int = 0
-    steps: list[StepRecord] = field(default_factory=list)
+    ledger: Profiler | None = None  # whose step records are this call's steps (None: no steps)
+
+    @property
+    def steps(self) -> list[StepStat]:
+        """Every step of the call with its times (waits for pending CUDA times: not on the step path)."""
+        return self.ledger.steps if self.ledger is not None else []
 
     @property
     def decode_s(self) -> float:
-        return sum(s.draft_s + s.target_s for s in self.steps)
+        return sum(s.draft_ms + s.target_ms for s in self.steps) / 1000
 
-    def summary(self, budget: int, builder: str) -> dict:
-        n = max(len(self.steps), 1)
+    def summary(self, budget: int | str, builder: str) -> dict:
+        steps, decode_s = self.steps, self.decode_s
+        n = max(len(steps), 1)
         return {
-            "steps": len(self.steps),
+            "steps": len(steps),
             "tokens_per_step": round(self.generated / n, 3),
             "prefill_tok_s": round(self.prompt_tokens / self.prefill_s, 2) if self.prefill_s else None,
-            "decode_tok_s": round(self.generated / self.decode_s, 2) if self.decode_s else None,
-            "draft_ms": round(1000 * sum(s.draft_s for s in self.steps) / n, 2),
-            "target_ms": round(1000 * sum(s.target_s for s in self.steps) / n, 2),
-            "tree_size": round(sum(s.tree_size for s in self.steps) / n, 1),
+            "decode_tok_s": round(self.generated / decode_s, 2) if decode_s else None,
+            "draft_ms": round(sum(s.draft_ms for s in steps) / n, 2),
+            "target_ms": round(sum(s.target_ms for s in steps) / n, 2),
+            "tree_size": round(sum(s.tree_size for s in steps) / n, 1),
             "reused_tokens": self.reused_tokens,
             "budget": budget,
+            "budget_trace": budget_trace(s.budget for s in steps),     # what --budget auto picked, per step
             "builder": builder,
         }
+
+
+@dataclass
+class Drafted:
+    """What the draft stage made: the tree, the budget it asked for (None: no builder), the draft passes it
+    ran and the span that timed it."""
+
+    tree: TokenTree
+    budget: int | None
+    passes: int
+    span: Span
 
 
 class Engine:
@@ -108,10 +127,13 @@ class Engine:
     def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
                  builder: TreeBuilder | None, eos_ids: tuple[int, ...] = (),
                  profiler: Profiler | None = None, context: int | None = None,
-                 draft_kv_quant: str | None = None) -> None:
+                 draft_kv_quant: str | None = None, tuner: BudgetTuner | None = None) -> None:
         """context: the tokens (prompt + answer) a memory plan reserved KV cache for; the caches are then
         allocated for it at the first generate() (None: sized for each call's need, growing as it grows).
-        draft_kv_quant: the draft cache's format when the plan chose one (None: config.kv_quant's)."""
+        draft_kv_quant: the draft cache's format when the plan chose one (None: config.kv_quant's).
+        tuner: --budget auto's tuner, e.g. holding saved target costs (None: a fresh one; only used with
+        config.auto_budget and a builder). The builder's and the models' optional abilities are checked here,
+        once."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
@@ -126,9 +148,13 @@ class Engine:
         self._prefill_span: Span | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
         self._generated_from = 0        # where this generate() call's own tokens begin in _context
-        self.tuner = BudgetTuner(config.budget) if config.auto_budget and builder is not None else None
-        self.observe_topk = int(getattr(builder, "observe_topk", 0) or 0)   # builders learning from the target
-        self.observe_costs = getattr(builder, "observe_costs", None)       # builders whose width follows costs
+        auto = config.auto_budget and builder is not None
+        self.tuner = (tuner if tuner is not None else BudgetTuner(config.budget)) if auto else None
+        self.on_calibrated: Callable[[CurveFit], None] | None = None     # hears measured target pass costs
+        self.keeps_draft_probs = has(builder, KeepsDraftProbs)            # may be verified with rrs_wor
+        self.observe_topk = int(builder.observe_topk or 0) if has(builder, LearnsFromTarget) else 0
+        self.follows_costs = has(builder, FollowsCosts)                   # width follows the cost ratio
+        self.target_closes = has(target, Closes)
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
 
@@ -163,15 +189,15 @@ class Engine:
     def close(self) -> None:
         """Stop the target's background work (an offloaded target's pager thread); a later generate() starts
         it again on demand."""
-        close = getattr(self.target, "close", None)
-        if close is not None:
-            close()
+        if self.target_closes:
+            self.target.close()
 
     def prefill_chunk(self, model: Transformer) -> int:
         """Prompt tokens per prefill pass of `model`: a streamed target's planned `prefill_tokens` (one pass
         streams the whole model, so as many as its memory plan allows), else PREFILL_CHUNK; a configured
-        EngineConfig.prefill_chunk replaces the default and caps the planned figure."""
-        planned = getattr(model, "prefill_tokens", None)
+        EngineConfig.prefill_chunk replaces the default and caps the planned figure. (`model` is asked each
+        prefill, not once: a plan may set prefill_tokens on a model after the engine was built.)"""
+        planned = model.prefill_tokens if has(model, PlansPrefill) else None
         cap = self.config.prefill_chunk
         if planned is None:
             return cap or PREFILL_CHUNK
@@ -201,15 +227,15 @@ class Engine:
             raise ValueError("the prompt is empty: at least one token is needed")
         limit = max_new_tokens or self.config.max_new_tokens
         rng = make_generator(sampling.seed, self.device)
-        self.stats = stats = GenerationStats()
         self.profiler.begin()
+        self.stats = stats = GenerationStats(ledger=self.profiler)
         rule = self.rule_for(sampling)
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
             generated: list[int] = []
             root = prompt_ids[-1]
             while len(generated) < limit:
-                acc = self._step(state, root, sampling, rule, rng, stats)
+                acc = self._step(state, root, sampling, rule, rng)
                 new, stop = self._trim(acc.tokens, generated, limit, should_stop)
                 generated += new
                 stats.generated = len(generated)
@@ -225,7 +251,7 @@ class Engine:
     def _settle(self, stats: GenerationStats) -> None:
         """The end of a generation: times still on the device's clock (CUDA events of the last steps) are
         waited for and filled in. The only place the engine waits for timing; never inside a step. (A caller
-        that abandons the generator gets them when it reads profiler.steps or summary().)"""
+        that abandons the generator gets them when it reads stats.steps, profiler.steps or summary().)"""
         self.profiler.settle(wait=True)
         if self._prefill_span is not None:
             stats.prefill_s = self._prefill_span.seconds
@@ -256,14 +282,9 @@ class Engine:
         return target_cache, draft
 
     def _calibrate(self, cache: KVCache) -> None:
-        """Measure target pass seconds at a few tree sizes for the budget tuner (cached on disk per model,
-        dtype, device and offload plan); the trees are flat and written to scratch slots only."""
-        fingerprint = cost_fingerprint(self.target)
-        path = default_cost_path(fingerprint)
-        saved = CostModel.load(path, fingerprint)
-        if saved is not None:
-            self.tuner.costs.target = saved.target
-            return
+        """Measure target pass seconds at a few tree sizes for a budget tuner that has no costs yet, and hand
+        them to on_calibrated (the runtime keeps them on disk: specexec/tuning/calibration.py). The trees are
+        flat and written to scratch slots only."""
         root = self._context[-1]
         for n in calibration_sizes(self.config.budget):
             tree = TokenTree.from_lists([root] * (n + 1), [-1] + [0] * n, device=self.device)
@@ -273,7 +294,8 @@ class Engine:
                 self._verify(tree, cache, SamplingParams(), RULES["greedy"], None)
                 seconds.append(time.perf_counter() - t0)
             self.tuner.costs.target.add(n + 1, seconds[-1])
-        CostModel(self.tuner.costs.target).save(path, fingerprint)
+        if self.on_calibrated is not None:
+            self.on_calibrated(self.tuner.costs.target)
 
     def _trim(self, tokens: list[int], generated: list[int], limit: int,
               should_stop: Callable[[list[int]], int | None] | None) -> tuple[list[int], bool]:
@@ -290,41 +312,64 @@ class Engine:
         return new, stop
 
     def _step(self, state: tuple[KVCache, DraftState | None], root: int, sampling: SamplingParams, rule: Rule,
-              rng: torch.Generator, stats: GenerationStats) -> Accepted:
+              rng: torch.Generator) -> Accepted:
+        """One decoding step, in its five stages; the target span times verify + commit + observe."""
         cache, draft = state
-        budget = None
+        drafted = self._draft(draft, root, sampling, rng)
+        with self.profiler.span("target") as target_span:
+            acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng)
+            self._commit(drafted.tree, acc, cache, draft)
+            self._observe(drafted.tree, acc, hidden)
+        self._account(drafted, acc, target_span)
+        return acc
+
+    def _draft(self, draft: DraftState | None, root: int, sampling: SamplingParams,
+               rng: torch.Generator) -> Drafted:
+        """Stage 1: the builder grows a tree under `root` (the tuner, which first hears the steps whose times
+        have settled, picks its budget); with no builder a root-only tree. The span stops on the host and
+        CUDA events, never with a host sync."""
         if self.builder is None:                     # nothing drafted: the span stays empty
             tree = TokenTree.root_only(root, self.device)
-            draft_span = self.profiler.start("draft")
-        else:
-            draft_span = self.profiler.start("draft")
-            self.profiler.settle()                   # the tuner hears finished steps' times (never waits)
-            budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
-            passes = draft.passes if draft is not None else 0
-            tree = self.builder.build(draft, root, budget, sampling, rng)
-        draft_span.stop()                            # CUDA: events on the compute stream, no host sync
-        target_span = self.profiler.start("target")
-        acc = self._verify(tree, cache, sampling, rule, rng)
+            return Drafted(tree, None, 0, self.profiler.start("draft").stop())
+        span = self.profiler.start("draft")
+        self.profiler.settle()                       # the tuner hears finished steps' times (never waits)
+        budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
+        before = draft.passes if draft is not None else 0
+        tree = self.builder.build(draft, root, budget, sampling, rng)
+        span.stop()
+        return Drafted(tree, budget, draft.passes - before if draft is not None else 0, span)
+
+    def _commit(self, tree: TokenTree, acc: Accepted, cache: KVCache, draft: DraftState | None) -> None:
+        """Stage 3: both caches keep the accepted rows (the draft also queues what it has not seen) and the
+        context gains the step's tokens."""
         cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
         self._context += acc.tokens
         if draft is not None:
             draft.commit(tree, acc.nodes, acc.tokens[-1])
-        if self.builder is not None:
-            self.builder.observe(tree, acc.nodes, acc.tokens[-1])
-        target_span.stop()
-        record = StepRecord(tree.size, tree.max_depth(), len(acc.tokens), 0.0, 0.0)
-        stats.steps.append(record)
-        n_passes = draft.passes - passes if draft is not None and self.builder is not None else 0
 
-        def timed(draft_s: float, target_s: float) -> None:      # once the spans' events completed
-            record.draft_s, record.target_s = draft_s, target_s
+    def _observe(self, tree: TokenTree, acc: Accepted, hidden: torch.Tensor) -> None:
+        """Stage 4: the builder learns from the step: the target's top-k after every node (builders that
+        LearnFromTarget, e.g. Token Recycling), then the accepted path and bonus token."""
+        if self.builder is None:
+            return
+        if self.observe_topk:
+            self.builder.observe_target(tree, self._target_topk(hidden, self.observe_topk))
+        self.builder.observe(tree, acc.nodes, acc.tokens[-1])
+
+    def _account(self, drafted: Drafted, acc: Accepted, target_span: Span) -> None:
+        """Stage 5: the step goes into the ledger (profiler.step, which stats.steps reads); once its spans'
+        times are known (CUDA: events, never waited for here) the tuner and a cost-following builder hear
+        them (r = target pass s / draft pass s)."""
+        tree, passes = drafted.tree, drafted.passes
+
+        def timed(draft_s: float, target_s: float) -> None:
             if self.tuner is not None:
                 self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
-            if self.observe_costs is not None and n_passes:        # r = target pass s / draft pass s
-                self.observe_costs(draft_s, target_s, n_passes)
+            if self.follows_costs and passes:
+                self.builder.observe_costs(draft_s, target_s, passes)
 
-        self.profiler.step(record.tree_size, record.depth, record.accepted, draft_span, target_span, budget, timed)
-        return acc
+        self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), drafted.span, target_span,
+                           drafted.budget, timed)
 
     def rule_for(self, sampling: SamplingParams) -> Rule:
         """The acceptance rule: greedy at T = 0; else config.verifier ('auto': the builder's default), which
@@ -338,25 +383,27 @@ class Engine:
         if name not in exact_rules_for(drafting, sampling):
             raise ConfigError(f"verifier {name!r} is not exact for {drafting} trees at temperature > 0; "
                               f"use one of: {', '.join(exact_rules_for(drafting, sampling))}")
+        if RULES[name].needs_draft and not self.keeps_draft_probs:
+            raise ConfigError(f"verifier {name!r} needs the draft's probabilities, which builder "
+                              f"{self.builder.name if self.builder else 'none'!r} does not keep")
         return RULES[name]
 
     def _verify(self, tree: TokenTree, cache: KVCache, sampling: SamplingParams, rule: Rule,
-                rng: torch.Generator) -> Accepted:
-        """One target forward over the whole tree, then the acceptance rule."""
+                rng: torch.Generator | None) -> tuple[Accepted, torch.Tensor]:
+        """Stage 2: one target forward over the whole tree, then the acceptance rule. -> (accepted, the
+        target's hidden states [N+1, D] for the observe stage)."""
         L = cache.length
         positions = tree.positions(L)
         slots = torch.arange(L, L + tree.tokens.numel(), device=self.device)
         mask = TreeMask(L, tree.ancestor_mask())                 # the whole prefix + each node's ancestors
         hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
-        if self.observe_topk:                           # opt-in (Token Recycling): the target's top-k per node
-            self.builder.observe_target(tree, self._target_topk(hidden, self.observe_topk))
         history, gen_from = self._histories(tree, L, sampling)
         if rule.target != "probs":
             acc = accept_greedy(tree, self._target_choices(hidden, sampling, rng, history, gen_from))
         else:
             acc = rule.fn(tree, self._probs_fn(hidden, sampling, history, gen_from), *self._draft_probs(rule, tree),
                           rng)
-        return acc                                  # the host synced on the accepted tokens, nothing else
+        return acc, hidden                          # the host synced on the accepted tokens, nothing else
 
     def _histories(self, tree: TokenTree, L: int, sampling: SamplingParams) -> tuple[torch.Tensor | None, int]:
         """Per node, the ids target-only decoding would have seen before that node's next token, and the column
@@ -385,13 +432,12 @@ class Engine:
         return probs
 
     def _draft_probs(self, rule: Rule, tree: TokenTree) -> tuple:
+        """The rule's draft-side argument: node -> the distribution its children were drawn from (rules that
+        need it only; rule_for made sure the builder KeepsDraftProbs)."""
         if not rule.needs_draft:
             return ()
-        fn = getattr(self.builder, "draft_probs", None)
-        if fn is None:
-            raise ConfigError(f"verifier {rule.name!r} needs the draft's probabilities, which builder "
-                              f"{self.builder.name!r} does not keep")
-        return (lambda node: fn(tree, node),)
+        builder = self.builder
+        return (lambda node: builder.draft_probs(tree, node),)
 
     def _target_choices(self, hidden: torch.Tensor, sampling: SamplingParams, rng: torch.Generator,
                         history: torch.Tensor | None, generated_from: int = 0) -> torch.Tensor:

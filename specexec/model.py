@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -204,3 +205,34 @@ def prefix_tree_mask(n_prefix: int, tree_mask: torch.Tensor, window: int | None 
         key_pos = torch.cat([torch.arange(n_prefix, device=positions.device), positions])
         mask &= (positions.unsqueeze(1) - key_pos.unsqueeze(0)) < window
     return mask.view(1, 1, T, n_prefix + T)
+
+
+# Optional abilities of a model the engine runs (checked with specexec.abilities.has; a plain Transformer has
+# MakesCache only, an offloaded target all four, a wrapped draft such as vocab_trim.TrimmedDraft none).
+@runtime_checkable
+class MakesCache(Protocol):
+    """A model that makes its own KV cache (an offloaded target streams some layers' rows)."""
+
+    def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache: ...
+
+
+@runtime_checkable
+class PlansPrefill(Protocol):
+    """A streamed target: one prefill pass streams the whole model, so it takes as many prompt tokens as its
+    memory plan allows (`prefill_tokens`)."""
+
+    prefill_tokens: int
+
+
+@runtime_checkable
+class Closes(Protocol):
+    """A model with background work to stop (an offloaded target's pager thread)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Streams(Protocol):
+    """A target whose layers a pager streams; `pager.counters()` gives its cumulative streaming counters."""
+
+    pager: Any

@@ -1,4 +1,5 @@
-"""--budget auto in the engine: exact output, per-step budgets from the tuner, calibration cached on disk."""
+"""--budget auto in the engine: exact output, per-step budgets from the tuner; calibration measured by the engine,
+kept on disk by the runtime."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,9 @@ from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, budget_options
 from specexec.engine import Engine
 from specexec.runtime.loading import load_model
-from specexec.tuning.budget import cost_fingerprint, default_cost_path
+from specexec.runtime.assembly import Runtime
+from specexec.tuning.budget import calibration_sizes
+from specexec.tuning.calibration import cost_fingerprint, default_cost_path
 
 
 @pytest.fixture()
@@ -18,21 +21,42 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_auto_budget_is_exact_and_calibrates_once(tiny_pair, tiny_perturbed_draft, cache_dir: Path) -> None:
+def test_auto_budget_is_exact_and_the_engine_writes_no_file(tiny_pair, tiny_perturbed_draft,
+                                                            cache_dir: Path) -> None:
+    """The engine measures (its tuner gains target costs, on_calibrated hears them once) and reads or writes
+    nothing on disk: calibration files are the runtime's."""
     target, draft = load_model(tiny_pair[0]), load_model(tiny_perturbed_draft)
     ids = [1, 30, 31, 32, 33, 34]
     want = [t for s in Engine(target, None, EngineConfig(budget=1), None).generate(ids, 40) for t in s]
     engine = Engine(target, draft, EngineConfig(**budget_options("auto", 64)), SpecExecBuilder())
+    heard = []
+    engine.on_calibrated = lambda curve: heard.append(set(curve.points))
     got = [t for s in engine.generate(ids, 40) for t in s]
     assert got == want
-    path = default_cost_path(cost_fingerprint(target))
-    assert path.is_file()
+    assert heard == [{n + 1 for n in calibration_sizes(64)}]        # the calibration passes' tree sizes
+    assert not any(cache_dir.rglob("*")), list(cache_dir.rglob("*"))     # no cost file from the engine
     sizes = {s.tree_size for s in engine.stats.steps}
     assert all(1 <= n <= 64 for n in sizes)
-    again = Engine(target, draft, EngineConfig(**budget_options("auto", 64)), SpecExecBuilder())
+    list(engine.generate(ids, 8))
+    assert len(heard) == 1                                          # measured once per engine
+
+
+def test_the_runtime_keeps_calibration_on_disk(tiny_pair, tiny_perturbed_draft, cache_dir: Path) -> None:
+    """Runtime: the first engine measures and the runtime saves; the next engine is given the saved costs
+    (before any generate) and measures nothing."""
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), EngineConfig(**budget_options("auto", 64)))
+    path = default_cost_path(cost_fingerprint(rt.engine.target))
+    assert not path.exists() and not rt.engine.tuner.costs.target.points
+    prompt = rt.encode("The quick brown fox")
+    want = [t for s in rt.generate_ids(prompt, 24) for t in s]
+    assert path.is_file()
     mtime = path.stat().st_mtime_ns
-    assert [t for s in again.generate(ids, 40) for t in s] == want
-    assert path.stat().st_mtime_ns == mtime                       # loaded, not re-measured
+    again = rt.variant(rt.config)
+    assert set(again.engine.tuner.costs.target.points) == {n + 1 for n in calibration_sizes(64)}   # given
+    heard = []
+    again.engine.on_calibrated = heard.append
+    assert [t for s in again.generate_ids(prompt, 24) for t in s] == want
+    assert heard == [] and path.stat().st_mtime_ns == mtime          # loaded, not re-measured
 
 
 def test_profiler_shows_the_budget_each_step_asked_for(tiny_pair, tiny_perturbed_draft, cache_dir: Path) -> None:

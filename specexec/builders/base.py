@@ -10,7 +10,7 @@ Does not know: the target model, verification, or how the engine commits the tar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -61,14 +61,8 @@ class DraftState:
 class TreeBuilder(Protocol):
     """One way to grow a draft tree. `drafting` names how children are chosen ("deterministic" distinct
     tokens, or "without_replacement" samples in draw order): it decides which verification rules are exact.
-
-    Optional members, looked up by the engine only where needed:
-    - `draft_probs(tree, node) -> Tensor [V]`: the processed draft distribution a node's children were drawn
-      from (required for the rrs_wor rule, i.e. by "without_replacement" builders at T > 0);
-    - `observe_topk: int` (> 0 opts in), `bind(vocab_size, device)` and `observe_target(tree, topk [N+1, k])`:
-      builders that learn from the target's top-k at every verified node (Token Recycling);
-    - `observe_costs(draft_s, target_s, draft_passes)`: each step's drafting and target seconds and the draft
-      passes it ran, for builders whose width follows the cost ratio of the two passes (SpecExec)."""
+    Optional abilities are the Protocols below (KeepsDraftProbs, LearnsFromTarget, FollowsCosts); the engine
+    checks them once when it is built (specexec.abilities.has)."""
 
     name: str
     drafting: str
@@ -81,3 +75,33 @@ class TreeBuilder(Protocol):
 
     def kv_slots(self, budget: int) -> int:
         """Draft-cache slots one tree of this budget may write beyond the committed prefix."""
+
+
+@runtime_checkable
+class KeepsDraftProbs(Protocol):
+    """A builder that keeps the processed draft distribution a node's children were drawn from (required by
+    the rrs_wor rule, i.e. by "without_replacement" builders at T > 0)."""
+
+    def draft_probs(self, tree: TokenTree, node: int) -> torch.Tensor:
+        """-> [V] the distribution node's children were drawn from."""
+
+
+@runtime_checkable
+class LearnsFromTarget(Protocol):
+    """A builder that learns from the target's top-k at every verified node (Token Recycling);
+    `observe_topk` > 0 opts in, `bind` sizes its tables once."""
+
+    observe_topk: int
+
+    def bind(self, vocab_size: int, device: torch.device | str) -> None: ...
+
+    def observe_target(self, tree: TokenTree, topk: torch.Tensor) -> None:
+        """topk long [N+1, observe_topk]: the target's top-k ids after each node of `tree`."""
+
+
+@runtime_checkable
+class FollowsCosts(Protocol):
+    """A builder whose width follows the cost ratio of the two passes (SpecExec): it hears each step's
+    drafting and target seconds and the draft passes the step ran."""
+
+    def observe_costs(self, draft_s: float, target_s: float, draft_passes: int) -> None: ...

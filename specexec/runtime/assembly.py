@@ -21,6 +21,9 @@ picks its layers; it is built after the target, sharing the target's embed/norm/
 VocabTrim (--draft-vocab, EngineConfig.draft_vocab): the draft is wrapped in vocab_trim.TrimmedDraft, keeping
 the tokens the target samples most on the built-in prompts (measured once per target, cached).
 
+--budget auto: the engine is given a tuner holding the target's saved pass costs and hands back what it
+measures when there were none; the files are specexec/tuning/calibration.py's (the engine writes none).
+
 Does not know: argument parsing, terminal output, chat history, how layers are streamed (specexec.runtime.offloaded).
 """
 from __future__ import annotations
@@ -37,15 +40,16 @@ from offload.streaming.pager import stream_summary
 from offload.quant.linear import quantize_module
 from offload.formats.sources import is_gguf
 
+from specexec.abilities import has
 from specexec.tuning import acceptance
+from specexec.tuning.calibration import save_target_costs, tuner_for
 from specexec.builders.base import TreeBuilder
 from specexec.builders.registry import make_builder
 from specexec.config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
                      check_draft_vocab, check_prompt_length)
 from specexec.engine import Engine
 from specexec.runtime.loading import check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
-from specexec.model import Transformer
-from specexec.profiler import budget_trace
+from specexec.model import Streams, Transformer
 from specexec.runtime.ledger import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.runtime.offloaded import TargetPlan, load_target, plan_target, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, is_self_draft, self_draft_shape
@@ -172,10 +176,12 @@ def _make_engine(target: Transformer, draft: Transformer | None, config: EngineC
     if builder.needs_draft and draft is None:
         builder = None
     draft_kv = "int8" if plan is not None and plan.memory.shape.draft_kv_quant == "int8" else None
-    engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv)
-    pager = getattr(target, "pager", None)
-    if pager is not None:                 # offloaded target: per step, the profiler records what streaming cost
-        engine.profiler.watch(pager.counters)
+    tuner = tuner_for(config.budget, target) if config.auto_budget and builder is not None else None
+    engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv, tuner=tuner)
+    if tuner is not None:                 # --budget auto: what the engine measures is kept for the next run
+        engine.on_calibrated = lambda curve: save_target_costs(target, curve)
+    if has(target, Streams):              # offloaded target: per step, the profiler records what streaming cost
+        engine.profiler.watch(target.pager.counters)
     return engine
 
 
@@ -323,8 +329,8 @@ class Runtime:
         of one are held back until they cannot; generation ends before the first stop string (excluded)."""
         limit = max_new_tokens or self.config.max_new_tokens
         self.check_prompt(prompt_ids, limit)
-        pager = getattr(self.engine.target, "pager", None)
-        self._stream_base = pager.counters() if pager is not None else {}
+        target = self.engine.target
+        self._stream_base = target.pager.counters() if has(target, Streams) else {}
         stops = [s for s in stop if s]
         if not stops:
             yield from self.engine.generate(prompt_ids, limit, sampling)
@@ -351,12 +357,11 @@ class Runtime:
         """Summary of the last generate_ids() call (see GenerationStats.summary)."""
         budget = (("auto" if self.config.auto_budget else self.config.budget)
                   if self.engine.builder is not None else 0)
-        out = self.engine.stats.summary(budget, self.builder_name)
-        out["budget_trace"] = budget_trace(s.budget for s in self.engine.profiler.steps)      # what --budget auto picked, per step
+        out = self.engine.stats.summary(budget, self.builder_name)    # with budget_trace: what auto picked
         out["kv"] = self.kv_summary()
-        pager = getattr(self.engine.target, "pager", None)
-        if pager is not None:                 # offloaded target: what streaming cost during the last call
-            out.update(stream_summary(self._stream_base, pager.counters()))
+        target = self.engine.target
+        if has(target, Streams):              # offloaded target: what streaming cost during the last call
+            out.update(stream_summary(self._stream_base, target.pager.counters()))
             out["offload"] = {"quant": self.plan.fmt, **self.plan.plan.summary()}
         return out
 

@@ -5,7 +5,8 @@ tokens/s(n) = E[tokens per step | budget n] / (draft_s(n) + target_s(n)).
 
 - CostModel: target pass seconds and draft seconds per step as functions of the tree size, each a monotone
   piecewise-linear fit of measured (size, seconds) points (calibration passes plus every real step); it can
-  be saved/loaded as JSON keyed by a fingerprint of the model/device/quantization/plan.
+  be saved/loaded as JSON keyed by a fingerprint of the model/device/quantization/plan (where, and when:
+  specexec/tuning/calibration.py, called by the runtime).
 - AcceptanceModel: how many tree nodes of each score rank the target accepted. Builders keep the best-scoring
   nodes, so a budget-n tree holds the nodes of rank < n and E[tokens | n] = 1 + sum_{r<n} P(rank r accepted).
   Ranks beyond the largest tree seen are extrapolated with a log-linear tail. Exponential forgetting lets it
@@ -19,10 +20,8 @@ seconds in).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,18 +228,3 @@ def calibration_sizes(max_budget: int) -> list[int]:
     """Tree sizes timed once per machine/model/plan: 1, 16, 64, 256, 1024, ... up to max_budget."""
     sizes = [1] + [n for n in (16, 64, 256, 1024, 4096, 16384) if n < max_budget]
     return sizes + ([max_budget] if max_budget > 1 else [])
-
-
-def cost_fingerprint(target: torch.nn.Module) -> str:
-    """What the target's pass time depends on: its shapes, dtype, device and (if offloaded) the plan."""
-    p = next(target.parameters())
-    args = getattr(target, "args", None)
-    parts = [type(target).__name__, repr(args), str(p.dtype), str(p.device),
-             str(getattr(target, "plan_fingerprint", "")), str(torch.get_num_threads())]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
-
-
-def default_cost_path(fingerprint: str) -> Path:
-    root = os.environ.get("SPECEXEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specexec")
-    return Path(root) / "costs" / f"{fingerprint}.json"
