@@ -14,7 +14,8 @@ import sys
 import traceback
 from typing import NoReturn
 
-from cli import chat, convert, demo, doctor, generate, plan, serve
+from cli import chat, convert, demo, doctor, generate, plan
+from cli.serve import command as serve
 from cli.bench import main as bench
 from cli import catalog as models_cmd
 from cli.bench import accept as bench_accept

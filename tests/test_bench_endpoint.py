@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from cli.main import main
-from specexec.serving.app import ServeSettings, build_app
+from cli.serve.app import ServeSettings, build_app
 from specexec.config import EngineConfig, SamplingParams
 from specexec.serving.openai_api import ServerDefaults
 from specexec.prompts import load_prompts

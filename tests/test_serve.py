@@ -26,7 +26,7 @@ import pytest
 import uvicorn
 
 from cli.main import main
-from specexec.serving.app import ServeSettings, build_app
+from cli.serve.app import ServeSettings, build_app
 from specexec.config import EngineConfig, SamplingParams
 from specexec.serving.openai_api import ServerDefaults
 from specexec.runtime.assembly import Runtime

@@ -9,7 +9,7 @@ SIGTERM. --api-key (or $SPECEXEC_API_KEY) makes every route but /health want `Au
 The HTTP stack (starlette + uvicorn) is the optional `serve` extra, imported only here and only when serving:
 without it the command says `pip install 'specexec[serve]'`.
 
-Does not know: routes and request semantics (specexec/serving/app.py, specexec/serving/openai_api.py), generation.
+Does not know: routes and request semantics (cli/serve/app.py, specexec/serving/openai_api.py), generation.
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None
     import uvicorn
 
     from cli.generate import print_load_summary
-    from specexec.serving.app import ServeSettings, build_app
+    from cli.serve.app import ServeSettings, build_app
     from specexec.serving.openai_api import ServerDefaults
 
     print_load_summary(console, runtime)

@@ -8,10 +8,10 @@ on the queue's single worker thread, so the loop stays free to answer /health, /
 generation runs. A client that disconnects (streamed or not) cancels its job at the next step. Every failure is
 an OpenAI-style JSON error body: 4xx for the client's mistakes, 500 only for bugs, and the server lives on.
 
-Importing this module needs starlette (the `serve` extra); cli/serve.py imports it only when serving.
+Importing this module needs starlette (the `serve` extra); cli/serve/command.py imports it only when serving.
 
 Does not know: request semantics (specexec.serving.openai_api), how jobs run (specexec.serving.queue), argument parsing and
-binding sockets (cli/serve.py).
+binding sockets (cli/serve/command.py).
 """
 from __future__ import annotations
 
