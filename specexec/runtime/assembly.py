@@ -136,7 +136,7 @@ def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: b
 def _plannable(path: Path, offload: OffloadConfig) -> bool:
     """Whether the target gets a memory plan: always, except a pickle checkpoint that stays resident as it is
     (the planner reads safetensors/GGUF headers)."""
-    plain = offload.quant.linear in ("auto", "none") and offload.offload in ("auto", "none")
+    plain = offload.quant in ("auto", "none") and offload.offload in ("auto", "none")
     return not plain or is_gguf(path) or any(path.glob("*.safetensors"))
 
 

@@ -34,7 +34,7 @@ def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineCon
     ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
     shape = run_shape(args, None, engine, offload, device.type, dtype)
     try:
-        memory = plan_memory(shape, target_formats(offload.quant.linear, device.type), ram, gpu, offload.offload,
+        memory = plan_memory(shape, target_formats(offload.quant, device.type), ram, gpu, offload.offload,
                              ASSUMED[device.type])
     except PlanError:
         return 0

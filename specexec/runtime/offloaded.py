@@ -306,7 +306,7 @@ def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: O
     gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu      # None on CPU unless given
     ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
     shape = run_shape(args, draft, engine, offload, device.type, dtype, draft_kv, self_draft)
-    formats = target_formats(offload.quant.linear, device.type)
+    formats = target_formats(offload.quant, device.type)
     try:
         memory = plan_memory(shape, formats, ram, gpu, offload.offload, ASSUMED[device.type])
     except PlanError as e:
