@@ -57,7 +57,7 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, _scope: Any, receive: Any, send: Any) -> None:
         async with anyio.create_task_group() as group:
             async def stream() -> None:
                 with contextlib.suppress(OSError):

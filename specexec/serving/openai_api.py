@@ -103,7 +103,6 @@ class Job:
     stream: bool
     include_usage: bool
     echo_texts: tuple[str, ...] = ()           # /v1/completions echo=true: each prompt's text
-    enqueued: float = field(default_factory=time.perf_counter)
 
     @property
     def choices(self) -> int:
