@@ -249,7 +249,8 @@ class Plan:
         for t in TIERS:
             ids = self.layers_in(t)
             if ids:
-                lines.append(f"  {names[t]:<18} {len(ids):>4} layers {_span(ids):<12} {self.tier_bytes(t) / GB:8.2f} GB")
+                lines.append(f"  {names[t]:<18} {len(ids):>4} layers {_span(ids):<12} "
+                             f"{self.tier_bytes(t) / GB:8.2f} GB")
         streamed = self.companions_streamed
         if streamed:
             lines.append(f"  {self.needs.companion_name} streamed with {len(streamed)} layers {_span(streamed)}, "

@@ -10,8 +10,8 @@ an OpenAI-style JSON error body: 4xx for the client's mistakes, 500 only for bug
 
 Importing this module needs starlette (the `serve` extra); cli/serve.py imports it only when serving.
 
-Does not know: request semantics (specexec.serving.openai_api), how jobs run (specexec.serving.queue), argument parsing and
-binding sockets (cli/serve.py).
+Does not know: request semantics (specexec.serving.openai_api), how jobs run (specexec.serving.queue), argument parsing
+and binding sockets (cli/serve.py).
 """
 from __future__ import annotations
 
