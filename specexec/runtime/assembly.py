@@ -49,10 +49,11 @@ from specexec.builders.static import StaticBuilder
 from specexec.config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
                      check_draft_vocab, check_prompt_length)
 from specexec.engine import Engine
-from specexec.runtime.loading import check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
+from specexec.runtime.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
+                                      resolve_model_path)
 from specexec.model import Transformer
 from specexec.profiler import budget_trace
-from specexec.runtime.ledger import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
+from specexec.runtime.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.runtime.offloaded import TargetPlan, load_target, plan_target, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, is_self_draft, self_draft_shape
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
@@ -389,7 +390,7 @@ class Runtime:
         budget = (("auto" if self.config.auto_budget else self.config.budget)
                   if self.engine.builder is not None else 0)
         out = self.engine.stats.summary(budget, self.builder_name)
-        out["budget_trace"] = budget_trace(s.budget for s in self.engine.profiler.steps)      # what --budget auto picked, per step
+        out["budget_trace"] = budget_trace(s.budget for s in self.engine.profiler.steps)   # --budget auto's picks
         out["kv"] = self.kv_summary()
         pager = getattr(self.engine.target, "pager", None)
         if pager is not None:                 # offloaded target: what streaming cost during the last call
