@@ -6,8 +6,8 @@ Groups: model (--model --draft PATH|NAME|self[:FMT] / --no-draft --allow-pickle 
 --top-p --top-k --seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget
 --ram-budget --cache-dir --context --kv-offload --draft-layers). `apply_catalog_defaults` fills what a models.yaml
 name implies (the recommended draft, budget and quantization) when the user left it out, and says so;
-`check_draft(..., default_self=True)` (chat) drafts with the target itself when no draft is named or recommended. `load_runtime`
-is the one place these commands load models (the memory ledger first, then a progress spinner on stderr).
+`check_draft(..., default_self=True)` (chat) drafts with the target itself when no draft is named or recommended.
+`load_runtime` is the one place these commands load models (the memory ledger first, then a progress spinner on stderr).
 
 Does not know: what a value may be (specexec.config checks every one of them), how models load.
 """

@@ -73,7 +73,7 @@ def sigterm_raises() -> Iterator[None]:
         yield
         return
 
-    def handler(signum: int, frame: object) -> None:
+    def handler(signum: int, _frame: object) -> None:
         raise Terminated(f"signal {signum}")
 
     previous = signal.signal(sigterm, handler)

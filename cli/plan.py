@@ -22,8 +22,9 @@ from offload.platform.mounts import slow_mount_warnings
 from offload.planner import GB, Bandwidths, PlanError, default_budgets
 from specexec.config import (ConfigError, budget_options, check_choice, check_integer, check_number, choices,
                              choices_help, parse_size)
-from specexec.runtime.ledger import (ASSUMED, MemoryPlan, RunShape, card_budget, card_for, plan_context, plan_memory,
-                             what_fits, with_warnings)
+from specexec.runtime.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
+                                     with_warnings)
+from specexec.runtime.run_shape import RunShape, plan_context
 from specexec.runtime.loading import read_args, resolve_model_path
 
 DEFAULT_LINK_GBPS = 25.0          # pinned host -> GPU over PCIe 4.0 x16, as measured by `specexec doctor`
@@ -116,7 +117,7 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     from specexec.builders.registry import make_builder
 
     from specexec.config import parse_draft_layers
-    from specexec.runtime.ledger import with_self_draft
+    from specexec.runtime.run_shape import with_self_draft
     from specexec.runtime.self_draft import is_self_draft, self_draft_shape
 
     target = read_args(resolve_model_path(ns.model))

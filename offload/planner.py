@@ -63,14 +63,13 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """Bytes per second of each streaming tier into a device slot (assumed unless measured).
+    """Bytes per second of each streaming tier into a device slot, as the caller assumes or was told them.
 
     ram: host region -> slot (pinned H2D over PCIe on CUDA; a memcpy on CPU).
     ssd: the disk read (the bounce -> device hop overlaps with it and is bounded by `ram`)."""
 
     ram: float = 20e9
     ssd: float = 2e9
-    measured: bool = False
 
 
 @dataclass(frozen=True)
@@ -250,7 +249,8 @@ class Plan:
         for t in TIERS:
             ids = self.layers_in(t)
             if ids:
-                lines.append(f"  {names[t]:<18} {len(ids):>4} layers {_span(ids):<12} {self.tier_bytes(t) / GB:8.2f} GB")
+                lines.append(f"  {names[t]:<18} {len(ids):>4} layers {_span(ids):<12} "
+                             f"{self.tier_bytes(t) / GB:8.2f} GB")
         streamed = self.companions_streamed
         if streamed:
             lines.append(f"  {self.needs.companion_name} streamed with {len(streamed)} layers {_span(streamed)}, "
@@ -274,9 +274,8 @@ class Plan:
         if ledger["ssd"]:
             lines.append(f"  SSD holds {_gb(self.tier_bytes('ssd'))} (read every pass)")
         if self.streams:
-            src = "measured" if self.bandwidths.measured else "assumed"
             what = f"weights and {self.needs.companion_name}" if streamed else "weights"
-            lines.append(f"  expected {self.expected_s:.3f} s per pass streaming {what} ({src} RAM "
+            lines.append(f"  expected {self.expected_s:.3f} s per pass streaming {what} (at RAM "
                          f"{self.bandwidths.ram / GB:.1f} GB/s, SSD {self.bandwidths.ssd / GB:.1f} GB/s)")
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)

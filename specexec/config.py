@@ -295,8 +295,9 @@ class OffloadConfig:
 
     quant: target layer format; auto = none while every layer stays resident, and once any layer streams int4 on
     a CPU (torch's fused int4 kernel), nf4 on CUDA (offload.quant.linear.auto_format).
-    draft_quant: the (always resident) draft's linear layers (none: the run dtype, fp32 on a CPU). offload: auto = the planner decides from the
-    budgets; none / ram / ssd put every target layer resident / in pinned RAM / in the on-disk cache.
+    draft_quant: the (always resident) draft's linear layers (none: the run dtype, fp32 on a CPU).
+    offload: auto = the planner decides from the budgets; none / ram / ssd put every target layer resident / in
+    pinned RAM / in the on-disk cache.
     gpu_budget, ram_budget: bytes (None: what is free now minus a margin). cache_dir: layer cache root (None:
     $SPECEXEC_CACHE or ~/.cache/specexec). context: tokens (prompt + answer) the memory plan reserves KV cache
     for (None: 4096, at most the model's maximum; longer conversations grow the caches beyond the plan).
@@ -350,7 +351,7 @@ class OffloadConfig:
         return cls(**kw)
 
 
-SELF_DRAFT = "self"           # --draft self[:FORMAT]: the target drafts with its own layers (specexec/runtime/self_draft.py)
+SELF_DRAFT = "self"           # --draft self[:FORMAT]: the target drafts with its own layers (runtime/self_draft.py)
 
 
 def is_self_draft(spec: str | None) -> bool:

@@ -373,7 +373,7 @@ class Engine:
 
     def rule_for(self, sampling: SamplingParams) -> Rule:
         """The acceptance rule: greedy at T = 0; else config.verifier ('auto': the builder's default), which
-        must be exact for the builder's drafting scheme (ALGORITHMS.md §0.3)."""
+        must be exact for the builder's drafting scheme (docs/algorithms.md §5.5)."""
         drafting = self.builder.drafting if self.builder is not None else "deterministic"
         if sampling.greedy:
             return RULES["greedy"]

@@ -50,7 +50,8 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     if kind == "linear":
         inv = inv / float(scaling["factor"])
     elif kind == "llama3":
-        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old_ctx = float(scaling["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         smooth = (old_ctx / wavelen - low) / (high - low)

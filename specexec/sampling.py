@@ -2,8 +2,8 @@
 
 `process_logits` applies what transformers' generate() applies, in the same order: repetition penalty,
 temperature, top-k, top-p, min-p; OpenAI's presence and frequency penalties come right after the repetition
-penalty, before temperature (vLLM's order). Draft and target must both go through it (ALGORITHMS.md §0.3,
-pitfall 2), because every acceptance rule assumes p and q are the very distributions plain decoding would sample
+penalty, before temperature (vLLM's order). Draft and target must both go through it (docs/algorithms.md §3,
+§5.6 pitfall 2), because every acceptance rule assumes p and q are the very distributions plain decoding would sample
 from.
 
 History-dependent penalties read a per-row history [R, H] of token ids (-1 = padding), duplicates kept:
@@ -14,7 +14,7 @@ History-dependent penalties read a per-row history [R, H] of token ids (-1 = pad
   logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0), on the raw logits. At
   temperature 0 they move the argmax too, so greedy decoding honours them.
 Samples use the exponential race / Gumbel-max trick with an explicit torch.Generator, so one seed reproduces
-a whole run and sampling without replacement (`gumbel_topk`, §0.4) comes from the same construction.
+a whole run and sampling without replacement (`gumbel_topk`, docs/algorithms.md §4) comes from the same construction.
 
 Does not know: models, caches, acceptance rules; trees only to list each node's history (`node_histories`).
 """
@@ -145,7 +145,7 @@ def greedy(logits: Tensor) -> Tensor:
 
 
 def gumbel_topk(logprobs: Tensor, k: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """k draws without replacement from p = exp(logprobs), in draw order (ALGORITHMS.md §0.4).
+    """k draws without replacement from p = exp(logprobs), in draw order (docs/algorithms.md §4).
 
     logprobs [V]: returns (tokens long [k'], keys float [k']) with keys = log p + Gumbel, descending, and
     k' = min(k, |support|): zero-probability tokens are dropped rather than proposed (one host sync).

@@ -1,4 +1,4 @@
-"""TokenTree: a draft tree as flat tensors (ALGORITHMS.md §0.1, §12.1).
+"""TokenTree: a draft tree as flat tensors (docs/algorithms.md §1).
 
 Conventions (shared by every builder, verifier and the engine):
 - node 0 is the root: the last emitted token, not yet in either KV cache; the budget counts non-root nodes;

@@ -1,4 +1,4 @@
-"""Acceptance rules: which path of a draft tree the target agrees with, plus one bonus token (ALGORITHMS.md §0.3).
+"""Acceptance rules: which path of a draft tree the target agrees with, plus one bonus token (docs/algorithms.md §5).
 
 Rules, and the drafting schemes each is exact for:
 - V1 greedy match / V2 sample-and-match (`accept_greedy`): any tree. The engine passes one choice per node:
@@ -198,10 +198,11 @@ _EXACT = {
 
 
 def exact_rules_for(drafting: str, sampling: SamplingParams | None = None) -> tuple[str, ...]:
-    """Rules that keep the target's distribution exactly for trees drafted this way (ALGORITHMS.md §0.3).
+    """Rules that keep the target's distribution exactly for trees drafted this way (docs/algorithms.md §5.5).
 
-    drafting: "deterministic" (distinct children: specexec, dynamic, static, chain, recycling builders) or
-    "without_replacement" (rsd). With `sampling` given, "greedy" is kept only at temperature 0, where it is
+    drafting: "deterministic" (distinct children chosen by the draft alone: specexec, dynamic, optree,
+    recycling builders) or "without_replacement" (children drawn from q without replacement: rsd, chain,
+    static). With `sampling` given, "greedy" is kept only at temperature 0, where it is
     the only rule (the others would need one-hot target distributions).
     """
     if drafting not in _EXACT:

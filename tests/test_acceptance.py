@@ -51,7 +51,8 @@ def test_save_keeps_other_temperatures_and_static_picks_the_nearest(tmp_path) ->
     table = acceptance.load_table(path)
     assert table == {0.0: (0.8, 0.1), 0.6: (0.5, 0.2, 0.1)}
     b = StaticBuilder(acceptance_file=str(path))
-    assert b.vector_for(0.0) == (0.8, 0.1) and b.vector_for(0.35) == (0.5, 0.2, 0.1) and b.vector_for(2) == (0.5, 0.2, 0.1)
+    assert b.vector_for(0.0) == (0.8, 0.1)
+    assert b.vector_for(0.35) == (0.5, 0.2, 0.1) and b.vector_for(2) == (0.5, 0.2, 0.1)
     assert b.shape_for(6, 0.0).size == 6
     assert b.vector_for(None) == (0.8, 0.1)                         # no temperature: the lowest measured
 

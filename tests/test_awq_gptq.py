@@ -1,9 +1,9 @@
-"""AWQ and GPTQ checkpoints (offload/formats/awq_gptq.py through specexec.runtime.loading): tiny fixtures quantized group-wise
-to int4 in the test and packed the way AutoAWQ (GEMM, interleaved columns) and AutoGPTQ (v1 zeros - 1, sym and
-asym, act-order g_idx; GPTQModel's v2 zeros; 8-bit) pack them, with their quantization_config in config.json.
-The loaded model's weights and logits equal those of a dense checkpoint holding the dequantized reference
-weights exactly, and stay within the 4-bit error of the original model. Unsupported variants fail with a
-CheckpointError naming them and what is supported.
+"""AWQ and GPTQ checkpoints (offload/formats/awq_gptq.py through specexec.runtime.loading): tiny fixtures quantized
+group-wise to int4 in the test and packed the way AutoAWQ (GEMM, interleaved columns) and AutoGPTQ (v1 zeros - 1, sym
+and asym, act-order g_idx; GPTQModel's v2 zeros; 8-bit) pack them, with their quantization_config in config.json. The
+loaded model's weights and logits equal those of a dense checkpoint holding the dequantized reference weights exactly,
+and stay within the 4-bit error of the original model. Unsupported variants fail with a CheckpointError naming them and
+what is supported.
 
 The packers below follow the writers' own loops (AutoAWQ WQLinear_GEMM.from_linear, AutoGPTQ QuantLinear.pack),
 independent of the vectorised unpacking under test.

@@ -16,7 +16,8 @@ from specexec.config import ConfigError
 def test_bench_attention_json_rows(capsys) -> None:
     threads = torch.get_num_threads()
     try:
-        assert main(["bench", "attention", "--contexts", "100,1k", "--tree", "24", "--threads", "1", "--repeat", "2", "--json"]) == 0
+        assert main(["bench", "attention", "--contexts", "100,1k", "--tree", "24", "--threads", "1", "--repeat", "2",
+                     "--json"]) == 0
     finally:
         torch.set_num_threads(threads)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,5 +1,5 @@
 """Sampling exactness of every tree builder, checked statistically on a toy Markov target and draft
-(ALGORITHMS.md §0.5): the builder's real tree-construction code runs against a toy draft (`MarkovDraft`
+(docs/algorithms.md §18): the builder's real tree-construction code runs against a toy draft (`MarkovDraft`
 implements growth.Passes on a [V, V] logits table), its trees go through the rule the engine would pick for
 its declared drafting kind (and the other exact rules), and the first two emitted tokens must follow the
 target's processed distribution (chi-square and TV). Negative controls show the check has teeth.

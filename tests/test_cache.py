@@ -121,8 +121,8 @@ def test_read_layer_into_given_buffers(model: Path, tmp_path: Path) -> None:
 
 
 class ReadCounter:
-    """Counts positional reads and bytes (every layer read of offload.cache.store and offload.streaming.tiers goes through
-    facilities.pread_into: os.preadv, or its stand-in)."""
+    """Counts positional reads and bytes (every layer read of offload.cache.store and offload.streaming.tiers goes
+    through facilities.pread_into: os.preadv, or its stand-in)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls, self.nbytes, real = 0, 0, facilities.pread_into

@@ -58,7 +58,8 @@ def test_span_forward_equals_the_eager_forward_on_cpu(tiny_pair: tuple[Path, Pat
         assert S >= state.cache.length + K and S % draft_graphs.SPAN == 0
         L0 = torch.full((1,), state.cache.length, dtype=torch.long)
         span = draft_graphs.span_forward(model, state.cache, tokens, positions, tree_mask, slots, L0, S)
-        assert (span - eager).abs().max() <= 1e-4 * eager.abs().max(), (span - eager).abs().max()   # one softmax over the span vs the split one
+        # one softmax over the span vs the split one
+        assert (span - eager).abs().max() <= 1e-4 * eager.abs().max(), (span - eager).abs().max()
         assert torch.equal(span.argmax(-1), eager.argmax(-1))
 
 

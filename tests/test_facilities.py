@@ -1,9 +1,9 @@
-"""The stand-ins for POSIX-only facilities (offload/platform/facilities.py, offload/cache/locking.py, offload/platform/mounts.py,
-cli/errors.py), each taken on its own on this Linux machine: positional reads and writes without preadv/pread/
-pwrite, reads past the page cache via F_NOCACHE (macOS) or not at all, lock files via msvcrt (Windows, faked) or
-a lock directory (stale owners broken, live and foreign ones waited for), SIGTERM absent, cache directory names
-from Windows paths, and the WSL2 slow-mount warning from a fake mount table. The offload and cache suites run
-whole without these facilities too (conftest.posix_facilities)."""
+"""The stand-ins for POSIX-only facilities (offload/platform/facilities.py, offload/cache/locking.py,
+offload/platform/mounts.py, cli/errors.py), each taken on its own on this Linux machine: positional reads and writes
+without preadv/pread/pwrite, reads past the page cache via F_NOCACHE (macOS) or not at all, lock files via msvcrt
+(Windows, faked) or a lock directory (stale owners broken, live and foreign ones waited for), SIGTERM absent, cache
+directory names from Windows paths, and the WSL2 slow-mount warning from a fake mount table. The offload and cache
+suites run whole without these facilities too (conftest.posix_facilities)."""
 from __future__ import annotations
 
 import errno

@@ -69,7 +69,8 @@ def test_tied_checkpoint_has_no_separate_head(tiny_qwen2_tied: Path, tiny_qwen2:
 def test_tokenizer_round_trip(tiny_llama: Path) -> None:
     _, tok = _load(tiny_llama)
     assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (UNK_ID, BOS_ID, EOS_ID, PAD_ID)
-    for text in ["Hello, world!", "The draft model proposes a tree.", "  spaces\tand\nnewlines ", "ünïcödé 🙂 √2"]:
+    texts = ["Hello, world!", "The draft model proposes a tree.", "  spaces\tand\nnewlines ", "ünïcödé 🙂 √2"]
+    for text in texts:
         ids = tok(text).input_ids
         assert ids[0] == BOS_ID and all(0 <= i < VOCAB_SIZE for i in ids)
         assert tok.decode(ids, skip_special_tokens=True) == text

@@ -1,10 +1,10 @@
-"""GGUF checkpoints (offload/formats/gguf.py through specexec.runtime.loading): tiny fixtures written with gguf.GGUFWriter the
-way llama.cpp's converter writes them (tests/gguf_writer.py: its Q/K permutation, its names, rope_freqs for a
-Llama-3 rope, the tokenizer as metadata) load to the same logits as the HF model: exactly in F32, within the
-quantization error for F16/BF16/Q8_0/Q4_0/Q5_0; K-quants (which gguf cannot quantize in Python) as random valid
-blocks, matched tensor by tensor against gguf's own dequantizer and end to end against transformers' GGUF loader.
-The tokenizer is built from the file's metadata (no sidecar) and must equal the fixture's. Every unsupported
-input fails with a CheckpointError naming it and what is supported.
+"""GGUF checkpoints (offload/formats/gguf.py through specexec.runtime.loading): tiny fixtures written with
+gguf.GGUFWriter the way llama.cpp's converter writes them (tests/gguf_writer.py: its Q/K permutation, its names,
+rope_freqs for a Llama-3 rope, the tokenizer as metadata) load to the same logits as the HF model: exactly in F32,
+within the quantization error for F16/BF16/Q8_0/Q4_0/Q5_0; K-quants (which gguf cannot quantize in Python) as random
+valid blocks, matched tensor by tensor against gguf's own dequantizer and end to end against transformers' GGUF loader.
+The tokenizer is built from the file's metadata (no sidecar) and must equal the fixture's. Every unsupported input fails
+with a CheckpointError naming it and what is supported.
 
 The real Qwen2.5-Coder Q4_K_M pair is checked by hand (see the issue-10 note), never here: nothing is downloaded.
 """

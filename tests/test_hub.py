@@ -17,7 +17,7 @@ from cli.main import main
 from specexec.runtime import hub as hub_mod
 from specexec.config import ConfigError, EngineConfig, OffloadConfig
 from specexec.runtime.disk_need import layer_cache_bytes
-from specexec.runtime.ledger import layer_bytes
+from specexec.runtime.sizes import layer_bytes
 from specexec.runtime.hub import HubOptions, cached, fetch
 from specexec.runtime.loading import load_model, read_args, resolve_model_path
 from tests.hub_server import LocalHub, serve, stop

@@ -90,15 +90,15 @@ __import__("specexec")
 def late():
     from specexec.engine import Engine
 """
-    assert violations(source, "offload.streaming.pager") == [
-        "offload.streaming.pager:3 imports specexec.tree",
-        "offload.streaming.pager:4 imports specexec",
-        "offload.streaming.pager:5 imports cli.main",
-        "offload.streaming.pager:7 imports specexec",
-        "offload.streaming.pager:8 imports cli",
-        "offload.streaming.pager:10 imports cli.chat",
-        "offload.streaming.pager:11 imports specexec",
-        "offload.streaming.pager:13 imports specexec.engine",
+    assert violations(source, "offload.pager") == [
+        "offload.pager:3 imports specexec.tree",
+        "offload.pager:4 imports specexec",
+        "offload.pager:5 imports cli.main",
+        "offload.pager:7 imports specexec",
+        "offload.pager:8 imports cli",
+        "offload.pager:10 imports cli.chat",
+        "offload.pager:11 imports specexec",
+        "offload.pager:13 imports specexec.engine",
     ]
     assert violations(source, "specexec.engine") == [
         "specexec.engine:5 imports cli.main",
@@ -110,7 +110,7 @@ def late():
 
 def test_checker_resolves_relative_imports() -> None:
     assert imported_modules("from . import pager", "offload.streaming.tiers") == [(1, "offload.streaming.pager")]
-    assert imported_modules("from .pager import LayerPager", "offload", is_package=True) == [(1, "offload.streaming.pager")]
+    assert imported_modules("from .pager import LayerPager", "offload", is_package=True) == [(1, "offload.pager")]
     assert imported_modules("from ..tree import TokenTree", "specexec.builders.chain") == [(1, "specexec.tree")]
     assert violations("from ... import cli", "specexec.builders.chain") == ["specexec.builders.chain:1 imports cli"]
     with pytest.raises(ValueError, match="above the top-level"):

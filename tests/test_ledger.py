@@ -19,7 +19,9 @@ from offload.cache.store import plan as cache_plan
 from offload.planner import GB
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.kv.cache import KVCache
-from specexec.runtime.ledger import CUDA_CONTEXT, RunShape, card_budget, layer_bytes, plan_memory, weight_bytes
+from specexec.runtime.ledger import CUDA_CONTEXT, card_budget, plan_memory
+from specexec.runtime.run_shape import RunShape
+from specexec.runtime.sizes import layer_bytes, weight_bytes
 from specexec.runtime.loading import load_model, read_args
 from specexec.runtime.offloaded import layer_names, module_bytes, quantize_layers
 from specexec.runtime.assembly import Runtime
@@ -81,7 +83,8 @@ def check_every_byte(out: dict, budget: int, gpu_budget: int, ram_budget: int) -
     assert host.get("target KV cache (streamed)", 0) == kv_streamed * kv_layer == out["kv"]["streamed_bytes_per_pass"]
     tail = 2 * 8 * 128 * (budget + 1) * BF16                                 # the tree rows a streamed layer keeps
     assert dev.get("target KV cache stages", 0) == (2 * kv_layer + kv_streamed * tail if kv_streamed else 0)
-    assert out["ledger"]["draft KV cache"] == 2 * DL * 8 * 128 * (4096 + (2 * budget + 1) + 1 + 1) * BF16   # processed nodes, trash slot, root
+    # slots: the context, processed nodes, the trash slot, the root
+    assert out["ledger"]["draft KV cache"] == 2 * DL * 8 * 128 * (4096 + (2 * budget + 1) + 1 + 1) * BF16
     layer = layer_bytes(read_args(T70), "nf4", torch.bfloat16)
     assert 0.48 * GB < layer < 0.485 * GB                                     # 855.6M NF4 weights + norms
     n = {"resident": out["resident_layers"], **out["streamed_layers"]}
@@ -186,7 +189,7 @@ def test_plan_flag_errors_are_one_line(capsys, tmp_path: Path) -> None:
 def test_config_only_sizes_equal_the_real_objects(tiny_pair, fmt: str) -> None:
     """layer_bytes = the layer cache's layouts (from the checkpoint's headers); weight_bytes = a loaded,
     quantized model's parameters and buffers; kv_bytes = a KVCache's."""
-    from specexec.runtime.ledger import kv_bytes
+    from specexec.runtime.sizes import kv_bytes
 
     target, draft = tiny_pair
     args = read_args(target)

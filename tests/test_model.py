@@ -37,7 +37,8 @@ def causal(T: int) -> torch.Tensor:
 def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, dense: bool = False) -> torch.Tensor:
     T = ids.numel()
     pos = torch.arange(cache.length, cache.length + T)
-    mask = prefix_tree_mask(cache.length, causal(T), model.args.sliding_window, pos) if dense else TreeMask(cache.length)
+    mask = (prefix_tree_mask(cache.length, causal(T), model.args.sliding_window, pos) if dense
+            else TreeMask(cache.length))
     hidden = model(ids[None], pos[None], mask, cache)
     cache.advance(T)
     return model.logits(hidden)

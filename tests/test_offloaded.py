@@ -332,7 +332,8 @@ def test_cuda_offloaded_forward_equals_resident(tiny_pair, cache_root, mix: str)
 def test_cuda_runtime_streams_and_matches(tiny_pair, tiny_perturbed_draft, cache_root) -> None:
     config = EngineConfig(budget=8, max_new_tokens=12, device="cuda", dtype="float32")
     common = {"quant": "nf4", "cache_dir": str(cache_root)}
-    a = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config, offload=OffloadConfig(offload="none", **common))
-    b = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config, offload=OffloadConfig(offload="ssd", **common))
+    target, draft = str(tiny_pair[0]), str(tiny_perturbed_draft)
+    a = Runtime.load(target, draft, config, offload=OffloadConfig(offload="none", **common))
+    b = Runtime.load(target, draft, config, offload=OffloadConfig(offload="ssd", **common))
     assert ids_of(a) == ids_of(b)
     assert b.stats()["bytes_streamed"] > 0

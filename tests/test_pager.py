@@ -1,7 +1,7 @@
-"""offload.streaming.pager and offload.streaming.tiers on random packed bytes: every tier mix hands out the exact bytes in order,
-stats count what moved, read-ahead overlaps a slow reader with compute, cancellation and errors are clean,
-the SSD file reads with and without O_DIRECT (and without any POSIX-only facility: conftest.posix_facilities).
-`gpu` tests cover pinned memory (and its fallback), copy streams and events."""
+"""offload.streaming.pager and offload.streaming.tiers on random packed bytes: every tier mix hands out the exact bytes
+in order, stats count what moved, read-ahead overlaps a slow reader with compute, cancellation and errors are clean, the
+SSD file reads with and without O_DIRECT (and without any POSIX-only facility: conftest.posix_facilities). `gpu` tests
+cover pinned memory (and its fallback), copy streams and events."""
 from __future__ import annotations
 
 import json
@@ -187,11 +187,11 @@ def test_leaving_a_pass_early_cancels_the_read_ahead(layers, staged: bool) -> No
 
 @pytest.mark.timeout(20)
 def test_a_job_interrupted_before_it_was_queued_does_not_hang_the_next_pass(layers) -> None:
-    from offload.streaming.pager import _Job
+    from offload.streaming.loaders import Job
 
     with build_pager(["ssd"] * 6, MemoryReader(layers), "cpu", n_slots=2) as pager:
         check_pass(pager, layers)
-        pager._job = _Job(list(range(6)))          # what Ctrl-C between `_job = job` and put() leaves behind
+        pager._job = Job(list(range(6)))          # what Ctrl-C between `_job = job` and put() leaves behind
         t0 = time.time()
         check_pass(pager, layers)                   # cancels the orphan instead of waiting for it forever
         assert time.time() - t0 < 5
@@ -504,7 +504,8 @@ def test_cuda_streamed_pass_runs_at_the_pinned_link_rate(arch: str, fmt: str) ->
     assert d["bytes_streamed"] == n * size and d["passes"] == 1
     assert d["pass_s"] <= 1.15 * ideal, (arch, fmt, size, d, bw)
     assert d["busy_s"] >= 0.9 * d["pass_s"], (d, bw)
-    copies = [(timing.start.elapsed_time(lt.copy_start), timing.start.elapsed_time(lt.copy_end)) for lt in timing.layers]
+    copies = [(timing.start.elapsed_time(lt.copy_start), timing.start.elapsed_time(lt.copy_end))
+              for lt in timing.layers]
     assert all(e0 <= s1 + 1e-3 for (_, e0), (s1, _) in zip(copies, copies[1:])), copies     # one stream: no overlap
 
 

@@ -12,8 +12,8 @@ MB = 10**6
 
 def needs(n: int = 10, layer: int = 100 * MB, fixed: int = 300 * MB, slots: int = 2, bounce: int = 2) -> Needs:
     """n layers of `layer` bytes; fixed costs split over draft / KV / activations."""
-    return Needs((layer,) * n, (("draft", fixed // 3), ("KV caches", fixed // 3), ("activations", fixed - 2 * (fixed // 3))),
-                 slots, bounce)
+    fixed_costs = (("draft", fixed // 3), ("KV caches", fixed // 3), ("activations", fixed - 2 * (fixed // 3)))
+    return Needs((layer,) * n, fixed_costs, slots, bounce)
 
 
 def counts(p) -> tuple[int, int, int]:

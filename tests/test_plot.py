@@ -1,7 +1,6 @@
-"""`--plot FILE.png|svg` on `specexec bench`, `bench stream` and `bench builders` (cli/bench/plot.py): the lines drawn are
-the JSON rows (read back from the Figure), the file is a valid PNG/SVG of the promised size whose embedded rows
-equal what `--json` printed, and a missing matplotlib or a bad file name is one line (exit 2) before anything
-runs."""
+"""`--plot FILE.png|svg` on `specexec bench`, `bench stream` and `bench builders` (cli/bench/plot.py): the lines drawn
+are the JSON rows (read back from the Figure), the file is a valid PNG/SVG of the promised size whose embedded rows
+equal what `--json` printed, and a missing matplotlib or a bad file name is one line (exit 2) before anything runs."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,8 @@
-"""torch's weight-only kernels behind --quant int4 / int8 (offload/quant/int4.py, offload/quant/int8.py) and the kernel choice
-(quant.kernel_for): int4's error against NF4's per group size, rows that do not depend on the batch (bit for bit,
-any number of rows, any thread count), no dequantization on the CPU, an fp32 residual stream around bf16 kernels,
-int4's int8 fallback for shapes its kernel cannot take, packings from another machine refused, the packing in the
-layer cache's key, what a pass moves (pass_traffic), and on a GPU: the CUDA int4 kernel and the draft's fused NF4.
+"""torch's weight-only kernels behind --quant int4 / int8 (offload/quant/int4.py, offload/quant/int8.py) and the kernel
+choice (quant.kernel_for): int4's error against NF4's per group size, rows that do not depend on the batch (bit for bit,
+any number of rows, any thread count), no dequantization on the CPU, an fp32 residual stream around bf16 kernels, int4's
+int8 fallback for shapes its kernel cannot take, packings from another machine refused, the packing in the layer cache's
+key, what a pass moves (pass_traffic), and on a GPU: the CUDA int4 kernel and the draft's fused NF4.
 """
 from __future__ import annotations
 

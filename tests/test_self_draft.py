@@ -24,7 +24,9 @@ from offload.planner import PlanError
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import ConfigError, EngineConfig, OffloadConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.runtime.ledger import RunShape, card_budget, layer_bytes, plan_memory, spaced_layers, with_self_draft
+from specexec.runtime.ledger import card_budget, plan_memory
+from specexec.runtime.run_shape import RunShape, spaced_layers, with_self_draft
+from specexec.runtime.sizes import layer_bytes
 from specexec.runtime.loading import load_model, read_args
 from specexec.runtime.catalog import parse_catalog
 from specexec.runtime.offloaded import HostEmbedding, target_formats

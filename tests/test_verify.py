@@ -1,5 +1,5 @@
 """specexec.verify: greedy matching on hand-built trees, and exactness of the sampling rules checked
-statistically on a toy Markov target/draft (ALGORITHMS.md §0.5), with negative controls that must fail."""
+statistically on a toy Markov target/draft (docs/algorithms.md §18), with negative controls that must fail."""
 from __future__ import annotations
 
 import math

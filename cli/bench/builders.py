@@ -3,7 +3,7 @@
 For each temperature: the target alone (the reference: its tok/s is the × column's base, and at T = 0 every
 builder's output must equal its output token for token), then each builder at each budget, all variants of
 one loaded runtime. Per row: tokens per target pass, draft ms and target ms per step, tokens/s, the acceptance
-rule the builder was verified with (its own exact default, ALGORITHMS.md §0.3), and at T = 0 whether the
+rule the builder was verified with (its own exact default, docs/algorithms.md §5.5), and at T = 0 whether the
 output was identical. After the table, the winner per (temperature, budget) by tokens per pass and by
 tokens/s. `--json` prints one line {"rows": [...], "best": [...]}.
 

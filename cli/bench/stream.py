@@ -307,8 +307,9 @@ def run(ns: argparse.Namespace) -> int:
         plot.save(plot.stream_figure(rows, title), figure, rows, title)
         console.print(f"plot written to {figure}", style="dim", highlight=False)
     if ns.json:
-        out = {"arch": ns.synthetic, "quant": ns.quant, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-               "layers": ns.layers, "layer_bytes": size, "plan": the_plan.summary(), "rows": rows}
+        out = {"arch": ns.synthetic, "quant": ns.quant, "device": str(device),
+               "dtype": str(dtype).removeprefix("torch."), "layers": ns.layers, "layer_bytes": size,
+               "plan": the_plan.summary(), "rows": rows}
         print(json.dumps(out, separators=(",", ":")), flush=True)
     else:
         Console().print(table(rows, f"bench stream · {ns.synthetic} · {ns.quant} · {bench.tier} tier"))

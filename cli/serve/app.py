@@ -10,8 +10,8 @@ an OpenAI-style JSON error body: 4xx for the client's mistakes, 500 only for bug
 
 Importing this module needs starlette (the `serve` extra); cli/serve/command.py imports it only when serving.
 
-Does not know: request semantics (specexec.serving.openai_api), how jobs run (specexec.serving.queue), argument parsing and
-binding sockets (cli/serve/command.py).
+Does not know: request semantics (specexec.serving.openai_api), how jobs run (specexec.serving.queue), argument parsing
+and binding sockets (cli/serve/command.py).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, _scope: Any, receive: Any, send: Any) -> None:
         async with anyio.create_task_group() as group:
             async def stream() -> None:
                 with contextlib.suppress(OSError):

@@ -67,10 +67,10 @@ from pathlib import Path
 
 import torch
 
-from offload.cache.identity import (ST_DTYPES, LayerNames, cache_dir_for, default_cache_root, fingerprint,  # noqa: F401
-                             human_bytes, options_of, source_specs)
-from offload.cache.manifest import (CORRUPT, LAYERS_FILE, MANIFEST, VERSION, CacheCorruptError, CacheError,  # noqa: F401
-                             check_expected, load_manifest, mark_corrupt)
+from offload.cache.identity import (ST_DTYPES, LayerNames, cache_dir_for, default_cache_root,  # noqa: F401
+                                    fingerprint, human_bytes, options_of, source_specs)
+from offload.cache.manifest import (CORRUPT, LAYERS_FILE, MANIFEST, VERSION, CacheCorruptError,  # noqa: F401
+                                    CacheError, check_expected, load_manifest, mark_corrupt)
 from offload.cache.reading import _VERIFIED, LayerFile, aligned_empty  # noqa: F401 -- _VERIFIED: tests clear it
 from offload.platform.facilities import fsync_dir, pwrite_all
 from offload.cache.locking import exclusive_lock as _exclusive_lock

@@ -7,9 +7,9 @@ Every source has the same small interface, which is all the loaders (and the lay
     get(name) -> torch.Tensor            one CPU tensor, dense (quantized formats are dequantized to float32)
     format: str                          "safetensors" | "awq" | "gptq" | "gguf" (for manifests and messages)
 
-`tensor_specs(source)` adds the dtype of each tensor (from headers, nothing read) for planning sizes, and
-`fingerprint(path)` identifies the source files for cache manifests. A .gguf source also has config() (a
-config.json-like dict); the directory sources keep their config.json.
+`tensor_specs(source)` adds the dtype of each tensor (from headers, nothing read) for planning sizes. A .gguf
+source also has config() (a config.json-like dict) and fingerprint() (what offload.cache.identity records of
+it); the directory sources keep their config.json.
 
 Does not know: ModelArgs, tokenizers, pickle checkpoints (specexec.runtime.loading refuses or reads those itself).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -81,12 +81,3 @@ def tensor_specs(source: CheckpointSource) -> dict[str, tuple[torch.dtype, tuple
     if hasattr(source, "dtype"):
         return {n: (source.dtype(n), tuple(source.shape(n))) for n in source.names()}
     return {n: (stored_dtype(source, n), tuple(source.shape(n))) for n in source.names()}
-
-
-def fingerprint(path: str | os.PathLike) -> list[list[Any]]:
-    """[[file name, size, mtime_ns, sha256 of its header]] of the source's files (cache manifests)."""
-    if is_gguf(path):
-        from offload.formats.gguf import open_gguf
-        return open_gguf(path).fingerprint()
-    from offload.cache.store import fingerprint as directory_fingerprint     # lazy: the cache may import this module
-    return directory_fingerprint(path)

@@ -7,9 +7,9 @@ until the next iteration (then the slot is refilled). Loader threads fill slots 
   the CPU, straight from the disk (the SSD read fills the host slot);
 - the reader (staged SSD, i.e. CUDA): reads SSD layers from disk into a ring of n_bounce pinned host buffers,
   as far ahead as the ring allows, independently of the slots; the copier moves them to the device.
-So the read-ahead depth is n_slots layers (n_slots + n_bounce when staged); `prefetch_start()` (called after a
-pass, while the draft grows its tree) starts the next pass and the threads keep loading until every buffer
-is full. The planner decides n_slots and n_bounce; the pager works with any depth >= 1.
+The threads live in loaders.py. So the read-ahead depth is n_slots layers (n_slots + n_bounce when staged);
+`prefetch_start()` (called after a pass, while the draft grows its tree) starts the next pass and the threads keep
+loading until every buffer is full. The planner decides n_slots and n_bounce; the pager works with any depth >= 1.
 
 On CUDA nothing here blocks the host or the device beyond need: the copy stream waits (event) until the
 compute that last read a slot is done, compute waits (event) until the slot's copy is done, the reader waits
@@ -22,7 +22,7 @@ of the slot's fill, compute waits for it like for the weights, and its bytes cou
 may wait (for its source to be final) but returns when stopped() says the fill was cancelled. `discard()`
 cancels a read-ahead (e.g. one made for another companion).
 
-Timing is on the device's clock (pager_timing.py): per layer, copy start/end events on the copy stream and
+Timing is on the device's clock (timing.py): per layer, copy start/end events on the copy stream and
 compute start/end events on the compute stream; a pass is folded into `stats` once all its events completed
 (`collect()` never waits unless asked). On CPU the same records hold host timestamps.
 
@@ -31,9 +31,7 @@ moves its own buffers), which layer goes in which tier (planner.py), models or t
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -41,52 +39,14 @@ from typing import Any
 import torch
 
 from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold, stream_summary  # noqa: F401
+from offload.streaming.loaders import WAIT_TICK, Buffer, Job, Loaders
 from offload.streaming.tiers import LayerReader, RamTier, ResidentTier, fill, host_buffer
 
 Bind = Callable[[int, int, torch.Tensor], Any]      # (layer, slot or -1 when resident, uint8 buffer) -> view
 Companion = Callable[[int, int, Callable[[], bool]], int]   # (layer, slot, stopped) -> bytes it moved
-WAIT_TICK = 0.05                                    # seconds between checks for cancellation while waiting
 
 
-class _Buffer:
-    """A slot (device memory; host memory on CPU) or a bounce buffer (host), and what it holds. Its state is
-    guarded by the pager's condition variable."""
-
-    __slots__ = ("buf", "full", "layer", "job", "timing", "used")
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-        self.full, self.layer, self.job = False, -1, None
-        self.timing: LayerTiming | None = None      # slot: how it was filled
-        self.used: Any = None                       # slot: after the compute that last read it; bounce: after
-                                                    # the copy out of it (an event; None before first use)
-
-    def holds(self, job: "_Job", i: int) -> bool:
-        return self.full and self.job is job and self.layer == i
-
-    def empty(self) -> None:
-        self.full, self.layer, self.job, self.timing = False, -1, None, None
-
-
-class _Job:
-    """The streamed layers of one pass, in order, and (staged) its SSD layers for the reader."""
-
-    def __init__(self, ids: list[int], ssd: Sequence[int] = ()) -> None:
-        self.ids, self.ssd = ids, list(ssd)
-        self.cancelled = False
-        self.error: BaseException | None = None
-        self.error_layer = -1
-        self.stages = 0             # loader threads still working on it (set when the copier takes it)
-        self.started = False        # the copier has taken it off the queue
-        self.done = False           # no loader thread touches it any more
-        self.taken = False          # a pass consumes it
-
-    @property
-    def stopped(self) -> bool:
-        return self.cancelled or self.error is not None
-
-
-class LayerPager:
+class LayerPager(Loaders):
     """Layers by id from a ResidentTier (used in place), a RamTier and/or an SSD LayerReader (streamed).
 
     n_slots: slots streamed layers pass through (>= 1 when anything streams); n_bounce: host bounce buffers
@@ -108,19 +68,19 @@ class LayerPager:
         if streamed and n_slots < 1:
             raise ValueError("streamed layers need at least one slot")
         self.slot_bytes = max(streamed, default=0)
-        self.slots = [_Buffer(self._slot_memory()) for _ in range(n_slots if streamed else 0)]
+        self.slots = [Buffer(self._slot_memory()) for _ in range(n_slots if streamed else 0)]
         self.staged = "ssd" in self.tiers and (cuda or bool(staged))
-        self.bounce = [_Buffer(host_buffer(self.slot_bytes, pin=cuda)) for _ in range(max(n_bounce, 1))
+        self.bounce = [Buffer(host_buffer(self.slot_bytes, pin=cuda)) for _ in range(max(n_bounce, 1))
                        ] if self.staged else []
         self.copy_stream = torch.cuda.Stream(self.device) if cuda and streamed else None
         self._cv = threading.Condition()
-        self._queues: dict[str, deque[_Job | None]] = {"copy": deque(), "read": deque()}
+        self._queues: dict[str, deque[Job | None]] = {"copy": deque(), "read": deque()}
         self._waiting: dict[str, Callable[[], bool]] = {}      # stage -> what it waits for
         self._threads: dict[str, threading.Thread] = {}
         self._pending: deque[PassTiming] = deque()             # passes not folded into stats yet
         self.last_pass: PassTiming | None = None                # the latest pass's events (benchmarks, tests)
         self._stats_lock = threading.Lock()
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._last_ids: list[int] = list(range(len(self.sizes)))
 
     def _tier(self, i: int, ssd_ids: set[int]) -> str:
@@ -199,7 +159,7 @@ class LayerPager:
             lt.compute_end = self._event()
             self.stats.layers += 1
 
-    def _acquire(self, slot: _Buffer, job: _Job, i: int) -> LayerTiming:
+    def _acquire(self, slot: Buffer, job: Job, i: int) -> LayerTiming:
         """Wait (host) until the copier filled `slot` with layer i; on CUDA make compute wait for the copy."""
         with self._cv:
             while not slot.holds(job, i):
@@ -213,7 +173,7 @@ class LayerPager:
             torch.cuda.current_stream(self.device).wait_event(lt.copy_end)
         return lt
 
-    def _release(self, slot: _Buffer, lt: LayerTiming) -> None:
+    def _release(self, slot: Buffer, lt: LayerTiming) -> None:
         with self._cv:
             slot.used = lt.compute_end
             slot.empty()
@@ -232,7 +192,7 @@ class LayerPager:
             return
         self._submit(streamed)
 
-    def _take(self, streamed: list[int]) -> _Job:
+    def _take(self, streamed: list[int]) -> Job:
         """The queued job if it loads exactly `streamed`, nothing consumed it yet and it was not cancelled (a
         read-ahead that failed is taken: the pass raises its error); else a new one."""
         job = self._job
@@ -241,10 +201,10 @@ class LayerPager:
         job.taken = True
         return job
 
-    def _submit(self, streamed: list[int]) -> _Job:
+    def _submit(self, streamed: list[int]) -> Job:
         if self._job is not None and not self._job.done:
             self._cancel(self._job)
-        job = _Job(streamed, [i for i in streamed if self.staged and self.tiers[i] == "ssd"])
+        job = Job(streamed, [i for i in streamed if self.staged and self.tiers[i] == "ssd"])
         self._job = job
         if not streamed:
             job.done = True
@@ -255,7 +215,7 @@ class LayerPager:
             self._cv.notify_all()
         return job
 
-    def _cancel(self, job: _Job) -> None:
+    def _cancel(self, job: Job) -> None:
         """Stop `job`, wait for the loader threads to let go of it, and mark every buffer empty."""
         with self._cv:
             job.cancelled = True
@@ -278,7 +238,7 @@ class LayerPager:
         if self._job is not None:
             self._cancel(self._job)
 
-    def _orphan(self, job: _Job) -> bool:
+    def _orphan(self, job: Job) -> bool:
         """A job that never reached the loader (Ctrl-C between `self._job = job` and the queue)."""
         with self._cv:
             return not job.done and not job.started and job not in self._queues["copy"]
@@ -321,153 +281,6 @@ class LayerPager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------------------------- loader side
-
-    def _start_threads(self) -> None:
-        stages = {"copy": self._copy_loop, "read": self._read_loop} if self.staged else {"copy": self._copy_loop}
-        for stage, target in stages.items():
-            if stage not in self._threads:
-                self._threads[stage] = threading.Thread(target=target, name="layer-pager", daemon=True)
-                self._threads[stage].start()
-
-    def _next(self, stage: str) -> _Job | None:
-        """The stage's next job (None: stop). The copier hands a job with SSD layers on to the reader."""
-        queue = self._queues[stage]
-        with self._cv:
-            while not queue:
-                self._waiting[stage] = lambda: bool(queue)
-                self._cv.notify_all()
-                self._cv.wait()
-                self._waiting.pop(stage, None)
-            job = queue.popleft()
-            if job is not None and stage == "copy":
-                job.started = True
-                job.stages = 2 if job.ssd else 1
-                if job.ssd:
-                    self._queues["read"].append(job)
-                    self._cv.notify_all()
-            return job
-
-    def _await(self, stage: str, ready: Callable[[], bool], job: _Job) -> bool:
-        """(cv held) Wait until ready(); False if the job stops first."""
-        while not ready() and not job.stopped:
-            self._waiting[stage] = ready
-            self._cv.notify_all()
-            self._cv.wait(WAIT_TICK)
-            self._waiting.pop(stage, None)
-        return not job.stopped
-
-    def _finish(self, job: _Job) -> None:
-        with self._cv:
-            job.stages -= 1
-            if job.stages <= 0:
-                job.done = True
-            self._cv.notify_all()
-
-    def _fail(self, job: _Job, i: int, error: BaseException) -> None:
-        with self._cv:
-            if job.error is None:
-                job.error, job.error_layer = error, i
-            self._cv.notify_all()
-
-    def _copy_loop(self) -> None:
-        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with device:
-            while (job := self._next("copy")) is not None:
-                try:
-                    self._copy_job(job)
-                finally:
-                    self._finish(job)
-
-    def _copy_job(self, job: _Job) -> None:
-        """Fill slot k % n_slots with the k-th layer, in order, as slots (and staged SSD layers) become ready."""
-        m = 0
-        for k, i in enumerate(job.ids):
-            slot, bounce = self.slots[k % len(self.slots)], None
-            with self._cv:
-                if not self._await("copy", lambda: not slot.full, job):
-                    return
-                if job.ssd and self.tiers[i] == "ssd":
-                    bounce = self.bounce[m % len(self.bounce)]
-                    m += 1
-                    if not self._await("copy", lambda: bounce.full, job):
-                        return
-                    if not bounce.holds(job, i):
-                        self._fail(job, i, RuntimeError(f"bounce buffer holds layer {bounce.layer}, expected {i}"))
-                        return
-            try:
-                lt = self._fill(i, k % len(self.slots), bounce, job)
-            except BaseException as e:          # noqa: BLE001 -- handed to the consumer, which raises it
-                self._fail(job, i, e)
-                return
-            with self._cv:
-                if bounce is not None:
-                    bounce.used = lt.copy_end
-                    bounce.empty()
-                slot.full, slot.layer, slot.job, slot.timing = True, i, job, lt
-                self._cv.notify_all()
-
-    def _fill(self, i: int, slot_index: int, bounce: _Buffer | None, job: _Job) -> LayerTiming:
-        """Move layer i into the slot (from the RAM tier, the bounce buffer, or the disk on CPU), then its
-        companion's bytes; its timing."""
-        tier, n, slot = self.tiers[i], self.sizes[i], self.slots[slot_index]
-        dst = slot.buf[:n]
-        if tier == "ssd" and bounce is None:                      # CPU: the disk read fills the slot
-            lt = LayerTiming("ssd", copy_start=self._event())
-            self.ssd.read_layer(i, dst)
-            lt.companion_bytes = self._companion(i, slot_index, job)
-            lt.copy_end = self._event()
-            return lt
-        src = bounce.buf[:n] if bounce is not None else self.ram.buffer(i)[:n]
-        lt = LayerTiming(tier, count_copy=bounce is None)        # staged SSD: the disk read is the tier's time
-        stream = self.copy_stream
-        if stream is None:
-            lt.copy_start = self._event()
-            dst.copy_(src)
-            lt.companion_bytes = self._companion(i, slot_index, job)
-            lt.copy_end = self._event()
-            return lt
-        if slot.used is not None:
-            stream.wait_event(slot.used)                          # the compute that last read the slot is done
-        lt.copy_start = self._event(stream)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            lt.companion_bytes = self._companion(i, slot_index, job)
-        lt.copy_end = self._event(stream)
-        return lt
-
-    def _companion(self, i: int, slot_index: int, job: _Job) -> int:
-        companion = self.companion
-        return companion(i, slot_index, lambda: job.stopped) if companion is not None else 0
-
-    def _read_loop(self) -> None:
-        while (job := self._next("read")) is not None:
-            try:
-                self._read_job(job)
-            finally:
-                self._finish(job)
-
-    def _read_job(self, job: _Job) -> None:
-        """Read the job's SSD layers, in order, into the bounce ring as far ahead as it has free buffers."""
-        for m, i in enumerate(job.ssd):
-            b = self.bounce[m % len(self.bounce)]
-            with self._cv:
-                if not self._await("read", lambda: not b.full, job):
-                    return
-            try:
-                if b.used is not None:
-                    b.used.synchronize()                          # the copy out of it finished (this thread waits)
-                t0 = time.perf_counter()
-                self.ssd.read_layer(i, b.buf[:self.sizes[i]])
-            except BaseException as e:          # noqa: BLE001 -- handed to the consumer, which raises it
-                self._fail(job, i, e)
-                return
-            with self._stats_lock:
-                self.stats.copy_s["ssd"] += time.perf_counter() - t0
-            with self._cv:
-                b.full, b.layer, b.job = True, i, job
-                self._cv.notify_all()
 
     # ------------------------------------------------------------------------------------- timings
 

@@ -1,7 +1,7 @@
 """Dynamic builder (EAGLE-2 / DySpec): expand by cumulative draft confidence layer by layer, then rerank.
 
-Li et al., "EAGLE-2" (arXiv 2406.16858); the layer-wise threshold view is DySpec's
-Alg. 2 (Xiong et al., arXiv 2410.11744, §3.2). A node's value is its cumulative draft log-probability.
+Li et al., "EAGLE-2" (arXiv 2406.16858); the layer-wise threshold view is DySpec's Alg. 2 (Xiong et al.,
+arXiv 2410.11744); docs/algorithms.md §10. A node's value is its cumulative draft log-probability.
 1. Root pass; its top-k tokens are layer 1.
 2. Each layer: the k best-valued nodes of the newest layer are fed to the draft in one batched pass; each gets
    its top-k tokens as children; every candidate is recorded.
@@ -9,10 +9,11 @@ Alg. 2 (Xiong et al., arXiv 2410.11744, §3.2). A node's value is its cumulative
    best `budget` recorded candidates (a child is never worth more than its parent): exact, not a heuristic.
 4. Rerank: keep the best `budget` candidates (ancestor-closed; ties go to earlier nodes).
 
-k defaults to min(32, max(4, ceil(sqrt(2 * budget)))): EAGLE-2's k = 10 at budget 60, growing with the budget
-so k + depth * k^2 candidates always cover it. Children are distinct top-k tokens chosen by the draft alone,
-so the tree is "deterministic": greedy, sample-and-match and EAGLE-style rejection (rrs) are exact. At T > 0
-the values are the processed (temperature, top-p) draft log-probs.
+k defaults to min(32, max(4, ceil(sqrt(2 * budget)))): 10 at budget 50 and 11 at budget 60 (EAGLE-2 uses
+k = 10 with 60 nodes), growing with the budget so k + depth * k^2 candidates always cover it. Children are
+distinct top-k tokens chosen by the draft alone, so the tree is "deterministic": greedy, sample-and-match and
+EAGLE-style rejection (rrs) are exact. At T > 0 the values are the processed (temperature, top-p) draft
+log-probs.
 
 One host sync per draft pass (how many of the layer's k best can still matter: the stop decision), read
 together with the count the final rerank needs.

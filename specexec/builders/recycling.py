@@ -1,7 +1,7 @@
 """Token Recycling builder: no draft model; the target's own discarded top-k candidates become the drafts.
 
 Luo et al., "Turning Trash into Treasure: Accelerating Inference of Large Language Models with Token
-Recycling" (ACL'25, arXiv 2408.08696); ALGORITHMS.md §8.
+Recycling" (ACL'25, arXiv 2408.08696); docs/algorithms.md §13.
 - State: an adjacency matrix M [V, k] (default k = 8): row t holds the target's top-k next tokens the last
   time token t was verified (-1: never seen). It lives as long as the builder (hot start across prompts).
 - Template: a static tree of child ranks (root -> rank-r candidate -> ...). It is Sequoia's DP shape

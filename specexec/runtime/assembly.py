@@ -48,9 +48,10 @@ from specexec.builders.registry import make_builder
 from specexec.config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
                      check_draft_vocab, check_prompt_length)
 from specexec.engine import Engine
-from specexec.runtime.loading import check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype, resolve_model_path
+from specexec.runtime.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
+                                      resolve_model_path)
 from specexec.model import Streams, Transformer
-from specexec.runtime.ledger import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
+from specexec.runtime.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.runtime.offloaded import TargetPlan, load_target, plan_target, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, is_self_draft, self_draft_shape
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer

@@ -6,6 +6,8 @@ Weights are not transformers' default init (which gives near-uniform next-token 
 larger and the LM head is scaled so next tokens are peaked, and biases / norm weights are random. A draft is
 the target plus relative gaussian noise, so it agrees with the target often but not always.
 
+The test fixtures (tests/tiny_models.py) build their smaller models from these same pieces.
+
 Does not know: the specexec runtime; it only writes files. Nothing is downloaded.
 """
 from __future__ import annotations
@@ -39,12 +41,10 @@ user: tell me a story. assistant: there once was a tree with many branches, and 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
 
 
-def write_tokenizer(dest: Path, vocab_size: int = 320, corpus: str = CORPUS,
-                    special: tuple[str, ...] = SPECIAL_TOKENS) -> int:
-    """Train a Llama-style byte-level BPE tokenizer (BOS added on encode, chat template) into `dest`; return
-    its size (at most vocab_size: a small corpus allows only so many merges)."""
+def train_tokenizer(vocab_size: int, corpus: str = CORPUS, special: tuple[str, ...] = SPECIAL_TOKENS) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` (specials first, then CHAT_TOKENS; BOS added on encode) of at
+    most vocab_size entries: a small corpus allows only so many merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,16 +55,30 @@ def write_tokenizer(dest: Path, vocab_size: int = 320, corpus: str = CORPUS,
     tok.train_from_iterator([corpus] * 4, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+def save_tokenizer(dest: Path, tok: Any, max_length: int = 2048) -> None:
+    """Write a trained tokenizer into `dest` as transformers saves it, with the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-        additional_special_tokens=list(CHAT_TOKENS), chat_template=CHAT_TEMPLATE, model_max_length=2048,
+        additional_special_tokens=list(CHAT_TOKENS), chat_template=CHAT_TEMPLATE, model_max_length=max_length,
         clean_up_tokenization_spaces=False)
     Path(dest).mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(dest)
+
+
+def write_tokenizer(dest: Path, vocab_size: int = 320, corpus: str = CORPUS,
+                    special: tuple[str, ...] = SPECIAL_TOKENS) -> int:
+    """Train a Llama-style tokenizer (train_tokenizer) into `dest`; return its size."""
+    tok = train_tokenizer(vocab_size, corpus, special)
+    save_tokenizer(dest, tok)
     return tok.get_vocab_size()
 
 
-def _classes(family: str) -> tuple[type, type]:
+def model_classes(family: str) -> tuple[type, type]:
     import transformers as tf
 
     table = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
@@ -75,8 +89,9 @@ def _classes(family: str) -> tuple[type, type]:
 
 
 @torch.no_grad()
-def randomize(model: torch.nn.Module, seed: int, std: float, head_std: float) -> None:
-    """Peaked logits; random biases and norm weights (see the module docstring)."""
+def randomize(model: torch.nn.Module, seed: int, std: float, head_scale: float) -> None:
+    """Peaked logits; random biases and norm weights (see the module docstring). Weights get std `std`, then
+    the LM head is multiplied by head_scale."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("bias"):
@@ -86,7 +101,7 @@ def randomize(model: torch.nn.Module, seed: int, std: float, head_std: float) ->
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
     head = model.get_output_embeddings().weight
-    head.mul_(head_std / std)
+    head.mul_(head_scale)                          # when tied this is also the embedding: harmless
 
 
 def write_model(dest: Path, family: str = "llama", seed: int = 0, n_layers: int = 4, hidden: int = 256,
@@ -98,7 +113,6 @@ def write_model(dest: Path, family: str = "llama", seed: int = 0, n_layers: int 
     config_overrides go to the transformers config class (e.g. rope_scaling, tie_word_embeddings)."""
     dest = Path(dest)
     tok_size = write_tokenizer(dest, vocab_size)
-    config_cls, model_cls = _classes(family)
     kw: dict[str, Any] = dict(
         vocab_size=max(vocab_size, tok_size), hidden_size=hidden, num_hidden_layers=n_layers,
         num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=hidden // n_heads,
@@ -107,12 +121,21 @@ def write_model(dest: Path, family: str = "llama", seed: int = 0, n_layers: int 
     if family in ("qwen2", "qwen3"):
         kw["use_sliding_window"] = False
     kw.update(config_overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**kw)).to(torch.float32).eval()
     std = std if std is not None else 1.6 / hidden ** 0.5
-    randomize(model, seed, std, head_scale * 4.0 / hidden ** 0.5)
+    return write_random(dest, family, kw, seed, std, head_scale * 4.0 / hidden ** 0.5 / std)
+
+
+def write_random(dest: Path, family: str, config: dict[str, Any], seed: int, std: float,
+                 head_scale: float) -> Path:
+    """Build `family`'s transformers model from the config kwargs, seeded by `seed`, randomize it (randomize)
+    and save it as float32 safetensors into `dest`; return `dest`."""
+    config_cls, model_cls = model_classes(family)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**config)).to(torch.float32).eval()
+    randomize(model, seed, std, head_scale)
+    Path(dest).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest, safe_serialization=True)
-    return dest
+    return Path(dest)
 
 
 def write_perturbed(dest: Path, base: Path, perturb: float, seed: int = 0) -> Path:

@@ -1,11 +1,11 @@
 """How much disk a run will write besides its weights, known before the weights are here: the layer cache the
 offload plan builds, estimated from config.json alone (shapes -> packed layer sizes -> the planner).
 
-The estimate is specexec.runtime.offloaded.plan_target's own ledger planning (specexec.runtime.ledger.plan_memory) without the
-draft: the format is --quant, or for auto `none` while every layer stays resident and the device's streamed
-format once any layer streams; a layer cache is built whenever the target is offloaded (a
-quantized format, or any streamed layer). The draft is not counted in the plan (its size is not known before
-it is fetched), so the plan may stream a little less than the real one; the cache is all layers either way.
+The estimate is specexec.runtime.offloaded.plan_target's own ledger planning (specexec.runtime.ledger.plan_memory)
+without the draft: the format is --quant, or for auto `none` while every layer stays resident and the device's streamed
+format once any layer streams; a layer cache is built whenever the target is offloaded (a quantized format, or any
+streamed layer). The draft is not counted in the plan (its size is not known before it is fetched), so the plan may
+stream a little less than the real one; the cache is all layers either way.
 
 Does not know: where weights come from (specexec.runtime.hub), how the cache is written (offload.cache.store).
 """
@@ -19,7 +19,8 @@ from offload.cache.store import SPACE_MARGIN, default_cache_root
 from offload.planner import PlanError, default_budgets
 
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig
-from specexec.runtime.ledger import layer_bytes, plan_memory
+from specexec.runtime.ledger import plan_memory
+from specexec.runtime.sizes import layer_bytes
 from specexec.runtime.loading import read_args, resolve_dtype
 from specexec.runtime.offloaded import ASSUMED, run_shape, target_formats
 

@@ -21,17 +21,15 @@ disk the run needs once config.json is here), how a checkpoint loads (specexec.r
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from specexec.config import ConfigError
+from specexec.runtime.hub_files import COMMIT, PART, Progress, Ticker, download, link_blob, write_ref
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -39,12 +37,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-PART = ".part"
 DISK_MARGIN = 256 << 20                 # bytes left free beyond what the download and the layer cache need
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-Progress = Callable[[int, int, str], None]                     # (bytes done, bytes in all, file being fetched)
 Reserve = Callable[[Path], Sequence[tuple[Path, int]]]        # snapshot dir -> [(directory, bytes it will need)]
 
 
@@ -226,8 +220,8 @@ def fetch(repo: str, opts: HubOptions) -> Path:
     listing = list_repo(repo, opts)
     storage = storage_dir(repo, opts)
     snapshot = storage / "snapshots" / listing.commit
-    _write_ref(storage, opts.revision, listing.commit)          # first, so an unfinished snapshot is found offline
-    ticker = _Ticker(opts.progress)
+    write_ref(storage, opts.revision, listing.commit)          # first, so an unfinished snapshot is found offline
+    ticker = Ticker(opts.progress)
     first = first_files(listing, opts.gguf_file)
     ticker.total = sum(f.size for f in first)
     for f in first:
@@ -289,7 +283,7 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def fetch_file(listing: Listing, f: RemoteFile, storage: Path, opts: HubOptions, ticker: "_Ticker") -> None:
+def fetch_file(listing: Listing, f: RemoteFile, storage: Path, opts: HubOptions, ticker: Ticker) -> None:
     """One file into blobs/<etag> (resuming its .part), then linked into the commit's snapshot."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
@@ -305,158 +299,14 @@ def fetch_file(listing: Listing, f: RemoteFile, storage: Path, opts: HubOptions,
             raise ConfigError(f"{opts.base_url()} gave no etag for {listing.repo}/{f.name}")
         blob = storage / "blobs" / meta.etag
         if not blob.exists():
-            _download(meta.location, blob, meta.etag, meta.size, ticker)
+            download(meta.location, blob, meta.etag, meta.size, ticker)
         else:
             ticker.advance(f.size)
     except (ConfigError, KeyboardInterrupt):
         raise
     except Exception as e:                              # noqa: BLE001 -- every failure becomes one line
         raise hub_error(e, listing.repo, opts, f.name) from None
-    _link(blob, pointer)
-
-
-def _download(url: str, blob: Path, etag: str, size: int | None, ticker: "_Ticker") -> None:
-    """url -> blob, through blob.part: continue from its length, check the etag, then rename."""
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers
-
-    part = blob.with_name(blob.name + PART)
-    part.parent.mkdir(parents=True, exist_ok=True)
-    have = part.stat().st_size if part.exists() else 0
-    if size is not None and have > size:
-        have = 0
-    with open(part, "r+b" if part.exists() else "wb") as raw:
-        raw.truncate(have)
-        raw.seek(have)
-        out = _Checked(raw, etag, size)
-        out.absorb(part, have)
-        ticker.start_file(have)
-        bar = {"tqdm_class": ticker.bar_class()} if "tqdm_class" in inspect.signature(http_get).parameters \
-            else {"_tqdm_bar": ticker.bar_class()(initial=have)}          # huggingface_hub releases before it
-        http_get(url, out, resume_size=have, headers=build_hf_headers(), expected_size=size, **bar)
-        out.verify(part)
-        raw.flush()
-        os.fsync(raw.fileno())
-    os.replace(part, blob)
-
-
-class _Checked:
-    """A write-only file that hashes what it is given: sha256 for LFS etags, git's blob id otherwise. Supports
-    the rewind-to-0 + truncate http_get does when a server ignores Range."""
-
-    def __init__(self, f, etag: str, size: int | None) -> None:
-        self.f, self.etag, self.size = f, etag, size
-        self.lfs = bool(SHA256.match(etag))
-        self._restart()
-
-    def _restart(self) -> None:
-        self.hash = hashlib.sha256() if self.lfs else hashlib.sha1()
-        if not self.lfs and self.size is not None:
-            self.hash.update(b"blob %d\0" % self.size)
-
-    def absorb(self, path: Path, n: int) -> None:
-        """Hash the first n bytes already in `path` (a resumed download)."""
-        with open(path, "rb") as f:
-            while n > 0:
-                chunk = f.read(min(n, 8 << 20))
-                if not chunk:
-                    break
-                self.hash.update(chunk)
-                n -= len(chunk)
-
-    def write(self, data: bytes) -> int:
-        self.hash.update(data)
-        return self.f.write(data)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.f.seek(offset, whence)
-
-    def truncate(self, size: int | None = None) -> int:
-        end = self.f.truncate(size)
-        if end != 0:
-            raise OSError(f"unexpected truncate to {end} bytes during a download")
-        self._restart()
-        return end
-
-    def verify(self, part: Path) -> None:
-        known = bool(SHA256.match(self.etag)) or (COMMIT.match(self.etag) and self.size is not None)
-        if known and self.hash.hexdigest() != self.etag:
-            self.f.close()
-            part.unlink(missing_ok=True)
-            raise ConfigError(f"the downloaded {part.name[:12]}... does not match its checksum (etag {self.etag}); "
-                              "it was removed: run again to download it afresh")
-
-
-class _Ticker:
-    """Bytes done over all files, reported to the Progress callback (a tqdm stand-in for http_get)."""
-
-    def __init__(self, progress: Progress | None) -> None:
-        self.progress = progress or (lambda done, total, name: None)
-        self.done = self.total = 0
-        self.file = ""
-        self._file_start = 0
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        self.progress(self.done, self.total, self.file)
-
-    def start_file(self, have: int) -> None:
-        self._file_start = self.done
-        self.advance(have)
-
-    def bar_class(self):
-        ticker = self
-
-        class Bar:
-            """What http_get asks of a tqdm class: created with initial=bytes already there, update(n)."""
-
-            def __init__(self, *args, initial: int = 0, **kwargs) -> None:
-                ticker.done = ticker._file_start         # a server that ignored Range restarted the file
-                ticker.advance(initial)
-
-            def __enter__(self) -> "Bar":
-                return self
-
-            def __exit__(self, *exc) -> None:
-                return None
-
-            def update(self, n: int = 1) -> None:
-                ticker.advance(int(n or 0))
-
-            def close(self) -> None:
-                return None
-
-        return Bar
-
-
-def _link(blob: Path, pointer: Path) -> None:
-    """snapshots/<commit>/<file> -> blobs/<etag>: a relative symlink, else (no symlinks, e.g. Windows without
-    developer mode) a hard link, else a copy."""
-    pointer.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pointer.with_name(f".{pointer.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.symlink(os.path.relpath(blob, pointer.parent), tmp)
-    except OSError:
-        try:
-            os.link(blob, tmp)
-        except OSError:
-            shutil.copyfile(blob, tmp)
-    os.replace(tmp, pointer)
-
-
-def _write_ref(storage: Path, revision: str, commit: str) -> None:
-    if revision == commit:
-        return
-    ref = storage / "refs" / revision
-    ref.parent.mkdir(parents=True, exist_ok=True)
-    if not ref.is_file() or ref.read_text().strip() != commit:
-        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
-        tmp.write_text(commit)
-        os.replace(tmp, ref)
+    link_blob(blob, pointer)
 
 
 # ----------------------------------------------------------------------------------------- errors

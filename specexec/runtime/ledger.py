@@ -1,9 +1,9 @@
 """The memory ledger of a run, from config.json alone: what every byte the GPU (or, on a CPU, the RAM budget)
 holds is, sized for the model shapes, formats, tree budget and context of this run, and the plan built on it.
 
-Nothing here loads or reads a weight: the sizes come from ModelArgs (config.json) and the formats
-(offload.quant.linear.layer_specs gives the packed size of a layer in any format), so `specexec plan` can answer for
-a checkpoint that is not downloaded and a card that is not installed. The runtime plans with the same code
+Nothing here loads or reads a weight: the sizes come from ModelArgs (config.json) and the formats (sizes.py:
+the packed size of a layer in any format, KV caches, transients), the run from run_shape.py, so `specexec plan` can
+answer for a checkpoint that is not downloaded and a card that is not installed. The runtime plans with the same code
 before it loads anything, and prints the same ledger.
 
 Ledger lines (device side: the GPU on CUDA, RAM on CPU):
@@ -24,7 +24,7 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   each such layer keeps on the device until they are committed). When nothing fits with the draft's cache in
   the run dtype, the draft's cache is planned in int8 (exact: the draft only proposes). --kv-quant int8
   sizes both caches in int8 (LOSSY) and adds one layer's dequantized K/V to the activations.
-- activations: the largest transient of any pass that runs (attention_bytes has the attention formula):
+- activations: the largest transient of any pass that runs (sizes.attention_bytes has the attention formula):
   the target's tree pass, a streamed prefill chunk of PREFILL_RESERVE tokens (dropped when it does not fit),
   the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
 - resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
@@ -36,171 +36,25 @@ Does not know: how layers stream (offload.streaming.pager), where the budgets co
 """
 from __future__ import annotations
 
-import functools
-import math
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
 
 from offload.planner import GB, Bandwidths, Needs, Plan, PlanError, plan
-from offload.quant.linear import kernel_for, layer_specs
-from offload.streaming.storage import plan_layout
 
-from specexec.config import ConfigError, ModelArgs
-from specexec.engine import PREFILL_CHUNK, kv_slots_for
+from specexec.engine import PREFILL_CHUNK
 from specexec.model import LOGIT_CHUNK
-from specexec.kv.rows import row_bytes
-from specexec.model import Block
+from specexec.runtime.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
+from specexec.runtime.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, weight_bytes
 
-DEFAULT_CONTEXT = 4096        # tokens (prompt + answer) the KV caches are planned for unless --context says
 PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
-PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
 DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
 CUDA_CONTEXT = 500 * 10**6    # a simulated card (--gpu-memory): what the CUDA context and libraries take
 ASSUMED = {"cuda": Bandwidths(ram=25e9, ssd=3e9), "cpu": Bandwidths(ram=8e9, ssd=1.5e9)}
 
 
-# ----------------------------------------------------------------------------------------- shapes and sizes
-
-@functools.cache
-def block_specs(args: ModelArgs) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
-    """((name, shape) of every tensor of one decoder Block in state_dict order), names of its Linear weights."""
-    with torch.device("meta"):
-        block = Block(args)
-    shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())
-    linear = frozenset(f"{path}.weight" for path, m in block.named_modules() if isinstance(m, nn.Linear))
-    return shapes, linear
-
-
-@functools.cache
-def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> int:
-    """Packed bytes of one decoder layer in `fmt`, packed for `device`'s kernel, as the layer cache and the
-    tiers hold it (aligned layout); equal to what offload.cache.store.plan computes from a checkpoint's headers."""
-    shapes, linear = block_specs(args)
-    specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
-    return plan_layout(specs, meta).nbytes
-
-
-@functools.cache
-def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, int]:
-    """Bytes a resident Transformer of `args` holds on `device` with its decoder linears quantized to `fmt`
-    (what quantize_module leaves): {"embed", "head" (0 when tied), "norm" (+ RoPE buffer), "layers"}."""
-    shapes, linear = block_specs(args)
-    specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
-    per_layer = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
-    table = args.vocab_size * args.dim * dtype.itemsize
-    return {"embed": table, "head": 0 if args.tie_word_embeddings else table,
-            "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4, "layers": args.n_layers * per_layer}
-
-
-def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
-    """One model's KV cache: K and V of every layer and KV head for `slots` slots (int8: plus the scales)."""
-    return args.n_layers * slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
-
-
-def kv_layer_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
-    """One layer's share of kv_bytes."""
-    return slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
-
-
-def dequant_bytes(args: ModelArgs, context: int, elem: int, quant: str) -> int:
-    """The transient K/V of one layer dequantized for attention (int8 caches only; else 0)."""
-    return 2 * args.n_kv_heads * context * args.head_dim * elem if quant == "int8" else 0
-
-
-def attention_bytes(args: ModelArgs, tokens: int, context: int, elem: int, device: str) -> int:
-    """Transient bytes of one layer's attention for `tokens` queries over `context` cache slots, for the
-    kernels that run: the committed prefix is attended WITHOUT a mask (flash / memory-efficient SDPA never
-    builds the H x T x S scores; on CPU budgeted as query chunks of PREFIX_CHUNK rows x context in fp32), the
-    tree part with its small [T, T] mask (budgeted as H x T x T scores plus the mask), and the two partial
-    results merged by log-sum-exp (two fp32 outputs and their H x T log-sum-exps)."""
-    H, T = args.n_heads, tokens
-    merge = 2 * T * H * args.head_dim * 4 + 2 * H * T * 4
-    tree = H * T * T * elem + T * T * (elem + 1)
-    prefix = 0 if device == "cuda" else H * min(T, PREFIX_CHUNK) * context * 4
-    return merge + tree + prefix
-
-
-def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str,
-                  logit_rows: int, kv_quant: str = "none") -> int:
-    """Peak transient bytes of one forward of `tokens` rows over `context` slots: the residual stream, norm
-    outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
-    up and product, the attention (attention_bytes), one dequantized weight (when the format's kernel on
-    `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy;
-    with an int8 cache, one layer's dequantized K/V."""
-    T, D, I = tokens, args.dim, args.intermediate_size
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    hidden = T * (4 * D + 2 * (q + 2 * kv) + q + 3 * I) * elem + 2 * T * D * 4 + 2 * T * args.head_dim * elem
-    dequant = max(I, q) * D * elem if fmt != "none" and kernel_for(fmt, device) == "dequantize" else 0
-    logits = min(T, logit_rows) * args.vocab_size * 4 * 2
-    return (hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
-            + dequant_bytes(args, context, elem, kv_quant))
-
-
 # ----------------------------------------------------------------------------------------- the run
-
-@dataclass(frozen=True)
-class SelfDraftShape:
-    """A draft made of the target itself (--draft self[:FMT] --draft-layers N|auto): the target's architecture
-    over `layers` of its decoder layers, evenly spaced (spaced_layers). It shares the target's embedding, final
-    norm, LM head and every decoder layer the plan keeps resident; each other layer it runs is a resident copy
-    in `fmt`. layers None: not chosen yet (plan_memory picks the most that fit); auto: it was picked so."""
-
-    fmt: str
-    layers: int | None = None
-    auto: bool = False
-
-
-@dataclass(frozen=True)
-class RunShape:
-    """Everything the ledger depends on besides the budgets.
-
-    draft_kv: the builder's kv_slots(budget) (draft-cache scratch per tree), None when no builder drafts with
-    the draft model (then the draft, if given, holds no KV cache). self_draft: set when the draft is the target
-    itself (with_self_draft); `draft` is then the target's args over the draft's layer count."""
-
-    target: ModelArgs
-    draft: ModelArgs | None
-    dtype: torch.dtype
-    device: str                                   # "cuda" | "cpu"
-    budget: int = 64
-    context: int = DEFAULT_CONTEXT
-    draft_fmt: str = "none"
-    draft_kv: Callable[[int], int] | None = None
-    kv_quant: str = "none"                        # --kv-quant: both caches (int8: LOSSY)
-    draft_kv_quant: str = "none"                  # the draft cache's own (int8 when the plan needs it: exact)
-    kv_offload: str = "auto"                      # target KV rows: auto | device | stream (planner companions)
-    self_draft: SelfDraftShape | None = None
-
-    @property
-    def elem(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def draft_quant_kv(self) -> str:
-        """The draft cache's format: int8 when either the run (--kv-quant) or the plan chose it."""
-        return "int8" if "int8" in (self.kv_quant, self.draft_kv_quant) else "none"
-
-    @property
-    def draft_scratch(self) -> int | None:
-        """Draft-cache slots one tree writes beyond the committed context (None: no draft cache)."""
-        return self.draft_kv(self.budget) if self.draft_kv is not None and self.draft is not None else None
-
-    @property
-    def slots(self) -> tuple[int, int]:
-        """(target, draft) KV slots: engine.kv_slots_for at this context and budget."""
-        return kv_slots_for(self.context, self.budget, self.draft_scratch)
-
-
-def plan_context(requested: int | None, target: ModelArgs, draft: ModelArgs | None = None) -> int:
-    """Tokens (prompt + answer) to plan the KV caches for: --context, else DEFAULT_CONTEXT, at most what every
-    model supports (max_position_embeddings)."""
-    limit = min(m.max_position_embeddings for m in (target, draft) if m is not None)
-    return min(requested or DEFAULT_CONTEXT, limit)
-
 
 def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]:
     """(bytes, what they are for) of the activations line: the largest of the passes that run."""
@@ -503,43 +357,6 @@ def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | No
 
 
 # ----------------------------------------------------------------------------------------- the self-draft
-
-MIN_SELF_LAYERS = 2         # a self-draft runs at least the first and the last decoder layer
-
-
-def spaced_layers(n: int, k: int) -> tuple[int, ...]:
-    """k of n decoder layers, evenly spaced, ascending, the first and the last among them (k >= 2): layer
-    skipping as in self-speculative decoding (Zhang et al. 2023, "Draft & Verify")."""
-    if not 1 <= k <= n:
-        raise ValueError(f"cannot pick {k} of {n} layers")
-    if k == 1:
-        return (0,)
-    return tuple((2 * j * (n - 1) + k - 1) // (2 * (k - 1)) for j in range(k))     # round half up, exact
-
-
-def with_self_draft(shape: RunShape, fmt: str, layers: int | None = None, auto: bool = False) -> RunShape:
-    """`shape` (its draft_kv: the builder's) with the target itself as the draft over `layers` decoder layers
-    in copies of format `fmt` where not shared (None: the most that fit, picked by plan_memory). ConfigError
-    for a layer count the target cannot give."""
-    if layers is not None:
-        check_self_layers(layers, shape.target.n_layers)
-    n = shape.target.n_layers
-    return replace(shape, draft=replace(shape.target, n_layers=layers or n), draft_fmt=fmt,
-                   self_draft=SelfDraftShape(fmt, layers, auto))
-
-
-def check_self_layers(layers: int, n: int) -> None:
-    """ConfigError unless a self-draft of a target with n decoder layers can run `layers` of them."""
-    low = min(MIN_SELF_LAYERS, n)
-    if not low <= layers <= n:
-        raise ConfigError(f"--draft-layers {layers}: a self-draft of this target runs {low} to {n} of its {n} "
-                          "decoder layers (or auto)")
-
-
-def self_layer_ids(shape: RunShape) -> tuple[int, ...]:
-    """The target layers a self-draft shape runs."""
-    return spaced_layers(shape.target.n_layers, shape.draft.n_layers)
-
 
 def _draft_layers_first(tiers: tuple[str, ...], ids: tuple[int, ...]) -> tuple[str, ...]:
     """The planner's tiers (it keeps a prefix resident; every decoder layer has the same size) with the

@@ -37,10 +37,11 @@ from offload.planner import PlanError, default_budgets
 from offload.quant.linear import auto_format, bind_module, device_problem, quantize_module, swap_linears
 from offload.streaming.storage import LayerLayout, unpack_layer
 
-from specexec.runtime import ledger
+from specexec.runtime import ledger, sizes
 from specexec.config import ConfigError, EngineConfig, ModelArgs, OffloadConfig, check_budget_fits
 from specexec.kv.cache import KVCache
-from specexec.runtime.ledger import ASSUMED, MemoryPlan, RunShape, SelfDraftShape, plan_memory, what_fits
+from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
+from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
 from specexec.runtime.loading import check_tensors, expected_shapes
 from specexec.model import LOGIT_CHUNK, Block, Transformer, rope_inv_freq
 
@@ -50,7 +51,7 @@ N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (
 
 def block_tensor_names(args: ModelArgs) -> tuple[list[str], frozenset[str]]:
     """(every tensor name of one decoder Block in state_dict order, the names of its nn.Linear weights)."""
-    shapes, linear = ledger.block_specs(args)
+    shapes, linear = sizes.block_specs(args)
     return [n for n, _ in shapes], linear
 
 
@@ -234,9 +235,9 @@ def module_bytes(model: nn.Module) -> int:
 
 
 def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str = "cpu") -> int:
-    """Peak transient bytes of one target pass over `tokens` rows and `context` slots (ledger.forward_bytes
+    """Peak transient bytes of one target pass over `tokens` rows and `context` slots (sizes.forward_bytes
     with one LM-head chunk of logits)."""
-    return ledger.forward_bytes(args, tokens, context, elem, fmt, device, LOGIT_CHUNK)
+    return sizes.forward_bytes(args, tokens, context, elem, fmt, device, LOGIT_CHUNK)
 
 
 def target_formats(quant: str, device_type: str) -> tuple[str, ...]:
@@ -255,15 +256,16 @@ def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, of
               device_type: str, dtype: torch.dtype, draft_kv: Callable[[int], int] | None = None,
               self_draft: SelfDraftShape | None = None) -> RunShape:
     """The ledger's view of a run: the models, run dtype, tree budget, planned context (--context, default
-    ledger.DEFAULT_CONTEXT, at most what the models support), the draft's format and KV scratch, and the KV
+    DEFAULT_CONTEXT of run_shape.py, at most what the models support), the draft's format and KV scratch, and the KV
     caches' format (--kv-quant) and where the target's KV rows may live (--kv-offload). With self_draft (the
     target itself as the draft; `draft` is then None) its format and layer count."""
-    shape = RunShape(args, draft, dtype, device_type, engine.budget, ledger.plan_context(offload.context, args, draft),
+    context = plan_context(offload.context, args, draft)
+    shape = RunShape(args, draft, dtype, device_type, engine.budget, context,
                      offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None,
                      kv_quant=engine.kv_quant, kv_offload=offload.kv_offload)
     if self_draft is None:
         return shape
-    return ledger.with_self_draft(replace(shape, draft_kv=draft_kv), self_draft.fmt, self_draft.layers)
+    return with_self_draft(replace(shape, draft_kv=draft_kv), self_draft.fmt, self_draft.layers)
 
 
 class TargetPlan:
@@ -297,7 +299,7 @@ def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: O
     """Plan the run from the configs (no weight is read; the checkpoint's tensor names and shapes are
     checked): layer format, each layer's tier, the ledger. `draft` is the draft's config (counted once, in
     --draft-quant's format), draft_kv its builder's kv_slots (None: no draft cache); self_draft: the draft is
-    the target itself (ledger.with_self_draft; its layer count chosen here when auto). Budgets: --gpu-budget /
+    the target itself (with_self_draft; its layer count chosen here when auto). Budgets: --gpu-budget /
     --ram-budget, else what is free now (call this before anything of the run is loaded). ConfigError (one
     line, with what would fit) when the budgets cannot hold the run."""
     names = layer_names(path, args)

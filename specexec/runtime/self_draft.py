@@ -7,7 +7,7 @@ Wang et al. 2025): on a machine where the target streams, those are the layers t
 
 `SelfDraft` is a Transformer like any draft (forward, logits, args), so builders and verifiers never know:
 - it runs `layer_ids` of the target's decoder layers (evenly spaced, the first and the last among them:
-  ledger.spaced_layers), and its ModelArgs say len(layer_ids) layers, so its KV cache is sized for it;
+  run_shape.spaced_layers), and its ModelArgs say len(layer_ids) layers, so its KV cache is sized for it;
 - its token embedding (a HostEmbedding too), final norm and LM head ARE the target's modules;
 - a layer the plan keeps resident is the target's own Block (the one every target pass runs, same tensors);
 - every other layer it runs is a resident copy in FORMAT, read from that format's layer cache
@@ -34,8 +34,8 @@ from offload.quant.linear import FORMATS, QuantLinear, auto_format, bind_module,
 from offload.streaming.storage import LayerLayout, unpack_layer
 from offload.streaming.tiers import ResidentTier, fill, host_buffer
 
-from specexec.config import SELF_DRAFT, ConfigError, ModelArgs, is_self_draft  # noqa: F401 -- is_self_draft: re-exported
-from specexec.runtime.ledger import SelfDraftShape
+from specexec.config import SELF_DRAFT, ConfigError, ModelArgs, is_self_draft  # noqa: F401 -- re-exports is_self_draft
+from specexec.runtime.run_shape import SelfDraftShape
 from specexec.model import Block, Transformer
 
 SELF = SELF_DRAFT

@@ -32,7 +32,8 @@ def load_tokenizer(path: Path):
     if is_gguf(path):
         return _gguf_tokenizer(Path(path))
     from transformers import AutoTokenizer
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((path / f).is_file() for f in names):
         raise ConfigError(f"{path} has no tokenizer files (tokenizer.json or tokenizer.model); "
                           "copy them from the original model")
     try:

@@ -15,8 +15,8 @@ Responses: `chat_response` / `completion_response` (non-streamed) and `chat_chun
 `usage_chunk` (streamed, framed by `sse`, ended by SSE_DONE), each with `usage` and a `specexec` extension
 holding the engine's step statistics.
 
-Does not know: HTTP, sockets, the ASGI framework, threads and queues (specexec/serving/queue.py and cli/serve/app.py
-do), how a token is generated (specexec.runtime.assembly).
+Does not know: HTTP, sockets, the ASGI framework, threads and queues (specexec/serving/queue.py and
+cli/serve/app.py do), how a token is generated (specexec.runtime.assembly).
 """
 from __future__ import annotations
 
@@ -103,7 +103,6 @@ class Job:
     stream: bool
     include_usage: bool
     echo_texts: tuple[str, ...] = ()           # /v1/completions echo=true: each prompt's text
-    enqueued: float = field(default_factory=time.perf_counter)
 
     @property
     def choices(self) -> int:

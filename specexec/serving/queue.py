@@ -8,7 +8,8 @@ when the job raised). `Ticket.cancel()` (a client went away) takes a waiting tic
 running one before its next step: the engine's generator is closed and the worker moves on. Consecutive jobs
 share the engine, so a prompt that extends the previous one reuses its KV cache (Engine does it by prefix).
 
-Does not know: HTTP, JSON shapes (specexec.serving.openai_api), how a step works (specexec.runtime.assembly, specexec.engine).
+Does not know: HTTP, JSON shapes (specexec.serving.openai_api), how a step works (specexec.runtime.assembly,
+specexec.engine).
 """
 from __future__ import annotations
 

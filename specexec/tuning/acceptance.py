@@ -1,8 +1,8 @@
 """Positional acceptance vectors (Sequoia's p_k): measured on a draft/target pair, cached per pair.
 
 p_k is the probability that, at a node on the accepted path, the k-th child the static builder proposes
-(ALGORITHMS.md §6) is the one the target accepts; 1 - sum(p) is the chance that none is. The static builder
-turns the vector into its tree shape. It is measured the way that builder drafts and is verified:
+(docs/algorithms.md §9; measuring them: §14) is the one the target accepts; 1 - sum(p) is the chance that none
+is. The static builder turns the vector into its tree shape. It is measured the way that builder drafts and is verified:
 - temperature 0: children are the draft's top-k, the target takes its argmax, so p_k is the share of
   positions where the target's token is the draft's k-th most likely one;
 - temperature > 0: children are k draws without replacement from the processed q (Gumbel-top-k, draw order)

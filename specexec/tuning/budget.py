@@ -1,5 +1,5 @@
 """`--budget auto`: pick each step's tree budget from this machine's measured costs and this conversation's
-acceptance (ALGORITHMS.md §6.3 does it offline for Sequoia; here it is online).
+acceptance (Sequoia tunes its tree offline; here it is online): docs/algorithms.md §16.
 
 tokens/s(n) = E[tokens per step | budget n] / (draft_s(n) + target_s(n)).
 

@@ -1,6 +1,6 @@
 """VocabTrim: the draft's LM head restricted to the N tokens the target samples most often.
 
-Goel et al., "VocabTrim" (ICML'25, arXiv 2506.22694); ALGORITHMS.md §9 (EAGLE-3's reduced draft vocabulary is
+Goel et al., "VocabTrim" (ICML'25, arXiv 2506.22694); docs/algorithms.md §15 (EAGLE-3's reduced draft vocabulary is
 the same mechanism). A drafter's V x D head is a large share of its bytes per pass; most of the vocabulary is
 never proposed. `TrimmedDraft` wraps the draft model: forward() is unchanged, logits() multiplies by the N kept
 rows only and returns full-vocabulary logits with -inf elsewhere, so q(x) = 0 outside the set: every builder
