@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -86,10 +85,9 @@ def test_builder_killed_mid_build_is_recovered_by_the_next_run(tiny_pair, killed
     assert (root / f"{final.name}.lock").read_text().strip() == str(proc.pid)       # names the dead holder
     assert (root / leftover / "layers.bin").stat().st_size == reference[1]           # one layer written, no more
 
-    t0 = time.monotonic()
     assert main(convert(tiny_pair[0], root)) == 0
     out, err = capsys.readouterr()
-    assert time.monotonic() - t0 < 30 and "waiting" not in err                    # the stale lock was free
+    assert "waiting" not in err                                                   # the stale lock was free
     assert out.startswith(f"{final} (built)")
     assert entries(root) == {"final": [final.name], "temp": [], "lock": [f"{final.name}.lock"]}
     assert layer_digests(final) == reference[0]
