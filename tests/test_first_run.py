@@ -69,6 +69,7 @@ def _chat(hub: LocalHub, home: Path, *extra: str) -> str:
     return screen_text("".join(chunks))
 
 
+@pytest.mark.slow
 def test_first_chat_downloads_plans_converts_then_prompts(hub: LocalHub, tiny_pair, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()

@@ -236,6 +236,7 @@ def test_every_layer_in_the_targets_format_is_the_target(tiny_pair, tmp_path) ->
         rt.engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verifier,temperature,layers", [("sample_match", 1.0, (0, 3)), ("rrs", 0.6, (0, 2, 3))])
 def test_sampling_keeps_the_target_distribution(tiny_pair, verifier: str, temperature: float,
                                                 layers: tuple[int, ...]) -> None:

@@ -490,6 +490,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow
 def test_serve_command_end_to_end(tiny_pair, tiny_perturbed_draft) -> None:
     cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_pair[0]), "--draft",
            str(tiny_perturbed_draft), "--budget", "8", "--port", "0", "--api-key", "k3y", "--max-new-tokens", "8"]

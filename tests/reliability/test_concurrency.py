@@ -47,6 +47,7 @@ def reference(tiny_pair, tmp_path_factory) -> tuple[tuple[str, list[str]], int]:
     return layer_digests(final), first
 
 
+@pytest.mark.slow
 def test_two_builders_at_once_one_builds_the_other_waits_and_reuses(tiny_pair, killed_builder, reference,
                                                                      tmp_path) -> None:
     root, release = tmp_path / "cache", tmp_path / "release"

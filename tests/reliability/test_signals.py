@@ -54,6 +54,7 @@ def interrupted_writers(tiny_pair, tmp_path_factory) -> dict:
         proc.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_in_each_phase_of_a_chat_keeps_the_session_exact(tiny_pair, tiny_perturbed_draft, streamed,
                                                                interrupted_writers, tmp_path) -> None:
