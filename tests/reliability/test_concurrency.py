@@ -1,4 +1,4 @@
-"""Several real `specexec convert` processes and one layer cache (tests/test_cache.py covers the same locking
+"""Several real `specexec convert` processes and one layer cache (tests/offload/test_cache.py covers the same locking
 in-process with threads and a fake lock holder; here the builders are real processes, forked by the fork server
 of faults_helpers: their own pid, descriptors, flocks and signals, without importing torch again).
 

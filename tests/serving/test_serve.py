@@ -31,7 +31,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.serving.openai_api import ServerDefaults
 from specexec.runtime.assembly import Runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-pair"
 BUDGET, MAX_TOKENS = 8, 32
 MAX_BODY = 64 * 1024

@@ -15,7 +15,7 @@ import pytest
 from offload.quant.linear import auto_format
 from tests.hub_server import LocalHub, serve, stop
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FORMAT = auto_format("cpu")          # --quant auto: what streamed layers are packed in on this (CPU) machine
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 TARGET, DRAFT = "tiny-org/tiny-target", "tiny-org/tiny-draft"

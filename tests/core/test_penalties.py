@@ -143,7 +143,7 @@ def test_sampling_with_penalties_keeps_the_target_distribution(models, verifier:
     against the exact penalised pairs passes, and against the unpenalised pairs fails (after this prompt the
     unpenalised target often repeats its first token: total variation 0.56 between the two)."""
     pytest.importorskip("scipy")
-    from tests.test_sampling_e2e import chi_square_p
+    from tests.core.test_sampling_e2e import chi_square_p
 
     ids, trials = [1, 40, 41, 169], 100
     sampling = SamplingParams(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0)

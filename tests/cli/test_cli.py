@@ -16,7 +16,7 @@ from cli.main import main
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.runtime.assembly import Detokenizer, Runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STATS_KEYS = {"steps", "tokens_per_step", "prefill_tok_s", "decode_tok_s", "draft_ms", "target_ms", "tree_size",
               "budget", "builder"}
 

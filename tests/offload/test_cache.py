@@ -300,7 +300,7 @@ with exclusive_lock(pathlib.Path(sys.argv[1])):
         sys.stdin.readline()
     os.kill(os.getpid(), signal.SIGKILL)
 """
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_lock_left_by_a_dead_process_is_recovered(model: Path, tmp_path: Path, posix_facilities: str) -> None:

@@ -19,7 +19,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.tokenizer import encode_messages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
        "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "160"}
 

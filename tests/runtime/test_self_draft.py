@@ -30,10 +30,10 @@ from specexec.runtime.catalog import parse_catalog
 from specexec.runtime.offloaded import HostEmbedding, target_formats
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
-from tests.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
+from tests.core.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
 from tests.tiny_models import prompt
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 T70, Q32, L8 = (CONFIGS / n for n in ("llama-3.1-70b-instruct", "qwen2.5-32b-instruct", "llama-3.1-8b-instruct"))
 GB = 10**9
 F32 = EngineConfig(budget=8, dtype="float32")

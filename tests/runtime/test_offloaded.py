@@ -26,7 +26,7 @@ from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded, la
 from specexec.runtime.assembly import BUILDERS, Runtime, make_builder
 from tests.tiny_models import write_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 MIXES = {
     "resident": ["resident"] * 4,
