@@ -22,6 +22,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,18 @@ def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Whatever cache a test does not name itself lands in this session's temporary directory (one per xdist
+    worker), never in ~/.cache or a developer's $SPECEXEC_CACHE: $SPECEXEC_CACHE and $XDG_CACHE_HOME point there
+    (subprocesses inherit them). A test's own monkeypatch.setenv still wins."""
+    root = tmp_path_factory.mktemp("caches")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECEXEC_CACHE", str(root / "specexec"))
+        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from offload.cache.store import LayerCache
 from specexec.config import OffloadConfig, SamplingParams
 from specexec.runtime.loading import read_args
 from specexec.runtime.offloaded import layer_names
-from tests.test_chat import Screen  # noqa: F401 -- re-exported: what a ChatSession shows
+from tests.cli.test_chat import Screen  # noqa: F401 -- re-exported: what a ChatSession shows
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",

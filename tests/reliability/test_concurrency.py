@@ -1,4 +1,4 @@
-"""Several real `specexec convert` processes and one layer cache (tests/test_cache.py covers the same locking
+"""Several real `specexec convert` processes and one layer cache (tests/offload/test_cache.py covers the same locking
 in-process with threads and a fake lock holder; here the builders are real processes, forked by the fork server
 of faults_helpers: their own pid, descriptors, flocks and signals, without importing torch again).
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +47,7 @@ def reference(tiny_pair, tmp_path_factory) -> tuple[tuple[str, list[str]], int]:
     return layer_digests(final), first
 
 
+@pytest.mark.slow
 def test_two_builders_at_once_one_builds_the_other_waits_and_reuses(tiny_pair, killed_builder, reference,
                                                                      tmp_path) -> None:
     root, release = tmp_path / "cache", tmp_path / "release"
@@ -86,10 +86,9 @@ def test_builder_killed_mid_build_is_recovered_by_the_next_run(tiny_pair, killed
     assert (root / f"{final.name}.lock").read_text().strip() == str(proc.pid)       # names the dead holder
     assert (root / leftover / "layers.bin").stat().st_size == reference[1]           # one layer written, no more
 
-    t0 = time.monotonic()
     assert main(convert(tiny_pair[0], root)) == 0
     out, err = capsys.readouterr()
-    assert time.monotonic() - t0 < 30 and "waiting" not in err                    # the stale lock was free
+    assert "waiting" not in err                                                   # the stale lock was free
     assert out.startswith(f"{final} (built)")
     assert entries(root) == {"final": [final.name], "temp": [], "lock": [f"{final.name}.lock"]}
     assert layer_digests(final) == reference[0]

@@ -118,6 +118,7 @@ def test_invalid_utf8_in_argv(cli, tiny_llama):
                           "--system is not valid UTF-8")
 
 
+@pytest.mark.slow
 def test_invalid_utf8_on_stdin_of_a_real_process(tiny_llama, tmp_path):
     """The whole way: a real `python -m cli.main` process with raw bytes on its stdin."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",

@@ -1,6 +1,6 @@
 """SIGINT and SIGTERM landing in a chosen phase of a real `specexec` process (tests/reliability/phase_hooks.py
 sends the signal from inside the phase, so where it lands is deterministic, not a matter of timing; the processes
-are forked by its fork server, the chat with a pseudo-terminal as its terminal; tests/test_chat.py drives an
+are forked by its fork server, the chat with a pseudo-terminal as its terminal; tests/cli/test_chat.py drives an
 exec'd `specexec chat` through pexpect with a terminal Ctrl-C).
 
 - chat, in a pseudo-terminal, target streamed from the SSD tier: Ctrl-C during prefill, drafting and
@@ -54,6 +54,7 @@ def interrupted_writers(tiny_pair, tmp_path_factory) -> dict:
         proc.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_in_each_phase_of_a_chat_keeps_the_session_exact(tiny_pair, tiny_perturbed_draft, streamed,
                                                                interrupted_writers, tmp_path) -> None:

@@ -52,6 +52,7 @@ def conversation(runtime: Runtime, k: int, rng: random.Random, greedy: dict) -> 
     return steps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_soak_many_conversations_no_growth(runtime) -> None:
     rng, greedy = random.Random(0), {}

@@ -33,6 +33,7 @@ def run(target, draft, budget: int, ids: list[int], n_new: int = N_NEW) -> tuple
     return [t for step in engine.generate(ids, n_new) for t in step], engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_name", ["target", "random", "perturbed"])
 def test_greedy_output_equals_target_only_decode(models, draft_name: str) -> None:
     for seed in (0, 1):

@@ -26,7 +26,7 @@ from specexec.runtime.loading import load_model, read_args
 from specexec.runtime.offloaded import layer_names, module_bytes, quantize_layers
 from specexec.runtime.assembly import Runtime
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 T70, D8, Q32 = (CONFIGS / n for n in ("llama-3.1-70b-instruct", "llama-3.1-8b-instruct", "qwen2.5-32b-instruct"))
 HEADLINE = ["--model", str(T70), "--draft", str(D8), "--quant", "nf4", "--draft-quant", "nf4", "--ram-budget", "64GB"]
 V, D, L, I = 128256, 8192, 80, 28672          # Llama-3.1-70B

@@ -15,7 +15,7 @@ import pytest
 from offload.quant.linear import auto_format
 from tests.hub_server import LocalHub, serve, stop
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FORMAT = auto_format("cpu")          # --quant auto: what streamed layers are packed in on this (CPU) machine
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 TARGET, DRAFT = "tiny-org/tiny-target", "tiny-org/tiny-draft"
@@ -69,6 +69,7 @@ def _chat(hub: LocalHub, home: Path, *extra: str) -> str:
     return screen_text("".join(chunks))
 
 
+@pytest.mark.slow
 def test_first_chat_downloads_plans_converts_then_prompts(hub: LocalHub, tiny_pair, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()

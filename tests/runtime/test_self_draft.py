@@ -32,10 +32,10 @@ from specexec.runtime.catalog import parse_catalog
 from specexec.runtime.offloaded import HostEmbedding, target_formats
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
-from tests.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
+from tests.core.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
 from tests.tiny_models import prompt
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 T70, Q32, L8 = (CONFIGS / n for n in ("llama-3.1-70b-instruct", "qwen2.5-32b-instruct", "llama-3.1-8b-instruct"))
 GB = 10**9
 F32 = EngineConfig(budget=8, dtype="float32")
@@ -238,6 +238,7 @@ def test_every_layer_in_the_targets_format_is_the_target(tiny_pair, tmp_path) ->
         rt.engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verifier,temperature,layers", [("sample_match", 1.0, (0, 3)), ("rrs", 0.6, (0, 2, 3))])
 def test_sampling_keeps_the_target_distribution(tiny_pair, verifier: str, temperature: float,
                                                 layers: tuple[int, ...]) -> None:

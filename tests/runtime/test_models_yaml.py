@@ -13,7 +13,7 @@ from specexec.config import ConfigError
 from specexec.runtime.loading import resolve_model_path
 from specexec.runtime.catalog import CATALOG_ENV, DIRS_ENV, find, load_catalog, parse_catalog
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CATALOG = ROOT / "specexec" / "runtime" / "models.yaml"     # the one catalogue, shipped in the package
 
 ENTRY = """\

@@ -300,7 +300,7 @@ with exclusive_lock(pathlib.Path(sys.argv[1])):
         sys.stdin.readline()
     os.kill(os.getpid(), signal.SIGKILL)
 """
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_lock_left_by_a_dead_process_is_recovered(model: Path, tmp_path: Path, posix_facilities: str) -> None:
@@ -310,9 +310,8 @@ def test_lock_left_by_a_dead_process_is_recovered(model: Path, tmp_path: Path, p
     assert proc.returncode == -signal.SIGKILL and lock.read_text().strip().isdigit()
     assert lock.with_name(lock.name + ".d").is_dir() == (posix_facilities == "fallback")   # a dead owner's dir
     log: list[str] = []
-    t0 = time.monotonic()
-    assert build(model, tmp_path, log=log, lock_timeout=10).built
-    assert time.monotonic() - t0 < 10 and not any("waiting" in m for m in log)
+    assert build(model, tmp_path, log=log, lock_timeout=10).built          # raises if it waited 10 s
+    assert not any("waiting" in m for m in log)                               # it never waited at all
     assert sorted(p.name for p in tmp_path.iterdir() if "lock" in p.name) == [lock.name]    # dir and breaker gone
 
 

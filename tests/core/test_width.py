@@ -66,6 +66,7 @@ def test_width_policy() -> None:
     assert SpecExecBuilder(cost_ratio=3.0).beams(256) == 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [16, 64])
 def test_at_a_high_cost_ratio_the_tree_accepts_at_least_the_paper_width_tree(models, budget: int) -> None:
     """A target pass costs >= 50 draft passes: equal budget, at least the paper-width tree's tokens per pass,

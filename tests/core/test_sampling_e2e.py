@@ -62,6 +62,7 @@ def sample_pairs(engine: Engine, sampling: SamplingParams, trials: int) -> torch
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verifier,draft_index,temperature", [
     ("sample_match", 1, 1.0), ("rrs", 1, 0.6), ("rrs", 2, 1.0)])
 def test_first_two_tokens_follow_the_target_distribution(models, verifier: str, draft_index: int,
@@ -74,6 +75,7 @@ def test_first_two_tokens_follow_the_target_distribution(models, verifier: str, 
     assert chi_square_p(counts, exact_pairs(target, sampling), TRIALS) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_chi_square_check_can_fail(models) -> None:
     """Negative control: samples at the wrong temperature are rejected by the same check."""
     pytest.importorskip("scipy")

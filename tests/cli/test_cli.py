@@ -16,7 +16,7 @@ from cli.main import main
 from specexec.config import ConfigError, EngineConfig, SamplingParams
 from specexec.runtime.assembly import Detokenizer, Runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STATS_KEYS = {"steps", "tokens_per_step", "prefill_tok_s", "decode_tok_s", "draft_ms", "target_ms", "tree_size",
               "budget", "builder"}
 
@@ -207,6 +207,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
                           text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_subprocess_json_is_exactly_one_line(tiny_pair, tiny_perturbed_draft) -> None:
     proc = _cli("generate", "--model", str(tiny_pair[0]), "--draft", str(tiny_perturbed_draft),
                 "--prompt", "Hello", "--max-new-tokens", "6", "--json")
@@ -216,6 +217,7 @@ def test_subprocess_json_is_exactly_one_line(tiny_pair, tiny_perturbed_draft) ->
     assert len(json.loads(lines[0])["token_ids"]) <= 6
 
 
+@pytest.mark.slow
 def test_subprocess_errors_exit_2_in_one_line(tmp_path) -> None:
     proc = _cli("generate", "--model", str(tmp_path / "nope"), "--no-draft", "--prompt", "x", "--json")
     assert proc.returncode == 2 and proc.stdout == ""

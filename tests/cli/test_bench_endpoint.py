@@ -1,5 +1,5 @@
 """`specexec bench --endpoint URL`: the benchmark as a client of an OpenAI-compatible server, measured against our
-own `specexec serve` on 127.0.0.1 (tests/test_serve.py's in-process uvicorn). The token counts equal what the
+own `specexec serve` on 127.0.0.1 (tests/serving/test_serve.py's in-process uvicorn). The token counts equal what the
 server generates for the same requests, the server is found without --model, two endpoints make two rows of one
 table, and a refused key, a closed port or a flag that means nothing remotely are one line (exit 2)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.serving.openai_api import ServerDefaults
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
-from tests.test_serve import running
+from tests.serving.test_serve import running
 
 MODEL, KEY, LIMIT, MAX_NEW = "tiny-pair", "sekret", 3, 8
 

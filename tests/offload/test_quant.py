@@ -1,6 +1,6 @@
 """offload.quant.linear: error bounds per format, QuantLinear == F.linear on the dequantized weight for 1 and 64 tokens
 (int4/int8: on bf16 activations, as their kernels compute), one dequantization per call, bind() re-targeting
-without copies, and the size planning helpers. The int4/int8 kernels themselves: tests/test_quant_kernels.py."""
+without copies, and the size planning helpers. The int4/int8 kernels themselves: tests/offload/test_quant_kernels.py."""
 from __future__ import annotations
 
 import pytest

@@ -82,6 +82,7 @@ def test_out_of_range_penalties_are_refused(name: str, value) -> None:
     assert not SamplingParams().needs_history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", PENALTIES, ids=["presence", "frequency", "both+repetition"])
 def test_greedy_with_penalties_equals_target_only_decode(models, sampling: SamplingParams) -> None:
     ids = prompt(11)
@@ -135,13 +136,14 @@ def exact_pairs(target, ids: list[int], sampling: SamplingParams) -> torch.Tenso
     return p1[:, None] * process_logits(logits, sampling, seqs, T).exp()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verifier", ["sample_match", "rrs"])
 def test_sampling_with_penalties_keeps_the_target_distribution(models, verifier: str) -> None:
     """The first two tokens at T = 1 with strong presence/frequency penalties, 100 seeded runs: a chi-square
     against the exact penalised pairs passes, and against the unpenalised pairs fails (after this prompt the
     unpenalised target often repeats its first token: total variation 0.56 between the two)."""
     pytest.importorskip("scipy")
-    from tests.test_sampling_e2e import chi_square_p
+    from tests.core.test_sampling_e2e import chi_square_p
 
     ids, trials = [1, 40, 41, 169], 100
     sampling = SamplingParams(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0)

@@ -19,7 +19,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.tokenizer import encode_messages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
        "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "160"}
 
@@ -155,6 +155,7 @@ def test_ctrl_c_keeps_the_shown_answer_and_the_session(runtime) -> None:
     assert not after.interrupted and after.profile["reused_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_history_outgrowing_the_context_drops_the_oldest_turns(runtime) -> None:
     chat, screen = _session(runtime, max_new=60)
     for i in range(3):
@@ -215,6 +216,7 @@ def test_piped_stdin_in_process(monkeypatch, capsys, tiny_pair, tiny_perturbed_d
     assert "stdin is empty" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_piped_stdin_subprocess_prints_only_the_answer(tiny_pair, tiny_perturbed_draft) -> None:
     argv = ["--model", str(tiny_pair[0]), "--draft", str(tiny_perturbed_draft), "--max-new-tokens", "8"]
     gen = subprocess.run([sys.executable, "-m", "cli.main", "generate", *argv, "--chat", "--prompt",
@@ -240,6 +242,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_terminal_returns_to_the_prompt(tiny_pair, tiny_perturbed_draft) -> None:
     pexpect = pytest.importorskip("pexpect")
     child = pexpect.spawn(sys.executable, ["-c", SLOW_CHAT, "chat", "--model", str(tiny_pair[0]), "--draft",

@@ -27,7 +27,7 @@ from specexec.builders.registry import make_builder, names as builder_names
 from specexec.runtime.assembly import Runtime
 from tests.tiny_models import write_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 MIXES = {
     "resident": ["resident"] * 4,
@@ -132,6 +132,7 @@ def test_greedy_generation_through_the_offloaded_target_is_unchanged(tiny_pair, 
         model.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", builder_names())
 def test_greedy_output_with_an_int4_target_equals_that_target_alone(tiny_pair, tiny_perturbed_draft, cache_root,
                                                                     name: str) -> None:
@@ -290,6 +291,7 @@ def wide_checkpoint(dest: Path, n_layers: int) -> Path:
     return dest
 
 
+@pytest.mark.slow
 def test_ssd_tier_peak_anonymous_memory_stays_within_the_ram_budget(tmp_path) -> None:
     wide = wide_checkpoint(tmp_path / "wide", n_layers=8)
     root = tmp_path / "cache"

@@ -156,6 +156,7 @@ def assert_exact(counts: torch.Tensor, p: torch.Tensor) -> None:
 CASES = [(name, t) for name in BUILDERS for t in (0.6, 1.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,temperature", CASES)
 def test_builder_keeps_the_target_distribution(name: str, temperature: float) -> None:
     """The engine's default rule for the builder's drafting kind, at T = 0.6 and 1.0."""
@@ -206,6 +207,7 @@ def test_negative_control_rsd_without_gumbel_noise_is_detected(monkeypatch: pyte
     assert min(p_first, p_joint) < 1e-6, f"biased tree not detected: p-values {p_first:.2e}, {p_joint:.2e}"
 
 
+@pytest.mark.slow
 def test_negative_control_wrong_draft_probs_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain verified against a q other than the one it was drawn from (pitfall 2) is biased."""
     builder = ChainBuilder()

@@ -31,7 +31,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.serving.openai_api import ServerDefaults
 from specexec.runtime.assembly import Runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-pair"
 BUDGET, MAX_TOKENS = 8, 32
 MAX_BODY = 64 * 1024
@@ -162,9 +162,8 @@ def test_chat_completion(client) -> None:
 def test_stream_arrives_in_chunks_before_the_end(client, url) -> None:
     whole = chat(client, "Hello", max_tokens=48).choices[0].message.content
     stream = chat(client, "Hello", max_tokens=48, stream=True, stream_options={"include_usage": True})
-    parts, times, busy_at_first, finish, usage = [], [], None, None, None
+    parts, busy_at_first, finish, usage = [], None, None, None
     for chunk in stream:
-        times.append(time.perf_counter())
         if chunk.usage is not None:
             usage = chunk
             continue
@@ -297,11 +296,13 @@ def _long_job(max_tokens: int = 64) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": max_tokens, "n": 16}
 
 
-def _served_promptly(client, seconds: float) -> None:
-    t0 = time.perf_counter()
+def _let_go(client, url: str, tokens_before: int, one: int) -> None:
+    """The worker let go of the abandoned job (16 greedy choices of `one` tokens each) before its end: it
+    generated fewer tokens than the job would have, nothing waits, and the next request is answered."""
+    assert metrics(url)["generated_tokens"] - tokens_before < 16 * one, "the abandoned generation ran to its end"
+    assert health(url)["queue_depth"] == 0
     r = chat(client, "Hello", max_tokens=4)
     assert r.choices[0].message.content is not None
-    assert time.perf_counter() - t0 < seconds, "the next request waited for the abandoned generation"
 
 
 def _wait_cancelled(url: str, before: int) -> None:
@@ -322,10 +323,9 @@ def _give_up_after(url: str, seconds: float) -> None:
 
 
 def test_stream_disconnect_frees_the_queue(client, url) -> None:
-    t0 = time.perf_counter()
-    chat(client, "Hello", max_tokens=64)
-    one = time.perf_counter() - t0                           # one choice; the long job has 16
-    before = metrics(url)["jobs_cancelled"]
+    one = chat(client, "Hello", max_tokens=64).usage.completion_tokens   # one choice; the long job has 16
+    snap = metrics(url)
+    before, tokens = snap["jobs_cancelled"], snap["generated_tokens"]
     conn = connect(url)
     try:
         resp = send(conn, "POST", "/v1/chat/completions", {**_long_job(), "stream": True})
@@ -338,15 +338,17 @@ def test_stream_disconnect_frees_the_queue(client, url) -> None:
     finally:
         conn.close()
     _wait_cancelled(url, before)
-    _served_promptly(client, max(3 * one, 2.0))
+    _let_go(client, url, tokens, one)
     assert health(url)["queue_depth"] == 0
 
 
 def test_non_streamed_disconnect_frees_the_queue(client, url) -> None:
-    before = metrics(url)["jobs_cancelled"]
+    one = chat(client, "Hello", max_tokens=64).usage.completion_tokens
+    snap = metrics(url)
+    before, tokens = snap["jobs_cancelled"], snap["generated_tokens"]
     _give_up_after(url, 0.5)
     _wait_cancelled(url, before)
-    _served_promptly(client, 3.0)
+    _let_go(client, url, tokens, one)
 
 
 def test_waiting_request_that_disconnects_leaves_the_queue(client, url) -> None:
@@ -488,6 +490,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow
 def test_serve_command_end_to_end(tiny_pair, tiny_perturbed_draft) -> None:
     cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_pair[0]), "--draft",
            str(tiny_perturbed_draft), "--budget", "8", "--port", "0", "--api-key", "k3y", "--max-new-tokens", "8"]

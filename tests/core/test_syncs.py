@@ -56,6 +56,7 @@ def run_counted(models, name: str, budget: int, sampling: SamplingParams, builde
     return counted.builds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GROWING)
 def test_at_most_one_host_sync_per_draft_pass(models, name: str) -> None:
     passes_total = 0

@@ -1,0 +1,1 @@
+"""Tests of the decoding core (specexec/)."""

@@ -1,0 +1,1 @@
+"""Tests of runtime assembly (specexec/runtime/)."""

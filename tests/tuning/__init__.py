@@ -1,0 +1,1 @@
+"""Tests of measuring and tuning (specexec/tuning/)."""
