@@ -20,7 +20,7 @@ from specexec.config import ConfigError, EngineConfig, OffloadConfig, choices
 from specexec.kv import rows
 from specexec.runtime import loading
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def help_text(capsys: pytest.CaptureFixture, *command: str) -> str:
