@@ -25,6 +25,7 @@ from specexec.config import SamplingParams
 from specexec.sampling import make_generator, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.verify import RULES, accept_greedy, default_rule, exact_rules_for
+from tests.chi2 import chi2_pvalue
 
 V, ROOT, BUDGET = 10, 3, 6
 BUDGETS = {"chain": 3}              # a chain's first two tokens only need depth 3
@@ -125,19 +126,6 @@ def emitted_pairs(builder, p_logits: torch.Tensor, q_logits: torch.Tensor, sampl
     missing = b < 0
     b[missing] = sample(logp[a[missing]], gen)
     return torch.bincount(a * V + b, minlength=V * V).reshape(V, V).double()
-
-
-def chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value; cells expected below 5 counts are pooled into one."""
-    n = float(counts.sum())
-    exp = expected_probs.double().flatten() * n
-    obs, small = counts.double().flatten(), exp < 5
-    obs = torch.cat([obs[~small], obs[small].sum().reshape(1)])
-    exp = torch.cat([exp[~small], exp[small].sum().reshape(1)])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def check(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, float, float]:

@@ -16,21 +16,9 @@ from specexec.sampling import gumbel_topk, make_generator, probs, sample
 from specexec.tree import TokenTree
 from specexec.verify import (RULES, Accepted, accept_greedy, accept_rrs_deterministic,
                              accept_rrs_without_replacement, default_rule, exact_rules_for)
+from tests.chi2 import chi2_pvalue
 
 V, ROOT = 10, 0
-
-
-def chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value; cells expected below 5 counts are pooled into one."""
-    n = float(counts.sum())
-    exp = expected_probs.double().flatten() * n
-    obs, small = counts.double().flatten(), exp < 5
-    obs = torch.cat([obs[~small], obs[small].sum().reshape(1)])
-    exp = torch.cat([exp[~small], exp[small].sum().reshape(1)])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 # ---------------------------------------------------------------------------------------------- greedy (V1)
