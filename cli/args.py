@@ -9,7 +9,7 @@ name implies (the recommended draft, budget and quantization) when the user left
 `check_draft(..., default_self=True)` (chat) drafts with the target itself when no draft is named or recommended.
 `load_runtime` is the one place these commands load models (the memory ledger first, then a progress spinner on stderr).
 
-Does not know: what a value may be (specexec.config checks every one of them), how models load.
+Does not know: what a value may be (specexec.options checks every one of them), how models load.
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from dataclasses import fields
 
 from rich.console import Console
 
-from specexec.config import (ConfigError, EngineConfig, OffloadConfig, SamplingParams, budget_options,
-                             check_draft_choice, choices_help)
+from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from cli.fetch import add_hub_args, fetch_model, target_reserve
+from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, is_self_draft
 from specexec.runtime.offloaded import TargetPlan
 from specexec.builders.registry import builder_needs_draft
 from specexec.runtime.assembly import Runtime
-from specexec.runtime.self_draft import SELF, is_self_draft
+from specexec.runtime.self_draft import SELF
 
 # SamplingParams fields that get a flag here: name -> (type, metavar, help)
 SAMPLING_FLAGS = {

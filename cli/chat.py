@@ -21,7 +21,7 @@ session does not matter: the open file keeps serving it. The offloaded target's 
 the session ends, however it ends.
 
 Does not know: how a step works or how models load (specexec.runtime.assembly), what a setting may be
-(specexec.config validates /set values), terminal line editing (input() and readline do it).
+(specexec.config.with_field validates /set values), terminal line editing (input() and readline do it).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ from rich.console import Console
 from cli import args as common
 from cli.generate import read_stdin, write_text
 from cli.prefill_bar import PrefillBar
-from specexec.config import ConfigError, SamplingParams, budget_options, with_field
+from specexec.config import SamplingParams, with_field
+from specexec.options import ConfigError, budget_options
 from specexec.profiler import summary_table
 from specexec.runtime.assembly import Detokenizer, Runtime
 from specexec.runtime.tokenizer import encode_messages

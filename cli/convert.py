@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from offload.cache.store import LayerCache, default_cache_root, human_bytes
-from offload.quant.linear import FORMATS
-from specexec.config import DTYPES, check_device
+from offload.cache.identity import default_cache_root, human_bytes
+from offload.cache.store import LayerCache
+from offload.quant.weights import FORMATS
 from cli.fetch import fetch_model
+from specexec.options import DTYPES, check_device
 from specexec.runtime.loading import read_args, resolve_dtype, resolve_model_path
 from specexec.runtime.offloaded import layer_names
 

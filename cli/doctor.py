@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from offload.cache.store import default_cache_root
+from offload.cache.identity import default_cache_root
 from offload.platform.facilities import missing
 from offload.platform.mounts import slow_mount_warnings
-from specexec.config import ConfigError, check_integer
+from specexec.options import ConfigError, check_integer
 
 PROMPT = "The quick brown fox"
 TOKENS = 16                          # greedy tokens of the tiny-model check

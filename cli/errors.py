@@ -18,9 +18,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from offload.cache.store import CacheError
+from offload.cache.manifest import CacheError
 from offload.formats.checkpoint import CheckpointError
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 
 USAGE_EXIT = 2
 BUG_EXIT = 1

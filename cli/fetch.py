@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 from specexec.runtime.hub import HubOptions, Progress, Reserve
 from specexec.runtime.loading import HUB_ID, resolve_model_path
 

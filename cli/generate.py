@@ -6,7 +6,7 @@ JSON line to stdout: {"text", "token_ids" (generated ids only, EOS kept, at most
 {steps, tokens_per_step, prefill_tok_s, decode_tok_s, draft_ms, target_ms, tree_size, budget, builder}}.
 
 Does not know: how models load or how a step works (specexec.runtime.assembly), what values are valid
-(specexec.config checks every one of them).
+(specexec.options checks every one of them).
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from rich.console import Console
 
 from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sampling_args, apply_catalog_defaults,
                       engine_config, offload_config, print_plan, sampling_params)
-from specexec.config import (ConfigError, EngineConfig, SamplingParams, choices_help,
-                             check_chat_options, check_draft_choice, check_number, check_prompt_text,
-                             parse_draft_vocab)
+from specexec.config import EngineConfig, SamplingParams
 from cli.prefill_bar import prefill_bar
 from specexec.builders.registry import builder_needs_draft
+from specexec.options import (
+    ConfigError, choices_help, check_chat_options, check_draft_choice, check_number, check_prompt_text,
+    parse_draft_vocab)
 from specexec.runtime.assembly import Detokenizer, ModelInfo, Runtime
 
 
@@ -53,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
-    """Every value checked (by specexec.config) before anything is loaded."""
+    """Every value checked (by specexec.options) before anything is loaded."""
     config = engine_config(args, **({"verifier": args.verifier} if args.verifier is not None else {}),
                            draft_vocab=parse_draft_vocab(args.draft_vocab))
     sampling = sampling_params(args)
@@ -79,7 +80,7 @@ def read_stdin(what: str = "stdin") -> str:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt text (--prompt, --prompt-file FILE or - for stdin), checked by config.check_prompt_text."""
+    """The prompt text (--prompt, --prompt-file FILE or - for stdin), checked by options.check_prompt_text."""
     if args.prompt is not None:
         check_prompt_text(args.prompt, "--prompt")
         return args.prompt

@@ -18,10 +18,11 @@ import json
 import sys
 
 from offload.cache.identity import default_cache_root
+from offload.memory_plan import GB, Bandwidths, PlanError
 from offload.platform.mounts import slow_mount_warnings
-from offload.planner import GB, Bandwidths, PlanError, default_budgets
-from specexec.config import (ConfigError, budget_options, check_choice, check_integer, check_number, choices,
-                             choices_help, parse_size)
+from offload.planner import default_budgets
+from specexec.options import (
+    ConfigError, budget_options, check_choice, check_integer, check_number, choices, choices_help, parse_size)
 from specexec.runtime.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
                                      with_warnings)
 from specexec.runtime.run_shape import RunShape, plan_context
@@ -116,9 +117,9 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     from specexec.runtime.loading import resolve_dtype
     from specexec.builders.registry import make_builder
 
-    from specexec.config import parse_draft_layers
+    from specexec.options import is_self_draft, parse_draft_layers
     from specexec.runtime.run_shape import with_self_draft
-    from specexec.runtime.self_draft import is_self_draft, self_draft_shape
+    from specexec.runtime.self_draft import self_draft_shape
 
     target = read_args(resolve_model_path(ns.model))
     own = is_self_draft(ns.draft)

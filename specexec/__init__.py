@@ -52,7 +52,7 @@ _WHERE = {
     "SamplingParams": "specexec.config",
     "OffloadConfig": "specexec.config",
     "ModelArgs": "specexec.config",
-    "ConfigError": "specexec.config",
+    "ConfigError": "specexec.options",
     "TreeBuilder": "specexec.builders.base",
     "make_builder": "specexec.runtime.assembly",
     "Transformer": "specexec.model",

@@ -26,9 +26,10 @@ import torch
 
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
-from specexec.config import ConfigError, EngineConfig, SamplingParams
+from specexec.config import EngineConfig, SamplingParams
 from specexec.kv.cache import KVCache
 from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
+from specexec.options import ConfigError
 from specexec.profiler import Profiler, Span, StepStat, budget_trace
 from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree

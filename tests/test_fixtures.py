@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import (BOS_ID, CHAT_TOKENS, EOS_ID, OTHER_VOCAB_SIZE, PAD_ID, UNK_ID, VOCAB_SIZE,
-                               write_tiny_model)
+from specexec.runtime.demo_models import CHAT_TOKENS
+from tests.tiny_models import BOS_ID, EOS_ID, OTHER_VOCAB_SIZE, PAD_ID, UNK_ID, VOCAB_SIZE, write_tiny_model
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
         "qwen3": "Qwen3ForCausalLM"}

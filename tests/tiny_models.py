@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from specexec.runtime.demo_models import (CHAT_TOKENS, CORPUS, FAMILIES, SPECIAL_TOKENS,  # noqa: F401 -- re-exported
-                                          save_tokenizer, train_tokenizer, write_perturbed, write_random)
+from specexec.runtime.demo_models import (CORPUS, SPECIAL_TOKENS, save_tokenizer, train_tokenizer, write_perturbed,
+                                          write_random)
 
 # ---------------------------------------------------------------------------------------------- tokenizer
 

@@ -24,9 +24,10 @@ from rich.table import Table
 
 from cli import args as common
 from cli.bench.common import encode_prompts
+from specexec.options import ConfigError, check_number, parse_float_list
 from specexec.tuning import acceptance
 from specexec.builders.static import tree_shape
-from specexec.config import ConfigError, SamplingParams, check_number, parse_float_list
+from specexec.config import SamplingParams
 from specexec.prompts import load_prompts
 
 SHOW_BUDGETS = (16, 64, 256, 1024)

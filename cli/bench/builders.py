@@ -22,7 +22,7 @@ from cli import args as common
 from cli.bench import plot
 from cli.bench.common import Plan, Result, encode_prompts, first_mismatch, run_variant, wide
 from specexec.builders.registry import builder_needs_draft, names as builder_names
-from specexec.config import ConfigError, check_number, choices_help, parse_budget_list, parse_float_list
+from specexec.options import ConfigError, check_number, choices_help, parse_budget_list, parse_float_list
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 
-from specexec.config import ConfigError, EngineConfig, OffloadConfig, SamplingParams
+from specexec.config import EngineConfig, OffloadConfig, SamplingParams
+from specexec.options import ConfigError
 from specexec.profiler import PeakMemory
 from specexec.prompts import Prompt
 from specexec.runtime.assembly import Runtime

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from rich.table import Table
 
 from cli.bench.common import Plan, first_mismatch
-from specexec.config import ConfigError, SamplingParams, budget_options
+from specexec.config import SamplingParams
+from specexec.options import ConfigError, budget_options
 from specexec.prompts import Prompt
 from specexec.prompts.document import long_document
 from specexec.runtime.assembly import Runtime

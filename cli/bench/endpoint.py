@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from cli.bench.common import Result, wide
-from specexec.config import ConfigError, check_number
+from specexec.options import ConfigError, check_number
 from specexec.prompts import Prompt, load_prompts
 
 TIMEOUT_S = 600.0

@@ -32,7 +32,7 @@ long shared document filling each context instead, and one table gives the cost 
 With --endpoint URL the same prompt set and table measure OpenAI-compatible servers instead (cli/bench/endpoint.py);
 --plot FILE draws the rows (cli/bench/plot.py).
 
-Does not know: how a step works (specexec.engine), how flags are validated (specexec.config), how models load
+Does not know: how a step works (specexec.engine), how flags are validated (specexec.options), how models load
 (specexec.runtime.assembly; transformers for the hf-* rows).
 """
 from __future__ import annotations
@@ -52,11 +52,11 @@ from cli.bench import plot
 from cli.bench.common import Plan, Result, config_name, encode_prompts, first_mismatch, run_variant, wide
 from cli.bench.context import context_rows, context_table, parse_contexts, run_contexts
 from cli.bench.hf import run_hf
-from specexec.config import ConfigError, EngineConfig, budget_options, check_number, parse_budget_list
+from specexec.config import EngineConfig
+from specexec.options import ConfigError, budget_options, check_number, is_self_draft, parse_budget_list
 from specexec.profiler import budget_trace
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
-from specexec.runtime.self_draft import is_self_draft
 
 CONFIG_KINDS = ("specexec", "no-draft", "hf-offload", "hf-assisted")
 BASELINES = ("no-draft", "hf-offload", "hf-assisted")

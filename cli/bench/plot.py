@@ -22,7 +22,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 
 FORMATS = ("png", "svg")
 FIG_SIZE = (10.0, 6.0)            # inches

@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-from offload.quant import linear as quant
+from offload.memory_plan import Needs, Plan, PlanError
+from offload.quant import weights as qweights
 from offload.streaming import storage
 from offload.streaming.pager import LayerPager
-from offload.planner import Needs, Plan, PlanError, default_budgets, plan
+from offload.planner import default_budgets, plan
 from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read
-from specexec.config import (DTYPES, ConfigError, ModelArgs, check_choice, check_device, check_integer, choices,
-                             parse_size)
+from specexec.config import ModelArgs
+from specexec.options import DTYPES, ConfigError, check_choice, check_device, check_integer, choices, parse_size
 from specexec.runtime.loading import resolve_dtype
 from specexec.model import Block
 from specexec.runtime.offloaded import (ASSUMED, N_BOUNCE, N_SLOTS, OffloadedTransformer, activation_bytes,
@@ -51,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Stream random-weight decoder layers of a real architecture's shapes through the "
                                    "pager and measure one pass per tree size against the tier's raw bandwidth.")
     p.add_argument("--synthetic", required=True, choices=sorted(ARCHS), help="architecture shapes (Llama-3)")
-    p.add_argument("--quant", default="nf4", choices=quant.FORMATS, help="layer format (default nf4)")
+    p.add_argument("--quant", default="nf4", choices=qweights.FORMATS, help="layer format (default nf4)")
     p.add_argument("--offload", default="ssd", choices=choices("--offload"),
                    help="where the layers live (default ssd; auto = planned from the budgets)")
     p.add_argument("--gpu-budget", metavar="SIZE", help="GPU memory for the plan (default: free minus a margin)")
@@ -96,7 +97,7 @@ def layer_layout(args: ModelArgs, fmt: str, dtype: torch.dtype, device: torch.de
     names, linear = block_tensor_names(args)
     with torch.device("meta"):
         shapes = {n: tuple(t.shape) for n, t in Block(args).state_dict().items()}
-    specs, meta = quant.layer_specs({n: (dtype, shapes[n]) for n in names}, fmt, dtype, linear, device=device)
+    specs, meta = qweights.layer_specs({n: (dtype, shapes[n]) for n in names}, fmt, dtype, linear, device=device)
     return storage.plan_layout(specs, meta)
 
 
@@ -106,7 +107,7 @@ def random_layer(layout: storage.LayerLayout, fmt: str, dtype: torch.dtype, seed
     gen = torch.Generator().manual_seed(seed)
     codes = {}
     if fmt != "none":
-        codes = quant.quantize_weight(torch.randn(64, 64, generator=gen), fmt, dtype)[0]
+        codes = qweights.quantize_weight(torch.randn(64, 64, generator=gen), fmt, dtype)[0]
     tensors = {}
     for e in layout.entries:
         shape, dt = e.shape, getattr(torch, e.dtype)
@@ -285,7 +286,7 @@ def run(ns: argparse.Namespace) -> int:
     device_name = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device_name)
     device = torch.device(device_name)
-    check_choice("--dtype", ns.dtype, DTYPES)                # specexec.config: the one place values are checked
+    check_choice("--dtype", ns.dtype, DTYPES)                # specexec.options: the one place values are checked
     check_integer("--layers", ns.layers, 1, 1024)
     check_integer("--distinct", ns.distinct, 1, 64)
     dtype = resolve_dtype(ns.dtype, device)

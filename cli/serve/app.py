@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specexec.options import ConfigError
 from specexec.serving import openai_api as api
-from specexec.config import ConfigError
 from specexec.runtime.assembly import Runtime
 from specexec.serving.queue import Delta, End, Failed, Finished, GenerationQueue, QueueFull, Ticket
 

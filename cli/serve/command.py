@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from cli import args as common
-from specexec.config import ConfigError, check_integer
+from specexec.options import ConfigError, check_integer
 
 DEFAULT_MAX_TOKENS = 512
 

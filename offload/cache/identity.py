@@ -21,8 +21,8 @@ import torch
 
 from offload.cache.manifest import VERSION, CacheError
 from offload.formats.checkpoint import INDEX, SINGLE, ST_DTYPES
-from offload.quant.linear import dtype_name, packing
 from offload.formats.sources import detect_format, is_gguf, open_source, tensor_specs
+from offload.quant.weights import dtype_name, packing
 
 
 @dataclass(frozen=True)

@@ -67,16 +67,15 @@ from pathlib import Path
 
 import torch
 
-from offload.cache.identity import (ST_DTYPES, LayerNames, cache_dir_for, default_cache_root,  # noqa: F401
-                                    fingerprint, human_bytes, options_of, source_specs)
-from offload.cache.manifest import (CORRUPT, LAYERS_FILE, MANIFEST, VERSION, CacheCorruptError,  # noqa: F401
-                                    CacheError, check_expected, load_manifest, mark_corrupt)
-from offload.cache.reading import _VERIFIED, LayerFile, aligned_empty  # noqa: F401 -- _VERIFIED: tests clear it
+from offload.cache.identity import (LayerNames, cache_dir_for, default_cache_root, fingerprint, human_bytes,
+                                    options_of, source_specs)
+from offload.cache.manifest import LAYERS_FILE, MANIFEST, CacheError, check_expected, load_manifest, mark_corrupt
+from offload.cache.reading import LayerFile
 from offload.platform.facilities import fsync_dir, pwrite_all
 from offload.cache.locking import exclusive_lock as _exclusive_lock
 from offload.cache.progress import progress_bar
-from offload.quant.linear import check_format, layer_specs, quantize_tensors
 from offload.formats.sources import CheckpointSource, open_source
+from offload.quant.weights import check_format, layer_specs, quantize_tensors
 from offload.streaming.storage import LayerLayout, pack_layer, plan_layout
 
 SPACE_MARGIN = 64 << 20            # bytes kept free beyond the cache itself (manifest, filesystem slack)

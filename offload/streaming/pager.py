@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold, stream_summary  # noqa: F401
+from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold
 from offload.streaming.loaders import WAIT_TICK, Buffer, Job, Loaders
 from offload.streaming.tiers import LayerReader, RamTier, ResidentTier, fill, host_buffer
 

@@ -1,12 +1,12 @@
 """The one registry of tree builders: each builder class registers itself where it is defined (`@register`,
 under its own `name` attribute), and everything that names builders reads from here: EngineConfig validation
-and the --builder help text (through config.choices("--builder")), `bench builders`, and `make_builder`.
+and the --builder help text (through options.choices("--builder")), `bench builders`, and `make_builder`.
 
 Adding a builder is adding a module to specexec/builders/ with a `@register`ed class: the first lookup imports
 every module of the package once, so nothing else lists the names.
 
 Does not know: any particular builder, the engine, the CLI. It imports nothing of specexec at module level,
-so config.py can consult it lazily without an import cycle (the builders import config).
+so options.py can consult it lazily without an import cycle (the builders import config and options).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def names() -> tuple[str, ...]:
 def make_builder(name: str, options: tuple[tuple[str, object], ...] = ()) -> TreeBuilder:
     """A fresh builder by name, with EngineConfig.builder_options as keyword arguments (e.g. static's
     acceptance_file); ConfigError for a name the registry lacks or an option the builder does not take."""
-    from specexec.config import ConfigError, check_choice        # lazy: config consults this module lazily
+    from specexec.options import ConfigError, check_choice  # lazy: config consults this module lazily
     check_choice("builder", name, names())
     fixed = [k for k, _ in options if k in FIXED_OPTIONS or k.startswith("_")]
     if fixed:                                   # the drafting kind decides which verifiers are exact

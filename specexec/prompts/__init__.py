@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 
 BUILTIN = "builtin.jsonl"
 KEYS = ("id", "category", "prompt", "system")

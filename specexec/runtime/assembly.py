@@ -36,24 +36,24 @@ from pathlib import Path
 
 import torch
 
-from offload.streaming.pager import stream_summary
 from offload.quant.linear import quantize_module
 from offload.formats.sources import is_gguf
+from offload.streaming.timing import stream_summary
 
 from specexec.abilities import has
+from specexec.options import ConfigError, check_device, check_draft_vocab, check_prompt_length, is_self_draft
 from specexec.tuning import acceptance
 from specexec.tuning.calibration import save_target_costs, tuner_for
 from specexec.builders.base import TreeBuilder
 from specexec.builders.registry import make_builder
-from specexec.config import (ConfigError, EngineConfig, ModelArgs, OffloadConfig, SamplingParams, check_device,
-                     check_draft_vocab, check_prompt_length)
+from specexec.config import EngineConfig, ModelArgs, OffloadConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.runtime.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
                                       resolve_model_path)
 from specexec.model import Streams, Transformer
 from specexec.runtime.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.runtime.offloaded import TargetPlan, load_target, plan_target, quantize_layers
-from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, is_self_draft, self_draft_shape
+from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 

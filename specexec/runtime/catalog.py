@@ -22,7 +22,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from specexec.config import MAX_BUDGET, SUPPORTED_ARCHITECTURES, ConfigError, check_number, choices, is_self_draft
+from specexec.config import SUPPORTED_ARCHITECTURES
+from specexec.options import MAX_BUDGET, ConfigError, check_number, choices, is_self_draft
 
 CATALOG_ENV = "SPECEXEC_MODELS_YAML"
 DIRS_ENV = "SPECEXEC_MODEL_DIRS"

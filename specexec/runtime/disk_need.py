@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
-from offload.cache.store import SPACE_MARGIN, default_cache_root
-from offload.planner import PlanError, default_budgets
+from offload.cache.identity import default_cache_root
+from offload.cache.store import SPACE_MARGIN
+from offload.memory_plan import PlanError
+from offload.planner import default_budgets
 
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.runtime.ledger import plan_memory

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 from specexec.runtime.hub_files import COMMIT, PART, Progress, Ticker, download, link_blob, write_ref
 
 CONFIG_FILES = ("config.json", "generation_config.json")

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 
 PART = ".part"                                                 # suffix of a blob still being downloaded
 COMMIT = re.compile(r"^[0-9a-f]{40}$")

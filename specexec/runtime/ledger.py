@@ -41,7 +41,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from offload.planner import GB, Bandwidths, Needs, Plan, PlanError, plan
+from offload.memory_plan import GB, Bandwidths, Needs, Plan, PlanError
+from offload.planner import plan
 
 from specexec.engine import PREFILL_CHUNK
 from specexec.model import LOGIT_CHUNK

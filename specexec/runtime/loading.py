@@ -22,13 +22,13 @@ import torch
 from offload.formats.checkpoint import CheckpointError, pickle_files
 from offload.formats.sources import CheckpointSource, is_gguf, open_source, tensor_specs
 
-from specexec import config
-from specexec.config import ConfigError, ModelArgs
+from specexec.config import ModelArgs
+from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.runtime.hub import HubOptions
 from specexec.model import Transformer, rope_inv_freq
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-DTYPES = {name: getattr(torch, name) for name in config.DTYPES if name != "auto"}   # config names the choices
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}   # options names the choices
 
 
 def resolve_model_path(spec: str, hub: HubOptions | None = None) -> Path:

@@ -28,17 +28,21 @@ import torch
 from torch import nn
 
 from offload.cache import store as layer_cache
-from offload.cache.store import LayerCache, LayerNames
+from offload.cache.identity import LayerNames
+from offload.cache.store import LayerCache
 from offload.formats.checkpoint import CheckpointError
+from offload.memory_plan import PlanError
 from offload.platform.mounts import slow_mount_warnings
 from offload.formats.sources import open_source
+from offload.quant.weights import auto_format, device_problem
 from offload.streaming.pager import LayerPager, build_pager
-from offload.planner import PlanError, default_budgets
-from offload.quant.linear import auto_format, bind_module, device_problem, quantize_module, swap_linears
+from offload.planner import default_budgets
+from offload.quant.linear import bind_module, quantize_module, swap_linears
 from offload.streaming.storage import LayerLayout, unpack_layer
 
+from specexec.options import ConfigError, check_budget_fits
 from specexec.runtime import ledger, sizes
-from specexec.config import ConfigError, EngineConfig, ModelArgs, OffloadConfig, check_budget_fits
+from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
 from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
 from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft

@@ -10,8 +10,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specexec.config import ConfigError, ModelArgs
+from specexec.config import ModelArgs
 from specexec.engine import kv_slots_for
+from specexec.options import ConfigError
 
 DEFAULT_CONTEXT = 4096        # tokens (prompt + answer) the KV caches are planned for unless --context says
 MIN_SELF_LAYERS = 2         # a self-draft runs at least the first and the last decoder layer

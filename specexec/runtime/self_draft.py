@@ -29,12 +29,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from offload.cache.store import LayerCache, LayerNames
-from offload.quant.linear import FORMATS, QuantLinear, auto_format, bind_module, device_problem, swap_linears
+from offload.cache.identity import LayerNames
+from offload.cache.store import LayerCache
+from offload.quant.linear import QuantLinear, bind_module, swap_linears
+from offload.quant.weights import FORMATS, auto_format, device_problem
 from offload.streaming.storage import LayerLayout, unpack_layer
 from offload.streaming.tiers import ResidentTier, fill, host_buffer
 
-from specexec.config import SELF_DRAFT, ConfigError, ModelArgs, is_self_draft  # noqa: F401 -- re-exports is_self_draft
+from specexec.config import ModelArgs
+from specexec.options import SELF_DRAFT, ConfigError
 from specexec.runtime.run_shape import SelfDraftShape
 from specexec.model import Block, Transformer
 

@@ -2,7 +2,7 @@
 model's weights, KV caches, and the peak transient of one forward pass (its attention included).
 
 Nothing here loads or reads a weight: shapes come from ModelArgs (a Block built on the meta device) and packed
-sizes from offload.quant.linear.layer_specs and offload.streaming.storage.plan_layout. The memory ledger
+sizes from offload.quant.weights.layer_specs and offload.streaming.storage.plan_layout. The memory ledger
 (specexec/runtime/ledger.py) adds these up into a plan.
 
 Does not know: budgets, tiers, plans, what a run consists of (ledger.py and run_shape.py do).
@@ -15,7 +15,8 @@ import math
 import torch
 from torch import nn
 
-from offload.quant.linear import kernel_for, layer_specs
+from offload.quant.linear import kernel_for
+from offload.quant.weights import layer_specs
 from offload.streaming.storage import plan_layout
 
 from specexec.config import ModelArgs

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from offload.formats.sources import is_gguf
 
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 
 GGUF_TOKENIZER_CACHE_VERSION = 1
 
@@ -68,7 +68,7 @@ def _gguf_tokenizer(path: Path):
 
 def _gguf_tokenizer_dir(path: Path) -> Path:
     import transformers
-    from offload.cache.store import default_cache_root
+    from offload.cache.identity import default_cache_root
 
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{GGUF_TOKENIZER_CACHE_VERSION}"

@@ -2,7 +2,7 @@
 bodies, stream chunks and server-sent events, and OpenAI-style error bodies.
 
 Requests: `read_json` parses a body; `parse_options` checks the fields both endpoints share (types here, values
-through specexec.config: SamplingParams and check_number/check_integer are the one place values are judged);
+through specexec.config and specexec.options: SamplingParams and check_number/check_integer are the one place values are judged);
 `parse_messages` / `parse_prompts` read what to continue; `encode_chat` / `encode_text` turn them into ids;
 `make_job` checks lengths against the context and freezes everything into a Job. Fields that common clients
 send are accepted: unknown ones are ignored, known ones asking for something this engine cannot do exactly
@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from specexec.config import ConfigError, SamplingParams, check_integer, check_prompt_length
+from specexec.config import SamplingParams
+from specexec.options import ConfigError, check_integer, check_prompt_length
 from specexec.runtime.tokenizer import encode_messages
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -145,7 +146,7 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) 
 
 
 def _checked(param: str, check, *args: Any) -> None:
-    """Run a specexec.config check; its ConfigError becomes an ApiError naming `param`."""
+    """Run a specexec.options check; its ConfigError becomes an ApiError naming `param`."""
     try:
         check(*args)
     except ConfigError as e:

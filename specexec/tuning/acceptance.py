@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specexec.config import ConfigError, SamplingParams
+from specexec.config import SamplingParams
 from specexec.model import LOGIT_CHUNK, Transformer
+from specexec.options import ConfigError
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
 from specexec.verify import accept_rrs_without_replacement

@@ -9,7 +9,7 @@ import pytest
 
 from cli.bench.main import CONFIG_KINDS, hf_available
 from cli.main import main
-from specexec.config import ConfigError, parse_budget_list
+from specexec.options import ConfigError, parse_budget_list
 from specexec.prompts import load_prompts, parse_prompts
 
 ROW_KEYS = {"config", "tok_s", "tokens_per_pass", "ttft_s", "identical_to_baseline", "identical_prompts",

@@ -10,7 +10,7 @@ import torch
 
 from cli.bench.attention import parse_contexts
 from cli.main import main
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 
 
 def test_bench_attention_json_rows(capsys) -> None:

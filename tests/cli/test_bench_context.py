@@ -10,7 +10,7 @@ import pytest
 
 from cli.bench.context import parse_contexts
 from cli.main import main
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 from specexec.prompts.document import compose, long_document
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from cli.main import main
-from specexec.config import ConfigError, EngineConfig, SamplingParams
+from specexec.config import EngineConfig, SamplingParams
+from specexec.options import ConfigError
 from specexec.runtime.assembly import Detokenizer, Runtime
 
 ROOT = Path(__file__).resolve().parents[2]

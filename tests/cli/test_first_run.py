@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.quant.linear import auto_format
+from offload.quant.weights import auto_format
 from tests.hub_server import LocalHub, serve, stop
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specexec.config import ConfigError, EngineConfig, SamplingParams
+from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.builders.registry import make_builder
+from specexec.options import ConfigError
 from specexec.sampling import apply_presence_frequency, process_logits
 from tests.tiny_models import load_pair_models, prompt
 

@@ -131,7 +131,7 @@ def longer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def budget_for_chunk(path: Path, chunk: int) -> tuple[int, int]:
     """A --ram-budget whose plan (streamed target, --context 16k + 64) prefills about `chunk` tokens per pass,
     and that plan's exact figure: the activation budget the plan gives is what sizes the prefill."""
-    from offload.planner import PlanError
+    from offload.memory_plan import PlanError
     from specexec.runtime.ledger import plan_memory
     from specexec.runtime.offloaded import run_shape
 

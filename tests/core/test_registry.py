@@ -1,7 +1,7 @@
 """One registry per concept: builder names (specexec/builders/registry.py), verifier rules (verify.RULES), layer
-formats (offload.quant.linear.FORMATS), offload modes and KV placements (offload.planner), KV quantization
+formats (offload.quant.weights.FORMATS), offload modes and KV placements (offload.memory_plan), KV quantization
 (specexec.kv.rows.QUANTS). Adding a name to its registry is all it takes for the flags' --help text, config
-validation and error messages to know it (config.choices reads them), and no other module lists the names."""
+validation and error messages to know it (options.choices reads them), and no other module lists the names."""
 from __future__ import annotations
 
 import ast
@@ -12,12 +12,13 @@ import pytest
 
 from cli.bench.builders import parse_builders
 from cli.main import build_parser
-from offload import planner
-from offload.quant import linear
-from specexec import config, verify
+from offload import memory_plan
+from offload.quant import weights
+from specexec import options, verify
 from specexec.builders import registry
-from specexec.config import ConfigError, EngineConfig, OffloadConfig, choices
+from specexec.config import EngineConfig, OffloadConfig
 from specexec.kv import rows
+from specexec.options import ConfigError, choices
 from specexec.runtime import loading
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,12 +106,12 @@ def test_a_registered_verifier_reaches_validation_and_help(monkeypatch, capsys) 
 
 
 def test_offload_registries_reach_validation_help_and_errors(monkeypatch, capsys) -> None:
-    assert choices("--quant") == ("auto", *linear.FORMATS) and choices("--draft-quant") == tuple(linear.FORMATS)
-    assert choices("--offload") == planner.OFFLOAD_MODES and choices("--kv-offload") == planner.COMPANION_MODES
+    assert choices("--quant") == ("auto", *weights.FORMATS) and choices("--draft-quant") == tuple(weights.FORMATS)
+    assert choices("--offload") == memory_plan.OFFLOAD_MODES and choices("--kv-offload") == memory_plan.COMPANION_MODES
     assert choices("--kv-quant") == tuple(rows.QUANTS)
-    monkeypatch.setattr(linear, "FORMATS", (*linear.FORMATS, "zzfmt"))
-    monkeypatch.setattr(planner, "OFFLOAD_MODES", (*planner.OFFLOAD_MODES, "zzmode"))
-    monkeypatch.setattr(planner, "COMPANION_MODES", (*planner.COMPANION_MODES, "zzplace"))
+    monkeypatch.setattr(weights, "FORMATS", (*weights.FORMATS, "zzfmt"))
+    monkeypatch.setattr(memory_plan, "OFFLOAD_MODES", (*memory_plan.OFFLOAD_MODES, "zzmode"))
+    monkeypatch.setattr(memory_plan, "COMPANION_MODES", (*memory_plan.COMPANION_MODES, "zzplace"))
     monkeypatch.setattr(rows, "QUANTS", (*rows.QUANTS, "zzkv"))
     cfg = OffloadConfig(quant="zzfmt", draft_quant="zzfmt", offload="zzmode", kv_offload="zzplace")
     assert (cfg.quant, cfg.offload, cfg.kv_offload) == ("zzfmt", "zzmode", "zzplace")
@@ -122,8 +123,8 @@ def test_offload_registries_reach_validation_help_and_errors(monkeypatch, capsys
         OffloadConfig(quant="q3")
 
 
-def test_dtype_names_live_in_config_and_loading_maps_each_to_torch() -> None:
-    assert set(loading.DTYPES) == set(config.DTYPES) - {"auto"} and choices("--dtype") == config.DTYPES
+def test_dtype_names_live_in_options_and_loading_maps_each_to_torch() -> None:
+    assert set(loading.DTYPES) == set(options.DTYPES) - {"auto"} and choices("--dtype") == options.DTYPES
 
 
 def _name_lists(path: Path) -> list[tuple[int, set[str]]]:
@@ -140,10 +141,10 @@ def _name_lists(path: Path) -> list[tuple[int, set[str]]]:
 def _registries() -> list[tuple[str, set[str], str | None]]:
     return [("builders", set(registry.names()), None),       # each builder names itself, in its own module
             ("verify.RULES", set(verify.RULES), "specexec/verify.py"),
-            ("quant FORMATS", set(linear.FORMATS), "offload/quant/linear.py"),
-            ("OFFLOAD_MODES", set(planner.OFFLOAD_MODES), "offload/planner.py"),
-            ("COMPANION_MODES", set(planner.COMPANION_MODES), "offload/planner.py"),
-            ("DTYPES", set(config.DTYPES), "specexec/config.py")]
+            ("quant FORMATS", set(weights.FORMATS), "offload/quant/weights.py"),
+            ("OFFLOAD_MODES", set(memory_plan.OFFLOAD_MODES), "offload/memory_plan.py"),
+            ("COMPANION_MODES", set(memory_plan.COMPANION_MODES), "offload/memory_plan.py"),
+            ("DTYPES", set(options.DTYPES), "specexec/options.py")]
 
 
 @pytest.mark.parametrize("which", range(len(_registries())))

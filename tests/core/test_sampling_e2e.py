@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from specexec.builders.specexec import SpecExecBuilder
-from specexec.config import ConfigError, EngineConfig, SamplingParams
+from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
+from specexec.options import ConfigError
 from specexec.runtime.loading import load_model
 from specexec.sampling import process_logits
 

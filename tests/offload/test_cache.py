@@ -19,10 +19,14 @@ import torch
 
 from cli.main import main
 from offload.cache import store as C
+from offload.cache.identity import cache_dir_for, default_cache_root, options_of
+from offload.cache.reading import _VERIFIED, aligned_empty
+from offload.cache.manifest import CacheCorruptError, CacheError
 from offload.platform import facilities
-from offload.cache.store import CacheCorruptError, CacheError, LayerCache
+from offload.cache.store import LayerCache
 from offload.formats.checkpoint import SafetensorsCheckpoint
-from offload.quant.linear import QuantLinear, bind_module, quantize_tensors, swap_linears
+from offload.quant.linear import QuantLinear, bind_module, swap_linears
+from offload.quant.weights import quantize_tensors
 from offload.streaming.storage import ALIGN, unpack_layer
 from specexec.runtime.loading import read_args
 from specexec.model import Block
@@ -47,7 +51,7 @@ def build(model: Path, root: Path, fmt: str = "nf4", log: list[str] | None = Non
 
 def fresh_process() -> None:
     """Forget which files this process already verified (what a new process would see)."""
-    C._VERIFIED.clear()
+    _VERIFIED.clear()
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -106,7 +110,7 @@ def test_cached_layer_binds_to_a_block(model: Path, tmp_path: Path) -> None:
 def test_read_layer_into_given_buffers(model: Path, tmp_path: Path) -> None:
     cache = build(model, tmp_path)
     want = cache.read_layer(1, direct=False)
-    slot = C.aligned_empty(cache.max_nbytes + ALIGN)
+    slot = aligned_empty(cache.max_nbytes + ALIGN)
     got = cache.read_layer(1, slot)
     assert got.data_ptr() == slot.data_ptr() and torch.equal(got, want)
     odd = torch.zeros(cache.max_nbytes + 64, dtype=torch.uint8)[64:]      # 64-aligned, maybe not 4 KiB-aligned
@@ -152,7 +156,7 @@ def test_opening_a_cache_reads_no_layer_bytes(model: Path, tmp_path: Path, monke
         for i, buf in pager.layers():
             assert torch.equal(buf, want[i])
         assert reads.nbytes == cache.total_nbytes                          # each layer once, checked as read
-    assert {cache._file.key + (i,) for i in range(cache.n_layers)} <= C._VERIFIED
+    assert {cache._file.key + (i,) for i in range(cache.n_layers)} <= _VERIFIED
     fresh_process()
     reads.nbytes = 0
     with build_pager(["ram"] * cache.n_layers, cache, "cpu"):
@@ -282,8 +286,8 @@ def test_leftovers_of_a_killed_builder_are_ignored_and_removed(model: Path, tmp_
 
 
 def lock_path(model: Path, root: Path, fmt: str = "nf4") -> Path:
-    options = C.options_of(model.resolve(), layer_names(model, read_args(model)), fmt, torch.float32, False)
-    final = C.cache_dir_for(model.resolve(), options, root)
+    options = options_of(model.resolve(), layer_names(model, read_args(model)), fmt, torch.float32, False)
+    final = cache_dir_for(model.resolve(), options, root)
     return final.with_name(final.name + ".lock")
 
 
@@ -389,12 +393,12 @@ def test_disk_full_while_writing(model: Path, tmp_path: Path, monkeypatch: pytes
 
 def test_default_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "a"))
-    assert C.default_cache_root() == tmp_path / "a"
+    assert default_cache_root() == tmp_path / "a"
     monkeypatch.delenv("SPECEXEC_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert C.default_cache_root() == tmp_path / "x" / "specexec"
+    assert default_cache_root() == tmp_path / "x" / "specexec"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert C.default_cache_root() == Path.home() / ".cache" / "specexec"
+    assert default_cache_root() == Path.home() / ".cache" / "specexec"
 
 
 def test_convert_command(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,7 @@ gguf = pytest.importorskip("gguf")
 from offload.formats.checkpoint import CheckpointError  # noqa: E402
 from offload.formats.gguf import GGUFCheckpoint, llama3_rope_scaling  # noqa: E402
 from offload.formats.sources import detect_format, open_source  # noqa: E402
-from specexec.config import ConfigError  # noqa: E402
+from specexec.options import ConfigError  # noqa: E402
 from specexec.runtime.loading import load_model, read_args, resolve_model_path  # noqa: E402
 from tests.gguf_writer import gguf_name, llama3_rope_freqs, llama_cpp_permute, write_gguf  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload.streaming.pager import LayerPager, build_pager, stream_summary
+from offload.streaming.pager import LayerPager, build_pager
 from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold
 from offload.streaming.storage import ALIGN
 from offload.streaming import tiers
 from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, fill, host_buffer, probe_copy, probe_read, split
+from offload.streaming.timing import stream_summary
 
 SIZES = [3 * ALIGN, 2 * ALIGN, 5 * ALIGN, ALIGN, 4 * ALIGN, 2 * ALIGN]
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from offload.planner import GB, Bandwidths, Needs, PlanError, default_budgets, plan
-from specexec.config import ConfigError, OffloadConfig
+from offload.memory_plan import GB, Bandwidths, Needs, PlanError
+from offload.planner import default_budgets, plan
+from specexec.config import OffloadConfig
+from specexec.options import ConfigError
 
 MB = 10**6
 

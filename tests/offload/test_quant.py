@@ -1,4 +1,4 @@
-"""offload.quant.linear: error bounds per format, QuantLinear == F.linear on the dequantized weight for 1 and 64 tokens
+"""offload.quant.weights and offload.quant.linear: error bounds per format, QuantLinear == F.linear on the dequantized weight for 1 and 64 tokens
 (int4/int8: on bf16 activations, as their kernels compute), one dequantization per call, bind() re-targeting
 without copies, and the size planning helpers. The int4/int8 kernels themselves: tests/offload/test_quant_kernels.py."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from offload.quant import linear as quant
+from offload.quant import weights as qweights
 from offload.streaming.storage import pack_layer, unpack_layer
 
 # relative Frobenius error of dequant(quant(W)) for W ~ N(0, 1); measured: nf4 0.092, fp4 0.122, int8 (per channel)
@@ -24,11 +25,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", qweights.FORMATS)
 def test_dequantized_weight_is_within_the_format_bound(fmt: str, dtype: torch.dtype, double_quant: bool) -> None:
     w = torch.randn(W_SHAPE, generator=torch.Generator().manual_seed(0))
-    parts, meta = quant.quantize_weight(w, fmt, dtype, double_quant)
-    d = quant.dequantize(parts, meta)
+    parts, meta = qweights.quantize_weight(w, fmt, dtype, double_quant)
+    d = qweights.dequantize(parts, meta)
     assert d.shape == w.shape and d.dtype == dtype
     bound = 0.0 if fmt == "none" and dtype == torch.float32 else BOUNDS[fmt]
     assert rel_err(d, w) <= bound
@@ -39,7 +40,7 @@ def test_dequantized_weight_is_within_the_format_bound(fmt: str, dtype: torch.dt
 
 def test_int4_beats_nf4_beats_fp4_and_int8_beats_all() -> None:
     w = torch.randn(W_SHAPE, generator=torch.Generator().manual_seed(1))
-    err = {f: rel_err(quant.dequantize(*quant.quantize_weight(w, f, torch.float32)), w)
+    err = {f: rel_err(qweights.dequantize(*qweights.quantize_weight(w, f, torch.float32)), w)
            for f in ("nf4", "fp4", "int8", "int4")}
     assert err["int8"] < err["int4"] < err["nf4"] < err["fp4"]
 
@@ -70,7 +71,7 @@ def _linear(fmt: str, dtype: torch.dtype, bias: bool = True, seed: int = 0) -> t
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", qweights.FORMATS)
 def test_quantlinear_equals_linear_on_the_dequantized_weight(fmt: str, tokens: int) -> None:
     lin, q = _linear(fmt, torch.float32)
     x = torch.randn(2, tokens, 96)
@@ -90,7 +91,7 @@ def test_quantlinear_in_bfloat16_without_bias() -> None:
 def test_multi_token_input_dequantizes_once(monkeypatch: pytest.MonkeyPatch) -> None:
     _, q = _linear("nf4", torch.float32)
     calls = []
-    real = quant.dequantize
+    real = qweights.dequantize
     monkeypatch.setattr(quant, "dequantize", lambda parts, meta: calls.append(1) or real(parts, meta))
     q(torch.randn(1, 64, 96))
     assert len(calls) == 1
@@ -113,7 +114,7 @@ class Tiny(nn.Module):
         return self.proj(x * self.norm.weight)
 
 
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", qweights.FORMATS)
 def test_bind_module_retargets_to_new_views_without_copies(fmt: str) -> None:
     with torch.device("meta"):
         module = Tiny()
@@ -122,7 +123,7 @@ def test_bind_module_retargets_to_new_views_without_copies(fmt: str) -> None:
     x = torch.randn(3, 96)
     outs = []
     for seed in (1, 2):
-        tensors, meta = quant.quantize_tensors(_layer(seed), fmt, torch.float32, {"proj.weight"})
+        tensors, meta = qweights.quantize_tensors(_layer(seed), fmt, torch.float32, {"proj.weight"})
         buf, layout = pack_layer(tensors, meta)
         quant.bind_module(module, unpack_layer(buf, layout), layout.meta)
         start, end = buf.data_ptr(), buf.data_ptr() + buf.numel()
@@ -141,7 +142,7 @@ def test_bind_rejects_a_mismatched_weight() -> None:
     q = quant.QuantLinear(96, 80, True, "nf4", torch.float32)
     with pytest.raises(RuntimeError, match="not bound"):
         q(torch.randn(1, 96))
-    tensors, meta = quant.quantize_tensors(_layer(0), "int8", torch.float32, {"proj.weight"})
+    tensors, meta = qweights.quantize_tensors(_layer(0), "int8", torch.float32, {"proj.weight"})
     with pytest.raises(ValueError, match="cannot bind"):
         q.bind(tensors, meta, "proj")
 
@@ -158,19 +159,19 @@ def test_quantize_module_for_resident_use() -> None:
 
 def test_non_linear_tensors_are_cast_and_integers_kept() -> None:
     src = {"w": torch.randn(8, 64), "n": torch.randn(64), "ids": torch.arange(4)}
-    out, meta = quant.quantize_tensors(src, "nf4", torch.bfloat16, {"w"})
+    out, meta = qweights.quantize_tensors(src, "nf4", torch.bfloat16, {"w"})
     assert out["n"].dtype == torch.bfloat16 and torch.equal(out["ids"], src["ids"])
     assert set(meta["weights"]) == {"w"} and meta["format"] == "nf4" and meta["dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("shape", [(7, 33), (128, 64), (300, 4096)])
 @pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", qweights.FORMATS)
 def test_layer_specs_predict_quantize_tensors(fmt: str, double_quant: bool, shape: tuple[int, int]) -> None:
     src = {"a.weight": torch.randn(*shape, dtype=torch.bfloat16), "n.weight": torch.randn(shape[1]),
            "idx": torch.arange(5)}
-    tensors, meta = quant.quantize_tensors(src, fmt, torch.float16, {"a.weight"}, double_quant)
-    specs, planned_meta = quant.layer_specs({k: (v.dtype, tuple(v.shape)) for k, v in src.items()}, fmt,
+    tensors, meta = qweights.quantize_tensors(src, fmt, torch.float16, {"a.weight"}, double_quant)
+    specs, planned_meta = qweights.layer_specs({k: (v.dtype, tuple(v.shape)) for k, v in src.items()}, fmt,
                                             torch.float16, {"a.weight"}, double_quant)
     assert list(specs.items()) == [(k, (v.dtype, tuple(v.shape))) for k, v in tensors.items()]
     assert planned_meta == meta
@@ -178,19 +179,19 @@ def test_layer_specs_predict_quantize_tensors(fmt: str, double_quant: bool, shap
 
 def test_bad_arguments_fail_loudly() -> None:
     with pytest.raises(ValueError, match="unknown quantization format 'nf5'"):
-        quant.quantize_tensors({"w": torch.randn(4, 64)}, "nf5", torch.float32, {"w"})
+        qweights.quantize_tensors({"w": torch.randn(4, 64)}, "nf5", torch.float32, {"w"})
     with pytest.raises(ValueError, match="2-D"):
-        quant.quantize_weight(torch.randn(64), "nf4", torch.float32)
+        qweights.quantize_weight(torch.randn(64), "nf4", torch.float32)
     with pytest.raises(ValueError, match="not among"):
-        quant.quantize_tensors({"w": torch.randn(4, 64)}, "nf4", torch.float32, {"v"})
+        qweights.quantize_tensors({"w": torch.randn(4, 64)}, "nf4", torch.float32, {"v"})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", qweights.FORMATS)
 def test_cuda_views_bind_and_match_the_cpu_result(fmt: str) -> None:
     """Quantized on the GPU (int4 packs for the device's kernel), packed, copied into a GPU slot in one copy."""
     layer = {k: v.cuda() for k, v in _layer(3).items()}
-    tensors, meta = quant.quantize_tensors(layer, fmt, torch.bfloat16, {"proj.weight"}, double_quant=True)
+    tensors, meta = qweights.quantize_tensors(layer, fmt, torch.bfloat16, {"proj.weight"}, double_quant=True)
     buf, layout = pack_layer(tensors, meta)
     slot = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
     slot.copy_(buf)                                                        # one copy moves the whole layer
@@ -201,7 +202,7 @@ def test_cuda_views_bind_and_match_the_cpu_result(fmt: str) -> None:
     assert module.proj.parts()[".qdata" if fmt != "none" else ""].device.type == "cuda"
     for tokens in (1, 64):
         x = torch.randn(tokens, 96, dtype=torch.bfloat16)
-        w = quant.dequantize({s: tensors["proj.weight" + s] for s in module.proj.parts()},
+        w = qweights.dequantize({s: tensors["proj.weight" + s] for s in module.proj.parts()},
                              meta["weights"]["proj.weight"]).cpu()
         cpu = F.linear(x * tensors["norm.weight"].cpu(), w, tensors["proj.bias"].cpu())
         torch.testing.assert_close(module(x.cuda()).cpu(), cpu, rtol=2e-2, atol=2e-2)
@@ -211,5 +212,5 @@ def test_cuda_views_bind_and_match_the_cpu_result(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["nf4", "fp4", "int8", "int4"])
 def test_cuda_quantization_is_within_the_same_bound(fmt: str) -> None:
     w = torch.randn(W_SHAPE, generator=torch.Generator().manual_seed(0))
-    parts, meta = quant.quantize_weight(w.cuda(), fmt, torch.float32, double_quant=fmt != "int8")
-    assert rel_err(quant.dequantize(parts, meta).cpu(), w) <= BOUNDS[fmt]
+    parts, meta = qweights.quantize_weight(w.cuda(), fmt, torch.float32, double_quant=fmt != "int8")
+    assert rel_err(qweights.dequantize(parts, meta).cpu(), w) <= BOUNDS[fmt]

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from offload.cache import store as layer_cache
+from offload.cache.identity import cache_dir_for, options_of
 from offload.quant import int4
 from offload.quant import int8
 from offload.quant import linear as quant
+from offload.quant import weights as qweights
 from offload.streaming.storage import pack_layer, unpack_layer
 from specexec.runtime.loading import read_args
 from specexec.runtime.offloaded import layer_names
@@ -42,8 +44,8 @@ def test_int4_error_is_within_ten_percent_of_nf4(kind: str, group: int) -> None:
     against NF4's 0.091-0.111 for every projection. Group 128 on heavy tails is the one case outside 10 %."""
     torch.manual_seed(0)
     w = _weights(kind)
-    nf4 = rel_err(quant.dequantize(*quant.quantize_weight(w, "nf4", torch.float32)), w)
-    got = rel_err(quant.dequantize(*quant.quantize_weight(w, "int4", torch.float32, group=group)), w)
+    nf4 = rel_err(qweights.dequantize(*qweights.quantize_weight(w, "nf4", torch.float32)), w)
+    got = rel_err(qweights.dequantize(*qweights.quantize_weight(w, "int4", torch.float32, group=group)), w)
     if kind == "heavy" and group == 128:
         assert got <= 1.30 * nf4
         return
@@ -108,9 +110,9 @@ def test_the_residual_stream_stays_fp32_around_bf16_kernels() -> None:
 def test_int4_stores_shapes_its_kernel_cannot_take_as_int8() -> None:
     """out % 16 or in % 32 nonzero: the weight goes per-channel int8 inside an int4 layer, and binds."""
     tensors = {"a.weight": torch.randn(24, 64), "b.weight": torch.randn(32, 48), "c.weight": torch.randn(32, 64)}
-    out, meta = quant.quantize_tensors(tensors, "int4", torch.float32, set(tensors))
+    out, meta = qweights.quantize_tensors(tensors, "int4", torch.float32, set(tensors))
     assert [meta["weights"][n]["format"] for n in tensors] == ["int8", "int8", "int4"]
-    specs, planned = quant.layer_specs({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, "int4",
+    specs, planned = qweights.layer_specs({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, "int4",
                                        torch.float32, set(tensors))
     assert planned == meta and list(specs) == list(out)
     buf, layout = pack_layer(out, meta)
@@ -123,7 +125,7 @@ def test_int4_stores_shapes_its_kernel_cannot_take_as_int8() -> None:
 
 
 def test_a_weight_packed_for_another_kernel_is_refused() -> None:
-    parts, wmeta = quant.quantize_weight(torch.randn(64, 64), "int4", torch.float32)
+    parts, wmeta = qweights.quantize_weight(torch.randn(64, 64), "int4", torch.float32)
     q = quant.QuantLinear(64, 64, False, "int4", torch.float32)
     q.set_parts(parts, wmeta, None)
     with pytest.raises(ValueError, match="rebuild the layer cache"):
@@ -132,18 +134,18 @@ def test_a_weight_packed_for_another_kernel_is_refused() -> None:
 
 def test_packing_is_part_of_the_layer_cache_key(monkeypatch: pytest.MonkeyPatch, tiny_llama, tmp_path) -> None:
     names = layer_names(tiny_llama, read_args(tiny_llama))
-    opts = {f: layer_cache.options_of(tiny_llama, names, f, torch.float32, False) for f in ("nf4", "int8", "int4")}
+    opts = {f: options_of(tiny_llama, names, f, torch.float32, False) for f in ("nf4", "int8", "int4")}
     assert "packing" not in opts["nf4"] and opts["int8"]["packing"] == "per-channel"
     assert opts["int4"]["packing"] == int4.packing("cpu")
-    here = layer_cache.cache_dir_for(tiny_llama, opts["int4"], tmp_path)
+    here = cache_dir_for(tiny_llama, opts["int4"], tmp_path)
     cache = layer_cache.LayerCache.open_or_build(tiny_llama, names, "int4", torch.float32, cache_root=tmp_path,
                                                  progress=False)
     assert cache.path == here
     assert cache.layout(0).meta["weights"]["mlp.up_proj.weight"]["packing"] == int4.packing("cpu")
     cache.close()
     monkeypatch.setattr(int4, "packing", lambda device_type: "cpu-otherisa-12345678")
-    other = layer_cache.options_of(tiny_llama, names, "int4", torch.float32, False)
-    assert layer_cache.cache_dir_for(tiny_llama, other, tmp_path) != here     # another machine: another cache
+    other = options_of(tiny_llama, names, "int4", torch.float32, False)
+    assert cache_dir_for(tiny_llama, other, tmp_path) != here     # another machine: another cache
 
 
 def test_kernel_choice() -> None:
@@ -156,7 +158,7 @@ def test_kernel_choice() -> None:
     for (fmt, dev, exact), want in table.items():
         assert quant.kernel_for(fmt, dev, exact) == want, (fmt, dev, exact)
     assert quant.kernel_for("int8", "cuda", False) == ("int8pack" if int8.cuda_kernel() else "dequantize")
-    assert quant.auto_format("cpu") == "int4" and quant.auto_format("cuda") == "nf4"
+    assert qweights.auto_format("cpu") == "int4" and qweights.auto_format("cuda") == "nf4"
 
 
 def test_pass_traffic_counts_what_each_kernel_moves() -> None:
@@ -201,7 +203,7 @@ def test_bench_stream_runs_int4_layers_through_the_int4_kernel(monkeypatch, caps
     from cli.main import main
 
     calls = {"dequantize": 0, "int4": 0}
-    real_mm, real_dq = int4.matmul, quant.dequantize
+    real_mm, real_dq = int4.matmul, qweights.dequantize
     monkeypatch.setattr(int4, "matmul", lambda *a: calls.__setitem__("int4", calls["int4"] + 1) or real_mm(*a))
     monkeypatch.setattr(quant, "dequantize",
                         lambda *a: calls.__setitem__("dequantize", calls["dequantize"] + 1) or real_dq(*a))
@@ -219,7 +221,7 @@ def test_bench_stream_runs_int4_layers_through_the_int4_kernel(monkeypatch, caps
 @pytest.mark.parametrize("shape", [(256, 512), (8192, 4096)])
 def test_cuda_int4_rows_do_not_depend_on_the_batch_and_match_the_cpu_kernel(shape: tuple[int, int]) -> None:
     w = _weights("heavy", shape)
-    parts, wmeta = quant.quantize_weight(w.cuda(), "int4", torch.bfloat16)
+    parts, wmeta = qweights.quantize_weight(w.cuda(), "int4", torch.bfloat16)
     assert wmeta["packing"].startswith("cuda-") and parts[".qdata"].dtype == torch.int32
     q = quant.QuantLinear(shape[1], shape[0], False, "int4", torch.bfloat16)
     q.set_parts(parts, wmeta, None)
@@ -227,13 +229,13 @@ def test_cuda_int4_rows_do_not_depend_on_the_batch_and_match_the_cpu_kernel(shap
     full = q(x)
     for m in ROWS:
         assert torch.equal(q(x[:m]), full[:m]), f"rows 0..{m}"
-    cpu_parts, cpu_meta = quant.quantize_weight(w, "int4", torch.bfloat16)         # CPU packing, ~ the same codes
+    cpu_parts, cpu_meta = qweights.quantize_weight(w, "int4", torch.bfloat16)         # CPU packing, ~ the same codes
     cpu = quant.QuantLinear(shape[1], shape[0], False, "int4", torch.bfloat16)
     cpu.set_parts(cpu_parts, cpu_meta, None)
     assert rel_err(full.cpu(), cpu(x.cpu())) < 1e-2
-    assert rel_err(quant.dequantize(parts, wmeta).cpu(), quant.dequantize(cpu_parts, cpu_meta)) < 1e-2
-    assert rel_err(quant.dequantize(parts, wmeta).cpu(), w) <= 1.1 * rel_err(
-        quant.dequantize(*quant.quantize_weight(w.cuda(), "nf4", torch.bfloat16)).cpu(), w)
+    assert rel_err(qweights.dequantize(parts, wmeta).cpu(), qweights.dequantize(cpu_parts, cpu_meta)) < 1e-2
+    assert rel_err(qweights.dequantize(parts, wmeta).cpu(), w) <= 1.1 * rel_err(
+        qweights.dequantize(*qweights.quantize_weight(w.cuda(), "nf4", torch.bfloat16)).cpu(), w)
 
 
 def _cuda_time(fn, n: int = 20) -> float:
@@ -261,7 +263,7 @@ def test_cuda_nf4_draft_runs_fused_without_dequantizing(monkeypatch: pytest.Monk
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     fused_ms, dequant_ms = _cuda_time(lambda: draft(x)), _cuda_time(lambda: target(x))
     calls = []
-    real = quant.dequantize
+    real = qweights.dequantize
     monkeypatch.setattr(quant, "dequantize", lambda *a: calls.append(1) or real(*a))
     for rows in (1, 4):
         xr = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)

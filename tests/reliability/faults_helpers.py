@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
-from offload.cache import store as C
+from offload.cache.identity import cache_dir_for, options_of
+from offload.cache.reading import _VERIFIED
 from offload.cache.store import LayerCache
 from specexec.config import OffloadConfig, SamplingParams
 from specexec.runtime.loading import read_args
 from specexec.runtime.offloaded import layer_names
-from tests.cli.test_chat import Screen  # noqa: F401 -- re-exported: what a ChatSession shows
+from tests.cli.test_chat import Screen
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -141,8 +142,8 @@ def error_lines(stderr: str) -> list[str]:
 def cache_dir(model: Path, root: Path, fmt: str = "none", dtype: torch.dtype = torch.float32) -> Path:
     """Where open_or_build puts the cache of `model` under `root` (what convert/--cache-dir use)."""
     model = model.resolve()
-    options = C.options_of(model, layer_names(model, read_args(model)), fmt, dtype, False)
-    return C.cache_dir_for(model, options, root)
+    options = options_of(model, layer_names(model, read_args(model)), fmt, dtype, False)
+    return cache_dir_for(model, options, root)
 
 
 def entries(root: Path) -> dict[str, list[str]]:
@@ -171,7 +172,7 @@ def sha256(path: Path) -> str:
 
 def layer_digests(cache_path: Path) -> tuple[str, list[str]]:
     """(sha256 of layers.bin, the manifest's per-layer sha256) after a full checksum verification."""
-    C._VERIFIED.clear()                                   # as a new process would: read every byte
+    _VERIFIED.clear()                                   # as a new process would: read every byte
     with LayerCache.open(cache_path, verify=True) as cache:
         return sha256(cache.file), [e["sha256"] for e in cache.manifest["layers"]]
 

@@ -1,6 +1,6 @@
 """Bad flag values and budgets through the real command line: ONE line `error: ...`, exit code 2, nothing cached,
-and the line is exactly what specexec.config says for that value -- the one place user input is validated
-(cli/ only parses strings and hands them over; see config.py's module docstring).
+and the line is exactly what specexec.options (or a config built from it) says for that value -- the one place user input is validated
+(cli/ only parses strings and hands them over; see options.py's module docstring).
 
 Decisions these tests pin down:
 - --max-new-tokens 0 (or negative) is an error, like every other out-of-range count: no silent no-op;
@@ -18,15 +18,15 @@ import psutil
 import pytest
 import torch
 
-from specexec.config import (ConfigError, EngineConfig, OffloadConfig, SamplingParams, budget_options,
-                             check_budget_fits, check_device, parse_size)
+from specexec.config import EngineConfig, OffloadConfig, SamplingParams
+from specexec.options import ConfigError, budget_options, check_budget_fits, check_device, parse_size
 from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _config_error(make) -> str:
-    """The message specexec.config raises for a value (what the CLI must print after 'error: ')."""
+    """The message specexec.options raises for a value (what the CLI must print after 'error: ')."""
     with pytest.raises(ConfigError) as info:
         make()
     return str(info.value)
@@ -76,14 +76,14 @@ def test_bad_value_is_configs_one_line(case, cli, cache_root, tmp_path):
     result = cli("generate", "--model", tmp_path / "no-such-model", "--no-draft", "--prompt", "Hello",
                  "--cache-dir", cache_root, *flags)
     line = assert_one_line_error(result)
-    assert line == f"error: {expected}", "the CLI's message is not config.py's: a second validation place?"
+    assert line == f"error: {expected}", "the CLI's message is not options.py's: a second validation place?"
     assert_nothing_cached(cache_root)
 
 
 @pytest.mark.parametrize("case", ["temperature nan", "top-p 1.5", "budget 0", "ram-budget lots",
                                   "max-new-tokens 0"])
 def test_chat_validates_the_same_way(case, cli, cache_root, tmp_path):
-    """`chat` shares the flags and their checks (cli/args.py -> specexec.config): the same line."""
+    """`chat` shares the flags and their checks (cli/args.py -> specexec.options): the same line."""
     flags, judge = CASES[case]
     result = cli("chat", "--model", tmp_path / "no-such-model", "--no-draft", "--cache-dir", cache_root, *flags)
     assert assert_one_line_error(result) == f"error: {_config_error(judge)}"

@@ -20,11 +20,13 @@ import torch
 from cli.chat import ChatSession
 from cli.main import main
 from offload.cache import store as C
+from offload.cache.manifest import LAYERS_FILE
 from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
-from tests.reliability.faults_helpers import (Forked, Screen, ScriptedTerminal, cache_dir, entries, error_lines,
-                                              fork_cli, fresh_answer, layer_digests, lock_is_free, pager_threads,
-                                              streamed_runtime)
+from tests.cli.test_chat import Screen
+from tests.reliability.faults_helpers import (
+    Forked, ScriptedTerminal, cache_dir, entries, error_lines, fork_cli, fresh_answer, layer_digests, lock_is_free,
+    pager_threads, streamed_runtime)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -163,7 +165,7 @@ def test_layer_file_truncated_under_a_running_chat_ends_it_with_one_line(
     """Decided behaviour: the next pass cannot read its layers, so the session ends (exit 2) with one line
     naming the file; the pager thread stops; the next start detects the short file and rebuilds it."""
     root = tmp_path / "cache"
-    layers = cache_dir(tiny_pair[0], root) / C.LAYERS_FILE
+    layers = cache_dir(tiny_pair[0], root) / LAYERS_FILE
 
     def truncate() -> None:
         with open(layers, "r+b") as f:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from specexec.runtime.demo_models import CHAT_TOKENS, SPECIAL_TOKENS
 from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error
-from tests.tiny_models import SPECIAL_TOKENS, CHAT_TOKENS, VOCAB_SIZE
+from tests.tiny_models import VOCAB_SIZE
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,8 @@ import pytest
 from cli.chat import ChatSession
 from specexec.config import SamplingParams
 from specexec.runtime.assembly import Runtime
-from tests.reliability.faults_helpers import Screen, open_fds, pager_threads, rss_bytes, streamed_runtime
+from tests.cli.test_chat import Screen
+from tests.reliability.faults_helpers import open_fds, pager_threads, rss_bytes, streamed_runtime
 
 BUILDERS = ("specexec", "chain", "dynamic", "rsd", "recycling")
 TEMPERATURES = (0.0, 0.6, 1.0)

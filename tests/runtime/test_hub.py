@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cli.main import main
+from specexec.options import ConfigError
 from specexec.runtime import hub as hub_mod
-from specexec.config import ConfigError, EngineConfig, OffloadConfig
+from specexec.config import EngineConfig, OffloadConfig
 from specexec.runtime.disk_need import layer_cache_bytes
 from specexec.runtime.sizes import layer_bytes
 from specexec.runtime.hub import HubOptions, cached, fetch

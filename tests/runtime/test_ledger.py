@@ -16,7 +16,7 @@ import torch
 
 from cli.main import main
 from offload.cache.store import plan as cache_plan
-from offload.planner import GB
+from offload.memory_plan import GB
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.kv.cache import KVCache
 from specexec.runtime.ledger import CUDA_CONTEXT, card_budget, plan_memory

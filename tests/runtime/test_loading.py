@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offload.formats.checkpoint import CheckpointError
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 from specexec.runtime.loading import load_model, resolve_model_path
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from specexec.config import ConfigError
+from specexec.options import ConfigError
 from specexec.runtime.loading import resolve_model_path
 from specexec.runtime.catalog import CATALOG_ENV, DIRS_ENV, find, load_catalog, parse_catalog
 

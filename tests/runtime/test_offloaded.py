@@ -17,9 +17,10 @@ from cli.main import main
 from offload.cache.store import LayerCache
 from offload.quant.linear import QuantLinear, quantize_module
 from specexec.builders.specexec import SpecExecBuilder
-from specexec.config import ConfigError, EngineConfig, OffloadConfig
+from specexec.config import EngineConfig, OffloadConfig
 from specexec.engine import Engine
 from specexec.kv.cache import KVCache
+from specexec.options import ConfigError
 from specexec.runtime.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded, layer_names

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from cli.main import main
-from offload.planner import PlanError
+from offload.memory_plan import PlanError
 from specexec.builders.specexec import SpecExecBuilder
-from specexec.config import ConfigError, EngineConfig, OffloadConfig, SamplingParams
+from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.engine import Engine
+from specexec.options import ConfigError
 from specexec.runtime.ledger import card_budget, plan_memory
 from specexec.runtime.run_shape import RunShape, spaced_layers, with_self_draft
 from specexec.runtime.sizes import layer_bytes

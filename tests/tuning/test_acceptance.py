@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
+from specexec.options import ConfigError
 from specexec.tuning import acceptance
 from specexec.builders.static import StaticBuilder
-from specexec.config import ConfigError, SamplingParams
+from specexec.config import SamplingParams
 from specexec.runtime.loading import load_model
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from specexec.builders.specexec import SpecExecBuilder
-from specexec.config import EngineConfig, budget_options
+from specexec.config import EngineConfig
 from specexec.engine import Engine
+from specexec.options import budget_options
 from specexec.runtime.loading import load_model
 from specexec.runtime.assembly import Runtime
 from specexec.tuning.budget import calibration_sizes
@@ -74,7 +75,10 @@ def test_profiler_shows_the_budget_each_step_asked_for(tiny_pair, tiny_perturbed
     assert all(s.tree_size <= s.budget for s in engine.profiler.steps)
     summary = engine.profiler.summary()
     trace = summary["budget_trace"]
-    assert sum(int(part.split("×")[1]) if "×" in part else 1 for part in trace.split()) == len(asked)
+    cut = trace.startswith("… ")                   # more than 12 runs (likelier when timings are noisy): the tail
+    shown = [int(b) for part in trace.removeprefix("… ").split()
+             for b in [part.split("×")[0]] * (int(part.split("×")[1]) if "×" in part else 1)]
+    assert shown == asked[-len(shown):] and (len(shown) < len(asked) if cut else len(shown) == len(asked))
     out = io.StringIO()
     Console(file=out, width=400).print(summary_table(summary))
     assert f"budget per step {trace}" in out.getvalue()
