@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -27,6 +28,29 @@ from specexec.config import ModelArgs
 from specexec.kv.cache import KVCache
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the meta device (nothing allocated) without running their weight init: every weight is
+    loaded, bound or replaced right after. Needed for start-up time, not memory: torch initialises meta tensors
+    through its Python reference kernels, whose first use imports torch._dynamo (seconds). nn.init is patched
+    only inside the block, so modules built elsewhere at the same time (another thread) would skip their init
+    too; callers build from one thread."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    try:
+        for name in _INITS:
+            setattr(nn.init, name, _leave)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 class RMSNorm(nn.Module):
@@ -42,9 +66,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the checkpoint's rope scaling (default, linear, llama3)."""
+    """Inverse frequencies [head_dim/2] with the checkpoint's rope scaling (default, linear, llama3), computed in
+    fp32 on the CPU whatever the default device (callers move them; on meta there would be nothing to read)."""
     d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     scaling = args.rope_scaling_dict or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":

@@ -37,7 +37,7 @@ from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, host_buff
 from specexec.config import ModelArgs
 from specexec.options import DTYPES, ConfigError, check_choice, check_device, check_integer, choices, parse_size
 from specexec.runtime.loading import resolve_dtype
-from specexec.model import Block
+from specexec.model import Block, on_meta
 from specexec.runtime.offloaded import (ASSUMED, N_BOUNCE, N_SLOTS, OffloadedTransformer, activation_bytes,
                                 block_tensor_names)
 
@@ -95,7 +95,7 @@ def layer_layout(args: ModelArgs, fmt: str, dtype: torch.dtype, device: torch.de
                  ) -> storage.LayerLayout:
     """The packed layout of one decoder layer of `args` in format fmt for `device` (from shapes alone)."""
     names, linear = block_tensor_names(args)
-    with torch.device("meta"):
+    with on_meta():
         shapes = {n: tuple(t.shape) for n, t in Block(args).state_dict().items()}
     specs, meta = qweights.layer_specs({n: (dtype, shapes[n]) for n in names}, fmt, dtype, linear, device=device)
     return storage.plan_layout(specs, meta)

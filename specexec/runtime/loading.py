@@ -25,7 +25,7 @@ from offload.formats.sources import CheckpointSource, is_gguf, open_source, tens
 from specexec.config import ModelArgs
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.runtime.hub import HubOptions
-from specexec.model import Transformer, rope_inv_freq
+from specexec.model import Transformer, on_meta, rope_inv_freq
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}   # options names the choices
@@ -112,7 +112,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of the Transformer for `args` (built on meta, nothing allocated)."""
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(args)
     return {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
@@ -170,7 +170,7 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: str = "aut
     device = torch.device(device)
     args = read_args(path)
     state = read_state(path, args, resolve_dtype(dtype, device), device, allow_pickle)
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(args)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(args).to(device)

@@ -47,7 +47,7 @@ from specexec.kv.cache import KVCache
 from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
 from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
 from specexec.runtime.loading import check_tensors, expected_shapes
-from specexec.model import LOGIT_CHUNK, Block, Transformer, rope_inv_freq
+from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta, rope_inv_freq
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
@@ -131,7 +131,7 @@ class OffloadedTransformer(Transformer):
         layout; fmt: the layers' quantization format; pager_factory(bind) -> LayerPager whose layers(ids)
         yields what bind(i, slot, buffer) returns. embed_on_host: the embedding table (resident[
         "embed_tokens.weight"], on the CPU) serves lookups from host RAM (HostEmbedding; untied models only)."""
-        with torch.device("meta"):
+        with on_meta():
             super().__init__(args)
         self.layers = nn.ModuleList()                       # decoder layers come from the pager
         device, dtype = resident["norm.weight"].device, resident["norm.weight"].dtype
@@ -152,7 +152,7 @@ class OffloadedTransformer(Transformer):
         self.eval().requires_grad_(False)
 
     def _new_block(self) -> Block:
-        with torch.device("meta"):
+        with on_meta():
             block = Block(self.args)
         swap_linears(block, self.fmt, self.run_dtype)
         return block.eval().requires_grad_(False)

@@ -39,7 +39,7 @@ from offload.streaming.tiers import ResidentTier, fill, host_buffer
 from specexec.config import ModelArgs
 from specexec.options import SELF_DRAFT, ConfigError
 from specexec.runtime.run_shape import SelfDraftShape
-from specexec.model import Block, Transformer
+from specexec.model import Block, Transformer, on_meta
 
 SELF = SELF_DRAFT
 Say = Callable[[str], None]
@@ -74,7 +74,7 @@ class SelfDraft(Transformer):
         if len(blocks) != len(layer_ids):
             raise ValueError(f"{len(blocks)} blocks for {len(layer_ids)} layers")
         args = replace(target.args, n_layers=len(layer_ids))
-        with torch.device("meta"):                              # allocates nothing: every tensor is replaced
+        with on_meta():                              # allocates nothing: every tensor is replaced
             super().__init__(args)
         self.embed_tokens = target.embed_tokens
         self.layers = nn.ModuleList(blocks)
@@ -144,7 +144,7 @@ def _copies(args: ModelArgs, ids: Sequence[int], fmt: str, like: torch.Tensor, p
 def copy_block(args: ModelArgs, layout: LayerLayout, buf: torch.Tensor, fmt: str, dtype: torch.dtype) -> Block:
     """A Block bound to one packed layer in `buf` (views, no copy). A draft's linears may use batch-dependent
     fused kernels (quant.kernel_for with row_exact=False)."""
-    with torch.device("meta"):
+    with on_meta():
         block = Block(args)
     swap_linears(block, fmt, dtype)
     for m in block.modules():

@@ -21,7 +21,7 @@ from offload.streaming.storage import plan_layout
 
 from specexec.config import ModelArgs
 from specexec.kv.rows import row_bytes
-from specexec.model import Block
+from specexec.model import Block, on_meta
 
 PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
 
@@ -29,7 +29,7 @@ PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunk
 @functools.cache
 def block_specs(args: ModelArgs) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
     """((name, shape) of every tensor of one decoder Block in state_dict order), names of its Linear weights."""
-    with torch.device("meta"):
+    with on_meta():
         block = Block(args)
     shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())
     linear = frozenset(f"{path}.weight" for path, m in block.named_modules() if isinstance(m, nn.Linear))

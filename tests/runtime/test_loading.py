@@ -180,3 +180,37 @@ def test_missing_or_invalid_config(tiny_llama: Path, tmp_path: Path) -> None:
     (path / "config.json").unlink()
     with pytest.raises(ConfigError, match="no config.json"):
         load_model(path)
+
+
+# ------------------------------------------------------------------------------------------ start-up
+
+def test_on_meta_builds_without_init_and_restores_it() -> None:
+    from torch import nn
+
+    from specexec.model import on_meta
+
+    calls = []
+    saved = nn.init.normal_
+    nn.init.normal_ = lambda t, *a, **k: calls.append(t) or t         # noqa: E731 -- counts init calls
+    try:
+        with on_meta():
+            emb = nn.Embedding(10, 4)
+        assert emb.weight.device.type == "meta" and calls == []
+        nn.Embedding(10, 4)                                             # outside: initialised as usual
+        assert len(calls) == 1
+    finally:
+        nn.init.normal_ = saved
+
+
+def test_loading_a_model_does_not_import_torch_dynamo(tiny_llama: Path) -> None:
+    """Initialising meta tensors runs torch's Python reference kernels, whose first use imports torch._dynamo
+    (seconds of start-up for every command); loading builds its modules without init, so it never does."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from specexec.runtime.loading import load_model; "
+            f"load_model(Path({str(tiny_llama)!r})); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
