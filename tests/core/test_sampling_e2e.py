@@ -54,6 +54,19 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, trials: int) -> floa
     return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
+_COUNTS: dict[tuple, torch.Tensor] = {}       # (verifier, draft_index, temperature) -> pair counts of TRIALS runs
+
+
+def counts_for(models, verifier: str, draft_index: int, temperature: float) -> torch.Tensor:
+    """Counts of the first two tokens over TRIALS seeded runs of the SpecExec engine (top_p 0.95), sampled once
+    per module run: the negative control checks the same samples against a wrong distribution."""
+    key = (verifier, draft_index, temperature)
+    if key not in _COUNTS:
+        engine = Engine(models[0], models[draft_index], EngineConfig(budget=6, verifier=verifier), SpecExecBuilder())
+        _COUNTS[key] = sample_pairs(engine, SamplingParams(temperature=temperature, top_p=0.95), TRIALS)
+    return _COUNTS[key]
+
+
 def sample_pairs(engine: Engine, sampling: SamplingParams, trials: int) -> torch.Tensor:
     V = engine.target.args.vocab_size
     counts = torch.zeros(V, V)
@@ -69,21 +82,19 @@ def sample_pairs(engine: Engine, sampling: SamplingParams, trials: int) -> torch
 def test_first_two_tokens_follow_the_target_distribution(models, verifier: str, draft_index: int,
                                                          temperature: float) -> None:
     pytest.importorskip("scipy")
-    target, draft = models[0], models[draft_index]
-    sampling = SamplingParams(temperature=temperature, top_p=0.95)
-    engine = Engine(target, draft, EngineConfig(budget=6, verifier=verifier), SpecExecBuilder())
-    counts = sample_pairs(engine, sampling, TRIALS)
-    assert chi_square_p(counts, exact_pairs(target, sampling), TRIALS) > 1e-3
+    counts = counts_for(models, verifier, draft_index, temperature)
+    exact = exact_pairs(models[0], SamplingParams(temperature=temperature, top_p=0.95))
+    assert chi_square_p(counts, exact, TRIALS) > 1e-3
 
 
 @pytest.mark.slow
 def test_the_chi_square_check_can_fail(models) -> None:
-    """Negative control: samples at the wrong temperature are rejected by the same check."""
+    """Negative control: the same number of samples, drawn at temperature 1.0, checked against the distribution
+    at 0.6, are rejected by the same check (the samples of the first case above, when it ran in this process)."""
     pytest.importorskip("scipy")
-    target = models[0]
-    engine = Engine(target, models[1], EngineConfig(budget=6), SpecExecBuilder())
-    counts = sample_pairs(engine, SamplingParams(temperature=1.0), TRIALS)
-    assert chi_square_p(counts, exact_pairs(target, SamplingParams(temperature=0.6)), TRIALS) < 1e-6
+    counts = counts_for(models, "sample_match", 1, 1.0)
+    wrong = exact_pairs(models[0], SamplingParams(temperature=0.6, top_p=0.95))
+    assert chi_square_p(counts, wrong, TRIALS) < 1e-6
 
 
 def test_greedy_with_repetition_penalty_equals_target_only(models) -> None:

@@ -133,10 +133,29 @@ def test_greedy_generation_through_the_offloaded_target_is_unchanged(tiny_pair, 
         model.close()
 
 
+INT4_BUDGETS = (1, 8, 32)
+
+
+def int4_prompt(budget: int) -> list[int]:
+    return torch.randint(7, 300, (14,), generator=torch.Generator().manual_seed(budget)).tolist()
+
+
+@pytest.fixture(scope="module")
+def int4_alone(tiny_pair, cache_root) -> dict[int, list[int]]:
+    """budget -> the 30 tokens the streamed int4 target gives decoding alone (one token per pass) after
+    int4_prompt(budget): the same for every builder, so decoded once per module."""
+    model = offloaded(tiny_pair[0], "int4", MIXES["mixed"], cache_root)
+    try:
+        return {b: [t for step in Engine(model, None, EngineConfig(budget=1), None).generate(int4_prompt(b), 30)
+                    for t in step] for b in INT4_BUDGETS}
+    finally:
+        model.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", builder_names())
 def test_greedy_output_with_an_int4_target_equals_that_target_alone(tiny_pair, tiny_perturbed_draft, cache_root,
-                                                                    name: str) -> None:
+                                                                    int4_alone, name: str) -> None:
     """Every builder, budgets 1/8/32: the int4 target streamed (mixed tiers, bf16 kernels, fp32 residual stream)
     verifying trees gives exactly the tokens the same int4 target gives decoding alone, one token per pass.
     (The int4 linears are row-exact; what is not is CPU attention's last bit between a tree pass and a
@@ -146,15 +165,12 @@ def test_greedy_output_with_an_int4_target_equals_that_target_alone(tiny_pair, t
     draft = load_model(tiny_perturbed_draft)
     model = offloaded(target, "int4", MIXES["mixed"], cache_root)
     try:
-        for budget in (1, 8, 32):
-            ids = torch.randint(7, 300, (14,), generator=torch.Generator().manual_seed(budget)).tolist()
-            alone = Engine(model, None, EngineConfig(budget=1), None)
-            want = [t for step in alone.generate(ids, 30) for t in step]
+        for budget in INT4_BUDGETS:
             builder = make_builder(name)
             engine = Engine(model, draft if builder.needs_draft else None, EngineConfig(budget=budget, builder=name),
                             builder)
-            got = [t for step in engine.generate(ids, 30) for t in step]
-            assert got == want, f"{name} budget={budget}"
+            got = [t for step in engine.generate(int4_prompt(budget), 30) for t in step]
+            assert got == int4_alone[budget], f"{name} budget={budget}"
             assert max(s.tree_size for s in engine.stats.steps) > 1 or budget == 1 or not builder.needs_draft
     finally:
         model.close()
