@@ -217,16 +217,15 @@ def test_piped_stdin_in_process(monkeypatch, capsys, tiny_pair, tiny_perturbed_d
 
 
 @pytest.mark.slow
-def test_piped_stdin_subprocess_prints_only_the_answer(tiny_pair, tiny_perturbed_draft) -> None:
+def test_piped_stdin_subprocess_prints_only_the_answer(tiny_pair, tiny_perturbed_draft, capsys) -> None:
+    """`specexec chat < file` in a real process prints the answer alone, the text `generate --chat` gives."""
     argv = ["--model", str(tiny_pair[0]), "--draft", str(tiny_perturbed_draft), "--max-new-tokens", "8"]
-    gen = subprocess.run([sys.executable, "-m", "cli.main", "generate", *argv, "--chat", "--prompt",
-                          "Line one\nLine two", "--json"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                         timeout=240)
-    assert gen.returncode == 0, gen.stderr
+    assert main(["generate", *argv, "--chat", "--prompt", "Line one\nLine two", "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)["text"]
     chat = subprocess.run([sys.executable, "-m", "cli.main", "chat", *argv], input="Line one\nLine two\n", cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=240)
     assert chat.returncode == 0, chat.stderr
-    assert chat.stdout == json.loads(gen.stdout)["text"] + "\n" and chat.stderr == ""
+    assert chat.stdout == want + "\n" and chat.stderr == ""
 
 
 SLOW_CHAT = """
