@@ -45,7 +45,11 @@ SINGLE_MODELS: dict[str, tuple[str, int, dict]] = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked `gpu` when there is no CUDA device."""
+    """Files holding a `slow` test run first (in their own order), so pytest-xdist, which hands out whole files
+    in collection order, starts the long ones early and ends on short ones instead of one worker finishing a
+    minute-long file alone. Tests marked `gpu` are skipped when there is no CUDA device."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)            # stable: each file keeps its order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu test: torch.cuda.is_available() is False")
