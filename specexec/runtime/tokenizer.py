@@ -36,10 +36,31 @@ def load_tokenizer(path: Path):
     if not any((path / f).is_file() for f in names):
         raise ConfigError(f"{path} has no tokenizer files (tokenizer.json or tokenizer.model); "
                           "copy them from the original model")
+    config = _named_class_config(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **({"config": config} if config else {}))
     except Exception as e:
         raise ConfigError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
+
+
+def _named_class_config(path: Path):
+    """What AutoTokenizer reads of the model's config when tokenizer_config.json names the tokenizer class and
+    brings no code of its own: the model type and the path, in a plain PretrainedConfig. Left to AutoTokenizer,
+    AutoConfig imports the model's config class and with it transformers' model-loading machinery (about 2 s of
+    every start). None (AutoTokenizer loads the config itself) in every other case."""
+    try:
+        declared = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(declared, dict) or not declared.get("tokenizer_class") or "auto_map" in declared \
+            or not isinstance(model_type, str) or not model_type:
+        return None
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig()
+    config.model_type, config._name_or_path = model_type, str(path)
+    return config
 
 
 def _gguf_tokenizer(path: Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -214,3 +215,31 @@ def test_loading_a_model_does_not_import_torch_dynamo(tiny_llama: Path) -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_tokenizer_is_autotokenizers_own_without_the_model_config_class(tiny_model: Path) -> None:
+    """load_tokenizer hands AutoTokenizer the model type instead of letting AutoConfig import the model's config
+    class; the tokenizer must be the one AutoTokenizer builds on its own: class, ids, specials, chat template."""
+    from transformers import AutoTokenizer
+
+    from specexec.runtime.tokenizer import load_tokenizer
+
+    ours, ref = load_tokenizer(tiny_model), AutoTokenizer.from_pretrained(str(tiny_model), local_files_only=True)
+    texts = ["Hello world", "def f(x):\n    return x**2  # ünïcödé 你好", "a  b\tc\n\nd"]
+    assert type(ours) is type(ref) and [ours(t)["input_ids"] for t in texts] == [ref(t)["input_ids"] for t in texts]
+    assert (ours.all_special_ids, ours.chat_template, ours.init_kwargs, len(ours)) == \
+        (ref.all_special_ids, ref.chat_template, ref.init_kwargs, len(ref))
+
+
+def test_loading_a_tokenizer_does_not_import_the_model_loading_machinery(tiny_llama: Path) -> None:
+    """AutoConfig would import the model's config class and with it transformers.core_model_loading (and
+    torch.distributed.tensor): seconds of every command's start, for a tokenizer that needs none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from specexec.runtime.tokenizer import load_tokenizer; "
+            f"load_tokenizer(Path({str(tiny_llama)!r})); print('transformers.core_model_loading' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False" and out.stderr == ""
