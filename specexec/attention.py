@@ -10,7 +10,10 @@ of LongSpec, Yang et al. 2025):
     out_i, lse_i = attention of q over part i, and the log-sum-exp of its scaled scores   [B, H, T]
     lse = logsumexp_i(lse_i);   out = sum_i exp(lse_i - lse) * out_i
 
-which is the softmax over the union of the parts' keys, up to float rounding (fp32: ~1e-7 relative).
+which is the softmax over the union of the parts' keys, up to float rounding (fp32: ~1e-7 relative). With two
+parts (the usual prefix + tree) the weights are sigmoid(lse_1 - lse_2) and its complement, so the merge is
+out_2 + sigmoid(lse_1 - lse_2) * (out_1 - out_2): six elementwise ops per layer instead of a stacked
+log-sum-exp (on a GPU, six kernel launches instead of about twenty).
 
 The parts (`AttentionPlan`, built ONCE per forward by `build_plan`; every layer reuses it):
 - prefix [lo, P): no mask at all. lo = 0 unless a sliding window of W positions applies: prefix slot j holds
@@ -178,6 +181,10 @@ def merge(outs: list[Tensor], lses: list[Tensor]) -> Tensor:
     """Exact softmax merge: outs [B, H, T, D] each normalised over its own keys, lses [B, H, T] (fp32)."""
     if len(outs) == 1:
         return outs[0]
+    if len(outs) == 2:                # the usual prefix + tree: weights sigmoid(l1 - l2) and 1 - that, six ops
+        w = torch.sigmoid(lses[0] - lses[1]).unsqueeze(-1)
+        second = outs[1].float()
+        return (second + w * (outs[0].float() - second)).to(outs[0].dtype)
     lse = torch.stack(lses).logsumexp(0)
     acc = sum((l - lse).exp().unsqueeze(-1) * o.float() for o, l in zip(outs, lses))
     return acc.to(outs[0].dtype)

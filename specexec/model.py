@@ -86,10 +86,10 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [B, 1, T, D] (HF rotate-half layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [B, H, T, D]; cos, sin [B, 1, T, D] from `Transformer.rope` (sin with its first half negated).
+    HF's rotate-half, x * cos + cat(-x2, x1) * sin, in four ops instead of seven: cat(x2, x1) is x rolled by
+    half, and the sign moves onto sin. Bit for bit the same: a product's sign does not change its magnitude."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -172,10 +172,12 @@ class Transformer(nn.Module):
         return enumerate(self.layers)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim], computed in fp32 then cast."""
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] for `apply_rope`, computed in fp32 then cast: cos of
+        (f, f) and sin of (-f, f) for the frequencies f = position x inv_freq (sin's first half negated)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = freqs.sin()
+        return (torch.cat((freqs, freqs), -1).cos().unsqueeze(1).to(dtype),
+                torch.cat((-sin, sin), -1).unsqueeze(1).to(dtype))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
