@@ -170,6 +170,14 @@ def tiny_perturbed_draft(tiny_root: Path, tiny_pair: tuple[Path, Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_small_pair(tiny_pair: tuple[Path, Path], tiny_root: Path) -> tuple[Path, Path]:
+    """(target, draft) at half the depth, for the tests that run the engine thousands of times: tiny_pair's
+    2-layer draft as the target, and a copy of it with relative noise DRAFT_PERTURB as its draft."""
+    target = tiny_pair[1]
+    return target, write_tiny_model(tiny_root / "pair-draft-perturbed", perturb=DRAFT_PERTURB, base=target, seed=14)
+
+
+@pytest.fixture(scope="session")
 def tiny_mismatched_draft(tiny_root: Path) -> Path:
     """A Llama 2-layer draft whose tokenizer disagrees with every other fixture's (vocab 288, other ids)."""
     return write_tiny_model(tiny_root / "mismatched-draft", "llama", seed=13, n_layers=2, tokenizer="other")

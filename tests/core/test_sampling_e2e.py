@@ -20,9 +20,11 @@ TRIALS = 800
 
 
 @pytest.fixture(scope="module")
-def models(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path):
-    target, draft = tiny_pair
-    return load_model(target), load_model(tiny_perturbed_draft), load_model(draft)
+def models(tiny_small_pair: tuple[Path, Path], tiny_llama: Path):
+    """(target, its perturbed copy, an unrelated random draft), 2 layers each: the checks below run the engine
+    2,400 times, and what they test (the builder, the verifier, the sampling) does not depend on depth."""
+    target, perturbed = tiny_small_pair
+    return load_model(target), load_model(perturbed), load_model(tiny_llama)
 
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45, 46]
