@@ -42,7 +42,10 @@ Does not know: models, tokens, how bytes move (tiers.py/pager.py), or where the 
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 from offload.memory_plan import (
     COMPANION_GAIN, COMPANION_MODES, OFFLOAD_MODES, Bandwidths, Needs, Plan, PlanError, gb_text)
@@ -99,14 +102,14 @@ def _assign_cuda(needs: Needs, gpu: int, ram: int, mode: str, bw: Bandwidths
     n, sizes = len(needs.layer_bytes), needs.layer_bytes
     whole = needs.fixed + sum(sizes) + sum(needs.companion(i) for i in range(n))
     if mode == "none" or (mode == "auto" and whole <= gpu):
-        _check(whole, gpu, "--gpu-budget", _fixed_text(needs, whole - needs.fixed - sum(sizes))
-               + f" and all {n} target layers resident "
-               f"({gb_text(sum(sizes))})", _resident_hint(needs, gpu))
+        _check(whole, gpu, "--gpu-budget", lambda: _fixed_text(needs, whole - needs.fixed - sum(sizes))
+               + f" and all {n} target layers resident ({gb_text(sum(sizes))})", lambda: _resident_hint(needs, gpu))
         return ("resident",) * n, (False,) * n
     best, plain, error = None, None, None
+    sums = _Sums.of(needs)
     for k in (range(n - 1, -1, -1) if mode == "auto" else (0,)):
         try:
-            cand = _candidate(needs, k, gpu, ram, mode, bw)
+            cand = _candidate(needs, sums, k, gpu, ram, mode, bw)
         except PlanError as e:
             error = (error or e) if k else e                  # k = 0 needs the least GPU: its error says most
             continue
@@ -121,52 +124,81 @@ def _assign_cuda(needs: Needs, gpu: int, ram: int, mode: str, bw: Bandwidths
     return best[0], best[1]
 
 
-def _candidate(needs: Needs, k: int, gpu: int, ram: int, mode: str, bw: Bandwidths
+@dataclass(frozen=True)
+class _Sums:
+    """Running sums over the layers of one Needs, so that each of the n candidates costs O(log n), not O(n):
+    sizes[k], comps[k], residues[k] total the first k layers (n + 1 entries each); comp_max_from[k] is the
+    largest companion of layers k .. n-1 (0 at k = n)."""
+
+    sizes: tuple[int, ...]
+    comps: tuple[int, ...]
+    residues: tuple[int, ...]
+    comp_max_from: tuple[int, ...]
+
+    @staticmethod
+    def of(needs: Needs) -> _Sums:
+        n = len(needs.layer_bytes)
+        comps = [needs.companion(i) for i in range(n)]
+        tail = list(accumulate(reversed(comps), max, initial=0))[::-1]
+        return _Sums(tuple(accumulate(needs.layer_bytes, initial=0)), tuple(accumulate(comps, initial=0)),
+                     tuple(accumulate((needs.residue(i) for i in range(n)), initial=0)), tuple(tail))
+
+    def fit(self, start: int, room: int) -> int:
+        """How many layers from `start` on fit in `room` bytes (as _fit_prefix over sizes[start:])."""
+        return max(bisect_right(self.sizes, self.sizes[start] + room) - 1 - start, 0) if room >= 0 else 0
+
+
+def _candidate(needs: Needs, sums: _Sums, k: int, gpu: int, ram: int, mode: str, bw: Bandwidths
                ) -> tuple[tuple[str, ...], tuple[bool, ...], float]:
     """The first k layers resident (with their companions), the rest streamed: as many of their companions
     on the device as the GPU budget leaves room for (by the companion mode), the others in RAM; streamed
     layers in RAM, then on the SSD. (tiers, companions streamed, expected seconds per pass); PlanError when
-    a budget cannot hold it."""
-    n, sizes = len(needs.layer_bytes), needs.layer_bytes
-    rest = range(k, n)
+    a budget cannot hold it. Error texts are built only when raised (this runs once per resident count)."""
+    n, c = len(needs.layer_bytes), sums.comps
     slots = needs.n_slots * needs.max_layer
-    base = needs.fixed + sum(sizes[i] + needs.companion(i) for i in range(k)) + slots
-    stage = needs.n_slots * max((needs.companion(i) for i in rest), default=0) + sum(needs.residue(i) for i in rest)
-    on_device = sum(needs.companion(i) for i in range(k)) + (sum(needs.companion(i) for i in rest)
-                                                             if needs.companions == "device" else stage)
-    floor = base - sum(needs.companion(i) for i in range(k)) + on_device
+    base = needs.fixed + sums.sizes[k] + c[k] + slots
+    stage = needs.n_slots * sums.comp_max_from[k] + sums.residues[n] - sums.residues[k]
+    on_device = c[k] + (c[n] - c[k] if needs.companions == "device" else stage)
     what = "" if needs.companions == "device" or k else " stages"
-    _check(floor, gpu, "--gpu-budget", _fixed_text(needs, on_device, what)
-           + f" and {needs.n_slots} streaming slots ({gb_text(slots)})"
-           + (f" and {k} resident layers" if k else ""), "lower --budget (smaller trees need less activation "
-           "memory), a shorter --context, or use a smaller draft")
-    keep = _device_companions(needs, k, gpu - base, stage)
+    _check(base - c[k] + on_device, gpu, "--gpu-budget", lambda: _fixed_text(needs, on_device, what)
+           + f" and {needs.n_slots} streaming slots ({gb_text(slots)})" + (f" and {k} resident layers" if k else ""),
+           "lower --budget (smaller trees need less activation memory), a shorter --context, or use a smaller draft")
+    keep = _device_companions(needs, sums, k, gpu - base, stage)
     companions = (False,) * (k + keep) + (True,) * (n - k - keep)
-    streamed_c = sum(needs.companion(i) for i in range(k + keep, n))
+    streamed_c = c[n] - c[k + keep]
+    bounce_bytes = needs.n_bounce * needs.max_layer
     if mode in ("ram", "ssd"):
+        n_ram = n if mode == "ram" else 0
         tiers = (mode,) * n
     else:
-        tiers = ("resident",) * k + _ram_then_ssd(sizes[k:], ram - needs.host - streamed_c,
-                                                  needs.n_bounce * needs.max_layer)
-    bounce = needs.n_bounce * needs.max_layer if "ssd" in tiers else 0
-    in_ram = sum(b for b, t in zip(sizes, tiers) if t == "ram")
-    parts = [f"{name} ({gb_text(b)})" for name, b in needs.host_fixed if b]
-    parts += [f"{needs.companion_name} of {n - k - keep} layers ({gb_text(streamed_c)})"] if streamed_c else []
-    parts += [f"{tiers.count('ram')} pinned layers"] if "ram" in tiers else []
-    parts += [f"{needs.n_bounce} SSD bounce buffers ({gb_text(bounce)})"] if bounce else []
-    _check(needs.host + streamed_c + in_ram + bounce, ram, "--ram-budget", " and ".join(parts),
+        room = ram - needs.host - streamed_c
+        n_ram = sums.fit(k, room)
+        if k + n_ram < n:
+            n_ram = sums.fit(k, room - bounce_bytes)      # the SSD then needs bounce buffers
+        tiers = ("resident",) * k + ("ram",) * n_ram + ("ssd",) * (n - k - n_ram)
+    first_ram = 0 if mode == "ram" else k
+    in_ram = sums.sizes[first_ram + n_ram] - sums.sizes[first_ram]
+    bounce = bounce_bytes if "ssd" in tiers else 0
+
+    def held() -> str:
+        parts = [f"{name} ({gb_text(b)})" for name, b in needs.host_fixed if b]
+        parts += [f"{needs.companion_name} of {n - k - keep} layers ({gb_text(streamed_c)})"] if streamed_c else []
+        parts += [f"{n_ram} pinned layers"] if n_ram else []
+        parts += [f"{needs.n_bounce} SSD bounce buffers ({gb_text(bounce)})"] if bounce else []
+        return " and ".join(parts)
+
+    _check(needs.host + streamed_c + in_ram + bounce, ram, "--ram-budget", held,
            "use --offload ssd or auto to stream from disk instead" if mode == "ram" else "free some RAM")
-    ssd = sum(b for b, t in zip(sizes, tiers) if t == "ssd")
+    ssd = sums.sizes[n] - sums.sizes[k] - in_ram if mode != "ram" else 0
     return tiers, companions, (in_ram + streamed_c) / bw.ram + ssd / bw.ssd
 
 
-def _device_companions(needs: Needs, k: int, room: int, stage: int) -> int:
+def _device_companions(needs: Needs, sums: _Sums, k: int, room: int, stage: int) -> int:
     """How many of the streamed layers' companions (from layer k on, in order) stay on the device in `room`
     bytes: all when they fit (or the mode says device), none when the mode says stream, else as many as fit
     beside the stages and the residues of the others."""
     n = len(needs.layer_bytes)
-    if needs.companions == "device" or (needs.companions == "auto" and
-                                        sum(needs.companion(i) for i in range(k, n)) <= room):
+    if needs.companions == "device" or (needs.companions == "auto" and sums.comps[n] - sums.comps[k] <= room):
         return n - k
     if needs.companions == "stream":
         return 0
@@ -199,15 +231,6 @@ def _assign_cpu(needs: Needs, ram: int, mode: str) -> tuple[tuple[str, ...], tup
     return tiers, tuple(stream and t != "resident" for t in tiers)
 
 
-def _ram_then_ssd(sizes: tuple[int, ...], ram: int, bounce: int) -> tuple[str, ...]:
-    """Streamed layers: as many as fit in RAM go there; the rest on the SSD (which then needs bounce buffers)."""
-    k = _fit_prefix(sizes, ram)
-    if k == len(sizes):
-        return ("ram",) * k
-    k = _fit_prefix(sizes, ram - bounce)
-    return ("ram",) * k + ("ssd",) * (len(sizes) - k)
-
-
 def _fit_prefix(sizes: tuple[int, ...], room: int) -> int:
     """How many leading layers fit in `room` bytes."""
     used = 0
@@ -231,8 +254,10 @@ def _resident_hint(needs: Needs, budget: int) -> str:
     return f"use --offload auto to stream layers (at most {k} of {len(needs.layer_bytes)} fit resident)"
 
 
-def _check(need: int, budget: int, flag: str, what: str, hint: str) -> None:
+def _check(need: int, budget: int, flag: str, what: str | Callable[[], str], hint: str | Callable[[], str]) -> None:
+    """PlanError when `need` bytes exceed `budget`; what and hint may be callables (texts built only then)."""
     if need > budget:
+        what, hint = (x() if callable(x) else x for x in (what, hint))
         raise PlanError(f"{flag} {gb_text(budget)} cannot hold {what}: {gb_text(need)} needed; raise {flag} to at least "
                         f"{gb_text(need)} or {hint}", flag, need, budget, what)
 
