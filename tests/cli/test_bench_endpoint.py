@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 
-import openai
 import pytest
 
 from cli.main import main
@@ -50,6 +49,8 @@ def test_endpoint_rows_count_what_the_server_generated(capsys, url) -> None:
     (row,) = json.loads(out)["rows"]
     assert row["config"] == f"endpoint {MODEL} @ {url}/v1"                  # found through GET /v1/models
     assert row["tok_s"] > 0 and row["ttft_s"] > 0 and row["tokens_per_pass"] is None
+    import openai
+
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     expected = 0
     for p in load_prompts()[:LIMIT]:                  # the same prompts, not streamed: the server's own count

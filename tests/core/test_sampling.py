@@ -5,8 +5,6 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from specexec.config import SamplingParams
 from specexec.sampling import (greedy, gumbel_topk, make_generator, node_histories, probs, process_logits,
@@ -30,6 +28,10 @@ def chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
 
 def hf_process(logits: torch.Tensor, s: SamplingParams, history: torch.Tensor | None) -> torch.Tensor:
     """transformers' processors in generate()'s order, then log-softmax."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
     ids = history if history is not None else torch.zeros(logits.shape[0], 0, dtype=torch.long)
     x = logits.clone()
     if s.repetition_penalty != 1.0 and ids.shape[1]:

@@ -18,10 +18,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import openai
 import pytest
 import uvicorn
 
@@ -30,6 +29,9 @@ from cli.serve.app import ServeSettings, build_app
 from specexec.config import EngineConfig, SamplingParams
 from specexec.serving.openai_api import ServerDefaults
 from specexec.runtime.assembly import Runtime
+
+if TYPE_CHECKING:
+    import openai          # imported by the tests that use it: collecting this file stays cheap
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-pair"
@@ -74,6 +76,7 @@ def url(runtime) -> Iterator[str]:
 
 @pytest.fixture
 def client(url) -> openai.OpenAI:
+    import openai
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -126,6 +129,7 @@ def cli_generate(capsys, tiny_pair, draft, *argv: str) -> dict:
 # ------------------------------------------------------------------------------------------ endpoints
 
 def test_models_health_and_metrics(client, url) -> None:
+    import openai
     assert [m.id for m in client.models.list().data] == [MODEL]
     other = client.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert other.model == MODEL                                   # any name is accepted; the served one answers
@@ -263,6 +267,7 @@ def test_second_turn_reuses_the_kv_prefix(client) -> None:
 # ------------------------------------------------------------------------------------------ the queue
 
 def test_concurrent_clients_are_served_fifo_and_unmixed(client, url) -> None:
+    import openai
     prompts = ["Hello", "The quick brown fox", "Once upon a time", "What is the capital", "def main():",
                "A draft model"]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16).choices[0].text
@@ -432,6 +437,7 @@ def test_malformed_requests_get_openai_error_bodies(url) -> None:
 
 
 def test_oversized_and_misrouted_requests(url, client) -> None:
+    import openai
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 80         # > 512 tokens of context
     code, reply = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": long_prompt})
     assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
@@ -450,6 +456,7 @@ def test_oversized_and_misrouted_requests(url, client) -> None:
 
 
 def test_api_key(runtime) -> None:
+    import openai
     app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), 8), ServeSettings(api_key="s3cret"))
     with running(app) as base:
         for key in ("wrong", None):
@@ -492,6 +499,7 @@ def _env() -> dict:
 
 @pytest.mark.slow
 def test_serve_command_end_to_end(tiny_pair, tiny_perturbed_draft) -> None:
+    import openai
     cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_pair[0]), "--draft",
            str(tiny_perturbed_draft), "--budget", "8", "--port", "0", "--api-key", "k3y", "--max-new-tokens", "8"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
