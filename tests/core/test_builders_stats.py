@@ -95,6 +95,7 @@ def fixed_tree(builder, draft, budget: int, sampling: SamplingParams) -> TokenTr
     return tree
 
 
+@torch.inference_mode()              # as the engine runs builders and verification
 def emitted_pairs(builder, p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: SamplingParams,
                   rule_name: str, trials: int, seed: int = 0) -> torch.Tensor:
     """Counts [V, V] of the first two tokens emitted from ROOT (the second drawn from p when a step emitted

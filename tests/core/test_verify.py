@@ -144,6 +144,7 @@ def sample_wor_trees(q: torch.Tensor, widths: tuple[int, ...], trials: int,
     return trees
 
 
+@torch.inference_mode()              # as the engine runs builders and verification
 def run_trials(p: torch.Tensor, q: torch.Tensor, rule: str, tree_kind: str, trials: int,
                seed: int = 0) -> torch.Tensor:
     """Counts [V, V] of the first two emitted tokens (the second drawn from p when the step emitted one)."""
