@@ -114,3 +114,37 @@ def test_kv_cache_keep_moves_rows_without_touching_the_prefix() -> None:
     assert cache.k[0, 0, 0, :6, 0].tolist() == [0, 1, 2, 3, 5, 8]
     with pytest.raises(RuntimeError):
         cache.keep(torch.arange(6, 17))
+
+
+@torch.inference_mode()
+def test_a_decoder_layer_of_a_tree_pass_dispatches_at_most_80_ops(tiny_llama: Path) -> None:
+    """Each aten op is a kernel launch on a GPU and a dispatch on a CPU, which is most of a small draft's
+    time: one layer of a tree pass over a committed prefix (two attention parts, merged) stays within 80 ops.
+    It took 89 before RoPE used a roll and the two-part merge a sigmoid (77 with them)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = load_model(tiny_llama)
+    P, cache = 8, new_cache(model)
+    model(torch.arange(P)[None] + 10, torch.arange(P)[None], TreeMask(0), cache)
+    cache.keep(torch.arange(P))
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    positions = (P + torch.tensor([0, 1, 1, 2]))[None]
+    x = model.embed_tokens(torch.arange(4)[None] + 30)
+    cos, sin = model.rope(positions, x.dtype)
+    plan = model.attention_plan(TreeMask(P, tree), positions, x.dtype)
+    assert len(plan.parts) == 2
+    with Count() as count:
+        model.layers[0](x, cos, sin, plan, cache, 0, torch.arange(P, P + 4))
+    assert sum(count.ops.values()) <= 80, count.ops
+    assert "logsumexp" not in count.ops and "cat" not in count.ops
