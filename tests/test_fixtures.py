@@ -98,11 +98,18 @@ def test_pair_shares_tokenizer_not_weights(tiny_pair: tuple[Path, Path]) -> None
     assert t_cfg["vocab_size"] == d_cfg["vocab_size"]
 
 
-def test_perturbed_draft_partially_agrees(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path) -> None:
-    target, _ = _load(tiny_pair[0])
-    draft, _ = _load(tiny_perturbed_draft)
-    assert json.loads((tiny_perturbed_draft / "config.json").read_text()) == \
-        json.loads((tiny_pair[0] / "config.json").read_text())
+@pytest.mark.parametrize("pair", ["tiny_pair", "tiny_small_pair"])
+def test_perturbed_draft_partially_agrees(pair: str, request: pytest.FixtureRequest) -> None:
+    """The perturbed copy of the 4-layer target, and the small pair's (2 layers), each agree with their target
+    often but not always: the statistical tests then see accepted and rejected drafts alike."""
+    if pair == "tiny_pair":
+        target_path = request.getfixturevalue("tiny_pair")[0]
+        draft_path = request.getfixturevalue("tiny_perturbed_draft")
+    else:
+        target_path, draft_path = request.getfixturevalue("tiny_small_pair")
+    target, _ = _load(target_path)
+    draft, _ = _load(draft_path)
+    assert json.loads((draft_path / "config.json").read_text()) == json.loads((target_path / "config.json").read_text())
     x = _batch(8, 64, seed=1)
     with torch.no_grad():
         agree = (target(x).logits.argmax(-1) == draft(x).logits.argmax(-1)).float().mean().item()
