@@ -176,8 +176,7 @@ def _candidate(needs: Needs, sums: _Sums, k: int, gpu: int, ram: int, mode: str,
         if k + n_ram < n:
             n_ram = sums.fit(k, room - bounce_bytes)      # the SSD then needs bounce buffers
         tiers = ("resident",) * k + ("ram",) * n_ram + ("ssd",) * (n - k - n_ram)
-    first_ram = 0 if mode == "ram" else k
-    in_ram = sums.sizes[first_ram + n_ram] - sums.sizes[first_ram]
+    in_ram = sums.sizes[k + n_ram] - sums.sizes[k]               # k = 0 in modes ram and ssd
     bounce = bounce_bytes if "ssd" in tiers else 0
 
     def held() -> str:
@@ -189,7 +188,7 @@ def _candidate(needs: Needs, sums: _Sums, k: int, gpu: int, ram: int, mode: str,
 
     _check(needs.host + streamed_c + in_ram + bounce, ram, "--ram-budget", held,
            "use --offload ssd or auto to stream from disk instead" if mode == "ram" else "free some RAM")
-    ssd = sums.sizes[n] - sums.sizes[k] - in_ram if mode != "ram" else 0
+    ssd = sums.sizes[n] - sums.sizes[k] - in_ram
     return tiers, companions, (in_ram + streamed_c) / bw.ram + ssd / bw.ssd
 
 

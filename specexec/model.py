@@ -172,8 +172,8 @@ class Transformer(nn.Module):
         return enumerate(self.layers)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim] for `apply_rope`, computed in fp32 then cast: cos of
-        (f, f) and sin of (-f, f) for the frequencies f = position x inv_freq (sin's first half negated)."""
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] for `apply_rope`, computed in fp32 then cast:
+        (cos f, cos f) and (-sin f, sin f) for the frequencies f = position x inv_freq."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         sin = freqs.sin()
         return (torch.cat((freqs, freqs), -1).cos().unsqueeze(1).to(dtype),
