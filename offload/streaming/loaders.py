@@ -75,8 +75,19 @@ class Loaders:
         stages = {"copy": self._copy_loop, "read": self._read_loop} if self.staged else {"copy": self._copy_loop}
         for stage, target in stages.items():
             if stage not in self._threads:
-                self._threads[stage] = threading.Thread(target=target, name="layer-pager", daemon=True)
+                self._threads[stage] = threading.Thread(target=self._guarded, args=(stage, target),
+                                                        name="layer-pager", daemon=True)
                 self._threads[stage].start()
+
+    def _guarded(self, stage: str, loop: Callable[[], None]) -> None:
+        """A loader thread's body. A loop that dies outside a job's own error handling leaves its error in
+        `_crashed` for the waiting pass to raise, instead of a consumer that waits for a slot forever."""
+        try:
+            loop()
+        except BaseException as error:
+            with self._cv:
+                self._crashed = (stage, error)       # raised, with its traceback, by the pass (`from error`)
+                self._cv.notify_all()
 
     def _next(self, stage: str) -> Job | None:
         """The stage's next job (None: stop). The copier hands a job with SSD layers on to the reader."""
@@ -121,11 +132,7 @@ class Loaders:
     def _copy_loop(self) -> None:
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with device:
-            while (job := self._next("copy")) is not None:
-                try:
-                    self._copy_job(job)
-                finally:
-                    self._finish(job)
+            self._run_jobs("copy", self._copy_job)
 
     def _copy_job(self, job: Job) -> None:
         """Fill slot k % n_slots with the k-th layer, in order, as slots (and staged SSD layers) become ready."""
@@ -189,9 +196,14 @@ class Loaders:
         return companion(i, slot_index, lambda: job.stopped) if companion is not None else 0
 
     def _read_loop(self) -> None:
-        while (job := self._next("read")) is not None:
+        self._run_jobs("read", self._read_job)
+
+    def _run_jobs(self, kind: str, work: Callable[[Job], None]) -> None:
+        """One thread's loop: run `work` on each job handed to `kind` until there are no more, finishing each
+        job whatever happens to it."""
+        while (job := self._next(kind)) is not None:
             try:
-                self._read_job(job)
+                work(job)
             finally:
                 self._finish(job)
 

@@ -77,6 +77,7 @@ class LayerPager(Loaders):
         self._queues: dict[str, deque[Job | None]] = {"copy": deque(), "read": deque()}
         self._waiting: dict[str, Callable[[], bool]] = {}      # stage -> what it waits for
         self._threads: dict[str, threading.Thread] = {}
+        self._crashed: tuple[str, BaseException] | None = None  # a loader thread that died (stage, error)
         self._pending: deque[PassTiming] = deque()             # passes not folded into stats yet
         self.last_pass: PassTiming | None = None                # the latest pass's events (benchmarks, tests)
         self._stats_lock = threading.Lock()
@@ -163,6 +164,9 @@ class LayerPager(Loaders):
         """Wait (host) until the copier filled `slot` with layer i; on CUDA make compute wait for the copy."""
         with self._cv:
             while not slot.holds(job, i):
+                if self._crashed is not None:
+                    stage, error = self._crashed
+                    raise RuntimeError(f"the layer pager's {stage} thread stopped: {error!r}") from error
                 if job.error is not None:
                     raise RuntimeError(f"loading layer {job.error_layer} failed: {job.error}") from job.error
                 if slot.full or job.done:
@@ -272,7 +276,7 @@ class LayerPager(Loaders):
         for t in self._threads.values():
             t.join()
         with self._cv:
-            self._threads = {}
+            self._threads, self._crashed = {}, None
             for q in self._queues.values():
                 q.clear()
 

@@ -197,6 +197,42 @@ def test_a_job_interrupted_before_it_was_queued_does_not_hang_the_next_pass(laye
         assert orphan.cancelled and orphan.done and not orphan.started
 
 
+@pytest.mark.parametrize("stage", ["copy", "read"])
+def test_a_loader_thread_that_dies_outside_a_job_stops_the_pass_instead_of_hanging_it(
+        layers, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in a loader's own loop (here: taking its next job raises) is raised by the waiting pass, and
+    close() leaves a pager whose new threads serve again. The pass runs in a thread joined with a deadline, so
+    a hang fails this test instead of stalling the suite."""
+    from offload.streaming.loaders import Loaders
+
+    take = Loaders._next
+
+    def broken(self, which: str):
+        if which == stage:
+            raise AssertionError(f"bug in the {which} loop")
+        return take(self, which)
+
+    with build_pager(["ssd"] * 6, MemoryReader(layers), "cpu", n_slots=2, staged=True) as pager:
+        monkeypatch.setattr(Loaders, "_next", broken)
+        raised: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                check_pass(pager, layers)
+            except BaseException as e:           # noqa: BLE001 -- the test inspects it
+                raised.append(e)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "the pass hung on a dead loader thread"
+        assert len(raised) == 1 and isinstance(raised[0], RuntimeError)
+        assert f"layer pager's {stage} thread stopped" in str(raised[0]) and "bug in the" in str(raised[0])
+        monkeypatch.setattr(Loaders, "_next", take)
+        pager.close()
+        check_pass(pager, layers)
+
+
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 def test_a_read_error_reaches_the_consumer_and_the_pager_recovers(layers, staged: bool) -> None:
     reader = MemoryReader(layers, fail_at=3)
