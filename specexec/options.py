@@ -135,24 +135,22 @@ def is_self_draft(spec: str | None) -> bool:
 
 def parse_draft_layers(text: str | int) -> int | str:
     """--draft-layers N|auto -> N or "auto"."""
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(str(text).strip())
-    except ValueError:
-        raise ConfigError(f"--draft-layers {text!r} is not a number of decoder layers or 'auto'") from None
+    return _count_or_auto("--draft-layers", text, "decoder layers")
 
 
 def parse_draft_vocab(text: str | None) -> int | str | None:
     """--draft-vocab N|auto -> N, "auto" or None (not given)."""
-    if text is None:
-        return None
+    return None if text is None else _count_or_auto("--draft-vocab", text, "tokens")
+
+
+def _count_or_auto(flag: str, text: str | int, what: str) -> int | str:
+    """A flag's N|auto value -> N or "auto"; ConfigError naming the flag and what N counts otherwise."""
     if str(text).strip().lower() == "auto":
         return "auto"
     try:
         return int(str(text).strip())
     except ValueError:
-        raise ConfigError(f"--draft-vocab {text!r} is not a number of tokens or 'auto'") from None
+        raise ConfigError(f"{flag} {text!r} is not a number of {what} or 'auto'") from None
 
 
 def check_draft_vocab(value: int | str | None, vocab_size: int | None = None) -> None:
