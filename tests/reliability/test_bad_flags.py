@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
-from specexec.options import ConfigError, budget_options, check_budget_fits, check_device, parse_size
+from specexec.options import (ConfigError, budget_options, check_budget_fits, check_device, parse_draft_layers,
+                              parse_draft_vocab, parse_size)
 from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,6 +56,8 @@ CASES = {
     "budget -5": (["--budget", "-5"], lambda: EngineConfig(budget=-5)),
     "budget 10**9": (["--budget", str(10**9)], lambda: EngineConfig(budget=10**9)),
     "budget many": (["--budget", "many"], lambda: budget_options("many")),
+    "draft-layers many": (["--draft-layers", "many"], lambda: parse_draft_layers("many")),
+    "draft-vocab many": (["--draft-vocab", "many"], lambda: parse_draft_vocab("many")),
     "max-budget 10**9": (["--budget", "auto", "--max-budget", str(10**9)],
                          lambda: budget_options("auto", 10**9)),
     "max-new-tokens 0": (["--max-new-tokens", "0"], lambda: EngineConfig(max_new_tokens=0)),
