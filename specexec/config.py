@@ -17,17 +17,41 @@ from specexec.options import (
     parse_draft_layers, parse_size)
 
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+@dataclass(frozen=True)
+class MoEArgs:
+    """The sparse feed-forward of a mixture-of-experts decoder (None in ModelArgs for a dense one).
+
+    Each token's router scores every expert (`router`: softmax over all experts, or sigmoid), keeps the `top_k`
+    best (with `norm_topk_prob` renormalised to sum to 1) and adds those experts' outputs weighted by their
+    scores; `n_shared` shared experts of `shared_dim` run for every token. Layers listed in `dense_layers` have
+    a plain MLP of ModelArgs.intermediate_size instead."""
+
+    n_experts: int
+    top_k: int
+    expert_dim: int                      # each expert's intermediate size (moe_intermediate_size)
+    norm_topk_prob: bool = True
+    router: str = "softmax"              # "softmax" | "sigmoid"
+    router_bias: bool = False            # the router linear carries a bias
+    n_shared: int = 0                    # shared experts (one fused MLP of n_shared x shared_dim)
+    shared_dim: int = 0
+    dense_layers: tuple[int, ...] = ()   # decoder layers whose feed-forward is a dense MLP
+
+    def __post_init__(self) -> None:
+        check_integer("n_experts", self.n_experts, low=1, high=1 << 16)
+        check_integer("top_k", self.top_k, low=1, high=self.n_experts)
+        check_integer("expert_dim", self.expert_dim, low=1, high=1 << 20)
+        check_choice("router", self.router, ("softmax", "sigmoid"))
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the sparse (routed) feed-forward."""
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Shape and maths options of one Llama-family decoder (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3)."""
+    """Shape and named maths options of one decoder. specexec/families/ builds it from config.json (one module
+    per family); the network reads the options, never the family name (`family` is for people and for
+    models.yaml). `moe` is None for a dense model."""
 
     family: str
     vocab_size: int
@@ -49,61 +73,11 @@ class ModelArgs:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEArgs | None = None
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
-        """Build from a parsed config.json; raises ConfigError for architectures outside the family."""
-        archs = cfg.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None:
-            shown = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
-            raise ConfigError(f"unsupported architecture {shown}; supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        try:
-            return cls._from_family(family, cfg)
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks the field {e.args[0]!r} needed for a {family} model") from None
-
-    @classmethod
-    def _from_family(cls, family: str, cfg: dict[str, Any]) -> "ModelArgs":
-        n_heads = int(cfg["num_attention_heads"])
-        dim = int(cfg["hidden_size"])
-        rope = cfg.get("rope_parameters") or {}          # transformers >= 5 folds rope_theta in here
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
-            scaling = tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict))))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
-        return cls(
-            family=family,
-            vocab_size=int(cfg["vocab_size"]),
-            dim=dim,
-            n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or dim // n_heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=scaling or None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
-            sliding_window=int(window) if window else None,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
 
 
 @dataclass(frozen=True)

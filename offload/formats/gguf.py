@@ -7,7 +7,7 @@ caller casts once, as transformers does), in row chunks so a quantized tensor's 
 the file itself is only memory-mapped, so the model is never in RAM at once. llama.cpp stores the Q/K weights
 (and biases) of Llama/Mistral permuted for its rope layout; they are un-permuted here (not for Qwen2/Qwen3,
 which llama.cpp leaves alone). `config()` builds a config.json-like dict from the file's metadata, so the
-usual ModelArgs.from_hf_config validates it; a Llama-3 `rope_freqs` tensor becomes HF's llama3 rope_scaling.
+usual specexec.families.model_args validates it; a Llama-3 `rope_freqs` tensor becomes HF's llama3 rope_scaling.
 
 The file's header is parsed here (gguf's GGUFReader takes ~25 s on a 150k-token vocabulary, this ~0.5 s);
 the `gguf` package (optional extra `gguf`) supplies the quant types and their numpy dequantizers.
@@ -301,7 +301,7 @@ class GGUFCheckpoint:
         return default
 
     def config(self) -> dict[str, Any]:
-        """A config.json-like dict (HF keys) from the metadata; ModelArgs.from_hf_config validates it."""
+        """A config.json-like dict (HF keys) from the metadata; specexec.families.model_args validates it."""
         if self._config is None:
             self._config = self._read_config()
         return dict(self._config)

@@ -22,12 +22,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from specexec.config import SUPPORTED_ARCHITECTURES
+from specexec.families import family_names
 from specexec.options import MAX_BUDGET, ConfigError, check_number, choices, is_self_draft
 
 CATALOG_ENV = "SPECEXEC_MODELS_YAML"
 DIRS_ENV = "SPECEXEC_MODEL_DIRS"
-FAMILIES = tuple(sorted(set(SUPPORTED_ARCHITECTURES.values())))
+FAMILIES = family_names()
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TOP_KEYS = ("version", "models")
 

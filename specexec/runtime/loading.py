@@ -23,6 +23,7 @@ from offload.formats.checkpoint import CheckpointError, pickle_files
 from offload.formats.sources import CheckpointSource, is_gguf, open_source, tensor_specs
 
 from specexec.config import ModelArgs
+from specexec.families import model_args
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.runtime.hub import HubOptions
 from specexec.model import Transformer, on_meta, rope_inv_freq
@@ -88,7 +89,7 @@ def read_args(path: Path) -> ModelArgs:
     unreadable file."""
     if is_gguf(path):
         from offload.formats.gguf import open_gguf
-        return ModelArgs.from_hf_config(open_gguf(path).config())
+        return model_args(open_gguf(path).config())
     cfg_file = path / "config.json"
     if cfg_file.is_symlink() and not cfg_file.exists():
         raise ConfigError(f"{cfg_file} is a symlink that leads nowhere (dangling, or a loop)")
@@ -100,7 +101,7 @@ def read_args(path: Path) -> ModelArgs:
         raise ConfigError(f"{cfg_file} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{cfg_file} must hold a JSON object")
-    return ModelArgs.from_hf_config(cfg)
+    return model_args(cfg)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -1,0 +1,54 @@
+"""config.json fields every family reads the same way: the decoder's shape, RoPE base and scaling, special
+token ids. A family module starts from `base_fields(cfg)` and sets its own options on top.
+
+Does not know: which family a config is (registry.py), the network.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from specexec.options import ConfigError
+
+ROPE_KINDS = ("default", "llama3", "linear")
+
+
+def base_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelArgs keyword arguments shared by every family (shape, norm eps, RoPE, ids, tied embeddings)."""
+    n_heads = int(cfg["num_attention_heads"])
+    dim = int(cfg["hidden_size"])
+    rope = cfg.get("rope_parameters") or {}          # transformers >= 5 folds rope_theta in here
+    return dict(
+        vocab_size=int(cfg["vocab_size"]),
+        dim=dim,
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or dim // n_heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids(cfg),
+    )
+
+
+def rope_scaling(cfg: dict[str, Any], kinds: tuple[str, ...] = ROPE_KINDS) -> tuple[tuple[str, Any], ...] | None:
+    """The frozen form of config.json's rope scaling (rope_scaling, or transformers 5's rope_parameters when
+    not default); ConfigError for a kind outside `kinds`."""
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in kinds:
+        raise ConfigError(f"unsupported rope scaling {kind!r}; supported: {', '.join(kinds)}")
+    return tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict)))) or None
+
+
+def eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's eos_token_id (an int, a list or absent) as a tuple."""
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
