@@ -17,30 +17,49 @@ from specexec.options import (
     parse_draft_layers, parse_size)
 
 
+ROUTERS = ("softmax", "topk_softmax", "sigmoid")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
 @dataclass(frozen=True)
 class MoEArgs:
-    """The sparse feed-forward of a mixture-of-experts decoder (None in ModelArgs for a dense one).
+    """The sparse feed-forward of a mixture-of-experts decoder (None in ModelArgs for a dense one); the maths is
+    specexec/moe.py.
 
-    Each token's router scores every expert (`router`: softmax over all experts, or sigmoid), keeps the `top_k`
-    best (with `norm_topk_prob` renormalised to sum to 1) and adds those experts' outputs weighted by their
-    scores; `n_shared` shared experts of `shared_dim` run for every token. Layers listed in `dense_layers` have
-    a plain MLP of ModelArgs.intermediate_size instead."""
+    Each token's router (a [n_experts, dim] linear, with a bias when `router_bias`) scores every expert and
+    keeps the `top_k` best; `router` says how scores become weights: "softmax" (softmax over all experts, then
+    the top k; renormalised to sum to 1 when `norm_topk_prob`: Mixtral, Qwen3-MoE, OLMoE), "topk_softmax" (the
+    top k logits, then a softmax over those k: gpt-oss), "sigmoid" (sigmoid of each logit, then the top k;
+    renormalised when `norm_topk_prob`). The token's output is the weighted sum of its experts' outputs.
+    Each expert is a gated MLP of `expert_dim` (biases when `expert_bias`) whose activation is "silu"
+    (silu(gate) * up) or "clamped_swiglu" (gpt-oss: gate clamped above at `swiglu_limit`, up clamped to
+    +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)). `shared_dim` > 0 adds one shared expert of
+    that width that every token runs (silu, no biases), scaled by sigmoid of a [1, dim] gate when
+    `shared_gate` (Qwen2-MoE). Layers in `dense_layers` have a plain MLP of ModelArgs.intermediate_size instead."""
 
     n_experts: int
     top_k: int
     expert_dim: int                      # each expert's intermediate size (moe_intermediate_size)
     norm_topk_prob: bool = True
-    router: str = "softmax"              # "softmax" | "sigmoid"
+    router: str = "softmax"              # one of ROUTERS
     router_bias: bool = False            # the router linear carries a bias
-    n_shared: int = 0                    # shared experts (one fused MLP of n_shared x shared_dim)
-    shared_dim: int = 0
+    expert_bias: bool = False            # every expert's gate/up/down projections carry biases
+    activation: str = "silu"             # one of EXPERT_ACTIVATIONS
+    swiglu_alpha: float = 1.702          # clamped_swiglu only
+    swiglu_limit: float = 7.0            # clamped_swiglu only
+    shared_dim: int = 0                  # the shared expert's intermediate size (0: none)
+    shared_gate: bool = False            # the shared expert's output is scaled by sigmoid(x @ gate.T)
     dense_layers: tuple[int, ...] = ()   # decoder layers whose feed-forward is a dense MLP
 
     def __post_init__(self) -> None:
         check_integer("n_experts", self.n_experts, low=1, high=1 << 16)
         check_integer("top_k", self.top_k, low=1, high=self.n_experts)
         check_integer("expert_dim", self.expert_dim, low=1, high=1 << 20)
-        check_choice("router", self.router, ("softmax", "sigmoid"))
+        check_integer("shared_dim", self.shared_dim, low=0, high=1 << 20)
+        check_choice("router", self.router, ROUTERS)
+        check_choice("expert activation", self.activation, EXPERT_ACTIVATIONS)
+        check_number("swiglu_limit", self.swiglu_limit, low=0.0, high=1e6, low_open=True)
+        check_number("swiglu_alpha", self.swiglu_alpha, low=-1e6, high=1e6)
 
     def sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` has the sparse (routed) feed-forward."""
@@ -70,6 +89,9 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_per_head: bool = True         # q/k RMSNorm over each head (Qwen3) or the whole projection (OLMoE)
+    clip_qkv: float | None = None         # q, k, v clamped to +-clip_qkv after the projections (and q/k norms)
+    attention_sinks: bool = False         # one learned logit per head in every softmax's denominator (gpt-oss)
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

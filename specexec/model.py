@@ -26,6 +26,7 @@ from torch import nn
 from specexec.attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
 from specexec.config import ModelArgs
 from specexec.kv.cache import KVCache
+from specexec.moe import GatedMLP, RoutingLog, SparseMLP
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -82,7 +83,38 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
         smooth = (old_ctx / wavelen - low) / (high - low)
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(inv, args.rope_theta, d, scaling)
     return inv
+
+
+def _yarn_inv_freq(inv: torch.Tensor, theta: float, d: int, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): frequencies blended between extrapolated (inv) and interpolated (inv / factor)
+    by a linear ramp over the dimensions whose rotations at the original context lie in [beta_slow, beta_fast]."""
+    factor, orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """The factor RoPE's cos and sin are multiplied by: YaRN's attention temperature (0.1 ln(factor) + 1 unless
+    the config names attention_factor), else 1."""
+    scaling = args.rope_scaling_dict or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,52 +133,65 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
-        if args.qk_norm:
-            self.q_norm = RMSNorm(d, args.norm_eps)
-            self.k_norm = RMSNorm(d, args.norm_eps)
+        if args.qk_norm:                  # over each head, or over the whole projection (qk_norm_per_head False)
+            self.q_norm = RMSNorm(d if args.qk_norm_per_head else h * d, args.norm_eps)
+            self.k_norm = RMSNorm(d if args.qk_norm_per_head else kv * d, args.norm_eps)
+        self.norm_per_head, self.clip = args.qk_norm_per_head, args.clip_qkv
+        if args.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(h))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hasattr(self, "q_norm") and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)                                  # over the projection
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm") and self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)                                  # per head
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             cache.write(layer, slots, k, v)
             k, v = cache.view(layer, plan.n_slots)
-        out = attend(q, k.to(q.dtype), v.to(q.dtype), plan)
+        out = attend(q, k.to(q.dtype), v.to(q.dtype), plan, getattr(self, "sinks", None))
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+class MLP(GatedMLP):
+    """The dense SwiGLU feed-forward (gate_proj, up_proj, down_proj of ModelArgs.intermediate_size)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args.dim, args.intermediate_size, bias=args.mlp_bias)
 
 
 class Block(nn.Module):
-    """One decoder layer: pre-norm attention and SwiGLU MLP with residuals."""
+    """One decoder layer: pre-norm attention and a feed-forward with residuals. The feed-forward of decoder layer
+    `layer` is a SparseMLP (specexec/moe.py) when ModelArgs.moe says that layer is sparse, else the dense MLP."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = SparseMLP(args) if args.moe is not None and args.moe.sparse(layer) else MLP(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+                cache: KVCache | None, layer: int, slots: torch.Tensor | None,
+                routing: RoutingLog | None = None) -> torch.Tensor:
+        """A sparse layer routes first, hands the routing to `routing` (when given), then runs the experts."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if not isinstance(self.mlp, SparseMLP):
+            return x + self.mlp(h)
+        route = self.mlp.route(h)
+        if routing is not None:
+            routing.record(layer, route)
+        return x + self.mlp.combine(h, route)
 
 
 class Transformer(nn.Module):
@@ -156,11 +201,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.routing: RoutingLog | None = None       # set to a RoutingLog to record each sparse layer's routing
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -175,9 +221,12 @@ class Transformer(nn.Module):
         """positions [B, T] -> cos, sin [B, 1, T, head_dim] for `apply_rope`, computed in fp32 then cast:
         (cos f, cos f) and (-sin f, sin f) for the frequencies f = position x inv_freq."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        sin = freqs.sin()
-        return (torch.cat((freqs, freqs), -1).cos().unsqueeze(1).to(dtype),
-                torch.cat((-sin, sin), -1).unsqueeze(1).to(dtype))
+        sin, cos = freqs.sin(), torch.cat((freqs, freqs), -1).cos()
+        sin = torch.cat((-sin, sin), -1)
+        scale = rope_attention_factor(self.args)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,8 +245,10 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions, x.dtype)
         plan = self.attention_plan(mask, positions, x.dtype)
+        if self.routing is not None:
+            self.routing.begin()
         for i, layer in self.layer_modules():
-            x = layer(x, cos, sin, plan, cache, i, slots)
+            x = layer(x, cos, sin, plan, cache, i, slots, self.routing)
         return self.norm(x)
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:

@@ -155,6 +155,43 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"tiny_{request.param}")
 
 
+# MoE targets: name -> (family, seed, layers, config overrides); shapes in tests/tiny_models.MOE_SHAPES.
+MOE_MODELS: dict[str, tuple[str, int, int, dict]] = {
+    "qwen3_moe": ("qwen3_moe", 20, 3, {"mlp_only_layers": [1]}),     # 16 experts top-4; layer 1 dense
+    "mixtral": ("mixtral", 21, 2, {}),                                # 4 experts top-2
+    "olmoe": ("olmoe", 22, 2, {}),                                    # q/k norms over the projections, clip_qkv
+}
+
+
+def _moe(root: Path, name: str) -> Path:
+    family, seed, layers, overrides = MOE_MODELS[name]
+    return write_tiny_model(root / f"moe-{name}", family, seed=seed, n_layers=layers, **overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tiny_root: Path) -> Path:
+    """Qwen3-MoE, 3 layers (layer 1 a dense MLP via mlp_only_layers), 16 experts of 32, top-4, renormalised."""
+    return _moe(tiny_root, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tiny_root: Path) -> Path:
+    """Mixtral, 2 layers, 4 experts of 64, top-2 (block_sparse_moe.experts.N.w1/w2/w3 in the checkpoint)."""
+    return _moe(tiny_root, "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_olmoe(tiny_root: Path) -> Path:
+    """OLMoE, 2 layers, 8 experts of 32, top-2 without renormalising; q/k norms over the projections, clip_qkv 1."""
+    return _moe(tiny_root, "olmoe")
+
+
+@pytest.fixture(scope="session", params=list(MOE_MODELS))
+def tiny_moe(request: pytest.FixtureRequest) -> Path:
+    """Each MoE family's tiny checkpoint in turn (test ids: the MOE_MODELS names), written by transformers."""
+    return request.getfixturevalue(f"tiny_{request.param}")
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tiny_root: Path) -> tuple[Path, Path]:
     """(target, draft): Llama 4 layers and Llama 2 layers, same tokenizer, unrelated random weights."""

@@ -52,3 +52,23 @@ def eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
     """config.json's eos_token_id (an int, a list or absent) as a tuple."""
     eos = cfg.get("eos_token_id")
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def sliding_window(cfg: dict[str, Any], default_on: bool) -> int | None:
+    """config.json's sliding window when it applies: `use_sliding_window` (default `default_on`: Mistral and
+    Mixtral have no such key and always use their window; Qwen's default is off)."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", default_on) else None
+    return int(window) if window else None
+
+
+def check_activation(cfg: dict[str, Any], family: str, supported: tuple[str, ...] = ("silu",)) -> None:
+    """ConfigError unless the MLP's hidden_act (default silu) is one the network computes."""
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act not in supported:
+        raise ConfigError(f"{family} with hidden_act {act!r} is not supported; supported: {', '.join(supported)}")
+
+
+def n_experts(cfg: dict[str, Any]) -> int:
+    """The routed experts per MoE layer: num_experts (the Hub's Qwen and OLMoE configs) or num_local_experts
+    (Mixtral, gpt-oss, and what transformers >= 5 writes for every one of them); 0 when neither is set."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families.common import base_fields
+from specexec.families.common import base_fields, sliding_window
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,7 +20,6 @@ ARCHITECTURES = {
 
 def model_args(family: str, cfg: dict[str, Any]) -> ModelArgs:
     """ModelArgs of a Llama/Mistral/Qwen2/Qwen3 config.json."""
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
     bias = bool(cfg.get("attention_bias", False))
     return ModelArgs(
         family=family,
@@ -29,5 +28,5 @@ def model_args(family: str, cfg: dict[str, Any]) -> ModelArgs:
         o_bias=family != "qwen2" and bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
-        sliding_window=int(window) if window else None,
+        sliding_window=sliding_window(cfg, default_on=family == "mistral"),
     )

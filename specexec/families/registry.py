@@ -13,10 +13,10 @@ from types import ModuleType
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families import llama
+from specexec.families import llama, mixtral, olmoe, qwen_moe
 from specexec.options import ConfigError
 
-FAMILY_MODULES: tuple[ModuleType, ...] = (llama,)
+FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen_moe, mixtral, olmoe)
 
 
 @functools.cache
@@ -29,6 +29,15 @@ def architectures() -> dict[str, tuple[str, ModuleType]]:
                 raise RuntimeError(f"architecture {arch} is claimed by two family modules")
             table[arch] = (family, module)
     return table
+
+
+@functools.cache
+def family_module(family: str) -> ModuleType:
+    """The module of a family name (ModelArgs.family); KeyError for a name no module claims."""
+    for name, module in architectures().values():
+        if name == family:
+            return module
+    raise KeyError(family)
 
 
 def family_names() -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from offload.planner import default_budgets
 
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.runtime.ledger import plan_memory
-from specexec.runtime.sizes import layer_bytes
+from specexec.runtime.sizes import layer_sizes
 from specexec.runtime.loading import read_args, resolve_dtype
 from specexec.runtime.offloaded import ASSUMED, run_shape, target_formats
 
@@ -43,7 +43,7 @@ def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineCon
         return 0
     if memory.fmt == "none" and not memory.plan.streams:
         return 0
-    return layer_bytes(args, memory.fmt, dtype, device.type) * args.n_layers + SPACE_MARGIN
+    return sum(layer_sizes(args, memory.fmt, dtype, device.type)) + SPACE_MARGIN
 
 
 def reserve_for(offload: OffloadConfig, engine: EngineConfig):

@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 
 from offload.formats.checkpoint import CheckpointError, pickle_files
+from offload.formats.refs import TensorRef, read_ref, ref_shape
 from offload.formats.sources import CheckpointSource, is_gguf, open_source, tensor_specs
 
 from specexec.config import ModelArgs
 from specexec.families import model_args
+from specexec.families.weights import checkpoint_refs
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.runtime.hub import HubOptions
 from specexec.model import Transformer, on_meta, rope_inv_freq
@@ -118,32 +120,44 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
 
-def _ignored(name: str, args: ModelArgs) -> bool:
-    """Tensors a checkpoint may carry that the model does not use: a tied head's copy, RoPE's inv_freq."""
-    return name == "lm_head.weight" and args.tie_word_embeddings or name.endswith("rotary_emb.inv_freq")
+def _ignored(stored: str, args: ModelArgs) -> bool:
+    """Stored tensors the model does not use: a tied head's copy, RoPE's inv_freq."""
+    return stored == "lm_head.weight" and args.tie_word_embeddings or stored.endswith("rotary_emb.inv_freq")
 
 
-def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: ModelArgs) -> None:
-    """CheckpointError unless `source` holds exactly the tensors `args` implies: no unexpected name (an extra
-    tensor means the checkpoint is not the model config.json describes), the right shapes, floating-point
-    dtypes, nothing missing. Headers only, nothing read: the resident loader, the offload planner and
-    `convert` all call it before they load, plan or cache anything."""
+def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: ModelArgs) -> dict[str, TensorRef]:
+    """Every model tensor's source in the checkpoint (our name -> TensorRef, by the family's weight-name
+    mapping: specexec/families/weights.py), after CheckpointError unless `source` holds exactly the tensors
+    `args` implies: no unexpected name (an extra tensor means the checkpoint is not the model config.json
+    describes), the right shapes (of each expert's piece of a fused tensor too), floating-point dtypes,
+    nothing missing. Headers only, nothing read: the resident loader, the offload planner and `convert` all
+    call it before they load, plan or cache anything. Messages name the checkpoint's own tensor."""
     expected = expected_shapes(args)
-    seen: set[str] = set()
-    for raw, (dtype, shape) in tensor_specs(source).items():
-        name = raw.removeprefix("model.")
-        if _ignored(name, args):
-            continue
-        if name not in expected:
+    specs = tensor_specs(source)
+    refs = checkpoint_refs(args, expected, specs)
+    used = {r.name for r in refs.values()}
+    for raw in specs:
+        if raw not in used and not _ignored(raw, args):
             raise CheckpointError(f"{path}: unexpected tensor {raw!r} for a {args.family} model of this config")
-        if tuple(shape) != expected[name]:
-            raise CheckpointError(f"{path}: {raw} has shape {list(shape)}, config.json implies {list(expected[name])}")
+    missing = []
+    for name, ref in refs.items():
+        if ref.name not in specs:
+            missing.append(ref.name)
+            continue
+        dtype, stored = specs[ref.name]
+        try:
+            shape = ref_shape(ref, stored)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        if shape != expected[name]:
+            raise CheckpointError(f"{path}: {ref.describe()} has shape {list(shape)}, config.json implies "
+                                  f"{list(expected[name])}")
         if not dtype.is_floating_point:
-            raise CheckpointError(f"{path}: {raw} has dtype {dtype}; expected floating-point weights")
-        seen.add(name)
-    missing = sorted(set(expected) - seen)
+            raise CheckpointError(f"{path}: {ref.name} has dtype {dtype}; expected floating-point weights")
     if missing:
+        missing = sorted(set(missing))
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    return refs
 
 
 def check_checkpoint(path: Path, args: ModelArgs, allow_pickle: bool = False) -> None:
@@ -156,13 +170,8 @@ def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.de
                allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Checked tensors (check_tensors) by model parameter name, cast to dtype on device, one tensor at a time."""
     source = _open_weights(path, allow_pickle)
-    check_tensors(path, source, args)
-    state: dict[str, torch.Tensor] = {}
-    for raw in source.names():
-        name = raw.removeprefix("model.")
-        if not _ignored(name, args):
-            state[name] = source.get(raw).to(device=device, dtype=dtype)
-    return state
+    refs = check_tensors(path, source, args)
+    return {name: read_ref(source, ref).to(device=device, dtype=dtype) for name, ref in refs.items()}
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: str = "auto",

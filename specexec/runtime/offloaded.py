@@ -33,6 +33,7 @@ from offload.cache.store import LayerCache
 from offload.formats.checkpoint import CheckpointError
 from offload.memory_plan import PlanError
 from offload.platform.mounts import slow_mount_warnings
+from offload.formats.refs import read_ref, ref_shape
 from offload.formats.sources import open_source
 from offload.quant.weights import auto_format, device_problem
 from offload.streaming.pager import LayerPager, build_pager
@@ -46,6 +47,7 @@ from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
 from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
 from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
+from specexec.families.weights import checkpoint_refs
 from specexec.runtime.loading import check_tensors, expected_shapes
 from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta, rope_inv_freq
 
@@ -53,33 +55,24 @@ RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
 
 
-def block_tensor_names(args: ModelArgs) -> tuple[list[str], frozenset[str]]:
-    """(every tensor name of one decoder Block in state_dict order, the names of its nn.Linear weights)."""
-    shapes, linear = sizes.block_specs(args)
+def block_tensor_names(args: ModelArgs, layer: int = 0) -> tuple[list[str], frozenset[str]]:
+    """(every tensor name of decoder layer `layer`'s Block in state_dict order, the names of its nn.Linear
+    weights); a sparse (MoE) layer's experts are `mlp.experts.{e}.*`, one expert's tensors adjacent."""
+    shapes, linear = sizes.block_specs(args, layer)
     return [n for n, _ in shapes], linear
 
 
-def checkpoint_prefix(names: Sequence[str]) -> str:
-    """'model.' when the checkpoint's tensor names carry it (HF *ForCausalLM checkpoints), else ''."""
-    return "model." if any(n.startswith("model.layers.") for n in names) else ""
-
-
 def layer_names(path: Path, args: ModelArgs) -> list[LayerNames]:
-    """For the layer cache: per decoder layer, packed name (as the Block binds it) -> checkpoint name, and
-    which of them are Linear weights. CheckpointError unless the checkpoint holds exactly what `args` implies
+    """For the layer cache: per decoder layer, packed name (as the Block binds it) -> the TensorRef of its
+    source in the checkpoint (the family's weight-name mapping, specexec/families/weights.py), and which of
+    them are Linear weights (a bare name for a whole stored tensor). CheckpointError unless the checkpoint holds exactly what `args` implies
     (check_tensors: the planner and `convert` call this before anything is cached)."""
-    names, linear = block_tensor_names(args)
-    source = open_source(path)
-    check_tensors(path, source, args)          # before planning or caching: a bad checkpoint caches nothing
-    stored = set(source.names())
-    prefix = checkpoint_prefix(list(stored))
+    refs = check_tensors(path, open_source(path), args)   # before planning or caching: a bad one caches nothing
     out = []
     for i in range(args.n_layers):
-        tensors = {n: f"{prefix}layers.{i}.{n}" for n in names}
-        missing = [t for t in tensors.values() if t not in stored]
-        if missing:
-            raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing ({len(missing)} missing for layer {i})")
-        out.append(LayerNames(tensors, linear))
+        names, linear = block_tensor_names(args, i)
+        tensors = {n: refs[f"layers.{i}.{n}"] for n in names}
+        out.append(LayerNames({n: r.name if r.plain else r for n, r in tensors.items()}, linear))
     return out
 
 
@@ -88,17 +81,14 @@ def read_resident(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch
     """embed_tokens / norm / lm_head (unless tied) from the checkpoint, shape-checked, as dtype on device (the
     names in `host` stay in CPU memory)."""
     ckpt = open_source(path)
-    prefix = checkpoint_prefix(ckpt.names())
     shapes = expected_shapes(args)
+    refs = checkpoint_refs(args, [n for n in RESIDENT_NAMES if n in shapes], ckpt.names())  # no tied lm_head
     out: dict[str, torch.Tensor] = {}
-    for name in RESIDENT_NAMES:
-        if name not in shapes:                    # lm_head of a tied model
-            continue
-        raw = name if name == "lm_head.weight" else prefix + name
-        if tuple(ckpt.shape(raw)) != shapes[name]:
-            raise CheckpointError(f"{path}: {raw} has shape {list(ckpt.shape(raw))}, config.json implies "
-                                  f"{list(shapes[name])}")
-        out[name] = ckpt.get(raw).to(device="cpu" if name in host else device, dtype=dtype)
+    for name, ref in refs.items():
+        if ref_shape(ref, tuple(ckpt.shape(ref.name))) != shapes[name]:
+            raise CheckpointError(f"{path}: {ref.describe()} has shape {list(ckpt.shape(ref.name))}, config.json "
+                                  f"implies {list(shapes[name])}")
+        out[name] = read_ref(ckpt, ref).to(device="cpu" if name in host else device, dtype=dtype)
     return out
 
 
@@ -144,27 +134,28 @@ class OffloadedTransformer(Transformer):
         self.inv_freq = rope_inv_freq(args).to(device)
         self.layouts, self.fmt, self.run_dtype = list(layouts), fmt, dtype
         self.prefetch = prefetch
-        self._slot_blocks: dict[int, Block] = {}
+        self._slot_blocks: dict[object, Block] = {}
         self._resident_blocks: dict[int, Block] = {}
         self.pager: LayerPager = pager_factory(self._bind)
         self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
         self._kv: KVCache | None = None               # the cache whose streamed rows the pager stages now
         self.eval().requires_grad_(False)
 
-    def _new_block(self) -> Block:
+    def _new_block(self, i: int) -> Block:
         with on_meta():
-            block = Block(self.args)
+            block = Block(self.args, i)
         swap_linears(block, self.fmt, self.run_dtype)
         return block.eval().requires_grad_(False)
 
     def _bind(self, i: int, slot: int, buf: torch.Tensor) -> Block:
-        """The Block for layer i held in `buf`: the slot's Block re-pointed at it, or layer i's resident Block."""
+        """The Block for layer i held in `buf`: the slot's Block (one per slot and layer kind: an MoE model's
+        dense and sparse layers differ) re-pointed at it, or layer i's resident Block."""
         if slot < 0 and i in self._resident_blocks:
             return self._resident_blocks[i]
         blocks = self._resident_blocks if slot < 0 else self._slot_blocks
-        key = i if slot < 0 else slot
+        key = i if slot < 0 else (slot, sizes.sparse_layer(self.args, i))
         if key not in blocks:
-            blocks[key] = self._new_block()
+            blocks[key] = self._new_block(i)
         layout = self.layouts[i]
         bind_module(blocks[key], unpack_layer(buf, layout), layout.meta)
         return blocks[key]
