@@ -7,14 +7,14 @@ mask), and `slots` says where each token's K/V is written. The mask becomes an `
 forward (the model's sliding window applied there) and every layer attends with it (specexec/attention.py:
 prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
 leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
-caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB).
+caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made
+of live beside it: specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP).
 
 Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
 offloading (OffloadedTransformer overrides `layer_modules`), trees or sampling.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
@@ -25,7 +25,10 @@ from torch import nn
 
 from specexec.attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
 from specexec.config import ModelArgs
+from specexec.ffn import MLP
 from specexec.kv.cache import KVCache
+from specexec.norms import RMSNorm
+from specexec.rope import apply_rope, rope_inv_freq
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -51,45 +54,6 @@ def on_meta() -> Iterator[None]:
 
 def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return tensor
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the checkpoint's rope scaling (default, linear, llama3), computed in
-    fp32 on the CPU whatever the default device (callers move them; on meta there would be nothing to read)."""
-    d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
-    scaling = args.rope_scaling_dict or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
-        inv = inv / float(scaling["factor"])
-    elif kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
-    return inv
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [B, 1, T, D] from `Transformer.rope` (sin with its first half negated).
-    HF's rotate-half, x * cos + cat(-x2, x1) * sin, in four ops instead of seven: cat(x2, x1) is x rolled by
-    half, and the sign moves onto sin. Bit for bit the same: a product's sign does not change its magnitude."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -120,17 +84,6 @@ class Attention(nn.Module):
             k, v = cache.view(layer, plan.n_slots)
         out = attend(q, k.to(q.dtype), v.to(q.dtype), plan)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):

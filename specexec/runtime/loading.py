@@ -26,7 +26,8 @@ from specexec.config import ModelArgs
 from specexec.families import model_args
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.runtime.hub import HubOptions
-from specexec.model import Transformer, on_meta, rope_inv_freq
+from specexec.model import Transformer, on_meta
+from specexec.rope import rope_inv_freq
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}   # options names the choices

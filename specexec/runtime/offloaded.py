@@ -47,7 +47,8 @@ from specexec.kv.cache import KVCache
 from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
 from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
 from specexec.runtime.loading import check_tensors, expected_shapes
-from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta, rope_inv_freq
+from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta
+from specexec.rope import rope_inv_freq
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
