@@ -3,8 +3,9 @@
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
 positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
 `TreeMask`: the whole committed prefix plus a small mask over the new tokens' own slots; or a dense bool
-mask), and `slots` says where each token's K/V is written. The mask becomes an `AttentionPlan` once per
-forward (the model's sliding window applied there) and every layer attends with it (specexec/attention.py:
+mask), and `slots` says where each token's K/V is written. Layers come in kinds (ModelArgs.layer_kind: a
+sliding window or none, the global or a local RoPE): per forward the mask becomes one `AttentionPlan` per
+window and the positions one cos/sin table per RoPE, and each layer attends with its kind's (specexec/attention.py:
 prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
 leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
 caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made
@@ -28,7 +29,7 @@ from specexec.config import ModelArgs
 from specexec.ffn import MLP
 from specexec.kv.cache import KVCache
 from specexec.norms import RMSNorm
-from specexec.rope import apply_rope, rope_inv_freq
+from specexec.rope import apply_rope, rope_inv_freq, rope_names
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -113,7 +114,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        for rope in rope_names(args):              # inv_freq (global), inv_freq_local (Gemma 3's sliding layers)
+            self.register_buffer(_rope_buffer(rope), rope_inv_freq(args, rope), persistent=False)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -124,10 +126,18 @@ class Transformer(nn.Module):
         """(index, block) in order; the offloaded model streams them instead."""
         return enumerate(self.layers)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim] for `apply_rope`, computed in fp32 then cast:
-        (cos f, cos f) and (-sin f, sin f) for the frequencies f = position x inv_freq."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+    def init_rope(self, device: torch.device | str, like: Transformer | None = None) -> None:
+        """Set the RoPE tables on `device` (a model built on meta has none): computed, or `like`'s own."""
+        for rope in rope_names(self.args):
+            name = _rope_buffer(rope)
+            setattr(self, name, getattr(like, name) if like is not None else
+                    rope_inv_freq(self.args, rope).to(device))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, rope: str = "global"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] of one RoPE (LayerKind.rope) for `apply_rope`,
+        computed in fp32 then cast: (cos f, cos f) and (-sin f, sin f) for f = position x inv_freq."""
+        freqs = positions.float().unsqueeze(-1) * getattr(self, _rope_buffer(rope)).to(positions.device)
         sin = freqs.sin()
         return (torch.cat((freqs, freqs), -1).cos().unsqueeze(1).to(dtype),
                 torch.cat((-sin, sin), -1).unsqueeze(1).to(dtype))
@@ -147,10 +157,12 @@ class Transformer(nn.Module):
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope(positions, x.dtype)
-        plan = self.attention_plan(mask, positions, x.dtype)
+        kinds = self.args.layer_kinds
+        ropes = {rope: self.rope(positions, x.dtype, rope) for rope in {k.rope for k in kinds}}
+        plans = self.attention_plans(mask, positions, x.dtype)
         for i, layer in self.layer_modules():
-            x = layer(x, cos, sin, plan, cache, i, slots)
+            kind = kinds[i]
+            x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots)
         return self.norm(x)
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
@@ -159,12 +171,22 @@ class Transformer(nn.Module):
         a, p = self.args, next(self.parameters())
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, p.dtype, p.device, quant=quant)
 
+    def attention_plans(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
+                        dtype: torch.dtype) -> dict[int | None, AttentionPlan]:
+        """The mask in the form the layers attend with, built once per forward for each sliding window the
+        layers have (None: full attention), never per layer (positions [B, T]). A dense mask is used as given
+        (the caller applied any window), so it cannot serve layers whose windows differ."""
+        a = self.args
+        windows = sorted({k.window for k in a.layer_kinds}, key=lambda w: (w is not None, w or 0))
+        if isinstance(mask, torch.Tensor) and len(windows) > 1:
+            raise ValueError(f"layers with sliding windows {windows} need a TreeMask, not one dense mask")
+        return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // a.n_kv_heads, dtype,
+                              pick_kernel(positions.device)) for w in windows}
+
     def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                        dtype: torch.dtype) -> AttentionPlan:
-        """The mask in the form every layer attends with, built once per forward (positions [B, T])."""
-        a = self.args
-        return build_plan(mask, positions, positions.shape[-1], a.sliding_window, a.n_heads // a.n_kv_heads,
-                          dtype, pick_kernel(positions.device))
+        """The plan decoder layer 0 attends with (attention_plans)."""
+        return self.attention_plans(mask, positions, dtype)[self.args.layer_kind(0).window]
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., D] -> fp32 logits [R, V] for `rows` of the flattened hidden (all rows when None)."""
@@ -172,6 +194,11 @@ class Transformer(nn.Module):
         if rows is not None:
             h = h.index_select(0, rows)
         return F.linear(h, self.head_weight).float()
+
+
+def _rope_buffer(rope: str) -> str:
+    """The buffer holding one RoPE's inverse frequencies: inv_freq, inv_freq_local."""
+    return "inv_freq" if rope == "global" else f"inv_freq_{rope}"
 
 
 def prefix_tree_mask(n_prefix: int, tree_mask: torch.Tensor, window: int | None = None,

@@ -11,12 +11,20 @@ import torch
 from specexec.config import ModelArgs
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the checkpoint's rope scaling (default, linear, llama3), computed in
-    fp32 on the CPU whatever the default device (callers move them; on meta there would be nothing to read)."""
+def rope_names(args: ModelArgs) -> tuple[str, ...]:
+    """The RoPEs the layers of `args` use (LayerKind.rope: "global", and "local" where sliding layers have their
+    own), each a table the model keeps and computes once per forward."""
+    return tuple(sorted({kind.rope for kind in args.layer_kinds} | {"global"}))
+
+
+def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] of one of the model's RoPEs ("global" | "local", ModelArgs.rope_params)
+    with its scaling (default, linear, llama3), computed in fp32 on the CPU whatever the default device
+    (callers move them; on meta there would be nothing to read)."""
     d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
-    scaling = args.rope_scaling_dict or {}
+    theta, scaling = args.rope_params(rope)
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         inv = inv / float(scaling["factor"])

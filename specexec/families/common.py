@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from specexec.config import LAYER_TYPES
 from specexec.options import ConfigError
 
 ROPE_KINDS = ("default", "llama3", "linear")
@@ -52,3 +53,16 @@ def eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
     """config.json's eos_token_id (an int, a list or absent) as a tuple."""
     eos = cfg.get("eos_token_id")
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def layer_types(cfg: dict[str, Any], default: Any = None) -> tuple[str, ...]:
+    """config.json's per-layer attention kinds (layer_types), else `default(i)` for each layer (None: ());
+    ConfigError for a kind outside LAYER_TYPES (registry.refusal words the line for hybrid models)."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        return tuple(default(i) for i in range(n)) if default is not None else ()
+    odd = sorted({t for t in types if t not in LAYER_TYPES})
+    if odd:
+        raise ConfigError(f"layer_types {', '.join(odd)} are not supported; supported: {', '.join(LAYER_TYPES)}")
+    return tuple(types)

@@ -23,7 +23,6 @@ layers stream (offload.streaming.pager), trees, builders or verification.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -73,7 +72,7 @@ class SelfDraft(Transformer):
                  shared: Sequence[int]) -> None:
         if len(blocks) != len(layer_ids):
             raise ValueError(f"{len(blocks)} blocks for {len(layer_ids)} layers")
-        args = replace(target.args, n_layers=len(layer_ids))
+        args = target.args.subset(layer_ids)
         with on_meta():                              # allocates nothing: every tensor is replaced
             super().__init__(args)
         self.embed_tokens = target.embed_tokens
@@ -81,7 +80,7 @@ class SelfDraft(Transformer):
         self.norm = target.norm
         if not args.tie_word_embeddings:
             self.lm_head = target.lm_head
-        self.inv_freq = target.inv_freq
+        self.init_rope(target.norm.weight.device, like=target)
         self.layer_ids, self.fmt, self.shared = tuple(layer_ids), fmt, tuple(shared)
         self.train(False)
 
