@@ -9,7 +9,8 @@ Does not know: how a value was typed (options.py parses text), how weights are l
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from specexec.options import (
@@ -66,6 +67,19 @@ class MoEArgs:
         return layer not in self.dense_layers
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")     # config.json's layer_types values specexec runs
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """How the decoder layers of one kind attend: `window` (sliding window in positions; None: the whole
+    context) and `rope` ("global": ModelArgs.rope_theta / rope_scaling; "local": local_rope_theta /
+    local_rope_scaling). Layers of one kind share one attention plan and one RoPE table per forward."""
+
+    window: int | None = None
+    rope: str = "global"
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     """Shape and named maths options of one decoder. specexec/families/ builds it from config.json (one module
@@ -96,10 +110,52 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEArgs | None = None
+    # per-layer attention kinds: layer_types[i] is one of LAYER_TYPES (HF's names); () = every layer alike,
+    # sliding when sliding_window is set (Mistral). A sliding layer sees the last `sliding_window` positions.
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None      # RoPE base of the sliding layers when they have their own (Gemma 3)
+    local_rope_scaling: tuple[tuple[str, Any], ...] | None = None   # ... and its scaling (read only with a base)
+
+    def __post_init__(self) -> None:
+        if self.layer_types:
+            if len(self.layer_types) != self.n_layers:
+                raise ConfigError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.n_layers}")
+            for kind in self.layer_types:
+                check_choice("layer type", kind, LAYER_TYPES)
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """The attention kind of decoder layer `layer` (see LayerKind)."""
+        sliding = self.layer_types[layer] == "sliding_attention" if self.layer_types else bool(self.sliding_window)
+        if not sliding:
+            return LayerKind()
+        return LayerKind(self.sliding_window, "local" if self.local_rope_theta is not None else "global")
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Every decoder layer's kind, in order."""
+        return tuple(self.layer_kind(i) for i in range(self.n_layers))
+
+    def rope_params(self, rope: str) -> tuple[float, dict[str, Any] | None]:
+        """(base, scaling dict or None) of one RoPE of LayerKind.rope ("global" | "local")."""
+        if rope == "local" and self.local_rope_theta is not None:
+            return self.local_rope_theta, dict(self.local_rope_scaling) if self.local_rope_scaling else None
+        return self.rope_theta, self.rope_scaling_dict
+
+    def subset(self, layers: Sequence[int]) -> ModelArgs:
+        """These args for a network that runs only decoder layers `layers` of this one, in that order (the
+        self-draft): each keeps its kind (layer_types) and, for a mixture of experts, whether it is dense."""
+        ids = list(layers)
+        kinds = tuple(self.layer_types[i] for i in ids) if self.layer_types else ()
+        moe = self.moe
+        if moe is not None and moe.dense_layers:
+            moe = replace(moe, dense_layers=tuple(j for j, i in enumerate(ids) if i in moe.dense_layers))
+        return replace(self, n_layers=len(ids), layer_types=kinds, moe=moe)
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,19 @@
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
 positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
 `TreeMask`: the whole committed prefix plus a small mask over the new tokens' own slots; or a dense bool
-mask), and `slots` says where each token's K/V is written. The mask becomes an `AttentionPlan` once per
-forward (the model's sliding window applied there) and every layer attends with it (specexec/attention.py:
+mask), and `slots` says where each token's K/V is written. Layers come in kinds (ModelArgs.layer_kind: a
+sliding window or none, the global or a local RoPE): per forward the mask becomes one `AttentionPlan` per
+window and the positions one cos/sin table per RoPE, and each layer attends with its kind's (specexec/attention.py:
 prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
 leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
-caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB).
+caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made
+of live beside it: specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP).
 
 Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
 offloading (OffloadedTransformer overrides `layer_modules`), trees or sampling.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
@@ -25,8 +26,11 @@ from torch import nn
 
 from specexec.attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
 from specexec.config import ModelArgs
+from specexec.ffn import MLP
 from specexec.kv.cache import KVCache
-from specexec.moe import GatedMLP, RoutingLog, SparseMLP
+from specexec.moe import RoutingLog, SparseMLP
+from specexec.norms import RMSNorm
+from specexec.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_names
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -52,76 +56,6 @@ def on_meta() -> Iterator[None]:
 
 def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return tensor
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the checkpoint's rope scaling (default, linear, llama3), computed in
-    fp32 on the CPU whatever the default device (callers move them; on meta there would be nothing to read)."""
-    d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
-    scaling = args.rope_scaling_dict or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
-        inv = inv / float(scaling["factor"])
-    elif kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
-    elif kind == "yarn":
-        inv = _yarn_inv_freq(inv, args.rope_theta, d, scaling)
-    return inv
-
-
-def _yarn_inv_freq(inv: torch.Tensor, theta: float, d: int, scaling: dict[str, Any]) -> torch.Tensor:
-    """YaRN (Peng et al. 2023): frequencies blended between extrapolated (inv) and interpolated (inv / factor)
-    by a linear ramp over the dimensions whose rotations at the original context lie in [beta_slow, beta_fast]."""
-    factor, orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
-    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
-
-    def dim_of(rotations: float) -> float:
-        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = dim_of(fast), dim_of(slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
-    return inv / factor * ramp + inv * (1 - ramp)
-
-
-def rope_attention_factor(args: ModelArgs) -> float:
-    """The factor RoPE's cos and sin are multiplied by: YaRN's attention temperature (0.1 ln(factor) + 1 unless
-    the config names attention_factor), else 1."""
-    scaling = args.rope_scaling_dict or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    factor = float(scaling["factor"])
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [B, 1, T, D] from `Transformer.rope` (sin with its first half negated).
-    HF's rotate-half, x * cos + cat(-x2, x1) * sin, in four ops instead of seven: cat(x2, x1) is x rolled by
-    half, and the sign moves onto sin. Bit for bit the same: a product's sign does not change its magnitude."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -162,13 +96,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(GatedMLP):
-    """The dense SwiGLU feed-forward (gate_proj, up_proj, down_proj of ModelArgs.intermediate_size)."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args.dim, args.intermediate_size, bias=args.mlp_bias)
-
-
 class Block(nn.Module):
     """One decoder layer: pre-norm attention and a feed-forward with residuals. The feed-forward of decoder layer
     `layer` is a SparseMLP (specexec/moe.py) when ModelArgs.moe says that layer is sparse, else the dense MLP."""
@@ -205,7 +132,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        for rope in rope_names(args):              # inv_freq (global), inv_freq_local (Gemma 3's sliding layers)
+            self.register_buffer(_rope_buffer(rope), rope_inv_freq(args, rope), persistent=False)
         self.routing: RoutingLog | None = None       # set to a RoutingLog to record each sparse layer's routing
 
     @property
@@ -217,13 +145,22 @@ class Transformer(nn.Module):
         """(index, block) in order; the offloaded model streams them instead."""
         return enumerate(self.layers)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim] for `apply_rope`, computed in fp32 then cast:
-        (cos f, cos f) and (-sin f, sin f) for the frequencies f = position x inv_freq."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+    def init_rope(self, device: torch.device | str, like: Transformer | None = None) -> None:
+        """Set the RoPE tables on `device` (a model built on meta has none): computed, or `like`'s own."""
+        for rope in rope_names(self.args):
+            name = _rope_buffer(rope)
+            setattr(self, name, getattr(like, name) if like is not None else
+                    rope_inv_freq(self.args, rope).to(device))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, rope: str = "global"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] of one RoPE (LayerKind.rope) for `apply_rope`,
+        computed in fp32 then cast: (cos f, cos f) and (-sin f, sin f) for f = position x inv_freq, both times
+        the RoPE's attention factor (YaRN's; 1 otherwise)."""
+        freqs = positions.float().unsqueeze(-1) * getattr(self, _rope_buffer(rope)).to(positions.device)
         sin, cos = freqs.sin(), torch.cat((freqs, freqs), -1).cos()
         sin = torch.cat((-sin, sin), -1)
-        scale = rope_attention_factor(self.args)
+        scale = rope_attention_factor(self.args, rope)
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
@@ -243,12 +180,14 @@ class Transformer(nn.Module):
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope(positions, x.dtype)
-        plan = self.attention_plan(mask, positions, x.dtype)
+        kinds = self.args.layer_kinds
+        ropes = {rope: self.rope(positions, x.dtype, rope) for rope in {k.rope for k in kinds}}
+        plans = self.attention_plans(mask, positions, x.dtype)
         if self.routing is not None:
             self.routing.begin()
         for i, layer in self.layer_modules():
-            x = layer(x, cos, sin, plan, cache, i, slots, self.routing)
+            kind = kinds[i]
+            x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, self.routing)
         return self.norm(x)
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
@@ -257,12 +196,22 @@ class Transformer(nn.Module):
         a, p = self.args, next(self.parameters())
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, p.dtype, p.device, quant=quant)
 
+    def attention_plans(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
+                        dtype: torch.dtype) -> dict[int | None, AttentionPlan]:
+        """The mask in the form the layers attend with, built once per forward for each sliding window the
+        layers have (None: full attention), never per layer (positions [B, T]). A dense mask is used as given
+        (the caller applied any window), so it cannot serve layers whose windows differ."""
+        a = self.args
+        windows = sorted({k.window for k in a.layer_kinds}, key=lambda w: (w is not None, w or 0))
+        if isinstance(mask, torch.Tensor) and len(windows) > 1:
+            raise ValueError(f"layers with sliding windows {windows} need a TreeMask, not one dense mask")
+        return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // a.n_kv_heads, dtype,
+                              pick_kernel(positions.device)) for w in windows}
+
     def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                        dtype: torch.dtype) -> AttentionPlan:
-        """The mask in the form every layer attends with, built once per forward (positions [B, T])."""
-        a = self.args
-        return build_plan(mask, positions, positions.shape[-1], a.sliding_window, a.n_heads // a.n_kv_heads,
-                          dtype, pick_kernel(positions.device))
+        """The plan decoder layer 0 attends with (attention_plans)."""
+        return self.attention_plans(mask, positions, dtype)[self.args.layer_kind(0).window]
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., D] -> fp32 logits [R, V] for `rows` of the flattened hidden (all rows when None)."""
@@ -270,6 +219,11 @@ class Transformer(nn.Module):
         if rows is not None:
             h = h.index_select(0, rows)
         return F.linear(h, self.head_weight).float()
+
+
+def _rope_buffer(rope: str) -> str:
+    """The buffer holding one RoPE's inverse frequencies: inv_freq, inv_freq_local."""
+    return "inv_freq" if rope == "global" else f"inv_freq_{rope}"
 
 
 def prefix_tree_mask(n_prefix: int, tree_mask: torch.Tensor, window: int | None = None,

@@ -19,7 +19,7 @@ and the layer cache use; the checkpoint's own names are mapped onto these):
     mlp.shared_expert.{gate,up,down}_proj.weight   with MoEArgs.shared_dim > 0
     mlp.shared_expert_gate.weight [1, D]        with MoEArgs.shared_gate
 
-Every expert is its own GatedMLP of three nn.Linear, so quantization (offload/quant/linear.swap_linears) and
+Every expert is its own GatedMLP (specexec/ffn.py) of three nn.Linear, so quantization (offload/quant/linear.swap_linears) and
 binding a layer's packed views work on experts as on any MLP, and one expert's tensors share the prefix
 `mlp.experts.{e}.`. The router and the shared-expert gate are NOT nn.Linear (plain parameters read with
 F.linear), so they are never quantized: a quantized router would move the discrete top-k choice.
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specexec.config import ModelArgs, MoEArgs
+from specexec.ffn import GatedMLP
 
 
 @dataclass(frozen=True)
@@ -75,28 +76,6 @@ class RoutingLog:
     def experts(self, layer: int) -> list[int]:
         """The distinct experts layer `layer` routed to in the latest forward (a host sync)."""
         return torch.unique(self.layers[layer]).tolist()
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x), up(x))): the dense MLP, each expert and the shared expert. act "silu": silu(g) * u;
-    "clamped_swiglu" (gpt-oss): g clamped above at `limit`, u to [-limit, limit], (u + 1) * g * sigmoid(alpha g)."""
-
-    def __init__(self, dim: int, hidden: int, bias: bool = False, activation: str = "silu",
-                 alpha: float = 1.702, limit: float = 7.0) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
-        self.activation, self.alpha, self.limit = activation, alpha, limit
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x [..., D] -> [..., D]."""
-        g, u = self.gate_proj(x), self.up_proj(x)
-        if self.activation == "silu":
-            return self.down_proj(F.silu(g) * u)
-        g = g.clamp(max=self.limit)
-        u = u.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj((u + 1) * (g * torch.sigmoid(g * self.alpha)))
 
 
 class Router(nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from specexec.config import LAYER_TYPES
 from specexec.options import ConfigError
 
 ROPE_KINDS = ("default", "llama3", "linear")
@@ -72,3 +73,16 @@ def n_experts(cfg: dict[str, Any]) -> int:
     """The routed experts per MoE layer: num_experts (the Hub's Qwen and OLMoE configs) or num_local_experts
     (Mixtral, gpt-oss, and what transformers >= 5 writes for every one of them); 0 when neither is set."""
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def layer_types(cfg: dict[str, Any], default: Any = None) -> tuple[str, ...]:
+    """config.json's per-layer attention kinds (layer_types), else `default(i)` for each layer (None: ());
+    ConfigError for a kind outside LAYER_TYPES (registry.refusal words the line for hybrid models)."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        return tuple(default(i) for i in range(n)) if default is not None else ()
+    odd = sorted({t for t in types if t not in LAYER_TYPES})
+    if odd:
+        raise ConfigError(f"layer_types {', '.join(odd)} are not supported; supported: {', '.join(LAYER_TYPES)}")
+    return tuple(types)

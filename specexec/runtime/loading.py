@@ -28,7 +28,7 @@ from specexec.families import model_args
 from specexec.families.weights import checkpoint_refs
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.runtime.hub import HubOptions
-from specexec.model import Transformer, on_meta, rope_inv_freq
+from specexec.model import Transformer, on_meta
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}   # options names the choices
@@ -183,7 +183,7 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: str = "aut
     with on_meta():
         model = Transformer(args)
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = rope_inv_freq(args).to(device)
+    model.init_rope(device)
     return model.eval().requires_grad_(False)
 
 

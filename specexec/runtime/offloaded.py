@@ -49,7 +49,7 @@ from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
 from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
 from specexec.families.weights import checkpoint_refs
 from specexec.runtime.loading import check_tensors, expected_shapes
-from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta, rope_inv_freq
+from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
@@ -131,7 +131,7 @@ class OffloadedTransformer(Transformer):
             self.embed_tokens = HostEmbedding(resident["embed_tokens.weight"], device)
             resident = {k: v for k, v in resident.items() if k != "embed_tokens.weight"}
         self.load_state_dict(resident, strict=False, assign=True)
-        self.inv_freq = rope_inv_freq(args).to(device)
+        self.init_rope(device)
         self.layouts, self.fmt, self.run_dtype = list(layouts), fmt, dtype
         self.prefetch = prefetch
         self._slot_blocks: dict[object, Block] = {}
@@ -169,7 +169,7 @@ class OffloadedTransformer(Transformer):
             self.pager.discard()
             self.pager.companion, self._kv = None, None
         cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.run_dtype, self.norm.weight.device,
-                        quant=quant, streamed=streamed, tail=tail)
+                        quant=quant, streamed=streamed, tail=tail, windows=[k.window for k in a.layer_kinds])
         if streamed:
             cache.attach(len(self.pager.slots), self.pager.discard)
         return cache
