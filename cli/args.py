@@ -149,7 +149,7 @@ def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = N
     """Bring the target onto this machine (a Hub id or models.yaml name is downloaded when not cached, see
     cli/fetch.py), then for a models.yaml name use its recommended draft (unless --draft/--no-draft), default
     budget and quantization (unless given), then bring the draft. A directory path is never looked up."""
-    from specexec.runtime.catalog import find
+    from specexec.checkpoints.catalog import find
 
     entry = find(args.model)
     fetch_model(args, "model", target_reserve(args))

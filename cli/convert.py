@@ -23,7 +23,7 @@ from offload.cache.store import LayerCache
 from offload.quant.weights import FORMATS
 from cli.fetch import fetch_model
 from specexec.options import DTYPES, check_device
-from specexec.runtime.loading import read_args, resolve_dtype, resolve_model_path
+from specexec.checkpoints.loading import read_args, resolve_dtype, resolve_model_path
 from specexec.runtime.offloaded import layer_names
 
 

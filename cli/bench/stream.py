@@ -36,7 +36,7 @@ from offload.planner import default_budgets, plan
 from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read
 from specexec.config import ModelArgs
 from specexec.options import DTYPES, ConfigError, check_choice, check_device, check_integer, choices, parse_size
-from specexec.runtime.loading import resolve_dtype
+from specexec.checkpoints.loading import resolve_dtype
 from specexec.model import Block, on_meta
 from specexec.runtime.offloaded import (ASSUMED, N_BOUNCE, N_SLOTS, OffloadedTransformer, activation_bytes,
                                 block_tensor_names)

@@ -3,7 +3,7 @@ model's weights, KV caches, and the peak transient of one forward pass (its atte
 
 Nothing here loads or reads a weight: shapes come from ModelArgs (a Block built on the meta device) and packed
 sizes from offload.quant.weights.layer_specs and offload.streaming.storage.plan_layout. The memory ledger
-(specexec/runtime/ledger.py) adds these up into a plan.
+(specexec/planning/ledger.py) adds these up into a plan.
 
 Does not know: budgets, tiers, plans, what a run consists of (ledger.py and run_shape.py do).
 """

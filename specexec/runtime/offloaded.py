@@ -8,15 +8,15 @@ logits and every other method are Transformer's, so the engine cannot tell the t
 first layers of the next pass start loading (`pager.prefetch_start()`), i.e. while the draft grows its tree.
 
 The embedding table of a streamed, untied target may stay in host RAM (HostEmbedding) when the plan says so
-(see specexec/runtime/ledger.py). A streamed target carries `prefill_tokens`: how many prompt tokens one prefill pass
+(see specexec/planning/ledger.py). A streamed target carries `prefill_tokens`: how many prompt tokens one prefill pass
 takes (the engine reads it), as many as its plan allows.
 
 Also here: the naming of a layer's tensors for the cache (`layer_names`), reading the resident
 embed/norm/head from a checkpoint, `build_offloaded` (checkpoint + layer cache + plan -> model), and
-`plan_target` (the run's memory plan from the configs, specexec/runtime/ledger.py).
+`plan_target` (the run's memory plan from the configs, specexec/planning/ledger.py).
 
 Does not know: how bytes move or where they live (offload.streaming.pager/tiers), how the tiers are chosen
-(offload.planner, specexec.runtime.ledger), the CLI, tokens or trees.
+(offload.planner, specexec.planning.ledger), the CLI, tokens or trees.
 """
 from __future__ import annotations
 
@@ -41,12 +41,12 @@ from offload.quant.linear import bind_module, quantize_module, swap_linears
 from offload.streaming.storage import LayerLayout, unpack_layer
 
 from specexec.options import ConfigError, check_budget_fits
-from specexec.runtime import ledger, sizes
+from specexec.planning import ledger, sizes
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
-from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
-from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
-from specexec.runtime.loading import check_tensors, expected_shapes
+from specexec.planning.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
+from specexec.planning.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
+from specexec.checkpoints.loading import check_tensors, expected_shapes
 from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta, rope_inv_freq
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")

@@ -30,7 +30,7 @@ from offload.cache.identity import cache_dir_for, options_of
 from offload.cache.reading import _VERIFIED
 from offload.cache.store import LayerCache
 from specexec.config import OffloadConfig, SamplingParams
-from specexec.runtime.loading import read_args
+from specexec.checkpoints.loading import read_args
 from specexec.runtime.offloaded import layer_names
 from tests.cli.test_chat import Screen
 

@@ -21,7 +21,7 @@ from specexec.config import EngineConfig, OffloadConfig
 from specexec.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.options import ConfigError
-from specexec.runtime.loading import load_model, read_args
+from specexec.checkpoints.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded, layer_names
 from specexec.builders.registry import make_builder, names as builder_names
@@ -262,7 +262,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     from specexec.config import EngineConfig, OffloadConfig
     from specexec.engine import Engine
-    from specexec.runtime.loading import expected_shapes, read_args
+    from specexec.checkpoints.loading import expected_shapes, read_args
     from specexec.runtime.offloaded import load_target, plan_target
 
     def anon():
