@@ -22,7 +22,7 @@ from rich.console import Console
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from cli.fetch import add_hub_args, fetch_model, target_reserve
 from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, is_self_draft
-from specexec.runtime.offloaded import TargetPlan
+from specexec.planning.target import TargetPlan
 from specexec.builders.registry import builder_needs_draft
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SELF

@@ -153,7 +153,7 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
 def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
     """The memory plan the flags describe, and where the GPU budget came from. ConfigError (one line, what
     would fit) when nothing does."""
-    from specexec.runtime.offloaded import target_formats
+    from specexec.planning.target import target_formats
 
     device = _device(ns)
     quant = ns.quant or "auto"

@@ -1,7 +1,7 @@
 """How much disk a run will write besides its weights, known before the weights are here: the layer cache the
 offload plan builds, estimated from config.json alone (shapes -> packed layer sizes -> the planner).
 
-The estimate is specexec.runtime.offloaded.plan_target's own ledger planning (specexec.planning.ledger.plan_memory)
+The estimate is specexec.planning.target.plan_target's own ledger planning (specexec.planning.ledger.plan_memory)
 without the draft: the format is --quant, or for auto `none` while every layer stays resident and the device's streamed
 format once any layer streams; a layer cache is built whenever the target is offloaded (a quantized format, or any
 streamed layer). The draft is not counted in the plan (its size is not known before it is fetched), so the plan may
@@ -21,10 +21,11 @@ from offload.memory_plan import PlanError
 from offload.planner import default_budgets
 
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig
-from specexec.planning.ledger import plan_memory
-from specexec.planning.sizes import layer_bytes
 from specexec.checkpoints.loading import read_args, resolve_dtype
-from specexec.runtime.offloaded import ASSUMED, run_shape, target_formats
+from specexec.planning.ledger import ASSUMED, plan_memory
+from specexec.planning.run_shape import run_shape
+from specexec.planning.sizes import layer_bytes
+from specexec.planning.target import target_formats
 
 
 def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineConfig) -> int:

@@ -237,7 +237,7 @@ def test_free_disk_is_checked_before_the_weights_with_the_layer_cache(online: Lo
 
 def test_layer_cache_estimate_matches_the_cache_planner(tiny_llama: Path) -> None:
     from offload.cache import store as layer_cache
-    from specexec.runtime.offloaded import layer_names
+    from specexec.checkpoints.naming import layer_names
 
     args = read_args(tiny_llama)
     engine = EngineConfig(dtype="float32")

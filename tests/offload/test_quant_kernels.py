@@ -19,7 +19,7 @@ from offload.quant import linear as quant
 from offload.quant import weights as qweights
 from offload.streaming.storage import pack_layer, unpack_layer
 from specexec.checkpoints.loading import read_args
-from specexec.runtime.offloaded import layer_names
+from specexec.checkpoints.naming import layer_names
 
 ROWS = (1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 64, 65, 128, 257)
 

@@ -23,7 +23,9 @@ from specexec.planning.ledger import CUDA_CONTEXT, card_budget, plan_memory
 from specexec.planning.run_shape import RunShape
 from specexec.planning.sizes import layer_bytes, weight_bytes
 from specexec.checkpoints.loading import load_model, read_args
-from specexec.runtime.offloaded import layer_names, module_bytes, quantize_layers
+from specexec.checkpoints.naming import layer_names
+from specexec.planning.sizes import module_bytes
+from specexec.runtime.offloaded import quantize_layers
 from specexec.runtime.assembly import Runtime
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -31,7 +31,7 @@ from offload.cache.reading import _VERIFIED
 from offload.cache.store import LayerCache
 from specexec.config import OffloadConfig, SamplingParams
 from specexec.checkpoints.loading import read_args
-from specexec.runtime.offloaded import layer_names
+from specexec.checkpoints.naming import layer_names
 from tests.cli.test_chat import Screen
 
 ROOT = Path(__file__).resolve().parents[2]

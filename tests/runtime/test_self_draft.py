@@ -30,7 +30,8 @@ from specexec.planning.run_shape import RunShape, spaced_layers, with_self_draft
 from specexec.planning.sizes import layer_bytes
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.checkpoints.catalog import parse_catalog
-from specexec.runtime.offloaded import HostEmbedding, target_formats
+from specexec.planning.target import target_formats
+from specexec.runtime.offloaded import HostEmbedding
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
 from tests.core.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
