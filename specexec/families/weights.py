@@ -8,7 +8,7 @@ regex's groups), with the piece to take (offload/formats/refs.TensorRef: one exp
 gate/up columns, a transpose). The first matching rule wins; a name no rule matches is stored as it is.
 
 `checkpoint_refs(args, names, stored)` gives every model tensor's TensorRef. The resident loader and the
-checks before loading (specexec/runtime/loading.py), the layer cache's naming (specexec/runtime/offloaded.py
+checks before loading (specexec/checkpoints/loading.py), the layer cache's naming (specexec/checkpoints/naming.py
 layer_names: packed name -> TensorRef) and the resident embed/norm/head read through it; a GGUF file's tensors
 arrive under the Hub names of their family (offload/formats/gguf.py) and are mapped the same way.
 

@@ -18,7 +18,7 @@ from specexec.config import EngineConfig, ModelArgs, MoEArgs, OffloadConfig
 from specexec.model import Block, Transformer, TreeMask
 from specexec.moe import GatedMLP, Routing, RoutingLog, SparseMLP
 from specexec.runtime.assembly import Runtime
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
 from tests.core.test_model import TOL, TREE_PARENTS, hf_model, new_cache, prefill
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model

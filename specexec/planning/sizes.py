@@ -1,16 +1,17 @@
 """Bytes of each thing a run holds, from config.json alone: a decoder layer packed in a format, a resident
-model's weights, KV caches, and the peak transient of one forward pass (its attention included).
+model's weights, KV caches, and the peak transient of one forward pass (its attention included); and the
+bytes a built module holds (module_bytes).
 
-Nothing here loads or reads a weight: shapes come from ModelArgs (a Block built on the meta device) and packed
+Nothing here loads or reads a weight: shapes come from ModelArgs (a Block built on the meta device:
+specexec.checkpoints.naming.block_specs) and packed
 sizes from offload.quant.weights.layer_specs and offload.streaming.storage.plan_layout. The memory ledger
-(specexec/runtime/ledger.py) adds these up into a plan.
+(specexec/planning/ledger.py) adds these up into a plan.
 
 Does not know: budgets, tiers, plans, what a run consists of (ledger.py and run_shape.py do).
 """
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import torch
@@ -20,44 +21,24 @@ from offload.quant.linear import kernel_for
 from offload.quant.weights import layer_specs
 from offload.streaming.storage import plan_layout
 
+from specexec.checkpoints.naming import kind_specs, sparse_layer
 from specexec.config import ModelArgs
 from specexec.kv.rows import row_bytes
-from specexec.model import Block, on_meta
+from specexec.model import LOGIT_CHUNK
 
 PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
 
 
-def sparse_layer(args: ModelArgs, layer: int) -> bool:
-    """Whether decoder layer `layer` has the routed (MoE) feed-forward; layers of one kind share every size."""
-    return args.moe is not None and args.moe.sparse(layer)
-
-
-def block_specs(args: ModelArgs, layer: int = 0) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
-    """((name, shape) of every tensor of decoder layer `layer`'s Block in state_dict order), names of its Linear
-    weights (a dense and a sparse layer of an MoE model differ)."""
-    return _block_specs(args, sparse_layer(args, layer))
-
-
-@functools.cache
-def _block_specs(args: ModelArgs, sparse: bool) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
-    m = args.moe                          # a layer of the asked kind: a dense one of an MoE model is listed
-    layer = 0 if m is None else m.dense_layers[0] if not sparse else next(i for i in itertools.count() if m.sparse(i))
-    with on_meta():
-        block = Block(args, layer)
-    shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())
-    linear = frozenset(f"{path}.weight" for path, m in block.named_modules() if isinstance(m, nn.Linear))
-    return shapes, linear
-
-
 def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu", layer: int = 0) -> int:
     """Packed bytes of decoder layer `layer` in `fmt`, packed for `device`'s kernel, as the layer cache and the
-    tiers hold it (aligned layout); equal to what offload.cache.store.plan computes from a checkpoint's headers."""
+    tiers hold it (aligned layout); equal to what offload.cache.store.plan computes from a checkpoint's headers.
+    Layers of one kind (dense, or routed in an MoE model) have one size."""
     return _layer_bytes(args, fmt, dtype, device, sparse_layer(args, layer))
 
 
 @functools.cache
 def _layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, sparse: bool) -> int:
-    shapes, linear = _block_specs(args, sparse)
+    shapes, linear = kind_specs(args, sparse)
     specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
     return plan_layout(specs, meta).nbytes
 
@@ -73,7 +54,7 @@ def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "c
     (what quantize_module leaves): {"embed", "head" (0 when tied), "norm" (+ RoPE buffer), "layers"}."""
     per_kind = {}
     for sparse in {sparse_layer(args, i) for i in range(args.n_layers)}:
-        shapes, linear = _block_specs(args, sparse)
+        shapes, linear = kind_specs(args, sparse)
         specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
         per_kind[sparse] = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
     table = args.vocab_size * args.dim * dtype.itemsize
@@ -132,3 +113,15 @@ def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: st
     logits = min(T, logit_rows) * args.vocab_size * 4 * 2
     return (hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
             + dequant_bytes(args, context, elem, kv_quant))
+
+
+def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str = "cpu") -> int:
+    """Peak transient bytes of one target pass over `tokens` rows and `context` slots (forward_bytes with one
+    LM-head chunk of logits)."""
+    return forward_bytes(args, tokens, context, elem, fmt, device, LOGIT_CHUNK)
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer a built module holds (quantized layers count their packed parts)."""
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
