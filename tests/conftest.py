@@ -194,6 +194,14 @@ def tiny_gpt_oss(tiny_root: Path) -> Path:
     return _moe(tiny_root, "gpt_oss")
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4(tiny_root: Path, tiny_gpt_oss: Path) -> Path:
+    """tiny_gpt_oss with its fused expert weights in MXFP4 (X_blocks/X_scales, quant_method mxfp4), as the
+    Hub's gpt-oss checkpoints store them."""
+    from tests.mxfp4_writer import write_mxfp4
+    return write_mxfp4(tiny_root / "moe-gpt_oss-mxfp4", tiny_gpt_oss)
+
+
 @pytest.fixture(scope="session", params=list(MOE_MODELS))
 def tiny_moe(request: pytest.FixtureRequest) -> Path:
     """Each MoE family's tiny checkpoint in turn (test ids: the MOE_MODELS names), written by transformers."""

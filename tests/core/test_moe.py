@@ -254,3 +254,11 @@ def test_sinks_enter_the_split_attention_once(window: int | None, kernel: str) -
         got = attend(q, k, v, plan, sinks)
         assert (got.double() - sink_reference(q, k, v, seen, sinks)).abs().max() < 1e-5, (T, len(plan.parts))
         assert (attend(q, k, v, plan) - got).abs().max() > 1e-3          # the sinks do change the output
+
+
+def test_mxfp4_gpt_oss_equals_transformers(tiny_gpt_oss_mxfp4: Path, cache_root: Path) -> None:
+    """The Hub's gpt-oss layout (experts in MXFP4, dequantized exactly): greedy ids equal transformers' generate
+    on the same checkpoint, resident and streamed from the SSD tier (cache built from the dequantized experts)."""
+    ids, want, _ = runtime_ids(tiny_gpt_oss_mxfp4, None, "none", cache_root)
+    assert want == hf_greedy(tiny_gpt_oss_mxfp4, ids, N_NEW)
+    assert runtime_ids(tiny_gpt_oss_mxfp4, None, "ssd", cache_root)[1] == want
