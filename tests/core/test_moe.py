@@ -9,6 +9,7 @@ expert computation equals a per-row reference; quantized experts streamed equal 
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,12 @@ def test_published_moe_configs_read_as_their_family(name: str) -> None:
     assert (args.family, args.moe.n_experts, args.moe.top_k) == (family, experts, top_k)
     total = sum(weight_bytes(args, "none", torch.bfloat16).values()) / 2
     assert abs(total - params) / params < 0.01, total
+
+
+def test_an_moe_draft_is_never_captured_in_a_cuda_graph() -> None:
+    """Its experts depend on each pass's routing (a host sync per sparse layer): a replay would run the captured
+    ones, so the draft runs eagerly (checked on the model's options; graphs exist on CUDA only)."""
+    from specexec.builders.draft_graphs import capturable
+
+    dense = dataclasses.replace(tiny_args(), moe=None)
+    assert capturable(Transformer(dense)) and not capturable(Transformer(tiny_args()))
