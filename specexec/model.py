@@ -1,4 +1,5 @@
-"""One Llama-family decoder (Llama 2/3/3.x incl. llama3 rope scaling, Mistral, Qwen2/2.5, Qwen3): pure maths.
+"""One pre-norm decoder for every family specexec runs (Llama, Mistral, Qwen2/3, and the mixtures of experts
+Qwen3-MoE, Mixtral, OLMoE, gpt-oss), its differences named options of ModelArgs: pure maths.
 
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
 positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
@@ -6,10 +7,14 @@ positions are explicit (tree siblings share one), the mask says which cache slot
 mask), and `slots` says where each token's K/V is written. Layers come in kinds (ModelArgs.layer_kind: a
 sliding window or none, the global or a local RoPE): per forward the mask becomes one `AttentionPlan` per
 window and the positions one cos/sin table per RoPE, and each layer attends with its kind's (specexec/attention.py:
-prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
-leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
+prefix and tree attended apart, merged exactly; attention sinks enter at that merge). A layer's feed-forward
+is the dense MLP or, where ModelArgs.moe says the layer is sparse, specexec/moe.py's router-then-experts
+block, whose routing of each pass goes to `Transformer.routing` (a RoutingLog; None records nothing).
+Parameter names follow the Hub checkpoints without the leading "model." (the MoE names are specexec/moe.py's;
+specexec/families/weights.py maps a checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a
 caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made
-of live beside it: specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP).
+of live beside it: specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP),
+specexec/moe.py (the sparse feed-forward).
 
 Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
 offloading (OffloadedTransformer overrides `layer_modules`), trees or sampling.
