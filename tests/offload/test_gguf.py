@@ -340,3 +340,14 @@ def test_merged_experts_stream_through_the_layer_cache(tiny_qwen3_moe: Path, tmp
         return [t for step in rt.generate_ids(rt.encode("The quick brown fox"), 12) for t in step]
 
     assert ids("ssd") == ids("none")
+
+
+def test_old_mixtral_files_with_experts_one_by_one_map_to_the_same_names() -> None:
+    from offload.formats.gguf_names import Piece, hub_names
+
+    assert hub_names("blk.3.ffn_down.5.weight", "llama", 8) == {
+        "model.layers.3.block_sparse_moe.experts.5.w2.weight": Piece("blk.3.ffn_down.5.weight")}
+    assert hub_names("blk.3.ffn_down.5.weight", "llama", 0) is None           # no expert_count: not a Mixtral
+    assert hub_names("blk.3.ffn_down.5.weight", "qwen3moe", 8) is None
+    merged = hub_names("blk.1.ffn_gate_exps.weight", "llama", 8)
+    assert list(merged)[7] == "model.layers.1.block_sparse_moe.experts.7.w1.weight" and merged[list(merged)[7]].expert == 7
