@@ -1,5 +1,5 @@
 """One pre-norm decoder for every family specexec runs (Llama, Mistral, Qwen2/3, and the mixtures of experts
-Qwen3-MoE, Mixtral, OLMoE, gpt-oss), its differences named options of ModelArgs: pure maths.
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss), its differences named options of ModelArgs: pure maths.
 
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
 positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
