@@ -47,8 +47,7 @@ from offload.planner import plan
 from specexec.config import PREFILL_CHUNK
 from specexec.model import LOGIT_CHUNK
 from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
-from specexec.planning.sizes import (forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes,
-                                     weight_bytes)
+from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes, weight_bytes
 
 PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
 DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)

@@ -292,3 +292,17 @@ def test_an_moe_draft_is_never_captured_in_a_cuda_graph() -> None:
 
     dense = dataclasses.replace(tiny_args(), moe=None)
     assert capturable(Transformer(dense)) and not capturable(Transformer(tiny_args()))
+
+
+def test_the_planned_size_of_each_layer_is_what_the_cache_packs(tiny_qwen3_moe: Path, cache_root: Path) -> None:
+    """A dense layer among routed ones is planned at its own size (the ledger's per-layer sizes), equal to the
+    packed bytes the layer cache writes for it."""
+    from specexec.checkpoints.loading import read_args
+    from specexec.planning.sizes import layer_sizes
+    from tests.runtime.test_offloaded import open_cache
+
+    args = read_args(tiny_qwen3_moe)
+    cache = open_cache(tiny_qwen3_moe, "int8", cache_root)
+    planned = layer_sizes(args, "int8", torch.float32, "cpu")
+    assert list(planned) == [cache.nbytes(i) for i in range(args.n_layers)]
+    assert planned[1] != planned[0] == planned[2]                    # layer 1 is the dense one
