@@ -22,19 +22,22 @@ import torch
 from offload.cache.manifest import VERSION, CacheError
 from offload.formats.checkpoint import INDEX, SINGLE, ST_DTYPES
 from offload.formats.sources import detect_format, is_gguf, open_source, tensor_specs
+from offload.formats.tensor_source import TensorSource, source_of
 from offload.quant.weights import dtype_name, packing
 
 
 @dataclass(frozen=True)
 class LayerNames:
     """Where one layer's tensors come from: packed name (as the runtime binds it, e.g. 'mlp.up_proj.weight')
-    -> checkpoint tensor name ('model.layers.3.mlp.up_proj.weight'), in packing order; `linear` holds the
-    packed names of the 2-D nn.Linear weights to quantize (every other tensor is cast to the dtype)."""
-    tensors: Mapping[str, str]
+    -> checkpoint tensor name ('model.layers.3.mlp.up_proj.weight'), or a TensorSource (a part of one:
+    offload/formats/tensor_source.py), in packing order; `linear` holds the packed names of the 2-D nn.Linear
+    weights to quantize (every other tensor is cast to the dtype)."""
+    tensors: Mapping[str, str | TensorSource]
     linear: frozenset[str]
 
     def to_dict(self) -> dict:
-        return {"tensors": dict(self.tensors), "linear": sorted(self.linear)}
+        return {"tensors": {k: source_of(v).to_json() for k, v in self.tensors.items()},
+                "linear": sorted(self.linear)}
 
 
 def human_bytes(n: float) -> str:

@@ -32,7 +32,8 @@ CONTRACT (used by specexec/runtime/offloaded.py, offload/streaming/tiers.py's SS
 
     @dataclass(frozen=True)
     class LayerNames:
-        tensors: Mapping[str, str]       # packed name (module-local, e.g. "mlp.up_proj.weight") -> checkpoint name
+        tensors: Mapping[str, str | TensorSource]   # packed name (e.g. "mlp.up_proj.weight") -> checkpoint name
+                                         # (or a part of a checkpoint tensor: offload/formats/tensor_source.py)
         linear: frozenset[str]           # packed names of the nn.Linear weights to quantize
 
     class LayerCache:
@@ -75,6 +76,7 @@ from offload.platform.facilities import fsync_dir, pwrite_all
 from offload.cache.locking import exclusive_lock as _exclusive_lock
 from offload.cache.progress import progress_bar
 from offload.formats.sources import CheckpointSource, open_source
+from offload.formats.tensor_source import read, source_of
 from offload.quant.weights import check_format, layer_specs, quantize_tensors
 from offload.streaming.storage import LayerLayout, pack_layer, plan_layout
 
@@ -262,11 +264,12 @@ def plan(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: to
     src = source_specs(checkpoint_dir)
     layouts = []
     for i, s in enumerate(layers):
-        missing = [c for c in s.tensors.values() if c not in src]
+        wanted = {p: source_of(c) for p, c in s.tensors.items()}
+        missing = [c.name for c in wanted.values() if c.name not in src]
         if missing:
             raise CacheError(f"{checkpoint_dir}: layer {i} needs tensor {missing[0]!r}, which no weight file has")
-        specs, meta = layer_specs({p: src[c] for p, c in s.tensors.items()}, fmt, dtype, s.linear, double_quant,
-                                  device or "cpu")
+        specs, meta = layer_specs({p: (src[c.name][0], c.shape(src[c.name][1])) for p, c in wanted.items()}, fmt,
+                                  dtype, s.linear, double_quant, device or "cpu")
         layouts.append(plan_layout(specs, meta))
     return layouts
 
@@ -354,7 +357,7 @@ def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames]
 def _quantize_layer(ckpt: CheckpointSource, source: LayerNames, fmt: str, dtype: torch.dtype,
                     double_quant: bool, device: str | torch.device | None = None) -> tuple[torch.Tensor, LayerLayout]:
     """One layer read from the checkpoint, quantized (on `device`, default CPU) and packed: (uint8 [nbytes], layout)."""
-    tensors = {packed: ckpt.get(name).to(device or "cpu") for packed, name in source.tensors.items()}
+    tensors = {packed: read(ckpt.get, spec).to(device or "cpu") for packed, spec in source.tensors.items()}
     qtensors, meta = quantize_tensors(tensors, fmt, dtype, source.linear, double_quant)
     return pack_layer(qtensors, meta)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from specexec.config import ModelArgs
 from specexec.families import llama
+from specexec.families.weights import WeightMap, default_map
 from specexec.options import ConfigError
 
 FAMILY_MODULES: tuple[ModuleType, ...] = (llama,)
@@ -48,6 +49,14 @@ def model_args(cfg: dict[str, Any]) -> ModelArgs:
         return module.model_args(family, cfg)
     except KeyError as e:
         raise ConfigError(f"config.json lacks the field {e.args[0]!r} needed for a {family} model") from None
+
+
+def weight_map(args: ModelArgs) -> WeightMap:
+    """How `args`' checkpoints name its tensors: its family module's `weight_map(args)`, else the shared rules
+    (specexec/families/weights.py)."""
+    module = next((m for fam, m in architectures().values() if fam == args.family), None)
+    make = getattr(module, "weight_map", None)
+    return make(args) if make is not None else default_map(args)
 
 
 def refusal(cfg: dict[str, Any]) -> str:

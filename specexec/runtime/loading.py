@@ -21,9 +21,10 @@ import torch
 
 from offload.formats.checkpoint import CheckpointError, pickle_files
 from offload.formats.sources import CheckpointSource, is_gguf, open_source, tensor_specs
+from offload.formats.tensor_source import TensorSource, read
 
 from specexec.config import ModelArgs
-from specexec.families import model_args
+from specexec.families import model_args, weight_map
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.runtime.hub import HubOptions
 from specexec.model import Transformer, on_meta
@@ -118,32 +119,32 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
 
-def _ignored(name: str, args: ModelArgs) -> bool:
-    """Tensors a checkpoint may carry that the model does not use: a tied head's copy, RoPE's inv_freq."""
-    return name == "lm_head.weight" and args.tie_word_embeddings or name.endswith("rotary_emb.inv_freq")
-
-
-def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: ModelArgs) -> None:
-    """CheckpointError unless `source` holds exactly the tensors `args` implies: no unexpected name (an extra
-    tensor means the checkpoint is not the model config.json describes), the right shapes, floating-point
-    dtypes, nothing missing. Headers only, nothing read: the resident loader, the offload planner and
-    `convert` all call it before they load, plan or cache anything."""
+def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: ModelArgs) -> dict[str, TensorSource]:
+    """Our parameter name -> its source (specexec.families.weight_map), or CheckpointError unless `source`
+    holds exactly the tensors `args` implies: no unexpected name (an extra tensor means the checkpoint is not
+    the model config.json describes), the right shapes, floating-point dtypes, nothing missing. Headers only,
+    nothing read: the resident loader, the offload planner and `convert` all call it before they load, plan
+    or cache anything."""
     expected = expected_shapes(args)
-    seen: set[str] = set()
-    for raw, (dtype, shape) in tensor_specs(source).items():
-        name = raw.removeprefix("model.")
-        if _ignored(name, args):
-            continue
-        if name not in expected:
-            raise CheckpointError(f"{path}: unexpected tensor {raw!r} for a {args.family} model of this config")
-        if tuple(shape) != expected[name]:
-            raise CheckpointError(f"{path}: {raw} has shape {list(shape)}, config.json implies {list(expected[name])}")
+    specs = tensor_specs(source)
+    try:
+        found, unknown = weight_map(args).sources(specs)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    odd = unknown + [src.name for name, src in found.items() if name not in expected]
+    if odd:
+        raise CheckpointError(f"{path}: unexpected tensor {odd[0]!r} for a {args.family} model of this config")
+    for name, src in found.items():
+        dtype, shape = specs[src.name]
+        if src.shape(shape) != expected[name]:
+            raise CheckpointError(f"{path}: {src.name} has shape {list(shape)}, config.json implies "
+                                  f"{list(expected[name])}" + (f" for {name}" if src.ops else ""))
         if not dtype.is_floating_point:
-            raise CheckpointError(f"{path}: {raw} has dtype {dtype}; expected floating-point weights")
-        seen.add(name)
-    missing = sorted(set(expected) - seen)
+            raise CheckpointError(f"{path}: {src.name} has dtype {dtype}; expected floating-point weights")
+    missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    return found
 
 
 def check_checkpoint(path: Path, args: ModelArgs, allow_pickle: bool = False) -> None:
@@ -156,13 +157,8 @@ def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.de
                allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Checked tensors (check_tensors) by model parameter name, cast to dtype on device, one tensor at a time."""
     source = _open_weights(path, allow_pickle)
-    check_tensors(path, source, args)
-    state: dict[str, torch.Tensor] = {}
-    for raw in source.names():
-        name = raw.removeprefix("model.")
-        if not _ignored(name, args):
-            state[name] = source.get(raw).to(device=device, dtype=dtype)
-    return state
+    return {name: read(source.get, src).to(device=device, dtype=dtype)
+            for name, src in check_tensors(path, source, args).items()}
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: str = "auto",

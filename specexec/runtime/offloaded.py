@@ -30,10 +30,10 @@ from torch import nn
 from offload.cache import store as layer_cache
 from offload.cache.identity import LayerNames
 from offload.cache.store import LayerCache
-from offload.formats.checkpoint import CheckpointError
 from offload.memory_plan import PlanError
 from offload.platform.mounts import slow_mount_warnings
 from offload.formats.sources import open_source
+from offload.formats.tensor_source import read
 from offload.quant.weights import auto_format, device_problem
 from offload.streaming.pager import LayerPager, build_pager
 from offload.planner import default_budgets
@@ -46,7 +46,7 @@ from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
 from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
 from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
-from specexec.runtime.loading import check_tensors, expected_shapes
+from specexec.runtime.loading import check_tensors
 from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
@@ -59,27 +59,17 @@ def block_tensor_names(args: ModelArgs) -> tuple[list[str], frozenset[str]]:
     return [n for n, _ in shapes], linear
 
 
-def checkpoint_prefix(names: Sequence[str]) -> str:
-    """'model.' when the checkpoint's tensor names carry it (HF *ForCausalLM checkpoints), else ''."""
-    return "model." if any(n.startswith("model.layers.") for n in names) else ""
-
-
 def layer_names(path: Path, args: ModelArgs) -> list[LayerNames]:
-    """For the layer cache: per decoder layer, packed name (as the Block binds it) -> checkpoint name, and
-    which of them are Linear weights. CheckpointError unless the checkpoint holds exactly what `args` implies
-    (check_tensors: the planner and `convert` call this before anything is cached)."""
+    """For the layer cache: per decoder layer, packed name (as the Block binds it) -> its checkpoint tensor
+    (a name, or a TensorSource for a part of one: specexec.families.weight_map), and which of them are Linear
+    weights. CheckpointError unless the checkpoint holds exactly what `args` implies (check_tensors: the planner
+    and `convert` call this before anything is cached)."""
     names, linear = block_tensor_names(args)
-    source = open_source(path)
-    check_tensors(path, source, args)          # before planning or caching: a bad checkpoint caches nothing
-    stored = set(source.names())
-    prefix = checkpoint_prefix(list(stored))
+    found = check_tensors(path, open_source(path), args)   # before planning or caching: a bad checkpoint caches nothing
     out = []
     for i in range(args.n_layers):
-        tensors = {n: f"{prefix}layers.{i}.{n}" for n in names}
-        missing = [t for t in tensors.values() if t not in stored]
-        if missing:
-            raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing ({len(missing)} missing for layer {i})")
-        out.append(LayerNames(tensors, linear))
+        srcs = {n: found[f"layers.{i}.{n}"] for n in names}
+        out.append(LayerNames({n: src if src.ops else src.name for n, src in srcs.items()}, linear))
     return out
 
 
@@ -88,18 +78,9 @@ def read_resident(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch
     """embed_tokens / norm / lm_head (unless tied) from the checkpoint, shape-checked, as dtype on device (the
     names in `host` stay in CPU memory)."""
     ckpt = open_source(path)
-    prefix = checkpoint_prefix(ckpt.names())
-    shapes = expected_shapes(args)
-    out: dict[str, torch.Tensor] = {}
-    for name in RESIDENT_NAMES:
-        if name not in shapes:                    # lm_head of a tied model
-            continue
-        raw = name if name == "lm_head.weight" else prefix + name
-        if tuple(ckpt.shape(raw)) != shapes[name]:
-            raise CheckpointError(f"{path}: {raw} has shape {list(ckpt.shape(raw))}, config.json implies "
-                                  f"{list(shapes[name])}")
-        out[name] = ckpt.get(raw).to(device="cpu" if name in host else device, dtype=dtype)
-    return out
+    found = check_tensors(path, ckpt, args)
+    return {name: read(ckpt.get, found[name]).to(device="cpu" if name in host else device, dtype=dtype)
+            for name in RESIDENT_NAMES if name in found}
 
 
 class HostEmbedding(nn.Module):
