@@ -29,7 +29,7 @@ from specexec.config import ModelArgs
 from specexec.ffn import MLP
 from specexec.kv.cache import KVCache
 from specexec.norms import RMSNorm
-from specexec.rope import apply_rope, rope_inv_freq, rope_names
+from specexec.rope import apply_rope, attention_factor, long_switch, rope_inv_freq, rope_names
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -58,24 +58,39 @@ def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Self-attention with RoPE over a KV cache: q/k/v projections (or one fused qkv_proj), optional q/k
+    RMSNorm, RoPE on the first rope_dim dimensions of each head, the plan's split attention, o_proj."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         d, h, kv = args.head_dim, args.n_heads, args.n_kv_heads
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(args.dim, h * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+        if args.fused_qkv:
+            self.qkv_proj = nn.Linear(args.dim, (h + 2 * kv) * d, bias=args.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(args.dim, h * d, bias=args.qkv_bias)
+            self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+            self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
         if args.qk_norm:
-            self.q_norm = RMSNorm(d, args.norm_eps)
-            self.k_norm = RMSNorm(d, args.norm_eps)
+            self.q_norm = RMSNorm(d, args.norm_eps, args.norm_plus_one)
+            self.k_norm = RMSNorm(d, args.norm_eps, args.norm_plus_one)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q [B, T, H, hd], k and v [B, T, H_kv, hd]."""
+        B, T, _ = x.shape
+        h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split((h * d, kv * d, kv * d), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.view(B, T, h, d), k.view(B, T, kv, d), v.view(B, T, kv, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        v = v.transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -88,19 +103,29 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer: pre-norm attention and SwiGLU MLP with residuals."""
+    """One decoder layer: pre-norm attention and gated MLP with residuals; with sandwich_norms (Gemma) the
+    attention's and the MLP's outputs are normalised too (post_attention_layernorm then normalises the
+    attention output, pre_feedforward_layernorm the MLP input: the checkpoints' own names)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)     # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = norm()
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
+        if not hasattr(self, "pre_feedforward_layernorm"):
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Transformer(nn.Module):
@@ -111,7 +136,7 @@ class Transformer(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         for rope in rope_names(args):              # inv_freq (global), inv_freq_local (Gemma 3's sliding layers)
@@ -135,12 +160,25 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, rope: str = "global"
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim] of one RoPE (LayerKind.rope) for `apply_rope`,
-        computed in fp32 then cast: (cos f, cos f) and (-sin f, sin f) for f = position x inv_freq."""
+        """positions [B, T] -> cos, sin [B, 1, T, rope_dim] of one RoPE table (rope_names) for `apply_rope`,
+        computed in fp32 then cast: (cos f, cos f) and (-sin f, sin f) for f = position x inv_freq, times
+        LongRoPE's attention factor where there is one."""
         freqs = positions.float().unsqueeze(-1) * getattr(self, _rope_buffer(rope)).to(positions.device)
-        sin = freqs.sin()
-        return (torch.cat((freqs, freqs), -1).cos().unsqueeze(1).to(dtype),
-                torch.cat((-sin, sin), -1).unsqueeze(1).to(dtype))
+        cos, sin = torch.cat((freqs, freqs), -1).cos(), freqs.sin()
+        sin = torch.cat((-sin, sin), -1)
+        factor = attention_factor(self.args, rope)
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+
+    def long_rope(self, positions: torch.Tensor, cache: KVCache | None) -> bool:
+        """Whether this forward uses LongRoPE's long factors: as the cache's rows were computed (the engine
+        sets `cache.long_rope` from the sequence's length), or without a cache when the positions run past the
+        original context (transformers' rule; reads the positions on the host)."""
+        switch = long_switch(self.args)
+        if switch is None:
+            return False
+        return cache.long_rope if cache is not None else int(positions.max()) + 1 > switch
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,14 +194,24 @@ class Transformer(nn.Module):
             cache.begin_forward()
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         kinds = self.args.layer_kinds
-        ropes = {rope: self.rope(positions, x.dtype, rope) for rope in {k.rope for k in kinds}}
+        long = self.long_rope(positions, cache)
+        ropes = {rope: self.rope(positions, x.dtype, "long" if long and rope == "global" else rope)
+                 for rope in {k.rope for k in kinds}}
         plans = self.attention_plans(mask, positions, x.dtype)
         for i, layer in self.layer_modules():
             kind = kinds[i]
             x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots)
         return self.norm(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> [B, T, D]; with embed_scale (Gemma) times sqrt(dim), that scale rounded to the run
+        dtype first (transformers' Gemma: a float32 sqrt(dim) cast to the weight's dtype)."""
+        x = self.embed_tokens(tokens)
+        if self.args.embed_scale:
+            x = x * torch.tensor(self.args.dim ** 0.5, dtype=torch.float32).to(x.dtype)
+        return x
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
         """A KV cache for this model with `capacity` slots, rows in its dtype on its device (int8 when quant
@@ -181,7 +229,7 @@ class Transformer(nn.Module):
         if isinstance(mask, torch.Tensor) and len(windows) > 1:
             raise ValueError(f"layers with sliding windows {windows} need a TreeMask, not one dense mask")
         return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // a.n_kv_heads, dtype,
-                              pick_kernel(positions.device)) for w in windows}
+                              pick_kernel(positions.device), a.attn_scale, a.attn_softcap) for w in windows}
 
     def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                        dtype: torch.dtype) -> AttentionPlan:
@@ -193,7 +241,12 @@ class Transformer(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])
         if rows is not None:
             h = h.index_select(0, rows)
-        return F.linear(h, self.head_weight).float()
+        return soft_cap(F.linear(h, self.head_weight).float(), self.args.logit_softcap)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping; x unchanged when cap is None)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def _rope_buffer(rope: str) -> str:

@@ -67,6 +67,10 @@ def tokenizer_ids(variant: str = "default") -> dict[str, int]:
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
+# Phi-3's LongRoPE for a 12-dimension partial rotary (6 factors each); tests pair it with a switch at 16 tokens.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
+
 INIT_STD = 0.2        # transformers' default 0.02 gives near-uniform next-token distributions
 HEAD_SCALE = 2.5      # LM head std = INIT_STD * HEAD_SCALE: logits std ~4, top-1 probability ~0.5 on average
 DRAFT_PERTURB = 0.01  # relative noise of the perturbed draft: ~78% top-1 agreement with the 4-layer target
@@ -86,7 +90,32 @@ def tiny_config_kwargs(family: str, n_layers: int, vocab_size: int, ids: dict[st
         kw.update(use_sliding_window=False, attention_bias=False)
     if family == "mistral":
         kw.update(sliding_window=None)
+    kw.update(family_kwargs(family, n_layers))
     return kw
+
+
+TINY_WINDOW = 6          # the sliding window of the tiny Gemma models: every test context runs past it
+
+
+def family_kwargs(family: str, n_layers: int) -> dict[str, Any]:
+    """What the tiny Gemma / Phi-3 checkpoints set beyond the shared shape, chosen so each family difference
+    changes the logits: query_pre_attn_scalar 24 (not head_dim 16), soft caps small enough to bite (Gemma 2:
+    attention 2, final 30; Gemma 3 names an attention cap that transformers ignores, and so must we), a
+    window of 6 alternating with global layers (Gemma 3: two sliding to one global, a local RoPE base of 1e4
+    and a linear-scaled global base of 1e6), tied embeddings. Phi-3: partial rotary (12 of 16 dims)."""
+    gemma = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+                 tie_word_embeddings=True)
+    if family == "gemma2":
+        return dict(gemma, attn_logit_softcapping=2.0, final_logit_softcapping=30.0)
+    if family in ("gemma3", "gemma3_mm"):
+        kinds = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n_layers)]
+        rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        return dict(gemma, layer_types=kinds, rope_parameters=rope, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=None)
+    if family == "phi3":
+        return dict(partial_rotary_factor=0.75)
+    return {}
 
 
 def write_tiny_model(dest: Path, family: str = "llama", seed: int = 0, n_layers: int = 2,

@@ -13,11 +13,11 @@ from types import ModuleType
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families import llama
+from specexec.families import gemma, llama, phi3
 from specexec.families.weights import WeightMap, default_map
 from specexec.options import ConfigError
 
-FAMILY_MODULES: tuple[ModuleType, ...] = (llama,)
+FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3)
 
 
 @functools.cache
