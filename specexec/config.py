@@ -193,6 +193,9 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (EngineConfig.prefill_chunk overrides)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: tree budget and builder, device and dtype. Validated on construction."""
@@ -203,7 +206,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     max_new_tokens: int = 128
-    prefill_chunk: int | None = None   # prompt tokens per prefill pass; None: 512, or a streamed target's plan
+    prefill_chunk: int | None = None   # prompt tokens per prefill pass; None: PREFILL_CHUNK, or a streamed target's plan
     verifier: str = "auto"
     builder_options: tuple[tuple[str, Any], ...] = field(default=())
     draft_vocab: int | str | None = None   # VocabTrim: the draft head keeps N target-frequent tokens, or "auto"

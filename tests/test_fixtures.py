@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specexec.runtime.demo_models import CHAT_TOKENS
+from specexec.checkpoints.demo_models import CHAT_TOKENS
 from tests.tiny_models import BOS_ID, EOS_ID, OTHER_VOCAB_SIZE, PAD_ID, UNK_ID, VOCAB_SIZE, write_tiny_model
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",

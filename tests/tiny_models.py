@@ -11,7 +11,7 @@ exactness tests rely on), and biases and RMSNorm weights are random instead of 0
 that forgets a bias or a norm weight produces different logits.
 
 The pieces (tokenizer training, the family -> transformers classes table, the randomization, the perturbed
-copy) are the package's own, specexec/runtime/demo_models.py, which `specexec demo` uses at a larger shape.
+copy) are the package's own, specexec/checkpoints/demo_models.py, which `specexec demo` uses at a larger shape.
 
 Does not know: the specexec runtime (except `load_pair_models`, which loads through it).
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specexec.runtime.demo_models import (CORPUS, SPECIAL_TOKENS, save_tokenizer, train_tokenizer, write_perturbed,
+from specexec.checkpoints.demo_models import (CORPUS, SPECIAL_TOKENS, save_tokenizer, train_tokenizer, write_perturbed,
                                           write_random)
 
 # ---------------------------------------------------------------------------------------------- tokenizer
@@ -148,7 +148,7 @@ def write_tiny_model(dest: Path, family: str = "llama", seed: int = 0, n_layers:
 
 def load_pair_models(pair: tuple[Path, Path], perturbed: Path) -> dict:
     """The tiny pair loaded through specexec: target, an unrelated random draft and a perturbed copy."""
-    from specexec.runtime.loading import load_model
+    from specexec.checkpoints.loading import load_model
     return {"target": load_model(pair[0]), "random": load_model(pair[1]), "perturbed": load_model(perturbed)}
 
 

@@ -11,7 +11,7 @@ Every source has the same small interface, which is all the loaders (and the lay
 source also has config() (a config.json-like dict) and fingerprint() (what offload.cache.identity records of
 it); the directory sources keep their config.json.
 
-Does not know: ModelArgs, tokenizers, pickle checkpoints (specexec.runtime.loading refuses or reads those itself).
+Does not know: ModelArgs, tokenizers, pickle checkpoints (specexec.checkpoints.loading refuses or reads those itself).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ config.json), and the one precise line for every architecture outside it.
 A family module exposes ARCHITECTURES ({HF architecture: family name}) and `model_args(family, cfg) ->
 ModelArgs`. Adding a family is adding its module to FAMILY_MODULES; nothing else lists architectures.
 
-Does not know: the network, checkpoints' tensors (specexec/runtime/loading.py), devices.
+Does not know: the network, checkpoints' tensors (specexec/checkpoints/loading.py), devices.
 """
 from __future__ import annotations
 

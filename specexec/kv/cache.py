@@ -28,6 +28,15 @@ from specexec.kv.rows import QUANTS, Rows
 from specexec.kv.stream import StreamedKV
 
 
+def kv_slots_for(total: int, budget: int, draft_scratch: int | None) -> tuple[int, int]:
+    """(target, draft) KV slots for `total` committed tokens (prompt + answer), each sized for its own user:
+    the target holds one tree of `budget` nodes plus its root beyond them; the draft its builder's scratch
+    (builder.kv_slots(budget), which starts at the root) plus one. Pending tokens the draft has not seen are
+    part of the context, so they need no slot of their own. draft_scratch None: no draft cache (0). The
+    engine sizes its caches with this and the memory ledger counts them with it."""
+    return total + budget + 1, (0 if draft_scratch is None else total + draft_scratch + 1)
+
+
 class KVCache:
     """Static per-model cache; capacity = context length + the largest tree budget (+1 for the root).
 

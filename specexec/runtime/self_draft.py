@@ -17,7 +17,7 @@ Wang et al. 2025): on a machine where the target streams, those are the layers t
 
 Also here: `--draft self[:FORMAT]` parsing (`is_self_draft`, `self_draft_shape`).
 
-Does not know: which layers stay resident or how many the draft runs (the plan: specexec/runtime/ledger.py), how
+Does not know: which layers stay resident or how many the draft runs (the plan: specexec/planning/ledger.py), how
 layers stream (offload.streaming.pager), trees, builders or verification.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from offload.streaming.tiers import ResidentTier, fill, host_buffer
 
 from specexec.config import ModelArgs
 from specexec.options import SELF_DRAFT, ConfigError
-from specexec.runtime.run_shape import SelfDraftShape
+from specexec.planning.run_shape import SelfDraftShape
 from specexec.model import Block, Transformer, on_meta
 
 SELF = SELF_DRAFT

@@ -21,7 +21,7 @@ from specexec.config import EngineConfig, OffloadConfig
 from specexec.kv.cache import KVCache
 from specexec.runtime.assembly import Runtime
 from specexec.rope import long_switch
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
 from tests.conftest import family_model
 from tests.tiny_models import TINY_WINDOW, write_tiny_model

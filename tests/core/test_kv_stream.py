@@ -27,9 +27,10 @@ from specexec.config import EngineConfig, OffloadConfig
 from specexec.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.kv.rows import row_bytes
-from specexec.runtime.loading import load_model, read_args
+from specexec.checkpoints.loading import load_model, read_args
 from specexec.model import TreeMask
-from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded, layer_names
+from specexec.checkpoints.naming import layer_names
+from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
 from specexec.runtime.assembly import Runtime
 
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ from specexec.attention import build_plan
 from specexec.config import LayerKind
 from specexec.kv.cache import KVCache
 from specexec.model import TreeMask
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
 from tests.tiny_models import write_tiny_model
 
@@ -106,8 +106,9 @@ def test_streamed_kv_of_sliding_layers_moves_the_window_only(alternating: Path, 
     from specexec.config import EngineConfig
     from specexec.engine import Engine
     from specexec.kv.rows import row_bytes
-    from specexec.runtime.loading import read_args
-    from specexec.runtime.offloaded import build_offloaded, layer_names
+    from specexec.checkpoints.loading import read_args
+    from specexec.checkpoints.naming import layer_names
+    from specexec.runtime.offloaded import build_offloaded
 
     args = read_args(alternating)
     cache = LayerCache.open_or_build(alternating, layer_names(alternating, args), "none", torch.float32,

@@ -10,11 +10,11 @@ import pytest
 
 from cli.main import main
 from specexec.options import ConfigError
-from specexec.runtime.loading import resolve_model_path
-from specexec.runtime.catalog import CATALOG_ENV, DIRS_ENV, find, load_catalog, parse_catalog
+from specexec.checkpoints.loading import resolve_model_path
+from specexec.checkpoints.catalog import CATALOG_ENV, DIRS_ENV, find, load_catalog, parse_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
-CATALOG = ROOT / "specexec" / "runtime" / "models.yaml"     # the one catalogue, shipped in the package
+CATALOG = ROOT / "specexec" / "checkpoints" / "models.yaml"     # the one catalogue, shipped in the package
 
 ENTRY = """\
 version: 1

@@ -3,7 +3,7 @@
 An entry's drafts name other entries, or `self` / `self:FORMAT`: the target drafting with its own layers
 (`drafts: self` alone is a one-item list).
 
-The catalogue is one YAML file, specexec/runtime/models.yaml, shipped in the package ($SPECEXEC_MODELS_YAML
+The catalogue is one YAML file, specexec/checkpoints/models.yaml, shipped in the package ($SPECEXEC_MODELS_YAML
 points at another file). Each entry becomes a frozen `ModelEntry`; unknown keys,
 wrong types, unknown families or quantizations and drafts that name no entry raise ConfigError naming the file,
 the entry and the value. A name is present locally when its checkpoint is in huggingface_hub's local cache
@@ -178,7 +178,7 @@ def _check_self(spec: str, at: str) -> None:
 
 
 def default_catalog_path() -> Path:
-    """$SPECEXEC_MODELS_YAML, else the shipped catalogue beside this module (specexec/runtime/models.yaml)."""
+    """$SPECEXEC_MODELS_YAML, else the shipped catalogue beside this module (specexec/checkpoints/models.yaml)."""
     env = os.environ.get(CATALOG_ENV)
     if env:
         return Path(env).expanduser()
@@ -213,8 +213,8 @@ def model_dirs() -> list[Path]:
 
 def hf_cache_path(hub_id: str) -> Path | None:
     """The snapshot directory of `hub_id` in huggingface_hub's local cache when it is complete (config.json
-    and every weight file its index names; see specexec.runtime.hub.missing), else None."""
-    from specexec.runtime.hub import HubOptions, cached
+    and every weight file its index names; see specexec.checkpoints.hub.missing), else None."""
+    from specexec.checkpoints.hub import HubOptions, cached
     try:
         return cached(hub_id, HubOptions(offline=True))
     except (ConfigError, OSError):          # a broken cache entry means "not present"

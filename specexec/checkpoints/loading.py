@@ -1,4 +1,4 @@
-"""Local HF checkpoint directory (or a Hub id / models.yaml name: cached, or downloaded through specexec.runtime.hub),
+"""Local HF checkpoint directory (or a Hub id / models.yaml name: cached, or downloaded through specexec.checkpoints.hub),
 AWQ/GPTQ directory or .gguf file -> resident Transformer.
 
 The model is built on the meta device and filled tensor by tensor from safetensors (assign=True), so the
@@ -26,7 +26,7 @@ from offload.formats.tensor_source import TensorSource, read
 from specexec.config import ModelArgs
 from specexec.families import model_args, weight_map
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
-from specexec.runtime.hub import HubOptions
+from specexec.checkpoints.hub import HubOptions
 from specexec.model import Transformer, on_meta
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -37,7 +37,7 @@ def resolve_model_path(spec: str, hub: HubOptions | None = None) -> Path:
     """A local directory or .gguf file as given (a path always wins; a directory without config.json that holds
     one .gguf file means that file), else a models.yaml name or a Hub id `org/name`: found on this machine
     (huggingface_hub's cache, $SPECEXEC_MODEL_DIRS for models.yaml names) or, with `hub` given and downloads
-    on, downloaded into that cache (specexec.runtime.hub: config, tokenizer and safetensors only, resumable). Without
+    on, downloaded into that cache (specexec.checkpoints.hub: config, tokenizer and safetensors only, resumable). Without
     `hub` nothing goes online."""
     path = Path(spec).expanduser()
     if path.is_symlink() and not path.exists():           # else "does not exist" would puzzle whoever sees it
@@ -48,8 +48,8 @@ def resolve_model_path(spec: str, hub: HubOptions | None = None) -> Path:
         if is_gguf(path):
             return path.resolve()
         raise ConfigError(f"{spec} is a file; pass the checkpoint directory (with config.json) or a .gguf file instead")
-    from specexec.runtime import hub as hub_mod
-    from specexec.runtime.catalog import DIRS_ENV, find
+    from specexec.checkpoints import hub as hub_mod
+    from specexec.checkpoints.catalog import DIRS_ENV, find
     entry = find(spec)
     if entry is not None:
         local = entry.local_path() if hub is None or not hub.gguf_file else None

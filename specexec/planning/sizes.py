@@ -1,9 +1,11 @@
 """Bytes of each thing a run holds, from config.json alone: a decoder layer packed in a format, a resident
-model's weights, KV caches, and the peak transient of one forward pass (its attention included).
+model's weights, KV caches, and the peak transient of one forward pass (its attention included); and the
+bytes a built module holds (module_bytes).
 
-Nothing here loads or reads a weight: shapes come from ModelArgs (a Block built on the meta device) and packed
+Nothing here loads or reads a weight: shapes come from ModelArgs (a Block built on the meta device:
+specexec.checkpoints.naming.block_specs) and packed
 sizes from offload.quant.weights.layer_specs and offload.streaming.storage.plan_layout. The memory ledger
-(specexec/runtime/ledger.py) adds these up into a plan.
+(specexec/planning/ledger.py) adds these up into a plan.
 
 Does not know: budgets, tiers, plans, what a run consists of (ledger.py and run_shape.py do).
 """
@@ -19,21 +21,12 @@ from offload.quant.linear import kernel_for
 from offload.quant.weights import layer_specs
 from offload.streaming.storage import plan_layout
 
+from specexec.checkpoints.naming import block_specs
 from specexec.config import ModelArgs
 from specexec.kv.rows import row_bytes
-from specexec.model import Block, on_meta
+from specexec.model import LOGIT_CHUNK
 
 PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
-
-
-@functools.cache
-def block_specs(args: ModelArgs) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
-    """((name, shape) of every tensor of one decoder Block in state_dict order), names of its Linear weights."""
-    with on_meta():
-        block = Block(args)
-    shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())
-    linear = frozenset(f"{path}.weight" for path, m in block.named_modules() if isinstance(m, nn.Linear))
-    return shapes, linear
 
 
 @functools.cache
@@ -99,3 +92,15 @@ def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: st
     logits = min(T, logit_rows) * args.vocab_size * 4 * 2
     return (hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
             + dequant_bytes(args, context, elem, kv_quant))
+
+
+def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str = "cpu") -> int:
+    """Peak transient bytes of one target pass over `tokens` rows and `context` slots (forward_bytes with one
+    LM-head chunk of logits)."""
+    return forward_bytes(args, tokens, context, elem, fmt, device, LOGIT_CHUNK)
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer a built module holds (quantized layers count their packed parts)."""
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())

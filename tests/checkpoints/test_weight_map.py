@@ -15,8 +15,9 @@ from offload.cache.store import LayerCache
 from offload.formats.checkpoint import CheckpointError
 from offload.formats.tensor_source import TensorSource
 from specexec.families.weights import WeightMap, default_rules, ignore, rename, split
-from specexec.runtime.loading import load_model, read_args
-from specexec.runtime.offloaded import build_offloaded, layer_names
+from specexec.checkpoints.loading import load_model, read_args
+from specexec.checkpoints.naming import layer_names
+from specexec.runtime.offloaded import build_offloaded
 
 
 def test_ops_and_their_shapes_from_the_header() -> None:
@@ -50,7 +51,7 @@ def test_a_fused_tensor_split_by_the_map_loads_the_same_numbers(tiny_llama: Path
     pieces = {"q": (0, q), "k": (q, q + k), "v": (q + k, q + 2 * k)}
     rule = split(r"model\.layers\.(\d+)\.self_attn\.qkv\.weight",
                  *[(rf"layers.\1.self_attn.{p}_proj.weight", (("slice", 0, a, b, 1),)) for p, (a, b) in pieces.items()])
-    monkeypatch.setattr("specexec.runtime.loading.weight_map", lambda a: WeightMap((rule,) + default_rules(a)))
+    monkeypatch.setattr("specexec.checkpoints.loading.weight_map", lambda a: WeightMap((rule,) + default_rules(a)))
     want, got = load_model(tiny_llama), load_model(path)
     for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
         assert torch.equal(a, b), name

@@ -16,7 +16,7 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   it runs that the target streams; its embed/norm/head and the resident layers it runs are the target's. The
   plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
   picks the most layers that fit.
-- target KV cache / draft KV cache: each sized for its own user (engine.kv_slots_for): the target for the
+- target KV cache / draft KV cache: each sized for its own user (kv.cache.kv_slots_for): the target for the
   context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
   target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
   streamed layer when the device runs short, in (pinned) RAM travelling with the layer ("target KV cache
@@ -44,10 +44,10 @@ import torch
 from offload.memory_plan import GB, Bandwidths, Needs, Plan, PlanError
 from offload.planner import plan
 
-from specexec.engine import PREFILL_CHUNK
+from specexec.config import PREFILL_CHUNK
 from specexec.model import LOGIT_CHUNK
-from specexec.runtime.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
-from specexec.runtime.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, weight_bytes
+from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
+from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, weight_bytes
 
 PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
 DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
