@@ -14,6 +14,7 @@ from typing import Any
 
 from specexec.config import ModelArgs
 from specexec.families import gemma, llama, phi3
+from specexec.families.common import recurrent_reason
 from specexec.families.weights import WeightMap, default_map
 from specexec.options import ConfigError
 
@@ -45,6 +46,8 @@ def model_args(cfg: dict[str, Any]) -> ModelArgs:
     if found is None:
         raise ConfigError(refusal(cfg))
     family, module = found
+    if recurrent_reason(cfg) is not None:             # a supported name with recurrent layers: the line says why
+        raise ConfigError(refusal(cfg))
     try:
         return module.model_args(family, cfg)
     except KeyError as e:
@@ -60,7 +63,19 @@ def weight_map(args: ModelArgs) -> WeightMap:
 
 
 def refusal(cfg: dict[str, Any]) -> str:
-    """The line for a config whose architecture specexec does not run: which one, and what is supported."""
+    """The line for a config whose architecture specexec does not run: which one, that it is not supported
+    (for a hybrid / recurrent model also why: common.recurrent_reason), and what is."""
+    why = recurrent_reason(cfg)
+    if why is not None:
+        return f"{why}; supported: {', '.join(architectures())}"
     archs = cfg.get("architectures") or []
     shown = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
     return f"unsupported architecture {shown}; supported: {', '.join(architectures())}"
+
+
+def supported() -> list[tuple[str, list[str]]]:
+    """(family, its HF architectures) of every supported architecture, in registry order (`specexec models`)."""
+    out: dict[str, list[str]] = {}
+    for arch, (family, _) in architectures().items():
+        out.setdefault(family, []).append(arch)
+    return list(out.items())

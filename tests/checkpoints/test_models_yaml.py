@@ -122,6 +122,10 @@ def test_models_command_lists_local_presence(catalogue, capsys) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "tiny-target" in out and "yes" in out and "test-org/Tiny-Target" in out
+    families = {f["family"]: f["architectures"] for f in obj["supported"]}
+    assert families["gemma3"] == ["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"]
+    assert {"llama", "qwen3", "gemma2", "phi3"} <= set(families)
+    assert "supported families" in out and "Phi3ForCausalLM" in out
 
 
 def test_models_command_on_the_shipped_catalogue(monkeypatch, capsys) -> None:
