@@ -33,6 +33,7 @@ VOCAB_SIZE = 320                                                # tokenizer voca
 # The draft of the tokenizer-mismatch test: other special-token order, other vocabulary size.
 OTHER_SPECIAL_TOKENS = ("</s>", "<s>", "<pad>", "<unk>")
 OTHER_VOCAB_SIZE = 288
+PREFIX_VOCAB_SIZE = 300        # the "prefix" tokenizer: the default's first 300 tokens (fewer BPE merges)
 
 
 def write_tokenizer(dest: Path, variant: str = "default") -> Path:
@@ -40,13 +41,16 @@ def write_tokenizer(dest: Path, variant: str = "default") -> Path:
 
     variant "default": VOCAB_SIZE entries, <unk>=0 <s>=1 </s>=2 <pad>=3 <|system|>=4 <|user|>=5 <|assistant|>=6.
     variant "other": OTHER_VOCAB_SIZE entries with the specials in another order (ids disagree with "default").
+    variant "prefix": the default's first PREFIX_VOCAB_SIZE entries (the same corpus, fewer merges).
     """
     if variant == "default":
         special, size, corpus = SPECIAL_TOKENS, VOCAB_SIZE, CORPUS
+    elif variant == "prefix":
+        special, size, corpus = SPECIAL_TOKENS, PREFIX_VOCAB_SIZE, CORPUS
     elif variant == "other":
         special, size, corpus = OTHER_SPECIAL_TOKENS, OTHER_VOCAB_SIZE, CORPUS[::-1]
     else:
-        raise ValueError(f"unknown tokenizer variant {variant!r}; use 'default' or 'other'")
+        raise ValueError(f"unknown tokenizer variant {variant!r}; use 'default', 'prefix' or 'other'")
     tok = train_tokenizer(size, corpus, special)
     if tok.get_vocab_size() != size:
         raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} entries, wanted {size}; "
@@ -57,7 +61,7 @@ def write_tokenizer(dest: Path, variant: str = "default") -> Path:
 
 def tokenizer_ids(variant: str = "default") -> dict[str, int]:
     """bos/eos/pad/unk ids of a tokenizer variant, for the model config."""
-    special = SPECIAL_TOKENS if variant == "default" else OTHER_SPECIAL_TOKENS
+    special = OTHER_SPECIAL_TOKENS if variant == "other" else SPECIAL_TOKENS
     return {name: special.index(tok) for name, tok in
             (("unk", "<unk>"), ("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>"))}
 
@@ -126,7 +130,7 @@ def write_tiny_model(dest: Path, family: str = "llama", seed: int = 0, n_layers:
     perturb + base: copy the checkpoint at `base` (config, tokenizer and all) and add to every weight tensor
     gaussian noise of std `perturb * rms(tensor)` drawn from `seed` -- a draft that partially agrees with
     `base`. `family`, `n_layers`, `tokenizer` and overrides do not apply then (overrides raise).
-    tokenizer: "default" or "other" (see write_tokenizer); the model's vocab_size and bos/eos/pad ids follow it.
+    tokenizer: "default", "prefix" or "other" (see write_tokenizer); the model's vocab_size and bos/eos/pad ids follow it.
     config_overrides: passed to the transformers config class, e.g. rope_scaling=LLAMA3_ROPE,
     tie_word_embeddings=True, num_hidden_layers is `n_layers`.
     """
@@ -138,7 +142,7 @@ def write_tiny_model(dest: Path, family: str = "llama", seed: int = 0, n_layers:
             raise ValueError(f"a perturbed copy keeps the base config; got overrides {sorted(config_overrides)}")
         return write_perturbed(dest, Path(base), perturb, seed)
 
-    vocab = VOCAB_SIZE if tokenizer == "default" else OTHER_VOCAB_SIZE
+    vocab = {"default": VOCAB_SIZE, "prefix": PREFIX_VOCAB_SIZE}.get(tokenizer, OTHER_VOCAB_SIZE)
     kw = tiny_config_kwargs(family, n_layers, vocab, tokenizer_ids(tokenizer))
     kw.update(config_overrides)
     write_random(dest, family, kw, seed, INIT_STD, HEAD_SCALE)
