@@ -42,7 +42,9 @@ def test_shipped_catalogue_has_the_recommended_pairs() -> None:
     assert pairs["qwen2.5-coder-1.5b-instruct"] == ("qwen2.5-coder-0.5b-instruct",)
     assert cat.get("Qwen/Qwen2.5-72B-Instruct").name == "qwen2.5-72b-instruct"     # a Hub id finds it too
     assert cat.get("LLAMA-3.1-70B-INSTRUCT") is not None                          # names are case-blind
-    assert {e.family for e in cat} == {"llama", "qwen2", "qwen3", "mistral"}
+    assert {e.family for e in cat} == {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"}
+    assert pairs["gemma-2-27b-it"] == ("gemma-2-2b-it",) and pairs["gemma-3-27b-it"] == ("gemma-3-1b-it",)
+    assert pairs["phi-4"][0] == "qwenphi-4-0.5b-draft"
     assert all(e.quant == "nf4" for e in cat if e.params in ("70B", "72B"))
 
 
