@@ -310,10 +310,8 @@ class Engine:
               rng: torch.Generator) -> Accepted:
         """One decoding step, in its five stages; the target span times verify + commit + observe."""
         cache, draft = state
-        longrope.rerun_past_switch(self.target, cache, lambda ids: self.prefill(self.target, cache, ids), self._context)
-        if draft is not None:
-            longrope.rerun_past_switch(draft.model, draft.cache, lambda ids: self.prefill(
-                draft.model, draft.cache, ids, "draft"), self._context)
+        longrope.rerun_past_switch([(self.target, cache, "target")] + ([(draft.model, draft.cache, "draft")] if draft
+                                   else []), self._context, self.prefill)
         drafted = self._draft(draft, root, sampling, rng, longrope.budget_cap(self.target, cache))
         with self.profiler.span("target") as target_span:
             acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng)

@@ -18,7 +18,7 @@ Does not know: trees, builders, how the engine prefills.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -52,14 +52,15 @@ def budget_cap(model: nn.Module, cache: KVCache) -> int | None:
     return max(0, switch - 1 - cache.length)
 
 
-def rerun_past_switch(model: nn.Module, cache: KVCache, prefill: Callable[[list[int]], None],
-                      context: list[int]) -> None:
-    """When the root is past the switch under the short factors (must_switch): drop the cache's rows, mark
-    it long and prefill(context[:length]) again, the rows it held now with the long factors."""
-    if must_switch(model, cache):
-        n, cache.long_rope = cache.length, True
-        cache.truncate(0)
-        prefill(context[:n])
+def rerun_past_switch(runs: Sequence[tuple[nn.Module, KVCache, str]], context: list[int],
+                      prefill: Callable[[nn.Module, KVCache, list[int], str], None]) -> None:
+    """For each (model, cache, which) whose root is past the switch under the short factors (must_switch):
+    drop the cache's rows, mark it long and prefill(model, cache, context[:length], which) again."""
+    for model, cache, which in runs:
+        if must_switch(model, cache):
+            n, cache.long_rope = cache.length, True
+            cache.truncate(0)
+            prefill(model, cache, context[:n], which)
 
 
 def must_switch(model: nn.Module, cache: KVCache) -> bool:

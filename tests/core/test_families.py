@@ -195,3 +195,46 @@ def test_longrope_prompts_on_both_sides_of_the_switch_in_one_engine(tiny_root: P
         want = hf_greedy(path, ids)[:12]
         assert got == want[:len(got)] and (len(got) == 12 or got[-1] in engine.eos_ids)
     assert engine._caches[0].long_rope
+
+
+# ----------------------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_cuda_kernels_compute_what_the_cpu_computes(tiny_family: Path) -> None:
+    """fp32 on CUDA (the memory-efficient kernel with query_pre_attn_scalar's scale; soft-capped plans in plain
+    maths) equals fp32 on the CPU through a chunked prefill and a tree; bf16 (the flash kernel) stays close."""
+    cpu = load_model(tiny_family, "cpu", "float32")
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(7, 300, (11,), generator=g)
+    nodes = torch.randint(7, 300, (len(PARENTS),), generator=g).tolist()
+
+    def run(model, device: str) -> torch.Tensor:
+        cache = KVCache(model.args.n_layers, model.args.n_kv_heads, model.args.head_dim, 96,
+                        next(model.parameters()).dtype, device)
+        cache.long_rope = long_switch(model.args) is not None
+        first = prefill(model, cache, prompt.to(device))
+        L, tree = cache.length, TokenTree.from_lists(nodes, PARENTS, device=device)
+        hidden = model(tree.tokens[None], tree.positions(L)[None], TreeMask(L, tree.ancestor_mask()), cache)
+        return torch.cat([first, model.logits(hidden)]).float().cpu()
+
+    want = run(cpu, "cpu")
+    assert (run(load_model(tiny_family, "cuda", "float32"), "cuda") - want).abs().max() < 1e-3
+    bf16 = run(load_model(tiny_family, "cuda", "bfloat16"), "cuda")
+    assert ((bf16 - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()) < 0.05
+
+
+@pytest.mark.gpu
+def test_cuda_streamed_kv_greedy_equals_target_only(tiny_family: Path, tiny_root: Path, tmp_path: Path) -> None:
+    """fp32 on CUDA, every layer in pinned RAM with its KV rows streamed with it (sliding layers move only their
+    window): greedy with the perturbed draft equals target-only decoding on the same device."""
+    cfg = EngineConfig(budget=8, dtype="float32", device="cuda")
+    off = OffloadConfig(quant="none", offload="ram", kv_offload="stream", cache_dir=str(tmp_path))
+    rt = Runtime.load(str(tiny_family), str(_draft(tiny_root, tiny_family)), cfg, offload=off)
+    try:
+        ids = torch.randint(7, 300, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+        got = greedy(rt, ids)
+        assert got == greedy(rt.variant(cfg, use_draft=False), ids)
+        assert same_as_hf(got, hf_greedy(tiny_family, ids), set(rt.engine.eos_ids))
+    finally:
+        rt.engine.close()
