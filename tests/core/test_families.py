@@ -86,6 +86,17 @@ def test_a_tree_past_the_window_equals_each_path(tiny_family: Path) -> None:
         assert (got[node] - ref(input_ids=path[None]).logits[0, -1]).abs().max() < TOL, node
 
 
+@torch.inference_mode()
+def test_a_trimmed_draft_head_caps_its_logits_too(tiny_root: Path) -> None:
+    """VocabTrim keeping every token scores exactly what the Gemma 2 draft's own head scores (capped)."""
+    from specexec.tuning.vocab_trim import TrimmedDraft
+
+    model = load_model(family_model(tiny_root, "gemma2"))
+    hidden = model(torch.tensor([[9, 10, 11]]), torch.arange(3)[None])
+    trimmed = TrimmedDraft(model, torch.arange(model.args.vocab_size))
+    assert torch.equal(trimmed.logits(hidden), model.logits(hidden)) and model.logits(hidden).abs().max() < 30
+
+
 def dense_capped(q, k, v, seen: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
     """The reference: one softmax over every key, soft-capped scores, masked by `seen` [T, S]."""
     G = q.shape[1] // k.shape[1]
