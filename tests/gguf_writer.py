@@ -48,8 +48,11 @@ def text_tensors(tensors: dict, cfg: dict) -> dict:
     separate mmproj file); every other checkpoint as it is."""
     if "text_config" not in cfg:
         return tensors
-    return {"model." + n.removeprefix("language_model.model."): t for n, t in tensors.items()
-            if n.startswith("language_model.model.")}
+    out = {"model." + n.removeprefix("language_model.model."): t for n, t in tensors.items()
+           if n.startswith("language_model.model.")}
+    if "language_model.lm_head.weight" in tensors:
+        out["lm_head.weight"] = tensors["language_model.lm_head.weight"]
+    return out
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:

@@ -106,9 +106,11 @@ def family_kwargs(family: str, n_layers: int) -> dict[str, Any]:
     changes the logits: query_pre_attn_scalar 24 (not head_dim 16), soft caps small enough to bite (Gemma 2:
     attention 2, final 30; Gemma 3 names an attention cap that transformers ignores, and so must we), a
     window of 6 alternating with global layers (Gemma 3: two sliding to one global, a local RoPE base of 1e4
-    and a linear-scaled global base of 1e6), tied embeddings. Phi-3: partial rotary (12 of 16 dims)."""
+    and a linear-scaled global base of 1e6). Untied heads: a tied random head (scaled up for peaked logits)
+    mostly predicts the input token back, and greedy runs would repeat one token. Phi-3: partial rotary
+    (12 of 16 dims)."""
     gemma = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
-                 tie_word_embeddings=True)
+                 tie_word_embeddings=False)
     if family == "gemma2":
         return dict(gemma, attn_logit_softcapping=2.0, final_logit_softcapping=30.0)
     if family in ("gemma3", "gemma3_mm"):

@@ -19,8 +19,8 @@ from tests.tiny_models import LONGROPE, write_tiny_model  # noqa: E402
 
 PATTERN6 = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)]
 CASES = {
-    "gemma2": ("gemma2", 2, {"query_pre_attn_scalar": 16}),
-    "gemma3": ("gemma3", 6, {"query_pre_attn_scalar": 16, "layer_types": PATTERN6}),
+    "gemma2": ("gemma2", 2, {"query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
+    "gemma3": ("gemma3", 6, {"query_pre_attn_scalar": 16, "layer_types": PATTERN6, "tie_word_embeddings": True}),
     "gemma3_mm": ("gemma3_mm", 6, {"query_pre_attn_scalar": 16, "layer_types": PATTERN6}),
     "phi3_long": ("phi3", 2, {"rope_scaling": LONGROPE, "original_max_position_embeddings": 16,
                               "max_position_embeddings": 64}),
