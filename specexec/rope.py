@@ -30,19 +30,19 @@ def long_switch(args: ModelArgs) -> int | None:
     return int(scaling["original_max_position_embeddings"])
 
 
-def attention_factor(args: ModelArgs, table: str) -> float:
-    """The factor cos and sin are multiplied by (LongRoPE's attention factor; 1 for every other RoPE)."""
-    _, scaling = args.rope_params("global" if table == "long" else table)
+def attention_factor(args: ModelArgs, rope: str) -> float:
+    """The factor cos and sin of table `rope` are multiplied by (LongRoPE's attention factor; 1 otherwise)."""
+    _, scaling = args.rope_params("global" if rope == "long" else rope)
     return float((scaling or {}).get("attention_factor", 1.0)) if (scaling or {}).get("rope_type") == "longrope" \
         else 1.0
 
 
-def rope_inv_freq(args: ModelArgs, table: str = "global") -> torch.Tensor:
-    """Inverse frequencies [rope_dim/2] of one of the model's RoPE tables (rope_names; ModelArgs.rope_params)
+def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
+    """Inverse frequencies [rope_dim/2] of one of the model's RoPE tables `rope` (rope_names; ModelArgs.rope_params)
     with its scaling (default, linear, llama3, longrope short or long factors), computed in fp32 on the CPU
     whatever the default device (callers move them; on meta there would be nothing to read)."""
     d = args.rope_dim or args.head_dim
-    theta, scaling = args.rope_params("global" if table == "long" else table)
+    theta, scaling = args.rope_params("global" if rope == "long" else rope)
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -57,7 +57,7 @@ def rope_inv_freq(args: ModelArgs, table: str = "global") -> torch.Tensor:
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
     elif kind == "longrope":
-        ext = torch.tensor(scaling["long_factor" if table == "long" else "short_factor"], dtype=torch.float32,
+        ext = torch.tensor(scaling["long_factor" if rope == "long" else "short_factor"], dtype=torch.float32,
                            device="cpu")
         if ext.numel() != d // 2:
             raise ValueError(f"longrope has {ext.numel()} factors for {d} rotary dimensions (needs {d // 2})")
