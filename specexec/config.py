@@ -49,7 +49,7 @@ class MoEArgs:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")     # config.json's layer_types values specexec runs
-MLP_ACTS = ("silu", "gelu_tanh", "gelu")                  # the MLP gate's activations (HF silu, gelu_pytorch_tanh, gelu)
+MLP_ACTS = ("silu", "gelu_tanh", "gelu")      # the MLP gate's activations (HF: silu, gelu_pytorch_tanh, gelu)
 
 
 @dataclass(frozen=True)

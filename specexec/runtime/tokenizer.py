@@ -154,7 +154,8 @@ def check_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab: int)
     for role, t, d in _special_roles(target_tok, draft_tok):
         if t != d:
             raise ConfigError(f"draft and target tokenizers disagree on the {role}: target {t!r}, draft {d!r}; "
-                              "pick a draft with the target's tokenizer (e.g. the instruct draft of an instruct target)")
+                              "pick a draft with the target's tokenizer (e.g. an instruct draft for an instruct "
+                              "target)")
     for who, vocab, rows in (("target", tv, target_vocab), ("draft", dv, draft_vocab)):
         if max(vocab.values()) >= rows:
             raise ConfigError(f"the {who}'s tokenizer has ids up to {max(vocab.values())} but its model's "

@@ -43,7 +43,8 @@ def test_family_gguf_reads_back_the_model(case: str, tmp_path: Path) -> None:
         assert torch.allclose(torch.tensor(g[key], dtype=torch.float64), torch.tensor(w[key], dtype=torch.float64),
                               rtol=1e-7) if not isinstance(w[key], str) else g[key] == w[key], key
     src = GGUFCheckpoint(path)
-    assert "blk.0.post_ffw_norm.weight" in src._raw if family.startswith("gemma") else "blk.0.attn_qkv.weight" in src._raw
+    own = "blk.0.post_ffw_norm.weight" if family.startswith("gemma") else "blk.0.attn_qkv.weight"
+    assert own in src._raw
     ours = load_model(path, "cpu", "float32")
     ids = torch.randint(7, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     import transformers
