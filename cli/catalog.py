@@ -1,7 +1,8 @@
 """`specexec models`: list the models.yaml catalogue (recommended pairs, defaults) and which models are on this
 machine, looked up offline in the Hugging Face cache and under $SPECEXEC_MODEL_DIRS.
 
-Table on stdout (it is the answer); `--json` prints one line {"catalog": PATH, "models": [...]} instead.
+Table on stdout (it is the answer), then the supported families and their config.json architectures; `--json`
+prints one line {"catalog": PATH, "models": [...], "supported": [{"family", "architectures"}]} instead.
 
 Does not know: how the catalogue is parsed or checked, or where models are looked for (specexec.checkpoints.catalog).
 """
@@ -14,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specexec.checkpoints.catalog import DIRS_ENV, Catalog, load_catalog
+from specexec.families.registry import supported
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -53,13 +55,17 @@ def table(found: list[dict], source: str) -> Table:
 def run(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.catalog)
     found = rows(catalog, args.local)
+    families = [{"family": fam, "architectures": archs} for fam, archs in supported()]
     if args.json:
-        print(json.dumps({"catalog": catalog.source, "models": found}, separators=(",", ":")), flush=True)
+        print(json.dumps({"catalog": catalog.source, "models": found, "supported": families},
+                         separators=(",", ":")), flush=True)
         return 0
     out = Console(soft_wrap=True)
     if not out.is_terminal:                    # a file or a pipe: wide enough that no cell is cut
         out.width = max(out.width, 200)
     out.print(table(found, catalog.source))
+    out.print("supported families (config.json architectures): " + "; ".join(
+        f"{f['family']} ({', '.join(f['architectures'])})" for f in families), highlight=False)
     present = sum(r["local_path"] is not None for r in found)
     Console(stderr=True).print(f"{present} of {len(found)} present locally · `--model NAME` uses a name, its "
                                f"first draft, budget and quant · add directories with ${DIRS_ENV}",

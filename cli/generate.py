@@ -118,6 +118,8 @@ def print_load_summary(console: Console, runtime: Runtime) -> None:
     line("target", runtime.target_info)
     if runtime.draft_info is not None:
         line("draft ", runtime.draft_info)
+        if runtime.pair_note:
+            console.print(runtime.pair_note, highlight=False)
     if runtime.engine.builder is None:
         console.print("no draft: decoding with the target alone", highlight=False)
     else:

@@ -34,6 +34,9 @@ Kernels: which runs is chosen per device, each returns the log-sum-exp F.scaled_
   no K/V copy) and a mask is laid out G-fold and 16-aligned once per forward, as SDPA itself would per call.
 - anything else: plain maths (matmul, logsumexp), also the reference the tests compare the kernels against.
 A row that sees no key of a part (only possible in the window band) gets lse = -inf and output 0 there.
+Scores are scaled by the plan's `scale` (default D ** -0.5; Gemma's query_pre_attn_scalar) in every kernel.
+Attention-logit soft-capping (Gemma 2: scores -> cap * tanh(scores / cap)) runs inside each part, before its
+log-sum-exp, so the merge stays exact; no fused kernel caps scores, so a capped plan runs plain maths.
 
 Attention sinks (gpt-oss): a learned logit s_h per head that joins every row's softmax as a key with no value.
 It enters the denominator once, at the merge, as one more part with output 0 and lse = s_h:
@@ -86,6 +89,8 @@ class AttentionPlan:
     n_slots: int
     kernel: str                  # "cpu" | "cuda" | "math"
     groups: int                  # query heads per KV head (G)
+    scale: float | None = None   # score scale (None: D ** -0.5)
+    softcap: float | None = None # scores -> softcap * tanh(scores / softcap) inside each part (plain maths)
 
 
 def pick_kernel(device: torch.device) -> str:
@@ -94,12 +99,18 @@ def pick_kernel(device: torch.device) -> str:
 
 
 def build_plan(mask: TreeMask | Tensor | None, positions: Tensor, n_new: int, window: int | None, groups: int,
-               dtype: torch.dtype, kernel: str) -> AttentionPlan:
+               dtype: torch.dtype, kernel: str, scale: float | None = None,
+               softcap: float | None = None) -> AttentionPlan:
     """The per-forward attention plan. mask: a TreeMask, a dense bool [B, 1, T, S] over slots [0, S), or None
-    (no cache: causal over the T new tokens). positions [B, T]; window: the model's sliding window or None."""
+    (no cache: causal over the T new tokens). positions [B, T]; window: the layers' sliding window or None;
+    scale: the score scale (None: D ** -0.5); softcap: attention-logit soft-capping (plain maths only: no fused
+    kernel caps scores, so the plan's kernel becomes "math")."""
+    if softcap is not None:
+        kernel = "math"
     if isinstance(mask, Tensor):
         S = mask.shape[-1]
-        return AttentionPlan((Part(0, S, _layout(_additive(mask, dtype), groups, kernel)),), S, kernel, groups)
+        return AttentionPlan((Part(0, S, _layout(_additive(mask, dtype), groups, kernel)),), S, kernel, groups,
+                             scale, softcap)
     tm = mask if mask is not None else TreeMask(0)
     P = tm.prefix
     K = n_new if tm.tree is None else tm.tree.shape[1]
@@ -111,7 +122,7 @@ def build_plan(mask: TreeMask | Tensor | None, positions: Tensor, n_new: int, wi
         parts[-1] = Part(parts[-1].start, P + 1)         # one-token decode: the token sees everything, unmasked
     else:
         parts.append(tree)
-    return AttentionPlan(tuple(parts), P + K, kernel, groups)
+    return AttentionPlan(tuple(parts), P + K, kernel, groups, scale, softcap)
 
 
 def _prefix_parts(P: int, K: int, positions: Tensor, window: int | None, groups: int, dtype: torch.dtype,
@@ -174,7 +185,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, sinks: Tensor |
     outs, lses = [], []
     for part in plan.parts:
         kp, vp = k[:, :, part.start:part.stop], v[:, :, part.start:part.stop]
-        out, lse = attend_part(q, kp, vp, part, plan.kernel, plan.groups)
+        out, lse = attend_part(q, kp, vp, part, plan.kernel, plan.groups, plan.scale, plan.softcap)
         if part.rows is not None:                         # rows that see none of these keys
             lse = lse.masked_fill(~part.rows, NEG_INF)
             out = torch.where(part.rows.unsqueeze(-1), out, 0.0)
@@ -199,32 +210,36 @@ def merge(outs: list[Tensor], lses: list[Tensor], sinks: Tensor | None = None) -
     return acc.to(outs[0].dtype)
 
 
-def attend_part(q: Tensor, k: Tensor, v: Tensor, part: Part, kernel: str, groups: int) -> tuple[Tensor, Tensor]:
-    """One part: (out [B, H, T, D] in q's dtype, lse [B, H, T] fp32) on the plan's kernel."""
+def attend_part(q: Tensor, k: Tensor, v: Tensor, part: Part, kernel: str, groups: int, scale: float | None = None,
+                softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """One part: (out [B, H, T, D] in q's dtype, lse [B, H, T] fp32) on the plan's kernel. The log-sum-exp is
+    of the scaled (and soft-capped) scores, so the parts merge exactly whatever the scale and the cap."""
     if kernel == "cpu":
-        return _attend_cpu(q, k, v, part, groups)
+        return _attend_cpu(q, k, v, part, groups, scale)
     if kernel == "cuda":
-        fused = _attend_cuda(q, k, v, part, groups)
+        fused = _attend_cuda(q, k, v, part, groups, scale)
         if fused is not None:
             return fused
         bias = part.bias[..., : q.shape[2], :] if part.bias is not None else None   # G-fold rows: the first T
-        return attend_math(q, k, v, Part(part.start, part.stop, bias, part.causal and bias is None))
-    return attend_math(q, k, v, part)
+        return attend_math(q, k, v, Part(part.start, part.stop, bias, part.causal and bias is None), scale)
+    return attend_math(q, k, v, part, scale, softcap)
 
 
-def _attend_cpu(q: Tensor, k: Tensor, v: Tensor, part: Part, groups: int) -> tuple[Tensor, Tensor]:
+def _attend_cpu(q: Tensor, k: Tensor, v: Tensor, part: Part, groups: int,
+                scale: float | None) -> tuple[Tensor, Tensor]:
     """The fused CPU kernel. A part without a mask gets the query folded per KV head ([B, H_kv, G*T, D]: every
     K/V block is loaded once for G heads; ~1.3x faster at long prefixes); masked parts use its native GQA."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     B, H, T, D = q.shape
     if part.bias is None and not part.causal and groups > 1:
-        out, lse = flash(q.reshape(B, H // groups, groups * T, D), k, v)
+        out, lse = flash(q.reshape(B, H // groups, groups * T, D), k, v, scale=scale)
         return out.reshape(B, H, T, D), lse.reshape(B, H, T).float()
-    out, lse = flash(q, k, v, is_causal=part.causal, attn_mask=part.bias)
+    out, lse = flash(q, k, v, is_causal=part.causal, attn_mask=part.bias, scale=scale)
     return out, lse.float()
 
 
-def _attend_cuda(q: Tensor, k: Tensor, v: Tensor, part: Part, groups: int) -> tuple[Tensor, Tensor] | None:
+def _attend_cuda(q: Tensor, k: Tensor, v: Tensor, part: Part, groups: int,
+                 scale: float | None = None) -> tuple[Tensor, Tensor] | None:
     """Flash (fp16/bf16, no mask or causal, GQA native) or memory-efficient attention (query folded per KV
     head, the plan's G-fold mask); None when torch says neither kernel takes these inputs."""
     from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
@@ -234,7 +249,8 @@ def _attend_cuda(q: Tensor, k: Tensor, v: Tensor, part: Part, groups: int) -> tu
         return None
     if (part.bias is None or part.causal) and q.dtype in (torch.float16, torch.bfloat16) and \
             can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, part.causal, groups > 1)):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, part.causal)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, part.causal,
+                                                                       scale=scale)[:2]
         return out, lse[..., :T].float()
     Hkv = k.shape[1]
     qf = q.reshape(B, Hkv, groups * T, D) if groups > 1 else q
@@ -242,16 +258,21 @@ def _attend_cuda(q: Tensor, k: Tensor, v: Tensor, part: Part, groups: int) -> tu
     causal = part.causal and bias is None
     if not can_use_efficient_attention(SDPAParams(qf, k, v, bias, 0.0, causal, False)):
         return None
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qf, k, v, bias, True, 0.0, causal)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qf, k, v, bias, True, 0.0, causal,
+                                                                       scale=scale)[:2]
     return out.reshape(B, H, T, D), lse[..., : groups * T].reshape(B, H, T).float()
 
 
-def attend_math(q: Tensor, k: Tensor, v: Tensor, part: Part) -> tuple[Tensor, Tensor]:
-    """Plain maths, GQA without copies: q folded to [B, H_kv, G, T, D]; bias [B|1, 1, T, n] broadcast."""
+def attend_math(q: Tensor, k: Tensor, v: Tensor, part: Part, scale: float | None = None,
+                softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """Plain maths, GQA without copies: q folded to [B, H_kv, G, T, D]; bias [B|1, 1, T, n] broadcast; scores
+    scaled (default D ** -0.5) and soft-capped (softcap * tanh(s / softcap), before the mask, as transformers)."""
     B, H, T, D = q.shape
     Hkv, n = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, H // Hkv, T, D).float()
-    scores = qg @ k.float().transpose(-1, -2).unsqueeze(2) * D ** -0.5          # [B, H_kv, G, T, n]
+    scores = qg @ k.float().transpose(-1, -2).unsqueeze(2) * (D ** -0.5 if scale is None else scale)
+    if softcap is not None:                                                     # [B, H_kv, G, T, n]
+        scores = torch.tanh(scores / softcap) * softcap
     if part.bias is not None:
         scores = scores + part.bias.float().unsqueeze(2)
     elif part.causal:

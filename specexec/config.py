@@ -68,6 +68,7 @@ class MoEArgs:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")     # config.json's layer_types values specexec runs
+MLP_ACTS = ("silu", "gelu_tanh", "gelu")      # the MLP gate's activations (HF: silu, gelu_pytorch_tanh, gelu)
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,27 @@ class ModelArgs:
     layer_types: tuple[str, ...] = ()
     local_rope_theta: float | None = None      # RoPE base of the sliding layers when they have their own (Gemma 3)
     local_rope_scaling: tuple[tuple[str, Any], ...] | None = None   # ... and its scaling (read only with a base)
+    # Gemma 2/3
+    embed_scale: bool = False            # embeddings x sqrt(dim), the scale cast to the run dtype first
+    norm_plus_one: bool = False          # every RMSNorm scales by (1 + weight), in fp32 before the cast back
+    sandwich_norms: bool = False         # norms after attention and around the MLP (pre/post_feedforward_layernorm)
+    attn_scale: float | None = None      # attention score scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None    # attention scores -> cap * tanh(scores / cap) before the softmax
+    logit_softcap: float | None = None   # the LM head's logits likewise
+    mlp_act: str = "silu"                # the MLP gate's activation: one of MLP_ACTS
+    # Phi-3/4
+    fused_qkv: bool = False              # one qkv_proj [q; k; v] instead of q/k/v_proj
+    fused_gate_up: bool = False          # one gate_up_proj [gate; up] instead of gate/up_proj
+    rope_dim: int | None = None          # rotary dimensions per head (partial rotary; None: all of head_dim)
 
     def __post_init__(self) -> None:
+        check_choice("mlp activation", self.mlp_act, MLP_ACTS)
+        if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise ConfigError(f"rotary dimensions {self.rope_dim} must be even and in (0, head_dim {self.head_dim}]")
+        for name in ("attn_softcap", "logit_softcap", "attn_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
         if self.layer_types:
             if len(self.layer_types) != self.n_layers:
                 raise ConfigError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.n_layers}")

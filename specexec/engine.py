@@ -26,6 +26,7 @@ import torch
 
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
+from specexec import longrope
 from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
@@ -257,12 +258,14 @@ class Engine:
         self._context = list(prompt_ids)
         self._generated_from = len(prompt_ids)   # earlier turns kept in the cache are prompt, not generated
         target_cache.truncate(min(shared, target_cache.length))
+        longrope.begin(self.target, target_cache, len(prompt_ids))
         stats.reused_tokens = target_cache.length
         stats.prompt_tokens = len(prompt_ids) - 1 - target_cache.length
         self.prefill(self.target, target_cache, prompt_ids[target_cache.length:-1])
         draft = None
         if draft_cache is not None:
             draft_cache.truncate(min(shared, draft_cache.length))
+            longrope.begin(self.draft, draft_cache, len(prompt_ids))
             self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
             draft = DraftState(self.draft, draft_cache, [prompt_ids[-1]])
         span.stop()                                  # CUDA: read at the end (_settle), never waited for here
@@ -307,7 +310,9 @@ class Engine:
               rng: torch.Generator) -> Accepted:
         """One decoding step, in its five stages; the target span times verify + commit + observe."""
         cache, draft = state
-        drafted = self._draft(draft, root, sampling, rng)
+        longrope.rerun_past_switch([(self.target, cache, "target")] + ([(draft.model, draft.cache, "draft")] if draft
+                                   else []), self._context, self.prefill)
+        drafted = self._draft(draft, root, sampling, rng, longrope.budget_cap(self.target, cache))
         with self.profiler.span("target") as target_span:
             acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng)
             self._commit(drafted.tree, acc, cache, draft)
@@ -316,16 +321,17 @@ class Engine:
         return acc
 
     def _draft(self, draft: DraftState | None, root: int, sampling: SamplingParams,
-               rng: torch.Generator) -> Drafted:
+               rng: torch.Generator, cap: int | None = None) -> Drafted:
         """Stage 1: the builder grows a tree under `root` (the tuner, which first hears the steps whose times
         have settled, picks its budget); with no builder a root-only tree. The span stops on the host and
         CUDA events, never with a host sync."""
-        if self.builder is None:                     # nothing drafted: the span stays empty
+        if self.builder is None or cap == 0:         # nothing drafted (cap: specexec/longrope.py): span empty
             tree = TokenTree.root_only(root, self.device)
             return Drafted(tree, None, 0, self.profiler.start("draft").stop())
         span = self.profiler.start("draft")
         self.profiler.settle()                       # the tuner hears finished steps' times (never waits)
         budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
+        budget = budget if cap is None else min(budget, cap)
         before = draft.passes if draft is not None else 0
         tree = self.builder.build(draft, root, budget, sampling, rng)
         span.stop()

@@ -1,20 +1,21 @@
-"""One pre-norm decoder for every family specexec runs (Llama, Mistral, Qwen2/3, and the mixtures of experts
-Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss), its differences named options of ModelArgs: pure maths.
+"""One pre-norm decoder for every family specexec runs (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, and the
+mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss), its differences named options of ModelArgs
+(q/k norms, sandwich norms, soft-capping, fused projections, partial rotary, sinks, ...): pure maths.
 
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
-positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
-`TreeMask`: the whole committed prefix plus a small mask over the new tokens' own slots; or a dense bool
-mask), and `slots` says where each token's K/V is written. Layers come in kinds (ModelArgs.layer_kind: a
-sliding window or none, the global or a local RoPE): per forward the mask becomes one `AttentionPlan` per
-window and the positions one cos/sin table per RoPE, and each layer attends with its kind's (specexec/attention.py:
-prefix and tree attended apart, merged exactly; attention sinks enter at that merge). A layer's feed-forward
-is the dense MLP or, where ModelArgs.moe says the layer is sparse, specexec/moe.py's router-then-experts
-block, whose routing of each pass goes to `Transformer.routing` (a RoutingLog; None records nothing).
-Parameter names follow the Hub checkpoints without the leading "model." (the MoE names are specexec/moe.py's;
-specexec/families/weights.py maps a checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a
-caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made
-of live beside it: specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP),
-specexec/moe.py (the sparse feed-forward).
+positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a `TreeMask`:
+the whole committed prefix plus a small mask over the new tokens' own slots; or a dense bool mask), and `slots`
+says where each token's K/V is written. Layers come in kinds (ModelArgs.layer_kind: a sliding window or none, the
+global or a local RoPE): per forward the mask becomes one `AttentionPlan` per window and the positions one cos/sin
+table per RoPE, and each layer attends with its kind's (specexec/attention.py: prefix and tree attended apart,
+merged exactly; soft-capping inside each part, attention sinks at the merge). A layer's feed-forward is the dense
+MLP or, where ModelArgs.moe says the layer is sparse, specexec/moe.py's router-then-experts block, whose routing
+of each pass goes to `Transformer.routing` (a RoutingLog; None records nothing). Parameter names follow the Hub
+checkpoints without the leading "model." (the MoE names are specexec/moe.py's; specexec/families/weights.py maps a
+checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a caller needs;
+callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made of live beside it:
+specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP), specexec/moe.py (the sparse
+feed-forward).
 
 Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
 offloading (OffloadedTransformer overrides `layer_modules`), trees or sampling.
@@ -35,7 +36,7 @@ from specexec.ffn import MLP
 from specexec.kv.cache import KVCache
 from specexec.moe import RoutingLog, SparseMLP
 from specexec.norms import RMSNorm
-from specexec.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_names
+from specexec.rope import apply_rope, attention_factor, long_switch, rope_inv_freq, rope_names
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -64,34 +65,50 @@ def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Self-attention with RoPE over a KV cache: q/k/v projections (or one fused qkv_proj), optional q/k
+    RMSNorm, RoPE on the first rope_dim dimensions of each head, the plan's split attention, o_proj."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         d, h, kv = args.head_dim, args.n_heads, args.n_kv_heads
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(args.dim, h * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+        if args.fused_qkv:
+            self.qkv_proj = nn.Linear(args.dim, (h + 2 * kv) * d, bias=args.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(args.dim, h * d, bias=args.qkv_bias)
+            self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+            self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
         if args.qk_norm:                  # over each head, or over the whole projection (qk_norm_per_head False)
-            self.q_norm = RMSNorm(d if args.qk_norm_per_head else h * d, args.norm_eps)
-            self.k_norm = RMSNorm(d if args.qk_norm_per_head else kv * d, args.norm_eps)
+            self.q_norm = RMSNorm(d if args.qk_norm_per_head else h * d, args.norm_eps, args.norm_plus_one)
+            self.k_norm = RMSNorm(d if args.qk_norm_per_head else kv * d, args.norm_eps, args.norm_plus_one)
         self.norm_per_head, self.clip = args.qk_norm_per_head, args.clip_qkv
         if args.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(h))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q [B, T, H, hd], k and v [B, T, H_kv, hd], q/k normed and q/k/v clipped as configured."""
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if hasattr(self, "q_norm") and not self.norm_per_head:
+        h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split((h * d, kv * d, kv * d), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        normed = hasattr(self, "q_norm")
+        if normed and not self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)                                  # over the projection
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm") and self.norm_per_head:
+        q, k, v = q.view(B, T, h, d), k.view(B, T, kv, d), v.view(B, T, kv, d)
+        if normed and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)                                  # per head
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x)
+        v = v.transpose(1, 2)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
@@ -102,28 +119,43 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer: pre-norm attention and a feed-forward with residuals. The feed-forward of decoder layer
-    `layer` is a SparseMLP (specexec/moe.py) when ModelArgs.moe says that layer is sparse, else the dense MLP."""
+    """One decoder layer: pre-norm attention and a feed-forward with residuals; with sandwich_norms (Gemma) the
+    attention's and the feed-forward's outputs are normalised too (post_attention_layernorm then normalises the
+    attention output, pre_feedforward_layernorm the MLP input: the checkpoints' own names). The feed-forward of
+    decoder layer `layer` is a SparseMLP (specexec/moe.py) when ModelArgs.moe says that layer is sparse, else
+    the dense MLP."""
 
     def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)     # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = norm()
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = SparseMLP(args) if args.moe is not None and args.moe.sparse(layer) else MLP(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None,
                 routing: RoutingLog | None = None) -> torch.Tensor:
         """A sparse layer routes first, hands the routing to `routing` (when given), then runs the experts."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
-        h = self.post_attention_layernorm(x)
-        if not isinstance(self.mlp, SparseMLP):
-            return x + self.mlp(h)
-        route = self.mlp.route(h)
-        if routing is not None:
-            routing.record(layer, route)
-        return x + self.mlp.combine(h, route)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
+        sandwich = hasattr(self, "pre_feedforward_layernorm")
+        if sandwich:
+            x = x + self.post_attention_layernorm(h)
+            h = self.pre_feedforward_layernorm(x)
+        else:
+            x = x + h
+            h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMLP):
+            route = self.mlp.route(h)
+            if routing is not None:
+                routing.record(layer, route)
+            out = self.mlp.combine(h, route)
+        else:
+            out = self.mlp(h)
+        return x + (self.post_feedforward_layernorm(out) if sandwich else out)
 
 
 class Transformer(nn.Module):
@@ -134,7 +166,7 @@ class Transformer(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         for rope in rope_names(args):              # inv_freq (global), inv_freq_local (Gemma 3's sliding layers)
@@ -159,16 +191,25 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, rope: str = "global"
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim] of one RoPE (LayerKind.rope) for `apply_rope`,
+        """positions [B, T] -> cos, sin [B, 1, T, rope_dim] of one RoPE table (rope_names) for `apply_rope`,
         computed in fp32 then cast: (cos f, cos f) and (-sin f, sin f) for f = position x inv_freq, both times
-        the RoPE's attention factor (YaRN's; 1 otherwise)."""
+        the table's attention factor (YaRN's or LongRoPE's; 1 otherwise)."""
         freqs = positions.float().unsqueeze(-1) * getattr(self, _rope_buffer(rope)).to(positions.device)
-        sin, cos = freqs.sin(), torch.cat((freqs, freqs), -1).cos()
+        cos, sin = torch.cat((freqs, freqs), -1).cos(), freqs.sin()
         sin = torch.cat((-sin, sin), -1)
-        scale = rope_attention_factor(self.args, rope)
-        if scale != 1.0:
-            cos, sin = cos * scale, sin * scale
+        factor = attention_factor(self.args, rope)
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
         return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+
+    def long_rope(self, positions: torch.Tensor, cache: KVCache | None) -> bool:
+        """Whether this forward uses LongRoPE's long factors: as the cache's rows were computed (the engine
+        sets `cache.long_rope` from the sequence's length), or without a cache when the positions run past the
+        original context (transformers' rule; reads the positions on the host)."""
+        switch = long_switch(self.args)
+        if switch is None:
+            return False
+        return cache.long_rope if cache is not None else int(positions.max()) + 1 > switch
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,9 +225,11 @@ class Transformer(nn.Module):
             cache.begin_forward()
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         kinds = self.args.layer_kinds
-        ropes = {rope: self.rope(positions, x.dtype, rope) for rope in {k.rope for k in kinds}}
+        long = self.long_rope(positions, cache)
+        ropes = {rope: self.rope(positions, x.dtype, "long" if long and rope == "global" else rope)
+                 for rope in {k.rope for k in kinds}}
         plans = self.attention_plans(mask, positions, x.dtype)
         if self.routing is not None:
             self.routing.begin()
@@ -194,6 +237,14 @@ class Transformer(nn.Module):
             kind = kinds[i]
             x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, self.routing)
         return self.norm(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> [B, T, D]; with embed_scale (Gemma) times sqrt(dim), that scale rounded to the run
+        dtype first (transformers' Gemma: a float32 sqrt(dim) cast to the weight's dtype)."""
+        x = self.embed_tokens(tokens)
+        if self.args.embed_scale:
+            x = x * torch.tensor(self.args.dim ** 0.5, dtype=torch.float32).to(x.dtype)
+        return x
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
         """A KV cache for this model with `capacity` slots, rows in its dtype on its device (int8 when quant
@@ -211,7 +262,7 @@ class Transformer(nn.Module):
         if isinstance(mask, torch.Tensor) and len(windows) > 1:
             raise ValueError(f"layers with sliding windows {windows} need a TreeMask, not one dense mask")
         return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // a.n_kv_heads, dtype,
-                              pick_kernel(positions.device)) for w in windows}
+                              pick_kernel(positions.device), a.attn_scale, a.attn_softcap) for w in windows}
 
     def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                        dtype: torch.dtype) -> AttentionPlan:
@@ -223,7 +274,12 @@ class Transformer(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])
         if rows is not None:
             h = h.index_select(0, rows)
-        return F.linear(h, self.head_weight).float()
+        return soft_cap(F.linear(h, self.head_weight).float(), self.args.logit_softcap)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping; x unchanged when cap is None)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def _rope_buffer(rope: str) -> str:

@@ -1,6 +1,9 @@
-"""Rotary position embedding: inverse frequencies with the checkpoint's scaling, and its application to q/k.
+"""Rotary position embedding: inverse frequencies with the checkpoint's scaling (default, linear, llama3,
+YaRN, LongRoPE), the tables a model keeps (global, a sliding layers' local one, LongRoPE's long factors), and its
+application to q/k (whole heads, or the first rope_dim dimensions: partial rotary).
 
-Does not know: which layers use which RoPE (specexec/model.py picks per layer), positions' origin, caches.
+Does not know: which layers use which RoPE (specexec/model.py picks per layer, and between LongRoPE's short and
+long factors), positions' origin, caches.
 """
 from __future__ import annotations
 
@@ -13,17 +16,42 @@ from specexec.config import ModelArgs
 
 
 def rope_names(args: ModelArgs) -> tuple[str, ...]:
-    """The RoPEs the layers of `args` use (LayerKind.rope: "global", and "local" where sliding layers have their
-    own), each a table the model keeps and computes once per forward."""
-    return tuple(sorted({kind.rope for kind in args.layer_kinds} | {"global"}))
+    """The RoPE tables the model keeps, each computed once per forward: "global"; "local" where sliding layers
+    have their own (LayerKind.rope); "long": the global RoPE's LongRoPE long factors (long_switch)."""
+    names = {kind.rope for kind in args.layer_kinds} | {"global"}
+    return tuple(sorted(names | ({"long"} if long_switch(args) is not None else set())))
+
+
+def long_switch(args: ModelArgs) -> int | None:
+    """For LongRoPE (Phi-3): the original context; a sequence longer than it uses the long factors, as in
+    transformers (its generate re-runs the whole context once a generation grows past it). Else None."""
+    scaling = args.rope_scaling_dict or {}
+    if scaling.get("rope_type") != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"])
+
+
+def attention_factor(args: ModelArgs, rope: str = "global") -> float:
+    """The factor cos and sin of table `rope` are multiplied by: YaRN's attention temperature (0.1 ln(factor) + 1,
+    or the config's attention_factor), LongRoPE's attention factor, else 1."""
+    scaling = args.rope_params("global" if rope == "long" else rope)[1] or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope":
+        return float(scaling.get("attention_factor", 1.0))
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] of one of the model's RoPEs ("global" | "local", ModelArgs.rope_params)
-    with its scaling (default, linear, llama3, yarn), computed in fp32 on the CPU whatever the default device
-    (callers move them; on meta there would be nothing to read)."""
-    d = args.head_dim
-    theta, scaling = args.rope_params(rope)
+    """Inverse frequencies [rope_dim/2] of one of the model's RoPE tables `rope` (rope_names; ModelArgs.rope_params)
+    with its scaling (default, linear, llama3, yarn, longrope short or long factors), computed in fp32 on the CPU
+    whatever the default device (callers move them; on meta there would be nothing to read)."""
+    d = args.rope_dim or args.head_dim
+    theta, scaling = args.rope_params("global" if rope == "long" else rope)
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -39,6 +67,12 @@ def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
         inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
     elif kind == "yarn":
         inv = _yarn_inv_freq(inv, theta, d, scaling)
+    elif kind == "longrope":
+        ext = torch.tensor(scaling["long_factor" if rope == "long" else "short_factor"], dtype=torch.float32,
+                           device="cpu")
+        if ext.numel() != d // 2:
+            raise ValueError(f"longrope has {ext.numel()} factors for {d} rotary dimensions (needs {d // 2})")
+        inv = 1.0 / (ext * theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     return inv
 
 
@@ -59,20 +93,13 @@ def _yarn_inv_freq(inv: torch.Tensor, theta: float, d: int, scaling: dict[str, A
     return inv / factor * ramp + inv * (1 - ramp)
 
 
-def rope_attention_factor(args: ModelArgs, rope: str = "global") -> float:
-    """The factor one RoPE's cos and sin are multiplied by: YaRN's attention temperature (0.1 ln(factor) + 1,
-    or the config's attention_factor), else 1."""
-    scaling = args.rope_params(rope)[1] or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    factor = float(scaling["factor"])
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [B, 1, T, D] from `Transformer.rope` (sin with its first half negated).
+    """x [B, H, T, D]; cos, sin [B, 1, T, R] from `Transformer.rope` (sin with its first half negated), R = D
+    or, for a partial rotary embedding (ModelArgs.rope_dim), the first R dimensions rotate and the rest pass.
     HF's rotate-half, x * cos + cat(-x2, x1) * sin, in four ops instead of seven: cat(x2, x1) is x rolled by
     half, and the sign moves onto sin. Bit for bit the same: a product's sign does not change its magnitude."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + x.roll(r // 2, -1) * sin
+    rot = x[..., :r]
+    return torch.cat((rot * cos + rot.roll(r // 2, -1) * sin, x[..., r:]), -1)

@@ -1,7 +1,9 @@
 """Write a tiny HF checkpoint (tests/tiny_models.py) as a llama.cpp-style GGUF file with gguf.GGUFWriter.
 
-What llama.cpp's convert_hf_to_gguf.py does for the Llama family, reduced to what the tests need: llama.cpp
-tensor names, Q/K rows permuted for its rope layout on Llama/Mistral (its `LlamaModel.permute`, copied below),
+What llama.cpp's convert_hf_to_gguf.py does for the Llama family, Gemma 2/3, Phi-3 and the MoE families (Qwen3-MoE,
+Mixtral), reduced to what the tests need: llama.cpp tensor names (per architecture; experts merged into one
+blk.N.ffn_*_exps tensor per projection), Gemma's norm weights stored as 1 + weight, Phi-3's LongRoPE
+factors as tensors, Q/K rows permuted for its rope layout on Llama/Mistral (its `LlamaModel.permute`, copied below),
 1-D tensors (norms, biases) kept F32, 2-D weights stored as the requested type (F32, F16, BF16, or a type the
 `gguf` package can quantize in Python: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), no output.weight when the head is tied,
 Llama-3 rope scaling as a rope_freqs tensor, and the byte-level BPE tokenizer as tokenizer.ggml.* metadata.
@@ -27,7 +29,13 @@ BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}
+        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
+        "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+        "Phi3ForCausalLM": "phi3"}
+GEMMA_BLOCK = {**BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+ARCH_BLOCK = {"gemma2": GEMMA_BLOCK, "gemma3": GEMMA_BLOCK,
+              "phi3": {**BLOCK, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
 # MoE: the router and the per-expert Hub tensors that llama.cpp merges into one [E, out, in] tensor per layer
 ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -35,14 +43,26 @@ MERGED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "
           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in GLOBAL:
         return GLOBAL[hf]
     _, _, layer, rest = hf.split(".", 3)                    # model.layers.N.<module>.<weight|bias>
     if rest in ROUTERS:
         return f"blk.{layer}.ffn_gate_inp.weight"
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{BLOCK[module]}.{kind}"
+    return f"blk.{layer}.{ARCH_BLOCK.get(arch, BLOCK)[module]}.{kind}"
+
+
+def text_tensors(tensors: dict, cfg: dict) -> dict:
+    """A multimodal Gemma 3's text decoder under HF *ForCausalLM names (llama.cpp puts the vision tower into a
+    separate mmproj file); every other checkpoint as it is."""
+    if "text_config" not in cfg:
+        return tensors
+    out = {"model." + n.removeprefix("language_model.model."): t for n, t in tensors.items()
+           if n.startswith("language_model.model.")}
+    if "language_model.lm_head.weight" in tensors:
+        out["lm_head.weight"] = tensors["language_model.lm_head.weight"]
+    return out
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -145,17 +165,25 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
     import gguf
     from safetensors.torch import load_file
 
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = ARCH[cfg["architectures"][0]]
+    top = json.loads((hf_dir / "config.json").read_text())
+    cfg = {**top, **top.get("text_config", {})}
+    arch = ARCH[top["architectures"][0]]
     writer = gguf.GGUFWriter(str(dest), arch)
-    _write_hparams(writer, cfg)
+    _write_hparams(writer, cfg, arch)
+    _write_family_hparams(writer, cfg, arch)
     if tokenizer:
         _write_tokenizer(writer, tokenizer_metadata(hf_dir))
-    tensors = merge_experts(load_file(hf_dir / "model.safetensors"))
+    tensors = merge_experts(text_tensors(load_file(hf_dir / "model.safetensors"), top))
     if llama3_scaling(cfg):
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "phi3" and rope.get("long_factor"):          # Phi3MiniModel.generate_extra_tensors
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for i, (name, t) in enumerate(sorted(tensors.items())):
         arr = _permuted(name, t.float().numpy(), cfg, arch)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            arr = arr + 1                                    # llama.cpp stores Gemma's (1 + weight)
         if arr.ndim == 1:
             data, raw = arr.astype(np.float32), None
         elif kquant and name.startswith("model.layers."):
@@ -163,7 +191,7 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
             raw = gguf.GGMLQuantizationType[kquant]
         else:
             data, raw = encode(arr, qtype)
-        writer.add_tensor(name if name.startswith("blk.") else gguf_name(name), data, raw_dtype=raw)
+        writer.add_tensor(name if name.startswith("blk.") else gguf_name(name, arch), data, raw_dtype=raw)
     for name, arr in (extra or {}).items():
         writer.add_tensor(name, arr.astype(np.float32))
     writer.write_header_to_file()
@@ -198,7 +226,7 @@ def _permuted(name: str, arr: np.ndarray, cfg: dict, arch: str) -> np.ndarray:
     return arr
 
 
-def _write_hparams(writer, cfg: dict) -> None:
+def _write_hparams(writer, cfg: dict, arch: str) -> None:
     writer.add_name("tiny test model")
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -207,17 +235,46 @@ def _write_hparams(writer, cfg: dict) -> None:
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(rope_theta(cfg))
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(rope.get("full_attention", {}).get("rope_theta", rope_theta(cfg))))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    if arch != "phi3":                                       # Phi3MiniModel writes no key/value length
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
             writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+
+
+def _write_family_hparams(writer, cfg: dict, arch: str) -> None:
+    """What convert_hf_to_gguf.py's Gemma2Model / Gemma3Model / Phi3MiniModel add (query_pre_attn_scalar and
+    Gemma 3's local RoPE and pattern are not stored: the reader derives them as llama.cpp does)."""
+    import math
+
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        writer.add_sliding_window(cfg["sliding_window"])
+    elif arch == "gemma3":
+        full = rope.get("full_attention", rope)
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        if cfg.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        writer.add_sliding_window(cfg["sliding_window"])
+    elif arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(cfg["original_max_position_embeddings"])))
 
 
 def _write_tokenizer(writer, tok: dict) -> None:

@@ -33,6 +33,7 @@ VOCAB_SIZE = 320                                                # tokenizer voca
 # The draft of the tokenizer-mismatch test: other special-token order, other vocabulary size.
 OTHER_SPECIAL_TOKENS = ("</s>", "<s>", "<pad>", "<unk>")
 OTHER_VOCAB_SIZE = 288
+PREFIX_VOCAB_SIZE = 300        # the "prefix" tokenizer: the default's first 300 tokens (fewer BPE merges)
 
 
 def write_tokenizer(dest: Path, variant: str = "default") -> Path:
@@ -40,13 +41,16 @@ def write_tokenizer(dest: Path, variant: str = "default") -> Path:
 
     variant "default": VOCAB_SIZE entries, <unk>=0 <s>=1 </s>=2 <pad>=3 <|system|>=4 <|user|>=5 <|assistant|>=6.
     variant "other": OTHER_VOCAB_SIZE entries with the specials in another order (ids disagree with "default").
+    variant "prefix": the default's first PREFIX_VOCAB_SIZE entries (the same corpus, fewer merges).
     """
     if variant == "default":
         special, size, corpus = SPECIAL_TOKENS, VOCAB_SIZE, CORPUS
+    elif variant == "prefix":
+        special, size, corpus = SPECIAL_TOKENS, PREFIX_VOCAB_SIZE, CORPUS
     elif variant == "other":
         special, size, corpus = OTHER_SPECIAL_TOKENS, OTHER_VOCAB_SIZE, CORPUS[::-1]
     else:
-        raise ValueError(f"unknown tokenizer variant {variant!r}; use 'default' or 'other'")
+        raise ValueError(f"unknown tokenizer variant {variant!r}; use 'default', 'prefix' or 'other'")
     tok = train_tokenizer(size, corpus, special)
     if tok.get_vocab_size() != size:
         raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} entries, wanted {size}; "
@@ -57,7 +61,7 @@ def write_tokenizer(dest: Path, variant: str = "default") -> Path:
 
 def tokenizer_ids(variant: str = "default") -> dict[str, int]:
     """bos/eos/pad/unk ids of a tokenizer variant, for the model config."""
-    special = SPECIAL_TOKENS if variant == "default" else OTHER_SPECIAL_TOKENS
+    special = OTHER_SPECIAL_TOKENS if variant == "other" else SPECIAL_TOKENS
     return {name: special.index(tok) for name, tok in
             (("unk", "<unk>"), ("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>"))}
 
@@ -66,6 +70,10 @@ def tokenizer_ids(variant: str = "default") -> dict[str, int]:
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+
+# Phi-3's LongRoPE for a 12-dimension partial rotary (6 factors each); tests pair it with a switch at 16 tokens.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
 
 INIT_STD = 0.2        # transformers' default 0.02 gives near-uniform next-token distributions
 HEAD_SCALE = 2.5      # LM head std = INIT_STD * HEAD_SCALE: logits std ~4, top-1 probability ~0.5 on average
@@ -87,6 +95,7 @@ def tiny_config_kwargs(family: str, n_layers: int, vocab_size: int, ids: dict[st
     if family == "mistral":
         kw.update(sliding_window=None)
     kw.update(MOE_SHAPES.get(family, {}))
+    kw.update(family_kwargs(family, n_layers))
     return kw
 
 
@@ -102,6 +111,32 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+TINY_WINDOW = 6          # the sliding window of the tiny Gemma models: every test context runs past it
+
+
+def family_kwargs(family: str, n_layers: int) -> dict[str, Any]:
+    """What the tiny Gemma / Phi-3 checkpoints set beyond the shared shape, chosen so each family difference
+    changes the logits: query_pre_attn_scalar 24 (not head_dim 16), soft caps small enough to bite (Gemma 2:
+    attention 2, final 30; Gemma 3 names an attention cap that transformers ignores, and so must we), a
+    window of 6 alternating with global layers (Gemma 3: two sliding to one global, a local RoPE base of 1e4
+    and a linear-scaled global base of 1e6). Untied heads: a tied random head (scaled up for peaked logits)
+    mostly predicts the input token back, and greedy runs would repeat one token. Phi-3: partial rotary
+    (12 of 16 dims)."""
+    gemma = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+                 tie_word_embeddings=False)
+    if family == "gemma2":
+        return dict(gemma, attn_logit_softcapping=2.0, final_logit_softcapping=30.0)
+    if family in ("gemma3", "gemma3_mm"):
+        kinds = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n_layers)]
+        rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        return dict(gemma, layer_types=kinds, rope_parameters=rope, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=None)
+    if family == "phi3":
+        return dict(partial_rotary_factor=0.75)
+    return {}
+
+
 def write_tiny_model(dest: Path, family: str = "llama", seed: int = 0, n_layers: int = 2,
                      perturb: float | None = None, base: Path | None = None,
                      tokenizer: str = "default", **config_overrides: Any) -> Path:
@@ -110,7 +145,7 @@ def write_tiny_model(dest: Path, family: str = "llama", seed: int = 0, n_layers:
     perturb + base: copy the checkpoint at `base` (config, tokenizer and all) and add to every weight tensor
     gaussian noise of std `perturb * rms(tensor)` drawn from `seed` -- a draft that partially agrees with
     `base`. `family`, `n_layers`, `tokenizer` and overrides do not apply then (overrides raise).
-    tokenizer: "default" or "other" (see write_tokenizer); the model's vocab_size and bos/eos/pad ids follow it.
+    tokenizer: "default", "prefix" or "other" (see write_tokenizer); the model's vocab_size and bos/eos/pad ids follow it.
     config_overrides: passed to the transformers config class, e.g. rope_scaling=LLAMA3_ROPE,
     tie_word_embeddings=True, num_hidden_layers is `n_layers`.
     """
@@ -122,7 +157,7 @@ def write_tiny_model(dest: Path, family: str = "llama", seed: int = 0, n_layers:
             raise ValueError(f"a perturbed copy keeps the base config; got overrides {sorted(config_overrides)}")
         return write_perturbed(dest, Path(base), perturb, seed)
 
-    vocab = VOCAB_SIZE if tokenizer == "default" else OTHER_VOCAB_SIZE
+    vocab = {"default": VOCAB_SIZE, "prefix": PREFIX_VOCAB_SIZE}.get(tokenizer, OTHER_VOCAB_SIZE)
     kw = tiny_config_kwargs(family, n_layers, vocab, tokenizer_ids(tokenizer))
     kw.update(config_overrides)
     write_random(dest, family, kw, seed, INIT_STD, HEAD_SCALE)

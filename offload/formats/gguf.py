@@ -2,9 +2,11 @@
 
 `GGUFCheckpoint(path)` has the same names()/shape(name)/get(name) as offload.formats.checkpoint.SafetensorsCheckpoint,
 under HF names (token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj, ...,
-output -> lm_head; no `output` tensor means tied embeddings; gguf_names.py has the table). A mixture of
-experts' merged expert tensors (blk.N.ffn_*_exps) show as the family's per-expert Hub names, each one
-expert's slice of the file (the expert is the outermost dimension, so a slice is whole quant blocks). get() dequantizes ONE tensor to float32 (the
+output -> lm_head; no `output` tensor means tied embeddings; per architecture: offload/formats/gguf_arch.py,
+which also undoes Gemma's shifted norm weights and reads Gemma's and Phi-3's own metadata). A mixture of experts'
+merged expert tensors (blk.N.ffn_*_exps) show as the family's per-expert Hub names (gguf_names.py), each one
+expert's slice of the file (the expert is the outermost dimension, so a slice is whole quant blocks). get()
+dequantizes ONE tensor to float32 (the
 caller casts once, as transformers does), in row chunks so a quantized tensor's numpy temporaries stay small;
 the file itself is only memory-mapped, so the model is never in RAM at once. llama.cpp stores the Q/K weights
 (and biases) of Llama/Mistral permuted for its rope layout; they are un-permuted here (not for Qwen2/Qwen3,
@@ -33,22 +35,17 @@ import numpy as np
 import torch
 
 from offload.formats.checkpoint import CheckpointError
+from offload.formats.gguf_arch import (ARCHITECTURES, MOE_ARCHITECTURES, NORM_SHIFT, NOT_WEIGHTS, PERMUTED_QK,
+                                       arch_config, head_dim_of)
 from offload.formats.gguf_names import hub_names
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 CHUNK_ELEMENTS = 1 << 20            # elements per numpy dequantize call: bounds temporaries, stays in cache
 
-# general.architecture -> HF architecture. llama.cpp writes Mistral models as "llama".
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
-MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}     # a "llama" file with an expert count is a Mixtral
-PERMUTED_QK = frozenset({"llama", "mistral"})      # llama.cpp permutes Q/K rows for these (convert_hf_to_gguf.py)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
                    "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
                    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
-
-_NOT_WEIGHTS = frozenset({"rope_freqs.weight"})     # llama3 rope factors: read into config(), not a parameter
 
 
 def _gguf():
@@ -211,7 +208,7 @@ class GGUFCheckpoint:
     def _map_names(self) -> dict[str, TensorInfo]:
         where: dict[str, TensorInfo] = {}
         for name, info in self._raw.items():
-            if name in _NOT_WEIGHTS:
+            if name in NOT_WEIGHTS:
                 continue
             pieces = hub_names(name, self.arch, self.n_experts)
             if pieces is None and not self.n_experts and re.search(r"\.ffn_\w*(exps|inp)\.", name):
@@ -256,9 +253,12 @@ class GGUFCheckpoint:
         return self._where[name]
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor under its HF name, dequantized to float32 and (Q/K of Llama/Mistral) un-permuted."""
+        """One tensor under its HF name, dequantized to float32, (Q/K of Llama/Mistral) un-permuted and (Gemma's
+        RMSNorm weights) without the 1 llama.cpp added."""
         info = self._info(name)
         w = self._dequantize(info)
+        if self.arch in NORM_SHIFT and name.endswith("norm.weight"):
+            w = w - NORM_SHIFT[self.arch]
         if self.arch in PERMUTED_QK and re.search(r"\.self_attn\.[qk]_proj\.(weight|bias)$", name):
             cfg = self.config()
             heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
@@ -308,10 +308,9 @@ class GGUFCheckpoint:
     def _read_config(self) -> dict[str, Any]:
         heads = int(self._meta("attention.head_count"))
         kv = _one_value(self._meta("attention.head_count_kv", heads), "head_count_kv", self.path)
-        q_rows = self.shape("model.layers.0.self_attn.q_proj.weight")[0]
-        head_dim = int(self._meta("attention.key_length", q_rows // heads))
+        head_dim = head_dim_of(self, heads, int(kv))
         rope_dim = int(self._meta("rope.dimension_count", head_dim))
-        if rope_dim != head_dim:
+        if rope_dim != head_dim and self.arch != "phi3":
             raise CheckpointError(f"{self.path}: partial rotary embedding ({rope_dim} of {head_dim} dims) is not "
                                   "supported; supported: rope over the whole head")
         theta = float(self._meta("rope.freq_base", 10000.0))
@@ -336,11 +335,16 @@ class GGUFCheckpoint:
                        num_experts_per_tok=int(self._meta("expert_used_count")),
                        moe_intermediate_size=int(self._meta("expert_feed_forward_length",
                                                             cfg["intermediate_size"])))
+        cfg.update(arch_config(self, cfg))
         for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                               ("pad_token_id", "padding_token_id")):
             if f"tokenizer.ggml.{meta_key}" in self.meta:
                 cfg[key] = int(self.meta[f"tokenizer.ggml.{meta_key}"])
         return cfg
+
+    def factors(self, name: str) -> list[float]:
+        """A small F32 tensor of the file (rope factors) as a list."""
+        return self._dequantize(self._raw[name]).reshape(-1).tolist()
 
     def _rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
         kind = self._meta("rope.scaling.type", None)

@@ -17,13 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                "output.weight": "lm_head.weight"}
-BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-               "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+from offload.formats.gguf_arch import ARCH_BLOCK_NAMES, BLOCK_NAMES, GLOBAL_NAMES
+
 # GGUF architecture -> (router name, {merged expert tensor: per-expert Hub name with {e}}) inside a layer
 EXPERT_NAMES = {
     "qwen3moe": ("mlp.gate", {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
@@ -62,8 +57,9 @@ def hub_names(gguf_name: str, arch: str, n_experts: int) -> dict[str, Piece] | N
         return None
     layer, kind, suffix = m.groups()
     head = f"model.layers.{layer}."
-    if kind in BLOCK_NAMES:
-        return {f"{head}{BLOCK_NAMES[kind]}.{suffix}": Piece(gguf_name)}
+    names = ARCH_BLOCK_NAMES.get(arch, BLOCK_NAMES)
+    if kind in names:
+        return {f"{head}{names[kind]}.{suffix}": Piece(gguf_name)}
     if not n_experts or arch not in EXPERT_NAMES or suffix != "weight":
         return None
     router, merged = EXPERT_NAMES[arch]

@@ -38,7 +38,11 @@ Once upon a time there was a little model that wanted to think faster than the b
 def main(): return sum(x * x for x in range(10))  # numbers 0123456789 and symbols +-*/=<>()[]{}
 user: tell me a story. assistant: there once was a tree with many branches, and every branch was a guess.
 """
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "qwen3_moe", "qwen2_moe",
+            "mixtral", "olmoe", "gpt_oss")
+# The vision tower of a tiny multimodal Gemma 3 (`gemma3_mm`): present in the checkpoint, never run by specexec.
+TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                   patch_size=14)
 
 
 def train_tokenizer(vocab_size: int, corpus: str = CORPUS, special: tuple[str, ...] = SPECIAL_TOKENS) -> Any:
@@ -78,11 +82,22 @@ def write_tokenizer(dest: Path, vocab_size: int = 320, corpus: str = CORPUS,
     return tok.get_vocab_size()
 
 
-def model_classes(family: str) -> tuple[type, type]:
+def model_classes(family: str) -> tuple[Any, type]:
+    """(config factory taking the decoder's config kwargs, transformers model class) of a family; gemma3_mm is
+    the multimodal Gemma3ForConditionalGeneration (the kwargs become its text_config, with a tiny vision tower)."""
     import transformers as tf
+
+    def multimodal(**kw: Any) -> Any:
+        ids = {k: kw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in kw}
+        return tf.Gemma3Config(text_config=kw, vision_config=TINY_VISION, mm_tokens_per_image=1,
+                               tie_word_embeddings=kw.get("tie_word_embeddings", True), **ids)
 
     table = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
              "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+             "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+             "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+             "gemma3_mm": (multimodal, tf.Gemma3ForConditionalGeneration),
+             "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
              "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
              "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
              "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),

@@ -14,7 +14,8 @@ from the .part file's length. Every byte is checked against the etag (sha256 for
 otherwise) before the file is published, so a resume that joined mismatched halves cannot go unnoticed.
 
 Errors are one-line ConfigErrors: access denied (401/403, gated or private: set HF_TOKEN), no such repo (404),
-offline (HF_HUB_OFFLINE=1 or HubOptions.offline) with the files not cached, no connection, not enough disk.
+offline (HF_HUB_OFFLINE=1 or HubOptions.offline) with the files not cached, no connection, not enough disk, and
+an architecture this runtime does not run (checked on the fetched config.json before any weight is fetched).
 
 Does not know: the terminal (progress goes to a callback), planning (the caller's `reserve` says how much more
 disk the run needs once config.json is here), how a checkpoint loads (specexec.checkpoints.loading).
@@ -226,6 +227,8 @@ def fetch(repo: str, opts: HubOptions) -> Path:
     ticker.total = sum(f.size for f in first)
     for f in first:
         fetch_file(listing, f, storage, opts, ticker)
+    if not opts.gguf_file:
+        check_architecture(snapshot / "config.json")
     weights = weight_files(listing, snapshot, opts.gguf_file)
     ticker.total += sum(f.size for f in weights)
     ticker.file = "checking free disk"
@@ -234,6 +237,18 @@ def fetch(repo: str, opts: HubOptions) -> Path:
     for f in weights:
         fetch_file(listing, f, storage, opts, ticker)
     return snapshot / opts.gguf_file if opts.gguf_file else snapshot
+
+
+def check_architecture(config: Path) -> None:
+    """ConfigError (specexec.families' one line: which architecture, that it is not supported, and why for a
+    hybrid) when the fetched config.json is not a model this runtime runs: before a byte of weights moves."""
+    from specexec.families import model_args
+
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{config} is not readable JSON ({e})") from None
+    model_args(cfg)
 
 
 def _still_to_fetch(files: Sequence[RemoteFile], snapshot: Path, storage: Path) -> int:

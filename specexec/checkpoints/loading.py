@@ -26,7 +26,7 @@ from offload.formats.sources import CheckpointSource, is_gguf, open_source, tens
 
 from specexec.config import ModelArgs
 from specexec.families import model_args
-from specexec.families.weights import checkpoint_refs
+from specexec.families.weights import checkpoint_refs, unused_tensors
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.checkpoints.hub import HubOptions
 from specexec.model import Transformer, on_meta
@@ -127,24 +127,20 @@ def _shapes(args: ModelArgs) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((name, tuple(p.shape)) for name, p in model.state_dict().items())
 
 
-def _ignored(stored: str, args: ModelArgs) -> bool:
-    """Stored tensors the model does not use: a tied head's copy, RoPE's inv_freq."""
-    return stored == "lm_head.weight" and args.tie_word_embeddings or stored.endswith("rotary_emb.inv_freq")
-
-
 def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: ModelArgs) -> dict[str, TensorRef]:
     """Every model tensor's source in the checkpoint (our name -> TensorRef, by the family's weight-name
     mapping: specexec/families/weights.py), after CheckpointError unless `source` holds exactly the tensors
     `args` implies: no unexpected name (an extra tensor means the checkpoint is not the model config.json
-    describes), the right shapes (of each expert's piece of a fused tensor too), floating-point dtypes,
-    nothing missing. Headers only, nothing read: the resident loader, the offload planner and `convert` all
+    describes; the tensors the family deliberately leaves unread, such as a multimodal checkpoint's vision tower,
+    are not), the right shapes (of each expert's piece of a fused tensor too), floating-point dtypes, nothing
+    missing. Headers only, nothing read: the resident loader, the offload planner and `convert` all
     call it before they load, plan or cache anything. Messages name the checkpoint's own tensor."""
     expected = expected_shapes(args)
     specs = tensor_specs(source)
     refs = checkpoint_refs(args, expected, specs)
-    used = {r.name for r in refs.values()}
+    known = {r.name for r in refs.values()} | unused_tensors(args, specs)
     for raw in specs:
-        if raw not in used and not _ignored(raw, args):
+        if raw not in known:
             raise CheckpointError(f"{path}: unexpected tensor {raw!r} for a {args.family} model of this config")
     missing = []
     for name, ref in refs.items():

@@ -78,12 +78,46 @@ def n_experts(cfg: dict[str, Any]) -> int:
 
 def layer_types(cfg: dict[str, Any], default: Any = None) -> tuple[str, ...]:
     """config.json's per-layer attention kinds (layer_types), else `default(i)` for each layer (None: ());
-    ConfigError for a kind outside LAYER_TYPES (registry.refusal words the line for hybrid models)."""
+    ConfigError for a kind outside LAYER_TYPES (a recurrent one: the hybrid line of `recurrent_reason`)."""
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is None:
         return tuple(default(i) for i in range(n)) if default is not None else ()
     odd = sorted({t for t in types if t not in LAYER_TYPES})
     if odd:
-        raise ConfigError(f"layer_types {', '.join(odd)} are not supported; supported: {', '.join(LAYER_TYPES)}")
+        why = recurrent_reason(cfg)
+        raise ConfigError(why or f"layer_types {', '.join(odd)} are not supported; supported: {', '.join(LAYER_TYPES)}")
     return tuple(types)
+
+
+# Architectures whose layers (some or all) carry a recurrent state instead of a KV cache: state-space (Mamba),
+# linear attention (Gated DeltaNet, lightning attention), RNN-style (RWKV, RG-LRU), short convolutions (LFM2).
+RECURRENT_ARCHITECTURES = {
+    "Qwen3NextForCausalLM": "Gated DeltaNet linear attention", "JambaForCausalLM": "Mamba",
+    "MambaForCausalLM": "Mamba", "Mamba2ForCausalLM": "Mamba-2", "FalconMambaForCausalLM": "Mamba",
+    "Zamba2ForCausalLM": "Mamba-2", "ZambaForCausalLM": "Mamba", "BambaForCausalLM": "Mamba-2",
+    "FalconH1ForCausalLM": "Mamba-2", "NemotronHForCausalLM": "Mamba-2", "GraniteMoeHybridForCausalLM": "Mamba-2",
+    "RecurrentGemmaForCausalLM": "RG-LRU recurrence", "RwkvForCausalLM": "RWKV recurrence",
+    "Lfm2ForCausalLM": "short-convolution", "MiniMaxForCausalLM": "lightning linear attention",
+    "MiniMaxText01ForCausalLM": "lightning linear attention",
+}
+_RECURRENT_KEYS = ("mamba_d_state", "ssm_state_size", "mamba_expand", "linear_num_value_heads", "conv_L_cache")
+
+
+def recurrent_reason(cfg: dict[str, Any]) -> str | None:
+    """The line for a hybrid / recurrent model (an architecture of RECURRENT_ARCHITECTURES, a layer_types kind
+    outside LAYER_TYPES such as linear_attention, or state-space config keys), else None."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    archs = cfg.get("architectures") or []
+    kinds = sorted({t for t in (cfg.get("layer_types") or text.get("layer_types") or []) if t not in LAYER_TYPES})
+    what = next((RECURRENT_ARCHITECTURES[a] for a in archs if a in RECURRENT_ARCHITECTURES), None)
+    if what is None and kinds:
+        what = " / ".join(kinds).replace("_", " ")
+    if what is None and any(k in cfg or k in text for k in _RECURRENT_KEYS):
+        what = "state-space"
+    if what is None:
+        return None
+    name = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
+    return (f"unsupported architecture {name}: a hybrid with {what} layers, whose recurrent state is one per "
+            "sequence; a tree of drafts needs that state per branch, which this runtime does not keep (it keeps "
+            "attention KV caches, which a tree's branches share)")

@@ -2,7 +2,9 @@
 config.json), and the one precise line for every architecture outside it.
 
 A family module exposes ARCHITECTURES ({HF architecture: family name}) and `model_args(family, cfg) ->
-ModelArgs`. Adding a family is adding its module to FAMILY_MODULES; nothing else lists architectures.
+ModelArgs`, and where its checkpoints name tensors otherwise, what specexec/families/weights.py reads
+(WEIGHT_RULES, STORED_PREFIXES, UNUSED). Adding a family is adding its module to FAMILY_MODULES; nothing
+else lists architectures.
 
 Does not know: the network, checkpoints' tensors (specexec/checkpoints/loading.py), devices.
 """
@@ -13,10 +15,11 @@ from types import ModuleType
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families import gpt_oss, llama, mixtral, olmoe, qwen_moe
+from specexec.families import gemma, gpt_oss, llama, mixtral, olmoe, phi3, qwen_moe
+from specexec.families.common import recurrent_reason
 from specexec.options import ConfigError
 
-FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen_moe, mixtral, olmoe, gpt_oss)
+FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3, qwen_moe, mixtral, olmoe, gpt_oss)
 
 
 @functools.cache
@@ -53,6 +56,8 @@ def model_args(cfg: dict[str, Any]) -> ModelArgs:
     if found is None:
         raise ConfigError(refusal(cfg))
     family, module = found
+    if recurrent_reason(cfg) is not None:             # a supported name with recurrent layers: the line says why
+        raise ConfigError(refusal(cfg))
     try:
         return module.model_args(family, cfg)
     except KeyError as e:
@@ -60,7 +65,19 @@ def model_args(cfg: dict[str, Any]) -> ModelArgs:
 
 
 def refusal(cfg: dict[str, Any]) -> str:
-    """The line for a config whose architecture specexec does not run: which one, and what is supported."""
+    """The line for a config whose architecture specexec does not run: which one, that it is not supported
+    (for a hybrid / recurrent model also why: common.recurrent_reason), and what is."""
+    why = recurrent_reason(cfg)
+    if why is not None:
+        return f"{why}; supported: {', '.join(architectures())}"
     archs = cfg.get("architectures") or []
     shown = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
     return f"unsupported architecture {shown}; supported: {', '.join(architectures())}"
+
+
+def supported() -> list[tuple[str, list[str]]]:
+    """(family, its HF architectures) of every supported architecture, in registry order (`specexec models`)."""
+    out: dict[str, list[str]] = {}
+    for arch, (family, _) in architectures().items():
+        out.setdefault(family, []).append(arch)
+    return list(out.items())

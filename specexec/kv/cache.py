@@ -62,6 +62,7 @@ class KVCache:
                                  tail, [windows[i] if windows else None for i in streamed]) if streamed else None
         self.capacity = capacity
         self.length = 0
+        self.long_rope = False        # rows computed with LongRoPE's long factors (the engine sets it: rope.py)
 
     # ------------------------------------------------------------------------------------- what it holds
 

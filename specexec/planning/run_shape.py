@@ -112,7 +112,7 @@ def with_self_draft(shape: RunShape, fmt: str, layers: int | None = None, auto: 
     if layers is not None:
         check_self_layers(layers, shape.target.n_layers)
     n = shape.target.n_layers
-    return replace(shape, draft=replace(shape.target, n_layers=layers or n), draft_fmt=fmt,
+    return replace(shape, draft=shape.target.subset(spaced_layers(n, layers or n)), draft_fmt=fmt,
                    self_draft=SelfDraftShape(fmt, layers, auto))
 
 

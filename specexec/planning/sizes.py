@@ -27,6 +27,7 @@ from specexec.kv.rows import row_bytes
 from specexec.model import LOGIT_CHUNK
 
 PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
+MATH_COPIES = 3               # fp32 score tensors plain-maths attention holds at once (scores, capped, probs)
 
 
 def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu", layer: int = 0) -> int:
@@ -83,11 +84,15 @@ def attention_bytes(args: ModelArgs, tokens: int, context: int, elem: int, devic
     kernels that run: the committed prefix is attended WITHOUT a mask (flash / memory-efficient SDPA never
     builds the H x T x S scores; on CPU budgeted as query chunks of PREFIX_CHUNK rows x context in fp32), the
     tree part with its small [T, T] mask (budgeted as H x T x T scores plus the mask), and the two partial
-    results merged by log-sum-exp (two fp32 outputs and their H x T log-sum-exps)."""
+    results merged by log-sum-exp (two fp32 outputs and their H x T log-sum-exps). With attention-logit
+    soft-capping (Gemma 2) no fused kernel runs: both parts hold MATH_COPIES fp32 H x T x keys score tensors."""
     H, T = args.n_heads, tokens
     merge = 2 * T * H * args.head_dim * 4 + 2 * H * T * 4
     tree = H * T * T * elem + T * T * (elem + 1)
     prefix = 0 if device == "cuda" else H * min(T, PREFIX_CHUNK) * context * 4
+    if args.attn_softcap is not None:       # soft-capped scores: plain maths over every key (attention.py)
+        tree = MATH_COPIES * H * T * T * 4 + T * T * (elem + 1)
+        prefix = MATH_COPIES * H * T * context * 4
     return merge + tree + prefix
 
 

@@ -55,6 +55,7 @@ from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_s
 from specexec.planning.target import TargetPlan, plan_target
 from specexec.runtime.offloaded import load_target, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
+from specexec.runtime.draft_vocab import align_vocab
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
@@ -236,6 +237,7 @@ class Runtime:
         self.target_info, self.draft_info = target, draft
         self.plan = plan                                  # where the target's layers live (None: not planned)
         self.pair: str | None = None                      # draft/target fingerprint (acceptance vectors' key)
+        self.pair_note: str | None = None                 # what the tokenizer check said of the pair (or None)
         self._stream_base: dict[str, float] = {}
 
     @classmethod
@@ -259,10 +261,8 @@ class Runtime:
         d_args = read_args(d_path) if d_path is not None else None
         say(f"loading tokenizer from {t_path}")
         tokenizer = load_tokenizer(t_path)
-        if d_path is not None:
-            check_compatible(tokenizer, load_tokenizer(d_path), t_args.vocab_size, d_args.vocab_size)
-        else:
-            check_compatible(tokenizer, tokenizer, t_args.vocab_size, t_args.vocab_size)
+        d_tok = load_tokenizer(d_path) if d_path is not None else tokenizer
+        note = check_compatible(tokenizer, d_tok, t_args.vocab_size, d_args.vocab_size if d_args else t_args.vocab_size)
         if d_path is not None:                  # a broken draft fails before the plan is shown
             check_checkpoint(d_path, d_args, allow_pickle)
         say("planning memory")
@@ -282,6 +282,7 @@ class Runtime:
             draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
             d_info = replace(d_info, dtype=f"{d_info.dtype} (head: {draft_model.n_kept} of "
                                           f"{d_info.args.vocab_size} tokens)")
+        draft_model = align_vocab(draft_model, t_args.vocab_size)     # rows padded otherwise: draft_vocab.py
         pair = (acceptance.pair_fingerprint(t_path, d_path, t_args, d_args, config.draft_vocab)
                 if d_path is not None else None)
         if self_spec is not None:
@@ -290,7 +291,7 @@ class Runtime:
         engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos,
                               plan.memory.context if plan is not None else None, plan)
         runtime = cls(engine, tokenizer, t_info, d_info, config, plan)
-        runtime.pair = pair
+        runtime.pair, runtime.pair_note = pair, note       # note: what check_compatible said of the pair
         return runtime
 
     def variant(self, config: EngineConfig, use_draft: bool = True) -> "Runtime":

@@ -1,5 +1,7 @@
 """Tokenizers: transformers' AutoTokenizer from the checkpoint directory, the model's own chat template, and
-the draft/target compatibility check (same token -> id mapping; embedding tables may be padded differently).
+the draft/target compatibility check before any weight loads (`check_compatible`: the same token -> id map,
+BOS/EOS and chat turn end; a draft vocabulary that is a prefix of the target's, or embedding tables padded to
+other sizes, go with a note; anything else is one line naming the first token that differs).
 
 A .gguf file carries its tokenizer (vocabulary, merges, special ids, chat template) as metadata. transformers
 builds it (AutoTokenizer.from_pretrained(dir, gguf_file=name)), which takes ~30 s for a 150k vocabulary, so
@@ -138,16 +140,71 @@ def _drop_tokens_beyond(directory: Path, n_tokens: int) -> None:
     cfg_file.write_text(json.dumps(cfg, ensure_ascii=False, indent=2))
 
 
-def check_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> None:
-    """Raise ConfigError unless both tokenizers map every token to the same id and fit both models."""
+def check_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> str | None:
+    """Whether a draft can draft for a target, from their tokenizers alone (before any weight is loaded): the
+    same token -> id map, the same BOS/EOS tokens and the same chat turn end -> None (nothing to say); the
+    draft's vocabulary a prefix of the target's, or the two embedding tables padded to different sizes -> the
+    line that says so (the draft's logits are then aligned to the target's rows: draft_vocab.align_vocab);
+    anything else -> ConfigError naming the first token that differs. Every token id must fit both tables."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    if tv != dv:
-        diff = next((t for t in tv if dv.get(t) != tv[t]), None) or next(t for t in dv if t not in tv)
-        raise ConfigError(f"draft and target tokenizers disagree (e.g. token {diff!r}: target id {tv.get(diff)}, "
-                          f"draft id {dv.get(diff)}); pick a draft from the same model family")
-    if max(tv.values()) >= min(target_vocab, draft_vocab):
-        raise ConfigError(f"the tokenizer has ids up to {max(tv.values())} but a model's vocabulary has only "
-                          f"{min(target_vocab, draft_vocab)} rows")
+    differs = _first_difference(tv, dv)
+    if differs is not None:
+        raise ConfigError(f"draft and target tokenizers disagree: {differs}; pick a draft with the target's "
+                          "tokenizer (the same model family)")
+    for role, t, d in _special_roles(target_tok, draft_tok):
+        if t != d:
+            raise ConfigError(f"draft and target tokenizers disagree on the {role}: target {t!r}, draft {d!r}; "
+                              "pick a draft with the target's tokenizer (e.g. an instruct draft for an instruct "
+                              "target)")
+    for who, vocab, rows in (("target", tv, target_vocab), ("draft", dv, draft_vocab)):
+        if max(vocab.values()) >= rows:
+            raise ConfigError(f"the {who}'s tokenizer has ids up to {max(vocab.values())} but its model's "
+                              f"vocabulary has only {rows} rows")
+    notes = []
+    if len(dv) < len(tv):
+        notes.append(f"the draft's vocabulary is the first {len(dv)} of the target's {len(tv)} tokens (the target's "
+                     f"last {len(tv) - len(dv)} are never drafted)")
+    if draft_vocab - len(dv) != target_vocab - len(tv):              # rows beyond the tokens: padding
+        notes.append(f"the embedding tables are padded differently (draft {draft_vocab} rows, target {target_vocab}):"
+                     f" the draft proposes from the first {min(draft_vocab, target_vocab)}")
+    return "compatible tokenizers: " + "; ".join(notes) if notes else None
+
+
+def _first_difference(tv: dict[str, int], dv: dict[str, int]) -> str | None:
+    """The lowest id whose token differs between the two vocabularies (a draft that lacks only the target's
+    last ids is a prefix, not a difference), in words; None when none differs."""
+    t_at, d_at = {i: t for t, i in tv.items()}, {i: t for t, i in dv.items()}
+    for i in sorted(set(t_at) | set(d_at)):
+        t, d = t_at.get(i), d_at.get(i)
+        if t == d or (d is None and i > max(d_at, default=-1)):
+            continue
+        return (f"id {i} is {t!r} in the target, {d!r} in the draft" if t is not None and d is not None else
+                f"id {i} is {d!r} in the draft and absent from the target" if t is None else
+                f"id {i} is {t!r} in the target and absent from the draft")
+    return None
+
+
+def _special_roles(target_tok, draft_tok) -> list[tuple[str, object, object]]:
+    """(role, target's, draft's) for the BOS and EOS tokens and the chat template's end of a turn."""
+    roles = [(f"{name} token", getattr(target_tok, f"{name}_token", None), getattr(draft_tok, f"{name}_token", None))
+             for name in ("bos", "eos")]
+    return roles + [("chat template's end of a turn", turn_end(target_tok), turn_end(draft_tok))]
+
+
+def turn_end(tokenizer) -> str | None:
+    """The token the chat template closes an assistant turn with (None without a template, or when the template
+    adds nothing after the message): the first token of what follows a marker message."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "zq7 marker"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:                                    # noqa: BLE001 -- a template that refuses this shape
+        return None
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+    return tokenizer.convert_ids_to_tokens(ids[0]) if ids else None
 
 
 def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specexec.model import soft_cap
+
 AUTO_MIN = 8192          # --draft-vocab auto: at least this many tokens (or the whole vocabulary)
 
 
@@ -56,7 +58,7 @@ class TrimmedDraft(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])
         if rows is not None:
             h = h.index_select(0, rows)
-        small = F.linear(h, self.weight).float()                               # [R, N]
+        small = soft_cap(F.linear(h, self.weight).float(), self.args.logit_softcap)   # [R, N] (Gemma 2: capped)
         out = small.new_full((h.shape[0], self.args.vocab_size), float("-inf"))
         return out.index_copy_(1, self.keep, small)
 

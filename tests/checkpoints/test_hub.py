@@ -58,6 +58,11 @@ def local_hub(tiny_llama: Path, tmp_path_factory):
     for p in tiny_llama.iterdir():
         (copy / p.name).write_bytes(p.read_bytes())
     hub.add("tiny-org/sharded", sharded(copy))
+    hybrid = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
+              "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
+    hub.add("tiny-org/hybrid", {"config.json": json.dumps(hybrid).encode(), "model.safetensors": b"w" * 5000})
+    hub.add("tiny-org/gpt2", {"config.json": b'{"architectures": ["GPT2LMHeadModel"]}',
+                              "model.safetensors": b"w" * 5000})
     hub.add("tiny-org/tiny-gguf", {"README.md": b"gguf", "tiny.Q4_0.gguf": b"GGUF" + b"q" * 1000,
                                    "tiny.Q8_0.gguf": b"GGUF" + b"8" * 2000})
     server, thread = serve(hub)
@@ -199,6 +204,18 @@ def test_cli_failures_are_one_line_with_exit_2(online: LocalHub, capsys, monkeyp
                                                          ("--offline" in err or "HF_HUB_OFFLINE=1" in err))
     if "downloads are off" in err:
         assert not online.log                                       # offline: nothing was asked of the Hub
+
+
+@pytest.mark.parametrize("repo, why", [("tiny-org/hybrid", "per branch"), ("tiny-org/gpt2", "supported: Llama")])
+def test_an_unsupported_architecture_is_refused_before_any_weight_is_fetched(online: LocalHub, capsys, repo: str,
+                                                                              why: str) -> None:
+    """config.json comes first; its one line (which architecture, not supported, for a hybrid why) ends the
+    command before a byte of the weights is asked for."""
+    code = main(["generate", "--model", repo, "--no-draft", "--prompt", "hi", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]         # after the config.json download bar
+    assert code == 2 and err.startswith("error: unsupported architecture") and why in err, err
+    assert online.gets("config.json") and not online.gets(online.by_sha("model.safetensors", repo))
+    assert not [r for r in online.log if "model.safetensors" in r.path and r.method == "GET"]
 
 
 def test_offline_uses_the_cache_without_a_request(online: LocalHub, capsys) -> None:

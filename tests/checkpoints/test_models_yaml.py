@@ -42,10 +42,13 @@ def test_shipped_catalogue_has_the_recommended_pairs() -> None:
     assert pairs["qwen2.5-coder-1.5b-instruct"] == ("qwen2.5-coder-0.5b-instruct",)
     assert cat.get("Qwen/Qwen2.5-72B-Instruct").name == "qwen2.5-72b-instruct"     # a Hub id finds it too
     assert cat.get("LLAMA-3.1-70B-INSTRUCT") is not None                          # names are case-blind
-    assert {e.family for e in cat} == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss"}
+    assert {e.family for e in cat} == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss",
+                                       "gemma2", "gemma3", "phi3"}
     assert pairs["qwen3-30b-a3b"] == ("qwen3-0.6b",)                             # a dense draft for an MoE target
     assert pairs["gpt-oss-120b"] == ("gpt-oss-20b",)
     assert pairs["mixtral-8x7b-instruct-v0.1"] == ("mistral-7b-instruct-v0.2",)
+    assert pairs["gemma-2-27b-it"] == ("gemma-2-2b-it",) and pairs["gemma-3-27b-it"] == ("gemma-3-1b-it",)
+    assert pairs["phi-4"][0] == "qwenphi-4-0.5b-draft"
     assert all(e.quant == "nf4" for e in cat if e.params in ("70B", "72B"))
 
 
@@ -127,6 +130,10 @@ def test_models_command_lists_local_presence(catalogue, capsys) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "tiny-target" in out and "yes" in out and "test-org/Tiny-Target" in out
+    families = {f["family"]: f["architectures"] for f in obj["supported"]}
+    assert families["gemma3"] == ["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"]
+    assert {"llama", "qwen3", "gemma2", "phi3"} <= set(families)
+    assert "supported families" in out and "Phi3ForCausalLM" in out
 
 
 def test_models_command_on_the_shipped_catalogue(monkeypatch, capsys) -> None:

@@ -88,26 +88,32 @@ def test_a_fuzzed_sequence_of_operations_keeps_them_equal() -> None:
     gen = torch.Generator().manual_seed(1)
     dev, streamed = pair(capacity=200, tail=8, streamed=(1,))
     for _ in range(60):
-        op = int(torch.randint(0, 4, (), generator=gen))
-        L = dev.length
-        if op == 0 and L + 20 < dev.capacity:                                # prefill chunk, tail or through
-            T = int(torch.randint(1, 16, (), generator=gen))
-            write_all((dev, streamed), torch.arange(L, L + T), gen)
-            for c in (dev, streamed):
-                c.advance(T)
-        elif op == 1 and L + 10 < dev.capacity:                              # a tree, keep a path
-            T = int(torch.randint(1, 9, (), generator=gen))
-            write_all((dev, streamed), torch.arange(L, L + T), gen)
-            keep = sorted(set(torch.randint(L, L + T, (3,), generator=gen).tolist()))
-            for c in (dev, streamed):
-                c.keep(torch.tensor(keep))
-        elif op == 2 and L:
-            n = int(torch.randint(0, L + 1, (), generator=gen))
-            for c in (dev, streamed):
-                c.truncate(n)
-        elif op == 3:
-            write_all((dev, streamed), torch.arange(L, L + 4), gen)          # a pass never committed
+        random_op((dev, streamed), gen, write_all)
         assert dev.length == streamed.length and same(dev, streamed, dev.length)
+
+
+def random_op(caches, gen: torch.Generator, write) -> int:
+    """One random operation on every cache alike: 0 a prefill chunk (tail or write-through), 1 a tree and a kept
+    path, 2 a truncation, 3 a pass never committed (write(caches, slots, gen) writes each layer's rows)."""
+    op, L, capacity = int(torch.randint(0, 4, (), generator=gen)), caches[0].length, caches[0].capacity
+    if op == 0 and L + 20 < capacity:
+        T = int(torch.randint(1, 16, (), generator=gen))
+        write(caches, torch.arange(L, L + T), gen)
+        for c in caches:
+            c.advance(T)
+    elif op == 1 and L + 10 < capacity:
+        T = int(torch.randint(1, 9, (), generator=gen))
+        write(caches, torch.arange(L, L + T), gen)
+        keep = sorted(set(torch.randint(L, L + T, (3,), generator=gen).tolist()))
+        for c in caches:
+            c.keep(torch.tensor(keep))
+    elif op == 2 and L:
+        n = int(torch.randint(0, L + 1, (), generator=gen))
+        for c in caches:
+            c.truncate(n)
+    elif op == 3:
+        write(caches, torch.arange(L, L + 4), gen)
+    return op
 
 
 def same_window(a: KVCache, b: KVCache, n: int, windows) -> bool:
@@ -134,26 +140,9 @@ def test_a_sliding_layer_streams_only_its_window_and_holds_the_same_rows(staged:
         streamed.attach(1, lambda: None)
     row = row_bytes(HEADS, DIM, 4)
     for _ in range(80):
-        op, L = int(torch.randint(0, 4, (), generator=gen)), dev.length
-        s = streamed.stream
+        L, s = dev.length, streamed.stream
         before = s.moved_in
-        if op == 0 and L + 20 < dev.capacity:
-            T = int(torch.randint(1, 16, (), generator=gen))
-            _write_staged((dev, streamed), torch.arange(L, L + T), gen, staged)
-            for c in (dev, streamed):
-                c.advance(T)
-        elif op == 1 and L + 10 < dev.capacity:
-            T = int(torch.randint(1, 9, (), generator=gen))
-            _write_staged((dev, streamed), torch.arange(L, L + T), gen, staged)
-            keep = sorted(set(torch.randint(L, L + T, (3,), generator=gen).tolist()))
-            for c in (dev, streamed):
-                c.keep(torch.tensor(keep))
-        elif op == 2 and L:
-            n = int(torch.randint(0, L + 1, (), generator=gen))
-            for c in (dev, streamed):
-                c.truncate(n)
-        elif op == 3:
-            _write_staged((dev, streamed), torch.arange(L, L + 4), gen, staged)
+        op = random_op((dev, streamed), gen, lambda caches, slots, g: _write_staged(caches, slots, g, staged))
         if op in (0, 1, 3):
             moved = s.moved_in - before                  # bytes H2D
             assert moved <= (4 + L + 2) * row, (op, L, moved)   # windows 5 and 3: at most 4 + 2 rows, plus L

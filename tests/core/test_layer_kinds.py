@@ -13,10 +13,10 @@ import torch
 
 from specexec.attention import build_plan
 from specexec.config import LayerKind
-from specexec.kv.cache import KVCache
 from specexec.model import TreeMask
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
+from tests.core.test_families import cache_of, hf, prefill
 from tests.tiny_models import write_tiny_model
 
 TOL = 1e-4
@@ -33,23 +33,6 @@ def alternating(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             layer_types=ALTERNATING)
 
 
-def hf(path: Path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def new_cache(model, capacity: int = 96) -> KVCache:
-    a = model.args
-    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, "cpu")
-
-
-def prefill(model, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
-    pos = torch.arange(cache.length, cache.length + ids.numel())
-    hidden = model(ids[None], pos[None], TreeMask(cache.length), cache)
-    cache.advance(ids.numel())
-    return model.logits(hidden)
-
-
 def test_the_kinds_are_read_from_config_json(alternating: Path) -> None:
     args = load_model(alternating).args
     assert args.layer_types == tuple(ALTERNATING)
@@ -64,7 +47,7 @@ def test_alternating_windows_match_transformers(alternating: Path, monkeypatch: 
     want = ref(ids[None]).logits[0]
     calls: list[int | None] = []
     monkeypatch.setattr("specexec.model.build_plan", lambda *a, **k: calls.append(a[3]) or build_plan(*a, **k))
-    cache = new_cache(ours)
+    cache = cache_of(ours)
     got = torch.cat([prefill(ours, cache, ids[a:b]) for a, b in [(0, 9), (9, 16), (16, 17), (17, 23)]])
     assert (got - want).abs().max() < TOL
     assert sorted(calls, key=str) == sorted([None, WINDOW] * 4, key=str)      # one plan per kind per forward
@@ -81,7 +64,7 @@ def test_a_tree_past_the_window_equals_each_path(alternating: Path) -> None:
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(7, ours.args.vocab_size, (12,), generator=g)
     tree = TokenTree.from_lists(torch.randint(7, 300, (len(PARENTS),), generator=g).tolist(), PARENTS)
-    cache = new_cache(ours)
+    cache = cache_of(ours)
     prefill(ours, cache, prompt)
     L = cache.length
     got = ours.logits(ours(tree.tokens[None], tree.positions(L)[None], TreeMask(L, tree.ancestor_mask()), cache))

@@ -241,11 +241,11 @@ def _finish(w) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    w = _writer(tmp_path / "m.gguf", "phi3")
+    w = _writer(tmp_path / "m.gguf", "mamba")
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     _finish(w)
-    with pytest.raises(CheckpointError, match=r"GGUF architecture 'phi3' is not supported; supported: llama, "
-                                              r"mistral, qwen2, qwen3"):
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'mamba' is not supported; supported: llama, "
+                                              r"mistral, qwen2, qwen3, gemma2, gemma3, phi3"):
         load_model(tmp_path / "m.gguf")
 
 

@@ -1,0 +1,55 @@
+"""GGUF files of Gemma 2, Gemma 3 (text, and a multimodal checkpoint's text decoder) and Phi-3 (partial rotary,
+LongRoPE) written with tests/gguf_writer.py (llama.cpp's names, Gemma's shifted norms, Phi-3's rope factor
+tensors and metadata) read back as the same ModelArgs and the same fp32 logits as transformers' model of the
+checkpoint they came from. The tiny checkpoints keep what GGUF cannot say at llama.cpp's values:
+query_pre_attn_scalar = head_dim, Gemma 3's five sliding layers to one global."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from offload.formats.gguf import GGUFCheckpoint  # noqa: E402
+from specexec.checkpoints.loading import load_model, read_args  # noqa: E402
+from tests.gguf_writer import write_gguf  # noqa: E402
+from tests.tiny_models import LONGROPE, write_tiny_model  # noqa: E402
+
+PATTERN6 = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)]
+CASES = {
+    "gemma2": ("gemma2", 2, {"query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
+    "gemma3": ("gemma3", 6, {"query_pre_attn_scalar": 16, "layer_types": PATTERN6, "tie_word_embeddings": True}),
+    "gemma3_mm": ("gemma3_mm", 6, {"query_pre_attn_scalar": 16, "layer_types": PATTERN6}),
+    "phi3_long": ("phi3", 2, {"rope_scaling": LONGROPE, "original_max_position_embeddings": 16,
+                              "max_position_embeddings": 64}),
+}
+FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "tie_word_embeddings", "layer_types",
+          "sliding_window", "rope_theta", "local_rope_theta", "attn_scale", "attn_softcap", "logit_softcap",
+          "rope_dim", "fused_qkv", "embed_scale", "sandwich_norms", "qk_norm")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_gguf_reads_back_the_model(case: str, tmp_path: Path) -> None:
+    family, layers, overrides = CASES[case]
+    hf_dir = write_tiny_model(tmp_path / case, family, seed=40, n_layers=layers, **overrides)
+    path = write_gguf(hf_dir, tmp_path / f"{case}.gguf", "F32")
+    want, got = read_args(hf_dir), read_args(path)
+    assert [getattr(got, f) for f in FIELDS] == [getattr(want, f) for f in FIELDS]
+    g, w = got.rope_scaling_dict or {}, want.rope_scaling_dict or {}
+    assert sorted(g) == sorted(w)
+    for key in w:                                            # GGUF keeps f32 values
+        assert torch.allclose(torch.tensor(g[key], dtype=torch.float64), torch.tensor(w[key], dtype=torch.float64),
+                              rtol=1e-7) if not isinstance(w[key], str) else g[key] == w[key], key
+    src = GGUFCheckpoint(path)
+    own = "blk.0.post_ffw_norm.weight" if family.startswith("gemma") else "blk.0.attn_qkv.weight"
+    assert own in src._raw
+    ours = load_model(path, "cpu", "float32")
+    ids = torch.randint(7, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    import transformers
+    cls = transformers.Gemma3ForConditionalGeneration if case == "gemma3_mm" else transformers.AutoModelForCausalLM
+    ref = cls.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(ours.logits(ours(ids, torch.arange(24)[None])), ref(input_ids=ids).logits[0],
+                                   atol=2e-4, rtol=1e-4)
