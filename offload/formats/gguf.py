@@ -1,17 +1,17 @@
 """Read a llama.cpp GGUF file as a checkpoint source: Hugging Face tensor names, dequantized tensor by tensor.
 
-`GGUFCheckpoint(path)` has the same names()/shape(name)/get(name) as offload.formats.checkpoint.SafetensorsCheckpoint,
-under HF names (token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj, ...,
-output -> lm_head; no `output` tensor means tied embeddings; per architecture: offload/formats/gguf_arch.py,
-which also undoes Gemma's shifted norm weights and reads Gemma's and Phi-3's own metadata). A mixture of experts'
-merged expert tensors (blk.N.ffn_*_exps) show as the family's per-expert Hub names (gguf_names.py), each one
-expert's slice of the file (the expert is the outermost dimension, so a slice is whole quant blocks). get()
-dequantizes ONE tensor to float32 (the
-caller casts once, as transformers does), in row chunks so a quantized tensor's numpy temporaries stay small;
-the file itself is only memory-mapped, so the model is never in RAM at once. llama.cpp stores the Q/K weights
-(and biases) of Llama/Mistral permuted for its rope layout; they are un-permuted here (not for Qwen2/Qwen3,
-which llama.cpp leaves alone). `config()` builds a config.json-like dict from the file's metadata, so the
-usual specexec.families.model_args validates it; a Llama-3 `rope_freqs` tensor becomes HF's llama3 rope_scaling.
+`GGUFCheckpoint(path)` has the same names()/shape(name)/get(name) as
+offload.formats.checkpoint.SafetensorsCheckpoint, under HF names (token_embd -> model.embed_tokens, blk.N.attn_q ->
+model.layers.N.self_attn.q_proj, ..., output -> lm_head; no `output` tensor means tied embeddings; the table per
+architecture, and what each one's metadata and stored values mean, is offload/formats/gguf_arch.py). A mixture of
+experts' merged expert tensors (blk.N.ffn_*_exps) show as the family's per-expert Hub names, each one expert's slice
+of the file (the expert is the outermost dimension, so a slice is whole quant blocks). get() dequantizes ONE tensor
+to float32 (the caller casts once, as transformers does), in row chunks so a quantized tensor's numpy temporaries
+stay small; the file itself is only memory-mapped, so the model is never in RAM at once. llama.cpp stores the Q/K
+weights (and biases) of Llama/Mistral permuted for its rope layout; they are un-permuted here (not for Qwen2/Qwen3,
+which llama.cpp leaves alone), and Gemma's norm weights lose the 1 llama.cpp added. `config()` builds a
+config.json-like dict from the file's metadata, so the usual specexec.families.model_args validates it; a Llama-3
+`rope_freqs` tensor becomes HF's llama3 rope_scaling.
 
 The file's header is parsed here (gguf's GGUFReader takes ~25 s on a 150k-token vocabulary, this ~0.5 s);
 the `gguf` package (optional extra `gguf`) supplies the quant types and their numpy dequantizers.
@@ -35,9 +35,7 @@ import numpy as np
 import torch
 
 from offload.formats.checkpoint import CheckpointError
-from offload.formats.gguf_arch import (ARCHITECTURES, MOE_ARCHITECTURES, NORM_SHIFT, NOT_WEIGHTS, PERMUTED_QK,
-                                       arch_config, head_dim_of)
-from offload.formats.gguf_names import hub_names
+from offload.formats.gguf_arch import ARCHS, NOT_WEIGHTS, arch_config, head_dim_of, hub_names
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -198,9 +196,9 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: cannot read it ({e.strerror or e})") from None
         self.meta, self._raw = read_header(self._buf, self.path, size)
         self.arch = str(self.meta.get("general.architecture", ""))
-        if self.arch not in ARCHITECTURES:
+        if self.arch not in ARCHS:
             raise CheckpointError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; supported: "
-                                  f"{', '.join(ARCHITECTURES)} (Mistral files say 'llama')")
+                                  f"{', '.join(ARCHS)} (Mistral files say 'llama')")
         self.n_experts = int(self.meta.get(f"{self.arch}.expert_count", 0) or 0)
         self._where = self._map_names()
         self._config: dict[str, Any] | None = None
@@ -257,9 +255,10 @@ class GGUFCheckpoint:
         RMSNorm weights) without the 1 llama.cpp added."""
         info = self._info(name)
         w = self._dequantize(info)
-        if self.arch in NORM_SHIFT and name.endswith("norm.weight"):
-            w = w - NORM_SHIFT[self.arch]
-        if self.arch in PERMUTED_QK and re.search(r"\.self_attn\.[qk]_proj\.(weight|bias)$", name):
+        table = ARCHS[self.arch]
+        if table.norm_shift and name.endswith("norm.weight"):
+            w = w - table.norm_shift
+        if table.permuted_qk and re.search(r"\.self_attn\.[qk]_proj\.(weight|bias)$", name):
             cfg = self.config()
             heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
             w = unpermute_qk(w, heads)
@@ -314,9 +313,8 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: partial rotary embedding ({rope_dim} of {head_dim} dims) is not "
                                   "supported; supported: rope over the whole head")
         theta = float(self._meta("rope.freq_base", 10000.0))
-        arch = MOE_ARCHITECTURES.get(self.arch, ARCHITECTURES[self.arch]) if self.n_experts else ARCHITECTURES[self.arch]
         cfg = {
-            "architectures": [arch], "model_type": self.arch,
+            "architectures": [ARCHS[self.arch].hf_architecture(self.n_experts)], "model_type": self.arch,
             "vocab_size": self.shape("model.embed_tokens.weight")[0],
             "hidden_size": int(self._meta("embedding_length")), "num_hidden_layers": int(self._meta("block_count")),
             "intermediate_size": int(self._meta("feed_forward_length")),
@@ -328,13 +326,6 @@ class GGUFCheckpoint:
             "use_sliding_window": False, "sliding_window": None,
             "rope_scaling": self._rope_scaling(head_dim, theta),
         }
-        if self.n_experts:              # llama.cpp renormalises the kept weights of both (norm_w = true)
-            dense = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in self._raw]
-            cfg.update(num_experts=self.n_experts, num_local_experts=self.n_experts, norm_topk_prob=True,
-                       mlp_only_layers=dense,
-                       num_experts_per_tok=int(self._meta("expert_used_count")),
-                       moe_intermediate_size=int(self._meta("expert_feed_forward_length",
-                                                            cfg["intermediate_size"])))
         cfg.update(arch_config(self, cfg))
         for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                               ("pad_token_id", "padding_token_id")):

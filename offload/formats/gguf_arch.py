@@ -1,34 +1,37 @@
-"""What differs between the GGUF architectures this reader takes: tensor names, stored-value conventions and the
-metadata that becomes config.json keys (offload/formats/gguf.py reads the file; this says what it means).
+"""What each GGUF architecture this reader takes means: one table entry per architecture (`ARCHS`) with its HF
+architecture, its llama.cpp tensor names -> Hub names, its merged experts and its stored-value conventions,
+then the metadata that becomes config.json keys (offload/formats/gguf.py reads the file; this says what it means).
 
 Architectures (general.architecture -> HF architecture): llama (Llama and Mistral: llama.cpp writes Mistral as
-llama), mistral, qwen2, qwen3, gemma2, gemma3 (the text decoder; a multimodal Gemma 3's vision tower goes to a
-separate mmproj file), phi3 (Phi-3 and Phi-4).
-- Names: blk.N.<name> -> model.layers.N.<module>, per architecture: ffn_norm is Llama's post-attention norm but
-  Gemma's pre-feed-forward norm (Gemma's post_attention_norm / post_ffw_norm are its post-attention and
-  post-feed-forward norms); Phi-3 keeps its fused attn_qkv and its fused gate+up as ffn_up (2 x n_ff rows).
-- Values: llama.cpp permutes Llama/Mistral Q/K rows (gguf.py undoes it) and stores Gemma's RMSNorm weights
-  with the 1 of (1 + weight) added (NORM_SHIFT: subtracted again here).
+llama; with an expert count, Mixtral), mistral, qwen2, qwen3, gemma2, gemma3 (the text decoder; a multimodal
+Gemma 3's vision tower goes to a separate mmproj file), phi3 (Phi-3 and Phi-4), qwen3moe.
+- Names: token_embd -> model.embed_tokens, output_norm -> model.norm, output -> lm_head, blk.N.<name> ->
+  model.layers.N.<module> per architecture: ffn_norm is Llama's post-attention norm but Gemma's pre-feed-forward
+  norm (Gemma's post_attention_norm / post_ffw_norm are its post-attention and post-feed-forward norms); Phi-3
+  keeps its fused attn_qkv and its fused gate+up as ffn_up (2 x n_ff rows).
+- Experts: a mixture of experts stores its routed experts MERGED, one tensor per projection and layer
+  (blk.N.ffn_{gate,up,down}_exps [E, out, in], expert outermost): each becomes the E per-expert Hub names of its
+  family (Qwen3-MoE: mlp.experts.e.{gate,up,down}_proj; Mixtral: block_sparse_moe.experts.e.{w1,w3,w2}), each
+  read as its own slice of the file (`Piece.expert`); the router blk.N.ffn_gate_inp is the family's gate. Old
+  Mixtral files that store experts one by one (blk.N.ffn_gate.E) map the same way. Any other expert layout
+  (fused gate+up, shared experts, ...) maps to nothing, and the reader refuses the tensor by name.
+- Values: llama.cpp permutes Llama/Mistral Q/K rows (`Arch.permuted_qk`: gguf.py undoes it) and stores Gemma's
+  RMSNorm weights with the 1 of (1 + weight) added (`Arch.norm_shift`: subtracted again).
 - Metadata: Gemma's soft caps and sliding window; query_pre_attn_scalar, which GGUF does not store: llama.cpp
   derives it from the model size (hidden / heads for the 27B models, else head_dim), and so does this; Gemma
   3's local RoPE base (10,000) and 5:1 pattern, fixed in llama.cpp too; Phi-3's partial rotary
   (rope.dimension_count), sliding window (0: none) and LongRoPE factors (rope_factors_long/short tensors,
-  rope.scaling.original_context_length and attn_factor).
+  rope.scaling.original_context_length and attn_factor); an MoE file's expert count, experts per token and
+  width, and its dense layers (those without a router).
 
-Does not know: the network, ModelArgs (specexec.families reads the config dict this builds), tokenizers.
+Does not know: reading bytes (gguf.py), the network, ModelArgs (specexec.families reads the config dict this
+builds and maps the Hub names onto the network's), tokenizers.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
-MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}     # a "llama" file with an expert count is a Mixtral
-PERMUTED_QK = frozenset({"llama", "mistral"})      # llama.cpp permutes Q/K rows for these (convert_hf_to_gguf.py)
-NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}        # stored RMSNorm weight = HF weight + shift
-NOT_WEIGHTS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -39,21 +42,86 @@ BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "ffn_down": "mlp.down_proj"}
 _GEMMA_NAMES = {**BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
-                    "phi3": {**BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_PHI3_NAMES = {**BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One GGUF architecture: its HF architecture (`moe_hf` instead for a file with an expert count), its block
+    tensor names (llama.cpp name inside blk.N -> Hub module inside model.layers.N), its router and merged expert
+    tensors (-> per-expert Hub name with {e}), whether llama.cpp permuted its Q/K rows, and what it added to its
+    stored RMSNorm weights."""
+
+    hf: str
+    block: dict[str, str] = field(default_factory=lambda: BLOCK_NAMES)
+    moe_hf: str | None = None
+    router: str | None = None
+    experts: dict[str, str] = field(default_factory=dict)
+    permuted_qk: bool = False
+    norm_shift: float = 0.0
+
+    def hf_architecture(self, n_experts: int) -> str:
+        return self.moe_hf if n_experts and self.moe_hf else self.hf
+
+
+def _experts(module: str, gate: str, up: str, down: str) -> dict[str, str]:
+    return {"ffn_gate_exps": f"{module}.experts.{{e}}.{gate}", "ffn_up_exps": f"{module}.experts.{{e}}.{up}",
+            "ffn_down_exps": f"{module}.experts.{{e}}.{down}"}
+
+
+ARCHS = {
+    "llama": Arch("LlamaForCausalLM", moe_hf="MixtralForCausalLM", router="block_sparse_moe.gate",
+                  experts=_experts("block_sparse_moe", "w1", "w3", "w2"), permuted_qk=True),
+    "mistral": Arch("MistralForCausalLM", permuted_qk=True),
+    "qwen2": Arch("Qwen2ForCausalLM"),
+    "qwen3": Arch("Qwen3ForCausalLM"),
+    "gemma2": Arch("Gemma2ForCausalLM", _GEMMA_NAMES, norm_shift=1.0),
+    "gemma3": Arch("Gemma3ForCausalLM", _GEMMA_NAMES, norm_shift=1.0),
+    "phi3": Arch("Phi3ForCausalLM", _PHI3_NAMES),
+    "qwen3moe": Arch("Qwen3MoeForCausalLM", router="mlp.gate",
+                     experts=_experts("mlp", "gate_proj", "up_proj", "down_proj")),
+}
+NOT_WEIGHTS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_SPLIT_EXPERT = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")   # old Mixtral files
 LARGE_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: llama.cpp scales queries by hidden / heads
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """The HF tensor name of a llama.cpp tensor name of `arch`, or None when it is not one of its parameters."""
+@dataclass(frozen=True)
+class Piece:
+    """A Hub-named tensor's place in the file: the GGUF tensor, and the expert it is of a merged one (None:
+    the whole tensor)."""
+
+    gguf: str
+    expert: int | None = None
+
+
+def hub_names(gguf_name: str, arch: str, n_experts: int) -> dict[str, Piece] | None:
+    """The Hub tensor name(s) a GGUF tensor of `arch` holds (a merged expert tensor holds n_experts of them), or
+    None when it is no tensor of the decoder or of `arch`'s experts (n_experts 0: a dense file)."""
     if gguf_name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[gguf_name]
-    names = ARCH_BLOCK_NAMES.get(arch, BLOCK_NAMES)
+        return {GLOBAL_NAMES[gguf_name]: Piece(gguf_name)}
+    table = ARCHS[arch]
+    split = _SPLIT_EXPERT.match(gguf_name)
+    if split is not None:
+        if not n_experts or not table.moe_hf:
+            return None
+        layer, proj, e = split.groups()
+        return {f"model.layers.{layer}.{table.experts[f'{proj}_exps'].format(e=e)}.weight": Piece(gguf_name)}
     m = _BLOCK.match(gguf_name)
-    if m is None or m.group(2) not in names:
+    if m is None:
         return None
-    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    layer, kind, suffix = m.groups()
+    head = f"model.layers.{layer}."
+    if kind in table.block:
+        return {f"{head}{table.block[kind]}.{suffix}": Piece(gguf_name)}
+    if not n_experts or table.router is None or suffix != "weight":
+        return None
+    if kind == "ffn_gate_inp":
+        return {f"{head}{table.router}.weight": Piece(gguf_name)}
+    if kind in table.experts:
+        return {f"{head}{table.experts[kind].format(e=e)}.weight": Piece(gguf_name, e) for e in range(n_experts)}
+    return None
 
 
 def head_dim_of(ckpt: Any, heads: int, kv: int) -> int:
@@ -67,8 +135,10 @@ def head_dim_of(ckpt: Any, heads: int, kv: int) -> int:
 
 def arch_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """The config.json keys of `ckpt`'s architecture beyond the shared ones in `cfg` (a GGUFCheckpoint:
-    _meta(key, default), shape(name), rope factor tensors)."""
+    arch, n_experts, _meta(key, default), shape(name), rope factor tensors)."""
     arch = ckpt.arch
+    if ckpt.n_experts:
+        return _expert_config(ckpt, cfg)
     if arch in ("gemma2", "gemma3"):
         large = cfg["num_hidden_layers"] == LARGE_GEMMA_LAYERS[arch]
         extra = {"query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if large
@@ -94,3 +164,12 @@ def arch_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 "short_factor": ckpt.factors("rope_factors_short.weight")}
         return extra
     return {}
+
+
+def _expert_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """An MoE file's experts: the count, how many a token uses, their width, and which layers are dense (no
+    router). llama.cpp renormalises the kept weights of both Mixtral and Qwen3-MoE (norm_w = true)."""
+    dense = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in ckpt._raw]
+    return dict(num_experts=ckpt.n_experts, num_local_experts=ckpt.n_experts, norm_topk_prob=True,
+                mlp_only_layers=dense, num_experts_per_tok=int(ckpt._meta("expert_used_count")),
+                moe_intermediate_size=int(ckpt._meta("expert_feed_forward_length", cfg["intermediate_size"])))

@@ -343,7 +343,7 @@ def test_merged_experts_stream_through_the_layer_cache(tiny_qwen3_moe: Path, tmp
 
 
 def test_old_mixtral_files_with_experts_one_by_one_map_to_the_same_names() -> None:
-    from offload.formats.gguf_names import Piece, hub_names
+    from offload.formats.gguf_arch import Piece, hub_names
 
     assert hub_names("blk.3.ffn_down.5.weight", "llama", 8) == {
         "model.layers.3.block_sparse_moe.experts.5.w2.weight": Piece("blk.3.ffn_down.5.weight")}
