@@ -20,8 +20,7 @@ import math
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families.common import base_fields, rope_scaling
-from specexec.options import ConfigError
+from specexec.families.common import base_fields, check_activation, rope_scaling
 
 ARCHITECTURES = {"Phi3ForCausalLM": "phi3"}
 ROPE_KINDS = ("default", "longrope", "su")
@@ -32,8 +31,7 @@ DEFAULTS = dict(rms_norm_eps=1e-5, max_position_embeddings=4096, original_max_po
 def model_args(family: str, cfg: dict[str, Any]) -> ModelArgs:
     """ModelArgs of a Phi-3 / Phi-4 config.json."""
     cfg = {**DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-    if cfg["hidden_act"] != "silu":
-        raise ConfigError(f"unsupported Phi-3 activation {cfg['hidden_act']!r}; supported: silu")
+    check_activation(cfg, family)
     fields = base_fields({**cfg, "rope_scaling": None, "rope_parameters": None})
     rope = cfg.get("rope_parameters") or {}
     fields["rope_theta"] = float(rope.get("rope_theta", cfg["rope_theta"]))
