@@ -190,10 +190,21 @@ class Transformer(nn.Module):
                 slots = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)
             if mask is None:
                 raise ValueError("a cached forward needs an explicit mask over the cache slots")
-            cache.begin_forward()
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
-        x = self.embed_tokens(tokens)
+        return self.decode(self.embed(tokens), positions, mask, cache, slots)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> embedded rows [B, T, D] on the model's device (forward's first step)."""
+        return self.embed_tokens(tokens)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None,
+               cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
+        """forward after the embedding: x [B, T, D] through every decoder layer and the final norm -> hidden
+        [B, T, D]. forward checks the arguments; a CUDA graph of the draft captures this part alone
+        (builders/draft_graphs.py: an embedding may live on the host)."""
+        if cache is not None:
+            cache.begin_forward()
         cos, sin = self.rope(positions, x.dtype)
         plan = self.attention_plan(mask, positions, x.dtype)
         for i, layer in self.layer_modules():

@@ -51,6 +51,12 @@ class TrimmedDraft(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.model(*args, **kwargs)
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(tokens)
+
+    def decode(self, *args, **kwargs) -> torch.Tensor:
+        return self.model.decode(*args, **kwargs)
+
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., D] -> fp32 logits [R, V]: the kept rows' scores, -inf for every other token."""
         h = hidden.reshape(-1, hidden.shape[-1])
