@@ -410,6 +410,77 @@ def test_without_cuda_host_register_the_ram_tier_is_pinned_by_torch_in_few_block
     assert bounce.numel() == 3 * ALIGN and blocks[-1] == 3 * ALIGN
 
 
+class FakeCudart:
+    """cudaHostRegister / cudaHostUnregister on the CPU: which host ranges are page-locked now."""
+
+    def __init__(self) -> None:
+        self.locked: dict[int, int] = {}
+        self.registered = self.unregistered = 0
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.locked[ptr] = nbytes
+        self.registered += 1
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered += 1
+        return 0 if self.locked.pop(ptr, None) is not None else 712      # cudaErrorHostMemoryNotRegistered
+
+
+def test_a_registered_region_is_unregistered_when_its_last_view_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned host memory stays locked while any view of it lives and is unlocked (before it is freed) when the
+    last one goes: a RAM tier dropped with its model, and KV rows regrown every 256 slots, leave no locked RAM
+    behind (before, every region stayed registered until the process ended)."""
+    import gc
+
+    from specexec.kv.rows import Rows
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buf = host_buffer(3 * ALIGN + 5, pin=True)
+    assert buf.numel() == 3 * ALIGN + 5 and buf.data_ptr() % ALIGN == 0 and len(cudart.locked) == 1
+    view = buf[ALIGN:].view(torch.int8)
+    del buf
+    gc.collect()
+    assert len(cudart.locked) == 1                       # a view keeps it alive and locked
+    del view
+    gc.collect()
+    assert cudart.locked == {} and cudart.unregistered == 1
+    tier = RamTier({0: ALIGN, 1: 2 * ALIGN}, pin=True)
+    assert len(cudart.locked) == 1
+    del tier
+    gc.collect()
+    assert cudart.locked == {}
+    alloc = lambda n: host_buffer(n, pin=True)           # noqa: E731 -- how StreamedKV allocates its host rows
+    rows = Rows.empty(2, 256, 1, 2, 16, torch.bfloat16, "none", "cpu", alloc)
+    for k in range(2, 12):                               # a long chat: the rows regrow by 256 slots ten times
+        rows = rows.grown(256 * k, 256 * (k - 1), alloc)
+        gc.collect()
+        assert sum(cudart.locked.values()) <= rows.nbytes + 2 * ALIGN, (k, cudart.locked)
+    assert cudart.registered == 13 and cudart.unregistered == 12
+
+
+def test_discard_and_close_wait_for_the_copies_already_queued(layers) -> None:
+    """After discard() (or close()) the caller may free what the loaders copied from (a companion's host rows:
+    freeing unregisters them) or into: the latest fill's copy-end event is waited for, once, if still pending."""
+    class Pending:
+        def __init__(self) -> None:
+            self.waits = 0
+
+        def query(self) -> bool:
+            return self.waits > 0
+
+        def synchronize(self) -> None:
+            self.waits += 1
+    with build_pager(["ram"] * 3, MemoryReader(layers[:3]), "cpu", n_slots=2) as pager:
+        pager.last_copy = ev = Pending()                  # as the copier leaves it on CUDA
+        pager.discard()
+        pager.discard()
+        assert ev.waits == 1
+        pager.last_copy = ev = Pending()
+    assert ev.waits == 1                                  # close() too
+
+
 def test_pin_groups_reserve_little() -> None:
     for sizes in ([3 * ALIGN] * 10, [5 * ALIGN] * 40, [7 * ALIGN, ALIGN], [ALIGN] * 1000, [ALIGN * 9] * 81):
         groups = tiers.pin_groups(sizes)
@@ -480,7 +551,7 @@ def test_cuda_pinning_falls_back_when_registration_fails(monkeypatch: pytest.Mon
     """cudaHostRegister refusing (here: a region registered twice) leaves CUDA's last error set; the fallback
     drains it (else torch's next kernel-launch check would raise it) and pins through torch's allocator."""
     first = host_buffer(4 * ALIGN, pin=True)                  # registered
-    monkeypatch.setattr(tiers, "_aligned", lambda n: first)   # the next registration is of the same memory
+    monkeypatch.setattr(tiers, "_lockable", lambda n: (first, None))   # the next registration: the same memory
     monkeypatch.setattr(tiers, "_WARNED", set())
     with pytest.warns(tiers.PinFallbackWarning, match="failed"):
         buf = host_buffer(4 * ALIGN, pin=True)
