@@ -583,14 +583,20 @@ def test_cuda_copies_overlap_compute() -> None:
     n, size = 8, 64 * 2**20
     bufs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(2)]
     reader = MemoryReader([bufs[i % 2] for i in range(n)])
-    a = torch.randn(2048, 2048, device="cuda")
     with build_pager(["ram"] * n, reader, "cuda", n_slots=2) as pager:
         for _ in range(2):                                          # warm-up; the second pass times the copies
             before = pager.collect(wait=True).totals()
             for _ in pager.layers():
                 pass
-        warm = {k: v - before[k] for k, v in pager.collect(wait=True).totals().items()}
-        reps = max(1, round(warm["ram_copy_s"] / n / _matmul_seconds(a)))
+        copy_s = (pager.collect(wait=True).totals()["ram_copy_s"] - before["ram_copy_s"]) / n
+        dim = 4096
+        while True:                                                 # a matmul of at most half a layer's copy
+            a = torch.randn(dim, dim, device="cuda")
+            mm = _matmul_seconds(a)
+            if mm <= copy_s / 2 or dim <= 256:
+                break
+            dim //= 2
+        reps = max(1, round(copy_s / mm))
         before = pager.collect(wait=True).totals()
         for _, buf in pager.layers():
             for _ in range(reps):
