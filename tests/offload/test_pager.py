@@ -124,6 +124,41 @@ def test_read_ahead_fills_every_buffer_before_the_next_pass(layers, n_slots: int
         assert reader.reads == order * 2 and pager.stats.bytes["ssd"] == 2 * sum(SIZES)
 
 
+@pytest.mark.timeout(60)
+def test_interleaved_resident_layers_keep_the_link_busy() -> None:
+    """The planner's CUDA tiers (offload.planner.interleave) against resident layers all first, in a pager whose
+    reader is slow: counted at each resident layer, how often the link has nothing to do although the pass still
+    has layers to load (every slot full, filled while the 'draft' ran). All first: every resident layer idles
+    the link; spread: none does (the layer before it freed a slot that is being refilled)."""
+    from offload.memory_plan import Needs
+    from offload.planner import plan
+
+    n, size = 12, 2 * ALIGN
+    p = plan(Needs((size,) * n, (("draft", 0),), 2, 2), "cuda", ram_budget=10**9, gpu_budget=6 * size)
+    spread = tuple("ssd" if t != "resident" else t for t in p.tiers)
+    k = spread.count("resident")
+    assert 0 < k < n - 2
+    data = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+            for i in range(n)]
+
+    def idle_resident_layers(tiers: tuple[str, ...]) -> int:
+        idle = 0
+        with build_pager(list(tiers), MemoryReader(data, delay=0.02), "cpu", n_slots=2) as pager:
+            pager.prefetch_start()
+            assert pager.wait_idle(10)                         # the slots filled while the draft grew its tree
+            served = 0
+            for i, buf in pager.layers():
+                assert torch.equal(buf[:size], data[i])
+                if tiers[i] != "resident":
+                    served += 1
+                elif served + len(pager.slots) < n - k and all(b.full for b in pager.slots):
+                    idle += 1                                  # work left, yet nothing to copy into
+        return idle
+
+    assert idle_resident_layers(("resident",) * k + ("ssd",) * (n - k)) == k
+    assert idle_resident_layers(spread) == 0
+
+
 def test_close_stops_both_loader_threads_and_they_restart_on_demand(layers) -> None:
     def pager_threads() -> set[threading.Thread]:
         return {t for t in threading.enumerate() if t.name == "layer-pager" and t.is_alive()}
