@@ -360,7 +360,7 @@ def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | No
 # ----------------------------------------------------------------------------------------- the self-draft
 
 def _draft_layers_first(tiers: tuple[str, ...], ids: tuple[int, ...]) -> tuple[str, ...]:
-    """The planner's tiers (it keeps a prefix resident; every decoder layer has the same size) with the
+    """The planner's tiers (it spreads the resident layers; every decoder layer has the same size) with the
     resident places moved onto the draft's layers first: a resident layer the draft runs needs no copy, and
     the target streams the same bytes whichever layers stay. The streamed tiers keep their order (RAM, then
     SSD) over the other layers, ascending."""
