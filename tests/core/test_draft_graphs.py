@@ -301,3 +301,36 @@ def test_greedy_with_graphs_equals_target_only_on_gpu(tiny_pair: tuple[Path, Pat
     assert got == want and again == want
     runner = draft_graphs.runner(draft, engine._caches[1], None)
     assert runner is not None and runner.graphs and not runner.failed
+
+
+@pytest.mark.gpu
+def test_graphs_stay_on_while_the_pagers_reader_waits_on_events(tiny_pair: tuple[Path, Path],
+                                                                tiny_perturbed_draft: Path, tmp_path: Path) -> None:
+    """An SSD-tier target with a slow reader reads ahead while the draft grows its tree, so its reader thread
+    records and waits on events while draft graphs are captured (and, to be sure, a thread does so during every
+    capture: tests/graph_watch.py). A global-mode capture made those calls illegal: the capture was refused,
+    graphs went off and the next streamed pass failed. Thread-local: graphs stay on, output stays exact."""
+    import time
+
+    from specexec.config import OffloadConfig
+    from specexec.runtime.assembly import Runtime
+    from tests.graph_watch import ReaderDuringCapture
+
+    config = EngineConfig(device="cuda", dtype="float32", budget=32, max_new_tokens=32)
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config, offload=OffloadConfig(
+        offload="ssd", quant="none", cache_dir=str(tmp_path)))
+    try:
+        pager = rt.engine.target.pager
+        read = pager.ssd.read_layer
+        pager.ssd.read_layer = lambda i, out: (time.sleep(0.02), read(i, out))[1]
+        ids = prompt(6)
+        with ReaderDuringCapture(pager.copy_stream) as watch:
+            got = [t for s in rt.generate_ids(ids, 32) for t in s]
+            again = [t for s in rt.generate_ids(ids, 32) for t in s]
+        want = [t for s in rt.variant(config, use_draft=False).generate_ids(ids, 32) for t in s]
+        runner = draft_graphs.runner(rt.engine.draft, rt.engine._caches[1], None)
+        assert got == want == again
+        assert watch.captures > 0 and watch.replays > 0 and watch.errors == []
+        assert runner is not None and not runner.failed and pager.collect(wait=True).bytes["ssd"] > 0
+    finally:
+        rt.engine.close()

@@ -182,6 +182,48 @@ def test_shares_the_targets_tensors_and_sizes_its_own_cache(tiny_pair, tmp_path)
         rt.engine.close()
 
 
+def _over_a_host_embedding(path: Path, root: Path, device: str) -> tuple[list[int], list[int], list[int], Engine]:
+    """A self-draft (every layer, unquantized copies) over a streamed target whose embedding table stays in host
+    RAM: (its greedy tokens, again, the target alone's, the engine)."""
+    from offload.cache.store import LayerCache
+    from specexec.runtime.offloaded import build_offloaded, layer_names
+
+    args, dev = read_args(path), torch.device(device)
+    names = layer_names(path, args)
+    cache = LayerCache.open_or_build(path, names, "none", torch.float32, cache_root=root, progress=False)
+    target = build_offloaded(path, args, cache, ["ssd"] * args.n_layers, dev, torch.float32, embed_on_host=True)
+    draft = build_self_draft(target, tuple(range(args.n_layers)), "none", path, names, root)
+    assert isinstance(draft.embed_tokens, HostEmbedding)
+    engine = Engine(target, draft, EngineConfig(budget=16, device=device), SpecExecBuilder())
+    alone = Engine(target, None, EngineConfig(budget=1, device=device), None)
+    ids = prompt(4)
+    got = [t for s in engine.generate(ids, 24) for t in s]
+    again = [t for s in engine.generate(ids, 24) for t in s]
+    return got, again, [t for s in alone.generate(ids, 24) for t in s], engine
+
+
+def test_a_draft_over_a_host_embedding_equals_the_target(tiny_pair, tmp_path) -> None:
+    got, again, want, engine = _over_a_host_embedding(tiny_pair[0], tmp_path, "cpu")
+    engine.close()
+    assert got == again == want
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_draft_over_a_host_embedding_runs_in_graphs(tiny_pair, tmp_path) -> None:
+    """The host embedding copies the ids to the host: no graph can hold it. The draft's graphs start after it,
+    so they capture and replay (before, its .cpu() inside the capture turned graphs off), and fp32 greedy
+    output equals the target alone's."""
+    from specexec.builders import draft_graphs
+
+    got, again, want, engine = _over_a_host_embedding(tiny_pair[0], tmp_path, "cuda")
+    try:
+        runner = draft_graphs.runner(engine.draft, engine._caches[1], None)
+        assert got == again == want
+        assert runner is not None and runner.graphs and not runner.failed
+    finally:
+        engine.close()
+
+
 def test_resident_layers_are_the_targets_own_blocks(tiny_pair, tmp_path) -> None:
     target = load_model(tiny_pair[0])
     draft = build_self_draft(target, (0, 3), "int4")
