@@ -229,13 +229,19 @@ class LayerPager(Loaders):
                 job.done = True
             self._cv.notify_all()
             while not job.done:
-                if not job.started:                 # never queued (Ctrl-C between `_job = job` and the queue)
-                    job.done = True
-                    break
+                if not job.started or (self._crashed is not None and self._survivors_let_go()):
+                    job.done = True                 # never queued (Ctrl-C between `_job = job` and the queue),
+                    break                           # or a dead loader thread can never finish its share
                 self._cv.wait(WAIT_TICK)
             for b in self.slots + self.bounce:
                 b.empty()
             self._cv.notify_all()
+
+    def _survivors_let_go(self) -> bool:
+        """(cv held, a loader thread died) Every other loader thread waits, for a job or a buffer: none is
+        inside a job's copy or read, so the cancelled job is no one's any more."""
+        dead = self._crashed[0]
+        return all(stage in self._waiting for stage in self._threads if stage != dead)
 
     def discard(self) -> None:
         """Cancel the read-ahead (queued or running job): every buffer is empty afterwards and no copy the

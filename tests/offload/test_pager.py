@@ -232,18 +232,23 @@ def test_a_job_interrupted_before_it_was_queued_does_not_hang_the_next_pass(laye
         assert orphan.cancelled and orphan.done and not orphan.started
 
 
-@pytest.mark.parametrize("stage", ["copy", "read"])
+@pytest.mark.parametrize("stage", ["copy", "read", "read-late"])
 def test_a_loader_thread_that_dies_outside_a_job_stops_the_pass_instead_of_hanging_it(
         layers, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in a loader's own loop (here: taking its next job raises) is raised by the waiting pass, and
-    close() leaves a pager whose new threads serve again. The pass runs in a thread joined with a deadline, so
-    a hang fails this test instead of stalling the suite."""
+    close() leaves a pager whose new threads serve again. "read-late": the reader dies only after the copier
+    took the job (the job then waits for two stages, one of them dead: cancelling it hung, a race that a busy
+    machine lost). The pass runs in a thread joined with a deadline, so a hang fails this test instead of
+    stalling the suite."""
     from offload.streaming.loaders import Loaders
 
     take = Loaders._next
 
     def broken(self, which: str):
-        if which == stage:
+        if which == stage.removesuffix("-late"):
+            if stage.endswith("-late"):
+                with self._cv:
+                    self._cv.wait_for(lambda: self._job is not None and self._job.started, 10)
             raise AssertionError(f"bug in the {which} loop")
         return take(self, which)
 
@@ -262,7 +267,8 @@ def test_a_loader_thread_that_dies_outside_a_job_stops_the_pass_instead_of_hangi
         t.join(20)
         assert not t.is_alive(), "the pass hung on a dead loader thread"
         assert len(raised) == 1 and isinstance(raised[0], RuntimeError)
-        assert f"layer pager's {stage} thread stopped" in str(raised[0]) and "bug in the" in str(raised[0])
+        assert f"layer pager's {stage.removesuffix('-late')} thread stopped" in str(raised[0])
+        assert "bug in the" in str(raised[0])
         monkeypatch.setattr(Loaders, "_next", take)
         pager.close()
         check_pass(pager, layers)
