@@ -119,6 +119,25 @@ def test_runner_bookkeeping_on_cpu(tiny_pair: tuple[Path, Path]) -> None:
     assert not runner.graphs
 
 
+@torch.inference_mode()
+def test_the_captured_body_never_syncs_or_uploads(tiny_pair: tuple[Path, Path]) -> None:
+    """What a graph captures (span_hidden: the draft's layers over a fixed key span, the mask built on the
+    device from L0) makes no host synchronisation, no data-dependent shape and no upload of host data: each is
+    illegal inside a CUDA capture (counted on the CPU by tests/sync_count.py)."""
+    from tests.sync_count import SyncCounter
+
+    model = load_model(tiny_pair[1])
+    state = _state(model, "cpu", capacity=5000)
+    for b, K in ((1, 9), (12, 257)):
+        tokens, positions, tree_mask, slots = _pass_inputs(state, b, K, seed=b)
+        L0 = torch.full((1,), state.cache.length, dtype=torch.long)
+        x = model.embed(tokens[None])
+        S = draft_graphs.key_span(state.cache.length, K, state.cache.capacity)
+        with SyncCounter() as c:
+            draft_graphs.span_hidden(model, state.cache, x, positions, tree_mask, slots, L0, S)
+        assert c.total == 0 and c.uploads == 0, (dict(c.ops), c.uploads)
+
+
 def test_spans_grow_with_the_context_so_a_long_chat_recaptures_rarely() -> None:
     """Every span covers the pass (S >= L0 + K, a multiple of SPAN), hides fewer keys than max(SPAN, a quarter
     of the visible ones), and a chat growing to 64k tokens crosses few spans (each crossing recaptures)."""
