@@ -109,7 +109,7 @@ def memory(ctx: Context) -> None:
 
     from tools.gpu_check import project as P
 
-    target = P.write_model(ctx.tmp / "target", n_layers=8, hidden=1024, n_heads=8, n_kv_heads=2, intermediate=2816)
+    target = P.write_model(ctx.tmp / "target", n_layers=8, hidden=768, n_heads=12, n_kv_heads=4, intermediate=2048)
     draft = P.write_model(ctx.tmp / "draft", n_layers=2, hidden=512, n_heads=8, n_kv_heads=2, intermediate=1408)
     config = P.EngineConfig(device="cuda", dtype="bfloat16", budget=128, max_new_tokens=64)
     seen = []
