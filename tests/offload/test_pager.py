@@ -714,7 +714,8 @@ def test_bench_stream_json_rows(capsys, tmp_path: Path, offload: str) -> None:
     for r in out["rows"]:
         assert r["tier"] == offload and r["seconds_per_pass"] > 0 and 0 <= r["stall_fraction"] <= 1
         assert r["bytes_per_pass"] == 2 * out["layer_bytes"]
-        assert r["effective_gbps"] == pytest.approx(r["bytes_per_pass"] / r["seconds_per_pass"] / 1e9, rel=0.01)
+        assert r["effective_gbps"] == pytest.approx(r["bytes_per_pass"] / r["seconds_per_pass"] / 1e9, rel=0.01,
+                                                    abs=1e-3)     # rounded to 3 decimals (a slow machine: 0.03)
         assert r["tier_peak_gbps"] > 0
     assert f"{offload.upper() if offload == 'ssd' else 'RAM'} tier" in captured.err
     assert list(tmp_path.iterdir()) == []                          # the SSD file is removed afterwards
