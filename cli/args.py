@@ -22,7 +22,7 @@ from rich.console import Console
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from cli.fetch import add_hub_args, fetch_model, target_reserve
 from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, is_self_draft
-from specexec.runtime.offloaded import TargetPlan
+from specexec.planning.target import TargetPlan
 from specexec.builders.registry import builder_needs_draft
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SELF
@@ -149,7 +149,7 @@ def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = N
     """Bring the target onto this machine (a Hub id or models.yaml name is downloaded when not cached, see
     cli/fetch.py), then for a models.yaml name use its recommended draft (unless --draft/--no-draft), default
     budget and quantization (unless given), then bring the draft. A directory path is never looked up."""
-    from specexec.runtime.catalog import find
+    from specexec.checkpoints.catalog import find
 
     entry = find(args.model)
     fetch_model(args, "model", target_reserve(args))

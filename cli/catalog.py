@@ -3,7 +3,7 @@ machine, looked up offline in the Hugging Face cache and under $SPECEXEC_MODEL_D
 
 Table on stdout (it is the answer); `--json` prints one line {"catalog": PATH, "models": [...]} instead.
 
-Does not know: how the catalogue is parsed or checked, or where models are looked for (specexec.runtime.catalog).
+Does not know: how the catalogue is parsed or checked, or where models are looked for (specexec.checkpoints.catalog).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from specexec.runtime.catalog import DIRS_ENV, Catalog, load_catalog
+from specexec.checkpoints.catalog import DIRS_ENV, Catalog, load_catalog
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ the cache ROOT (as $SPECEXEC_CACHE): the cache lands in a subdirectory named for
 the one later runs with the same root find by themselves.
 
 Does not know: how a cache is laid out or validated (offload.cache.store), which tensors a layer has
-(specexec.runtime.offloaded.layer_names, the same naming the runtime uses, so both find the same cache).
+(specexec.checkpoints.naming.layer_names, the same naming the runtime uses, so both find the same cache).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from offload.cache.store import LayerCache
 from offload.quant.weights import FORMATS
 from cli.fetch import fetch_model
 from specexec.options import DTYPES, check_device
-from specexec.runtime.loading import read_args, resolve_dtype, resolve_model_path
-from specexec.runtime.offloaded import layer_names
+from specexec.checkpoints.loading import read_args, resolve_dtype, resolve_model_path
+from specexec.checkpoints.naming import layer_names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

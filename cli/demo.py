@@ -54,7 +54,7 @@ def ensure_models(root: Path, rebuild: bool = False) -> tuple[Path, Path, bool]:
         return target, draft, False
     from transformers.utils import logging as hf_logging
 
-    from specexec.runtime.demo_models import write_model, write_perturbed
+    from specexec.checkpoints.demo_models import write_model, write_perturbed
 
     hf_logging.disable_progress_bar()
     root.parent.mkdir(parents=True, exist_ok=True)

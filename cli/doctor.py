@@ -142,7 +142,7 @@ def _tokens(target: Path, draft: Path, device: str, cache: Path, offload: str) -
 def tiny_model_report() -> dict:
     """Greedy tokens of a tiny random pair: CPU resident is the reference; with CUDA the GPU resident and the
     GPU streamed (SSD tier) runs must equal it, without CUDA the CPU streamed run must."""
-    from specexec.runtime.demo_models import write_model, write_perturbed
+    from specexec.checkpoints.demo_models import write_model, write_perturbed
 
     t0 = time.perf_counter()
     quiet = contextlib.redirect_stderr(io.StringIO())      # progress bars of the checkpoint writer and cache build

@@ -1,12 +1,12 @@
 """Bringing --model / --draft onto this machine before a command loads them.
 
-A Hub id (`ORG/NAME`) or a models.yaml name that is not cached is downloaded by specexec.runtime.hub (config, tokenizer,
+A Hub id (`ORG/NAME`) or a models.yaml name that is not cached is downloaded by specexec.checkpoints.hub (config, tokenizer,
 safetensors; resumable) with a progress bar on stderr (bytes, speed, ETA), after a free-disk check that also
-counts the layer cache the offload plan will build for the target (specexec.runtime.disk_need). `--offline` (or
+counts the layer cache the offload plan will build for the target (specexec.planning.disk_need). `--offline` (or
 HF_HUB_OFFLINE=1) only looks in the cache; `--gguf-file NAME` picks the file of a GGUF repo. Existing paths are
 left alone. On Ctrl-C during a download one line says that the next run resumes it.
 
-Does not know: which files a checkpoint needs or how they are fetched (specexec.runtime.hub), the planner.
+Does not know: which files a checkpoint needs or how they are fetched (specexec.checkpoints.hub), the planner.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 from rich.console import Console
 
 from specexec.options import ConfigError
-from specexec.runtime.hub import HubOptions, Progress, Reserve
-from specexec.runtime.loading import HUB_ID, resolve_model_path
+from specexec.checkpoints.hub import HubOptions, Progress, Reserve
+from specexec.checkpoints.loading import HUB_ID, resolve_model_path
 
 
 def add_hub_args(p: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_hub_args(p: argparse.ArgumentParser) -> None:
 
 def is_remote_name(spec: str | None) -> bool:
     """A --model/--draft value that is not a path on this machine but a Hub id or a models.yaml name."""
-    from specexec.runtime.catalog import find
+    from specexec.checkpoints.catalog import find
 
     if not spec or Path(spec).expanduser().exists():
         return False
@@ -54,7 +54,7 @@ def target_reserve(args: argparse.Namespace) -> Reserve | None:
     """The layer cache the plan builds for the target, from the command's offload and engine flags (None when
     the flags are invalid: the command reports that itself)."""
     from cli import args as common
-    from specexec.runtime.disk_need import reserve_for
+    from specexec.planning.disk_need import reserve_for
 
     try:
         return reserve_for(common.offload_config(args), common.engine_config(args))

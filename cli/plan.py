@@ -9,7 +9,7 @@ When nothing fits: one line saying what falls short and what would fit, exit 2. 
 "link_gbps", "kv": {where the target's KV rows live, int8 flagged "lossy"}, ...} (plus the ledger by tier, formats,
 budgets, prefill tokens, read-ahead depth).
 
-Does not know: how the ledger is sized (specexec/runtime/ledger.py) or how layers are placed (offload/planner.py).
+Does not know: how the ledger is sized (specexec/planning/ledger.py) or how layers are placed (offload/planner.py).
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from offload.platform.mounts import slow_mount_warnings
 from offload.planner import default_budgets
 from specexec.options import (
     ConfigError, budget_options, check_choice, check_integer, check_number, choices, choices_help, parse_size)
-from specexec.runtime.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
+from specexec.planning.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
                                      with_warnings)
-from specexec.runtime.run_shape import RunShape, plan_context
-from specexec.runtime.loading import read_args, resolve_model_path
+from specexec.planning.run_shape import RunShape, plan_context
+from specexec.checkpoints.loading import read_args, resolve_model_path
 
 DEFAULT_LINK_GBPS = 25.0          # pinned host -> GPU over PCIe 4.0 x16, as measured by `specexec doctor`
 
@@ -114,11 +114,11 @@ def _bandwidths(ns: argparse.Namespace, device: str) -> Bandwidths:
 def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     import torch
 
-    from specexec.runtime.loading import resolve_dtype
+    from specexec.checkpoints.loading import resolve_dtype
     from specexec.builders.registry import make_builder
 
     from specexec.options import is_self_draft, parse_draft_layers
-    from specexec.runtime.run_shape import with_self_draft
+    from specexec.planning.run_shape import with_self_draft
     from specexec.runtime.self_draft import self_draft_shape
 
     target = read_args(resolve_model_path(ns.model))
@@ -153,7 +153,7 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
 def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
     """The memory plan the flags describe, and where the GPU budget came from. ConfigError (one line, what
     would fit) when nothing does."""
-    from specexec.runtime.offloaded import target_formats
+    from specexec.planning.target import target_formats
 
     device = _device(ns)
     quant = ns.quant or "auto"

@@ -27,7 +27,7 @@ exactly what the target alone decodes.
 >>> import tempfile
 >>> from pathlib import Path
 >>> from specexec import EngineConfig, Runtime
->>> from specexec.runtime.demo_models import write_model, write_perturbed
+>>> from specexec.checkpoints.demo_models import write_model, write_perturbed
 >>> root = Path(tempfile.mkdtemp())
 >>> target = write_model(root / "target", n_layers=2, hidden=64, intermediate=128)
 >>> draft = write_perturbed(root / "draft", target, perturb=0.01)
@@ -56,9 +56,9 @@ _WHERE = {
     "TreeBuilder": "specexec.builders.base",
     "make_builder": "specexec.runtime.assembly",
     "Transformer": "specexec.model",
-    "load_model": "specexec.runtime.loading",
-    "read_args": "specexec.runtime.loading",
-    "resolve_model_path": "specexec.runtime.loading",
+    "load_model": "specexec.checkpoints.loading",
+    "read_args": "specexec.checkpoints.loading",
+    "resolve_model_path": "specexec.checkpoints.loading",
     "load_tokenizer": "specexec.runtime.tokenizer",
 }
 

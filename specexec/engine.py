@@ -26,8 +26,8 @@ import torch
 
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
-from specexec.config import EngineConfig, SamplingParams
-from specexec.kv.cache import KVCache
+from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
+from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
 from specexec.profiler import Profiler, Span, StepStat, budget_trace
@@ -36,7 +36,6 @@ from specexec.tree import TokenTree
 from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
 from specexec.verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
 
-PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (EngineConfig.prefill_chunk overrides)
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
 
 
@@ -46,14 +45,6 @@ def new_cache(model: Transformer, slots: int, quant: str, tail: int) -> KVCache:
         return model.new_cache(slots, quant, tail)
     a, p = model.args, next(model.parameters())
     return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device, quant=quant)
-
-
-def kv_slots_for(total: int, budget: int, draft_scratch: int | None) -> tuple[int, int]:
-    """(target, draft) KV slots for `total` committed tokens (prompt + answer), each sized for its own user:
-    the target holds one tree of `budget` nodes plus its root beyond them; the draft its builder's scratch
-    (builder.kv_slots(budget), which starts at the root) plus one. Pending tokens the draft has not seen are
-    part of the context, so they need no slot of their own. draft_scratch None: no draft cache (0)."""
-    return total + budget + 1, (0 if draft_scratch is None else total + draft_scratch + 1)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A small Hugging Face Hub stand-in on 127.0.0.1 for the download tests (point HF_ENDPOINT at `LocalHub.url`).
 
-It speaks what huggingface_hub 2.x asks of the Hub when specexec.runtime.hub downloads: the model API
+It speaks what huggingface_hub 2.x asks of the Hub when specexec.checkpoints.hub downloads: the model API
 (`GET /api/models/{repo}/revision/{rev}?blobs=true`: commit sha + files with size, git blob id and LFS sha256),
 and `HEAD`/`GET /{repo}/resolve/{rev}/{file}` with X-Repo-Commit and ETag (the git blob sha1 of a small file),
 where an LFS file (*.safetensors, *.gguf) answers 302 to `/cdn/{sha256}` with X-Linked-Etag / X-Linked-Size as

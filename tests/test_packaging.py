@@ -22,7 +22,7 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 
 def test_data_files_are_package_data() -> None:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "models.yaml" in data["specexec.runtime"] and (ROOT / "specexec/runtime/models.yaml").is_file()
+    assert "models.yaml" in data["specexec.checkpoints"] and (ROOT / "specexec/checkpoints/models.yaml").is_file()
     shipped = {p.suffix for p in (ROOT / "specexec/prompts").iterdir() if p.suffix != ".py" and p.is_file()}
     assert shipped and {f"*{s}" for s in shipped} <= set(data["specexec.prompts"])
 

@@ -56,4 +56,5 @@ def test_docstring_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # the example's mkdtemp() lands in tmp_path
     result = doctest.testmod(specexec, verbose=False, report=True)
     assert result.attempted >= 10 and result.failed == 0
-    assert (tmp_path / next(tmp_path.iterdir()).name / "target" / "config.json").is_file()
+    # the example's own directory (torch may add its own, e.g. torchinductor_<user>, to the same tempdir)
+    assert any((d / "target" / "config.json").is_file() for d in tmp_path.iterdir())

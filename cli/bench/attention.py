@@ -32,7 +32,7 @@ from specexec.attention import attend, build_plan, pick_kernel
 from specexec.config import ModelArgs
 from specexec.kv.cache import KVCache
 from specexec.options import DTYPES, ConfigError, check_choice, check_device, check_integer
-from specexec.runtime.loading import load_model, resolve_dtype, resolve_model_path
+from specexec.checkpoints.loading import load_model, resolve_dtype, resolve_model_path
 from specexec.model import Transformer, TreeMask, prefix_tree_mask
 from specexec.tree import TokenTree
 

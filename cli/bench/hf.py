@@ -92,7 +92,7 @@ def run_hf(target_path, draft_path, plan: Plan, prompt_ids: list[list[int]], eos
            warmup: int, progress: Callable[[str], None], done: Callable[[Result], None] = lambda r: None
            ) -> list[Result]:
     """hf-offload and hf-assisted on one transformers copy of the target (and of the draft)."""
-    from specexec.runtime.loading import read_args, resolve_dtype
+    from specexec.checkpoints.loading import read_args, resolve_dtype
 
     kinds = [k for k in ("hf-offload", "hf-assisted") if k in plan.kinds]
     if not kinds:

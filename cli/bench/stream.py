@@ -37,10 +37,12 @@ from offload.planner import default_budgets, plan
 from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read
 from specexec.config import ModelArgs
 from specexec.options import DTYPES, ConfigError, check_choice, check_device, check_integer, choices, parse_size
-from specexec.runtime.loading import resolve_dtype
+from specexec.checkpoints.loading import resolve_dtype
 from specexec.model import Block, on_meta
-from specexec.runtime.offloaded import (ASSUMED, N_BOUNCE, N_SLOTS, OffloadedTransformer, activation_bytes,
-                                block_tensor_names)
+from specexec.checkpoints.naming import block_tensor_names
+from specexec.planning.ledger import ASSUMED
+from specexec.planning.sizes import activation_bytes
+from specexec.runtime.offloaded import N_BOUNCE, N_SLOTS, OffloadedTransformer
 
 # Llama-3 shapes: hidden, intermediate, heads, kv heads, real layer count.
 ARCHS = {"70b": (8192, 28672, 64, 8, 80), "8b": (4096, 14336, 32, 8, 32), "1b": (2048, 8192, 32, 8, 16)}

@@ -8,7 +8,7 @@ leaves out: the context-length check and stop strings (which need the tokenizer)
 generated ids into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
 
 Memory plan and offloading: before any weight is loaded, the run is planned from the configs
-(specexec/runtime/ledger.py via offloaded.plan_target: the draft counted once in its --draft-quant format, each KV
+(specexec/planning/ledger.py via planning.target.plan_target: the draft counted once in its --draft-quant format, each KV
 cache for its own user, budgets measured while nothing of ours holds memory); `on_plan` sees the ledger
 first, then the draft loads (resident, optionally quantized) and the target as planned: resident, or with
 its decoder layers quantized and streamed (specexec/runtime/offloaded.py). `plan` holds the result; stats() gains
@@ -48,11 +48,12 @@ from specexec.builders.base import TreeBuilder
 from specexec.builders.registry import make_builder
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.runtime.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
+from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
                                       resolve_model_path)
 from specexec.model import Streams, Transformer
-from specexec.runtime.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
-from specexec.runtime.offloaded import TargetPlan, load_target, plan_target, quantize_layers
+from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
+from specexec.planning.target import TargetPlan, plan_target
+from specexec.runtime.offloaded import load_target, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab

@@ -8,98 +8,38 @@ logits and every other method are Transformer's, so the engine cannot tell the t
 first layers of the next pass start loading (`pager.prefetch_start()`), i.e. while the draft grows its tree.
 
 The embedding table of a streamed, untied target may stay in host RAM (HostEmbedding) when the plan says so
-(see specexec/runtime/ledger.py). A streamed target carries `prefill_tokens`: how many prompt tokens one prefill pass
-takes (the engine reads it), as many as its plan allows.
+(see specexec/planning/ledger.py). A streamed target carries `prefill_tokens`: how many prompt tokens one
+prefill pass takes (the engine reads it), as many as its plan allows.
 
-Also here: the naming of a layer's tensors for the cache (`layer_names`), reading the resident
-embed/norm/head from a checkpoint, `build_offloaded` (checkpoint + layer cache + plan -> model), and
-`plan_target` (the run's memory plan from the configs, specexec/runtime/ledger.py).
+Also here: `build_offloaded` (checkpoint + layer cache + tiers -> model), `load_target` (a TargetPlan ->
+the model, its layer cache built or reused) and `quantize_layers` (a resident model's layers in place).
 
 Does not know: how bytes move or where they live (offload.streaming.pager/tiers), how the tiers are chosen
-(offload.planner, specexec.runtime.ledger), the CLI, tokens or trees.
+(offload.planner, specexec/planning/), how a checkpoint names its tensors (specexec/checkpoints/naming.py),
+the CLI, tokens or trees.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from offload.cache import store as layer_cache
-from offload.cache.identity import LayerNames
 from offload.cache.store import LayerCache
-from offload.formats.checkpoint import CheckpointError
-from offload.memory_plan import PlanError
-from offload.platform.mounts import slow_mount_warnings
-from offload.formats.sources import open_source
-from offload.quant.weights import auto_format, device_problem
-from offload.streaming.pager import LayerPager, build_pager
-from offload.planner import default_budgets
 from offload.quant.linear import bind_module, quantize_module, swap_linears
+from offload.quant.weights import device_problem
+from offload.streaming.pager import LayerPager, build_pager
 from offload.streaming.storage import LayerLayout, unpack_layer
 
-from specexec.options import ConfigError, check_budget_fits
-from specexec.runtime import ledger, sizes
-from specexec.config import EngineConfig, ModelArgs, OffloadConfig
+from specexec.checkpoints.naming import read_resident, sparse_layer
+from specexec.config import ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
-from specexec.runtime.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
-from specexec.runtime.run_shape import RunShape, SelfDraftShape, plan_context, with_self_draft
-from specexec.runtime.loading import check_tensors, expected_shapes
-from specexec.model import LOGIT_CHUNK, Block, Transformer, on_meta, rope_inv_freq
+from specexec.model import Block, Transformer, on_meta
+from specexec.options import ConfigError
+from specexec.planning.target import TargetPlan
 
-RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
-
-
-def block_tensor_names(args: ModelArgs) -> tuple[list[str], frozenset[str]]:
-    """(every tensor name of one decoder Block in state_dict order, the names of its nn.Linear weights)."""
-    shapes, linear = sizes.block_specs(args)
-    return [n for n, _ in shapes], linear
-
-
-def checkpoint_prefix(names: Sequence[str]) -> str:
-    """'model.' when the checkpoint's tensor names carry it (HF *ForCausalLM checkpoints), else ''."""
-    return "model." if any(n.startswith("model.layers.") for n in names) else ""
-
-
-def layer_names(path: Path, args: ModelArgs) -> list[LayerNames]:
-    """For the layer cache: per decoder layer, packed name (as the Block binds it) -> checkpoint name, and
-    which of them are Linear weights. CheckpointError unless the checkpoint holds exactly what `args` implies
-    (check_tensors: the planner and `convert` call this before anything is cached)."""
-    names, linear = block_tensor_names(args)
-    source = open_source(path)
-    check_tensors(path, source, args)          # before planning or caching: a bad checkpoint caches nothing
-    stored = set(source.names())
-    prefix = checkpoint_prefix(list(stored))
-    out = []
-    for i in range(args.n_layers):
-        tensors = {n: f"{prefix}layers.{i}.{n}" for n in names}
-        missing = [t for t in tensors.values() if t not in stored]
-        if missing:
-            raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing ({len(missing)} missing for layer {i})")
-        out.append(LayerNames(tensors, linear))
-    return out
-
-
-def read_resident(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
-                  host: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """embed_tokens / norm / lm_head (unless tied) from the checkpoint, shape-checked, as dtype on device (the
-    names in `host` stay in CPU memory)."""
-    ckpt = open_source(path)
-    prefix = checkpoint_prefix(ckpt.names())
-    shapes = expected_shapes(args)
-    out: dict[str, torch.Tensor] = {}
-    for name in RESIDENT_NAMES:
-        if name not in shapes:                    # lm_head of a tied model
-            continue
-        raw = name if name == "lm_head.weight" else prefix + name
-        if tuple(ckpt.shape(raw)) != shapes[name]:
-            raise CheckpointError(f"{path}: {raw} has shape {list(ckpt.shape(raw))}, config.json implies "
-                                  f"{list(shapes[name])}")
-        out[name] = ckpt.get(raw).to(device="cpu" if name in host else device, dtype=dtype)
-    return out
 
 
 class HostEmbedding(nn.Module):
@@ -141,30 +81,31 @@ class OffloadedTransformer(Transformer):
             self.embed_tokens = HostEmbedding(resident["embed_tokens.weight"], device)
             resident = {k: v for k, v in resident.items() if k != "embed_tokens.weight"}
         self.load_state_dict(resident, strict=False, assign=True)
-        self.inv_freq = rope_inv_freq(args).to(device)
+        self.init_rope(device)
         self.layouts, self.fmt, self.run_dtype = list(layouts), fmt, dtype
         self.prefetch = prefetch
-        self._slot_blocks: dict[int, Block] = {}
+        self._slot_blocks: dict[object, Block] = {}
         self._resident_blocks: dict[int, Block] = {}
         self.pager: LayerPager = pager_factory(self._bind)
         self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
         self._kv: KVCache | None = None               # the cache whose streamed rows the pager stages now
         self.eval().requires_grad_(False)
 
-    def _new_block(self) -> Block:
+    def _new_block(self, i: int) -> Block:
         with on_meta():
-            block = Block(self.args)
+            block = Block(self.args, i)
         swap_linears(block, self.fmt, self.run_dtype)
         return block.eval().requires_grad_(False)
 
     def _bind(self, i: int, slot: int, buf: torch.Tensor) -> Block:
-        """The Block for layer i held in `buf`: the slot's Block re-pointed at it, or layer i's resident Block."""
+        """The Block for layer i held in `buf`: the slot's Block (one per slot and layer kind: an MoE model's
+        dense and sparse layers differ) re-pointed at it, or layer i's resident Block."""
         if slot < 0 and i in self._resident_blocks:
             return self._resident_blocks[i]
         blocks = self._resident_blocks if slot < 0 else self._slot_blocks
-        key = i if slot < 0 else slot
+        key = i if slot < 0 else (slot, sparse_layer(self.args, i))
         if key not in blocks:
-            blocks[key] = self._new_block()
+            blocks[key] = self._new_block(i)
         layout = self.layouts[i]
         bind_module(blocks[key], unpack_layer(buf, layout), layout.meta)
         return blocks[key]
@@ -178,7 +119,7 @@ class OffloadedTransformer(Transformer):
             self.pager.discard()
             self.pager.companion, self._kv = None, None
         cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.run_dtype, self.norm.weight.device,
-                        quant=quant, streamed=streamed, tail=tail)
+                        quant=quant, streamed=streamed, tail=tail, windows=[k.window for k in a.layer_kinds])
         if streamed:
             cache.attach(len(self.pager.slots), self.pager.discard)
         return cache
@@ -228,109 +169,6 @@ def build_offloaded(path: Path, args: ModelArgs, cache: LayerCache, tiers: Seque
 
     return OffloadedTransformer(args, resident, [cache.layout(i) for i in range(args.n_layers)], cache.fmt, factory,
                                 embed_on_host=embed_on_host)
-
-
-# ----------------------------------------------------------------------------------------- planning
-
-def module_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (quantized layers count their packed parts)."""
-    tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
-
-
-def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str = "cpu") -> int:
-    """Peak transient bytes of one target pass over `tokens` rows and `context` slots (sizes.forward_bytes
-    with one LM-head chunk of logits)."""
-    return sizes.forward_bytes(args, tokens, context, elem, fmt, device, LOGIT_CHUNK)
-
-
-def target_formats(quant: str, device_type: str) -> tuple[str, ...]:
-    """The formats plan_memory tries: --quant auto -> unquantized while every layer stays resident, else the
-    device's streamed format (quant.auto_format: int4 on a CPU, nf4 on CUDA); any other --quant is the one
-    format. ConfigError when that format cannot run on the device."""
-    if quant == "auto":
-        return ("none", auto_format(device_type))
-    problem = device_problem(quant, device_type)
-    if problem:
-        raise ConfigError(f"--quant {quant}: {problem}")
-    return (quant,)
-
-
-def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, offload: OffloadConfig,
-              device_type: str, dtype: torch.dtype, draft_kv: Callable[[int], int] | None = None,
-              self_draft: SelfDraftShape | None = None) -> RunShape:
-    """The ledger's view of a run: the models, run dtype, tree budget, planned context (--context, default
-    DEFAULT_CONTEXT of run_shape.py, at most what the models support), the draft's format and KV scratch, and the KV
-    caches' format (--kv-quant) and where the target's KV rows may live (--kv-offload). With self_draft (the
-    target itself as the draft; `draft` is then None) its format and layer count."""
-    context = plan_context(offload.context, args, draft)
-    shape = RunShape(args, draft, dtype, device_type, engine.budget, context,
-                     offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None,
-                     kv_quant=engine.kv_quant, kv_offload=offload.kv_offload)
-    if self_draft is None:
-        return shape
-    return with_self_draft(replace(shape, draft_kv=draft_kv), self_draft.fmt, self_draft.layers)
-
-
-class TargetPlan:
-    """The run's memory plan (format, tiers, ledger: ledger.MemoryPlan) and the layer naming the cache is
-    built with."""
-
-    def __init__(self, memory: MemoryPlan, names: list[LayerNames]) -> None:
-        self.memory, self.names = memory, names
-        self.fmt, self.plan = memory.fmt, memory.plan
-
-    @property
-    def offloaded(self) -> bool:
-        """False when the plain resident loader serves (every layer resident, unquantized)."""
-        return self.fmt != "none" or self.plan.streams
-
-    def describe(self) -> str:
-        return self.memory.describe()
-
-    def notice(self) -> str:
-        """What to print before loading: the ledger when anything is offloaded or the run is on a GPU, else
-        only the plan's warnings."""
-        if self.offloaded or self.plan.device == "cuda":
-            return self.describe()
-        return "\n".join(f"warning: {w}" for w in self.plan.warnings)
-
-
-def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: OffloadConfig,
-                engine: EngineConfig, device: torch.device, dtype: torch.dtype,
-                draft_kv: Callable[[int], int] | None = None, self_draft: SelfDraftShape | None = None
-                ) -> TargetPlan:
-    """Plan the run from the configs (no weight is read; the checkpoint's tensor names and shapes are
-    checked): layer format, each layer's tier, the ledger. `draft` is the draft's config (counted once, in
-    --draft-quant's format), draft_kv its builder's kv_slots (None: no draft cache); self_draft: the draft is
-    the target itself (with_self_draft; its layer count chosen here when auto). Budgets: --gpu-budget /
-    --ram-budget, else what is free now (call this before anything of the run is loaded). ConfigError (one
-    line, with what would fit) when the budgets cannot hold the run."""
-    names = layer_names(path, args)
-    _check_budgets_fit(offload, device)
-    budgets = default_budgets(str(device))
-    gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu      # None on CPU unless given
-    ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
-    shape = run_shape(args, draft, engine, offload, device.type, dtype, draft_kv, self_draft)
-    formats = target_formats(offload.quant, device.type)
-    try:
-        memory = plan_memory(shape, formats, ram, gpu, offload.offload, ASSUMED[device.type])
-    except PlanError as e:
-        hint = what_fits(shape, formats, ram, gpu, offload.offload, ASSUMED[device.type])
-        raise ConfigError(str(e) + (f"; {hint}" if hint else "")) from None
-    uses_cache = memory.fmt != "none" or memory.plan.streams
-    root = (offload.cache_dir or layer_cache.default_cache_root()) if uses_cache else None
-    return TargetPlan(ledger.with_warnings(memory, slow_mount_warnings(path, root)), names)
-
-
-
-def _check_budgets_fit(offload: OffloadConfig, device: torch.device) -> None:
-    """Budgets above the machine's total RAM / the GPU's total memory are refused, not planned with."""
-    import psutil
-
-    check_budget_fits("--ram-budget", offload.ram_budget, psutil.virtual_memory().total, "RAM")
-    if device.type == "cuda":                      # on CPU --gpu-budget is ignored (the plan warns)
-        check_budget_fits("--gpu-budget", offload.gpu_budget, torch.cuda.mem_get_info(device)[1], "GPU memory")
 
 
 def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: OffloadConfig,

@@ -17,13 +17,12 @@ Wang et al. 2025): on a machine where the target streams, those are the layers t
 
 Also here: `--draft self[:FORMAT]` parsing (`is_self_draft`, `self_draft_shape`).
 
-Does not know: which layers stay resident or how many the draft runs (the plan: specexec/runtime/ledger.py), how
+Does not know: which layers stay resident or how many the draft runs (the plan: specexec/planning/ledger.py), how
 layers stream (offload.streaming.pager), trees, builders or verification.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from offload.streaming.tiers import ResidentTier, fill, host_buffer
 
 from specexec.config import ModelArgs
 from specexec.options import SELF_DRAFT, ConfigError
-from specexec.runtime.run_shape import SelfDraftShape
+from specexec.planning.run_shape import SelfDraftShape
 from specexec.model import Block, Transformer, on_meta
 
 SELF = SELF_DRAFT
@@ -73,7 +72,7 @@ class SelfDraft(Transformer):
                  shared: Sequence[int]) -> None:
         if len(blocks) != len(layer_ids):
             raise ValueError(f"{len(blocks)} blocks for {len(layer_ids)} layers")
-        args = replace(target.args, n_layers=len(layer_ids))
+        args = target.args.subset(layer_ids)
         with on_meta():                              # allocates nothing: every tensor is replaced
             super().__init__(args)
         self.embed_tokens = target.embed_tokens
@@ -81,7 +80,7 @@ class SelfDraft(Transformer):
         self.norm = target.norm
         if not args.tie_word_embeddings:
             self.lm_head = target.lm_head
-        self.inv_freq = target.inv_freq
+        self.init_rope(target.norm.weight.device, like=target)
         self.layer_ids, self.fmt, self.shared = tuple(layer_ids), fmt, tuple(shared)
         self.train(False)
 
@@ -136,16 +135,17 @@ def _copies(args: ModelArgs, ids: Sequence[int], fmt: str, like: torch.Tensor, p
         out = {}
         for j, i in enumerate(ids, 1):
             fill({i: tier.buffer(i)}, cache, bounce)
-            out[i] = copy_block(args, cache.layout(i), tier.buffer(i), fmt, dtype)
+            out[i] = copy_block(args, cache.layout(i), tier.buffer(i), fmt, dtype, i)
             say(f"self-draft: {_name(fmt)} copies of the streamed layers {bar(j, len(ids))} {j}/{len(ids)}")
     return out
 
 
-def copy_block(args: ModelArgs, layout: LayerLayout, buf: torch.Tensor, fmt: str, dtype: torch.dtype) -> Block:
-    """A Block bound to one packed layer in `buf` (views, no copy). A draft's linears may use batch-dependent
-    fused kernels (quant.kernel_for with row_exact=False)."""
+def copy_block(args: ModelArgs, layout: LayerLayout, buf: torch.Tensor, fmt: str, dtype: torch.dtype,
+               layer: int = 0) -> Block:
+    """A Block for decoder layer `layer` bound to its packed layer in `buf` (views, no copy). A draft's linears
+    may use batch-dependent fused kernels (quant.kernel_for with row_exact=False)."""
     with on_meta():
-        block = Block(args)
+        block = Block(args, layer)
     swap_linears(block, fmt, dtype)
     for m in block.modules():
         if isinstance(m, QuantLinear):

@@ -24,7 +24,7 @@ from specexec import attention
 from specexec.attention import TreeMask, attend, build_plan
 from specexec.builders.base import DraftState
 from specexec.kv.cache import KVCache
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 from specexec.model import Transformer, prefix_tree_mask
 from specexec.tree import TokenTree
 from tests.tiny_models import write_tiny_model

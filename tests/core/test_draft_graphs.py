@@ -20,7 +20,7 @@ from specexec.builders.growth import padded
 from specexec.config import EngineConfig
 from specexec.engine import Engine
 from specexec.kv.cache import KVCache
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 from specexec.builders.registry import make_builder
 from tests.tiny_models import prompt
 

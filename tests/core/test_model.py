@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specexec.kv.cache import KVCache
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 from specexec.model import Transformer, TreeMask, prefix_tree_mask
 from specexec.tree import TokenTree
 from tests.tiny_models import write_tiny_model

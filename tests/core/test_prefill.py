@@ -21,11 +21,12 @@ from rich.console import Console
 from cli.prefill_bar import PrefillBar, worth_showing
 
 from specexec.builders.specexec import SpecExecBuilder
-from specexec.config import EngineConfig, OffloadConfig
-from specexec.engine import KV_GROW_QUANTUM, PREFILL_CHUNK, Engine, PrefillProgress
-from specexec.runtime.loading import load_model, read_args
+from specexec.config import PREFILL_CHUNK, EngineConfig, OffloadConfig
+from specexec.engine import KV_GROW_QUANTUM, Engine, PrefillProgress
+from specexec.checkpoints.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
-from specexec.runtime.offloaded import HostEmbedding, build_offloaded, layer_names
+from specexec.checkpoints.naming import layer_names
+from specexec.runtime.offloaded import HostEmbedding, build_offloaded
 from specexec.runtime.assembly import Runtime
 from tests.tiny_models import write_tiny_model
 
@@ -132,8 +133,8 @@ def budget_for_chunk(path: Path, chunk: int) -> tuple[int, int]:
     """A --ram-budget whose plan (streamed target, --context 16k + 64) prefills about `chunk` tokens per pass,
     and that plan's exact figure: the activation budget the plan gives is what sizes the prefill."""
     from offload.memory_plan import PlanError
-    from specexec.runtime.ledger import plan_memory
-    from specexec.runtime.offloaded import run_shape
+    from specexec.planning.ledger import plan_memory
+    from specexec.planning.run_shape import run_shape
 
     shape = run_shape(read_args(path), None, EngineConfig(budget=4), OffloadConfig(context=LONG_PROMPT + 64), "cpu",
                       torch.float32)

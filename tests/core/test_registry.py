@@ -19,7 +19,7 @@ from specexec.builders import registry
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.kv import rows
 from specexec.options import ConfigError, choices
-from specexec.runtime import loading
+from specexec.checkpoints import loading
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.options import ConfigError
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 from specexec.sampling import process_logits
 
 TRIALS = 800

@@ -1,4 +1,4 @@
-"""AWQ and GPTQ checkpoints (offload/formats/awq_gptq.py through specexec.runtime.loading): tiny fixtures quantized
+"""AWQ and GPTQ checkpoints (offload/formats/awq_gptq.py through specexec.checkpoints.loading): tiny fixtures quantized
 group-wise to int4 in the test and packed the way AutoAWQ (GEMM, interleaved columns) and AutoGPTQ (v1 zeros - 1, sym
 and asym, act-order g_idx; GPTQModel's v2 zeros; 8-bit) pack them, with their quantization_config in config.json. The
 loaded model's weights and logits equal those of a dense checkpoint holding the dequantized reference weights exactly,
@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from offload.formats.awq_gptq import AWQ_ORDER, PackedCheckpoint, PackedLinear, QuantScheme, parse_quant_config
 from offload.formats.checkpoint import CheckpointError
 from offload.formats.sources import detect_format, open_source
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 T = 24

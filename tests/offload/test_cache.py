@@ -28,9 +28,9 @@ from offload.formats.checkpoint import SafetensorsCheckpoint
 from offload.quant.linear import QuantLinear, bind_module, swap_linears
 from offload.quant.weights import quantize_tensors
 from offload.streaming.storage import ALIGN, unpack_layer
-from specexec.runtime.loading import read_args
+from specexec.checkpoints.loading import read_args
 from specexec.model import Block
-from specexec.runtime.offloaded import layer_names
+from specexec.checkpoints.naming import layer_names
 
 
 # Every test runs twice: natively, and with the POSIX-only facilities taken away (conftest.posix_facilities).

@@ -352,8 +352,8 @@ def test_the_plan_warns_when_the_cache_or_the_model_is_on_a_windows_drive(tiny_l
                                                                           monkeypatch, capsys) -> None:
     from offload.platform import mounts
     from specexec.config import EngineConfig, OffloadConfig
-    from specexec.runtime.loading import read_args
-    from specexec.runtime.offloaded import plan_target
+    from specexec.checkpoints.loading import read_args
+    from specexec.planning.target import plan_target
 
     drive = tmp_path / "mnt" / "c"
     monkeypatch.setattr(mounts, "MOUNTS", fake_mounts(tmp_path, drive))

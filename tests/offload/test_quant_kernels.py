@@ -18,8 +18,8 @@ from offload.quant import int8
 from offload.quant import linear as quant
 from offload.quant import weights as qweights
 from offload.streaming.storage import pack_layer, unpack_layer
-from specexec.runtime.loading import read_args
-from specexec.runtime.offloaded import layer_names
+from specexec.checkpoints.loading import read_args
+from specexec.checkpoints.naming import layer_names
 
 ROWS = (1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 64, 65, 128, 257)
 
@@ -185,7 +185,7 @@ def test_pass_traffic_counts_what_each_kernel_moves() -> None:
 
 
 def test_draft_quant_marks_the_draft_not_row_exact(tiny_llama) -> None:
-    from specexec.runtime.loading import load_model
+    from specexec.checkpoints.loading import load_model
     from specexec.runtime.offloaded import quantize_layers
 
     model = load_model(tiny_llama)

@@ -30,8 +30,8 @@ from offload.cache.identity import cache_dir_for, options_of
 from offload.cache.reading import _VERIFIED
 from offload.cache.store import LayerCache
 from specexec.config import OffloadConfig, SamplingParams
-from specexec.runtime.loading import read_args
-from specexec.runtime.offloaded import layer_names
+from specexec.checkpoints.loading import read_args
+from specexec.checkpoints.naming import layer_names
 from tests.cli.test_chat import Screen
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from specexec.runtime.demo_models import CHAT_TOKENS, SPECIAL_TOKENS
+from specexec.checkpoints.demo_models import CHAT_TOKENS, SPECIAL_TOKENS
 from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error
 from tests.tiny_models import VOCAB_SIZE
 

@@ -21,9 +21,10 @@ from specexec.config import EngineConfig, OffloadConfig
 from specexec.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.options import ConfigError
-from specexec.runtime.loading import load_model, read_args
+from specexec.checkpoints.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
-from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded, layer_names
+from specexec.checkpoints.naming import layer_names
+from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
 from specexec.builders.registry import make_builder, names as builder_names
 from specexec.runtime.assembly import Runtime
 from tests.tiny_models import write_tiny_model
@@ -262,8 +263,9 @@ MEMORY_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     from specexec.config import EngineConfig, OffloadConfig
     from specexec.engine import Engine
-    from specexec.runtime.loading import expected_shapes, read_args
-    from specexec.runtime.offloaded import load_target, plan_target
+    from specexec.checkpoints.loading import expected_shapes, read_args
+    from specexec.planning.target import plan_target
+    from specexec.runtime.offloaded import load_target
 
     def anon():
         for line in open("/proc/self/status"):

@@ -25,12 +25,13 @@ from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.options import ConfigError
-from specexec.runtime.ledger import card_budget, plan_memory
-from specexec.runtime.run_shape import RunShape, spaced_layers, with_self_draft
-from specexec.runtime.sizes import layer_bytes
-from specexec.runtime.loading import load_model, read_args
-from specexec.runtime.catalog import parse_catalog
-from specexec.runtime.offloaded import HostEmbedding, target_formats
+from specexec.planning.ledger import card_budget, plan_memory
+from specexec.planning.run_shape import RunShape, spaced_layers, with_self_draft
+from specexec.planning.sizes import layer_bytes
+from specexec.checkpoints.loading import load_model, read_args
+from specexec.checkpoints.catalog import parse_catalog
+from specexec.planning.target import target_formats
+from specexec.runtime.offloaded import HostEmbedding
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
 from tests.core.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
@@ -186,7 +187,8 @@ def _over_a_host_embedding(path: Path, root: Path, device: str) -> tuple[list[in
     """A self-draft (every layer, unquantized copies) over a streamed target whose embedding table stays in host
     RAM: (its greedy tokens, again, the target alone's, the engine)."""
     from offload.cache.store import LayerCache
-    from specexec.runtime.offloaded import build_offloaded, layer_names
+    from specexec.checkpoints.naming import layer_names
+    from specexec.runtime.offloaded import build_offloaded
 
     args, dev = read_args(path), torch.device(device)
     names = layer_names(path, args)

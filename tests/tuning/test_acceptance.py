@@ -12,7 +12,7 @@ from specexec.options import ConfigError
 from specexec.tuning import acceptance
 from specexec.builders.static import StaticBuilder
 from specexec.config import SamplingParams
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 
 
 def _log(rows: list[list[float]]) -> torch.Tensor:

@@ -10,7 +10,7 @@ from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig
 from specexec.engine import Engine
 from specexec.options import budget_options
-from specexec.runtime.loading import load_model
+from specexec.checkpoints.loading import load_model
 from specexec.runtime.assembly import Runtime
 from specexec.tuning.budget import calibration_sizes
 from specexec.tuning.calibration import cost_fingerprint, default_cost_path

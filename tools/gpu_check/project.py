@@ -1,6 +1,6 @@
-"""The project's names the GPU check uses, in one place: a module that moves (specexec/runtime -> checkpoints/,
-planning/) is one edit here. Also the small fixtures the steps share: tiny checkpoints, a prefilled cache, a
-random draft of a real architecture's shapes, a watch over host synchronisations.
+"""The project's names the GPU check uses, in one place: a module that moves is one edit here. Also the small
+fixtures the steps share: tiny checkpoints, a prefilled cache, a random draft of a real architecture's shapes,
+a watch over host synchronisations.
 
 Does not know: which step uses what.
 """
@@ -21,10 +21,10 @@ from specexec.builders.registry import make_builder  # noqa: F401
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams  # noqa: F401
 from specexec.engine import Engine  # noqa: F401
 from specexec.kv.cache import KVCache
-from specexec.model import Transformer, on_meta, rope_inv_freq
+from specexec.model import Transformer, on_meta
 from specexec.runtime.assembly import Runtime  # noqa: F401
-from specexec.runtime.demo_models import write_model, write_perturbed  # noqa: F401
-from specexec.runtime.loading import load_model  # noqa: F401
+from specexec.checkpoints.demo_models import write_model, write_perturbed  # noqa: F401
+from specexec.checkpoints.loading import load_model  # noqa: F401
 from specexec.runtime.offloaded import quantize_layers
 from tests.graph_watch import ReaderDuringCapture  # noqa: F401
 from tests.sync_count import SyncCounter
@@ -79,7 +79,7 @@ def random_draft(arch: str, n_layers: int, vocab: int, fmt: str, dtype: torch.dt
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    model.inv_freq = rope_inv_freq(args).to(device)
+    model.init_rope(device)
     quantize_layers(model, fmt, row_exact=False)
     return model.eval().requires_grad_(False)
 

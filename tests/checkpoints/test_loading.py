@@ -1,4 +1,4 @@
-"""specexec.runtime.loading on real (tiny) HF checkpoints: logits equal transformers', pickle weights are never
+"""specexec.checkpoints.loading on real (tiny) HF checkpoints: logits equal transformers', pickle weights are never
 unpickled by default (and never executed even when allowed), and every broken checkpoint fails with one
 clear CheckpointError / ConfigError instead of a traceback from deep inside torch or safetensors."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from offload.formats.checkpoint import CheckpointError
 from specexec.options import ConfigError
-from specexec.runtime.loading import load_model, resolve_model_path
+from specexec.checkpoints.loading import load_model, resolve_model_path
 
 
 def _copy(src: Path, dest: Path) -> Path:
@@ -120,7 +120,7 @@ def test_corrupted_header(tiny_llama: Path, tmp_path: Path) -> None:
 def test_missing_tensor(tiny_llama: Path, tmp_path: Path) -> None:
     path = _copy(tiny_llama, tmp_path / "ckpt")
     _rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match="missing tensor 'layers.1.mlp.up_proj.weight'"):
+    with pytest.raises(CheckpointError, match="missing tensor 'model.layers.1.mlp.up_proj.weight'"):
         load_model(path)
 
 
@@ -209,7 +209,7 @@ def test_loading_a_model_does_not_import_torch_dynamo(tiny_llama: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from pathlib import Path; from specexec.runtime.loading import load_model; "
+    code = ("import sys; from pathlib import Path; from specexec.checkpoints.loading import load_model; "
             f"load_model(Path({str(tiny_llama)!r})); print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
                          text=True, timeout=120)

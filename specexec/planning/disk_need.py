@@ -1,13 +1,13 @@
 """How much disk a run will write besides its weights, known before the weights are here: the layer cache the
 offload plan builds, estimated from config.json alone (shapes -> packed layer sizes -> the planner).
 
-The estimate is specexec.runtime.offloaded.plan_target's own ledger planning (specexec.runtime.ledger.plan_memory)
+The estimate is specexec.planning.target.plan_target's own ledger planning (specexec.planning.ledger.plan_memory)
 without the draft: the format is --quant, or for auto `none` while every layer stays resident and the device's streamed
 format once any layer streams; a layer cache is built whenever the target is offloaded (a quantized format, or any
 streamed layer). The draft is not counted in the plan (its size is not known before it is fetched), so the plan may
 stream a little less than the real one; the cache is all layers either way.
 
-Does not know: where weights come from (specexec.runtime.hub), how the cache is written (offload.cache.store).
+Does not know: where weights come from (specexec.checkpoints.hub), how the cache is written (offload.cache.store).
 """
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from offload.memory_plan import PlanError
 from offload.planner import default_budgets
 
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig
-from specexec.runtime.ledger import plan_memory
-from specexec.runtime.sizes import layer_bytes
-from specexec.runtime.loading import read_args, resolve_dtype
-from specexec.runtime.offloaded import ASSUMED, run_shape, target_formats
+from specexec.checkpoints.loading import read_args, resolve_dtype
+from specexec.planning.ledger import ASSUMED, plan_memory
+from specexec.planning.run_shape import run_shape
+from specexec.planning.sizes import layer_sizes
+from specexec.planning.target import target_formats
 
 
 def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineConfig) -> int:
@@ -43,11 +44,11 @@ def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineCon
         return 0
     if memory.fmt == "none" and not memory.plan.streams:
         return 0
-    return layer_bytes(args, memory.fmt, dtype, device.type) * args.n_layers + SPACE_MARGIN
+    return sum(layer_sizes(args, memory.fmt, dtype, device.type)) + SPACE_MARGIN
 
 
 def reserve_for(offload: OffloadConfig, engine: EngineConfig):
-    """A specexec.runtime.hub Reserve: snapshot dir (config.json fetched) -> [(layer cache root, bytes)]."""
+    """A specexec.checkpoints.hub Reserve: snapshot dir (config.json fetched) -> [(layer cache root, bytes)]."""
     def reserve(snapshot: Path) -> list[tuple[Path, int]]:
         args = read_args(snapshot)
         root = Path(offload.cache_dir).expanduser() if offload.cache_dir else default_cache_root()

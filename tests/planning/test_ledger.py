@@ -19,11 +19,13 @@ from offload.cache.store import plan as cache_plan
 from offload.memory_plan import GB
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.kv.cache import KVCache
-from specexec.runtime.ledger import CUDA_CONTEXT, card_budget, plan_memory
-from specexec.runtime.run_shape import RunShape
-from specexec.runtime.sizes import layer_bytes, weight_bytes
-from specexec.runtime.loading import load_model, read_args
-from specexec.runtime.offloaded import layer_names, module_bytes, quantize_layers
+from specexec.planning.ledger import CUDA_CONTEXT, card_budget, plan_memory
+from specexec.planning.run_shape import RunShape
+from specexec.planning.sizes import layer_bytes, weight_bytes
+from specexec.checkpoints.loading import load_model, read_args
+from specexec.checkpoints.naming import layer_names
+from specexec.planning.sizes import module_bytes
+from specexec.runtime.offloaded import quantize_layers
 from specexec.runtime.assembly import Runtime
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -189,7 +191,7 @@ def test_plan_flag_errors_are_one_line(capsys, tmp_path: Path) -> None:
 def test_config_only_sizes_equal_the_real_objects(tiny_pair, fmt: str) -> None:
     """layer_bytes = the layer cache's layouts (from the checkpoint's headers); weight_bytes = a loaded,
     quantized model's parameters and buffers; kv_bytes = a KVCache's."""
-    from specexec.runtime.sizes import kv_bytes
+    from specexec.planning.sizes import kv_bytes
 
     target, draft = tiny_pair
     args = read_args(target)

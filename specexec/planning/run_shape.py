@@ -1,5 +1,6 @@
 """What a run consists of, for the memory ledger: the models' shapes, dtype, device, tree budget, context, the
-draft's format and KV needs (RunShape), and a self-draft's layers (SelfDraftShape, spaced_layers).
+draft's format and KV needs (RunShape, and run_shape: one from the run's configs), and a self-draft's layers
+(SelfDraftShape, spaced_layers).
 
 Does not know: bytes or budgets (sizes.py and ledger.py), how models load (loading.py, self_draft.py).
 """
@@ -10,8 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specexec.config import ModelArgs
-from specexec.engine import kv_slots_for
+from specexec.config import EngineConfig, ModelArgs, OffloadConfig
+from specexec.kv.cache import kv_slots_for
 from specexec.options import ConfigError
 
 DEFAULT_CONTEXT = 4096        # tokens (prompt + answer) the KV caches are planned for unless --context says
@@ -67,7 +68,7 @@ class RunShape:
 
     @property
     def slots(self) -> tuple[int, int]:
-        """(target, draft) KV slots: engine.kv_slots_for at this context and budget."""
+        """(target, draft) KV slots: kv.cache.kv_slots_for at this context and budget."""
         return kv_slots_for(self.context, self.budget, self.draft_scratch)
 
 
@@ -77,6 +78,21 @@ def plan_context(requested: int | None, target: ModelArgs, draft: ModelArgs | No
     limit = min(m.max_position_embeddings for m in (target, draft) if m is not None)
     return min(requested or DEFAULT_CONTEXT, limit)
 
+
+def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, offload: OffloadConfig,
+              device_type: str, dtype: torch.dtype, draft_kv: Callable[[int], int] | None = None,
+              self_draft: SelfDraftShape | None = None) -> RunShape:
+    """The ledger's view of a run: the models, run dtype, tree budget, planned context (--context, default
+    DEFAULT_CONTEXT, at most what the models support), the draft's format and KV scratch, and the KV caches'
+    format (--kv-quant) and where the target's KV rows may live (--kv-offload). With self_draft (the target
+    itself as the draft; `draft` is then None) its format and layer count."""
+    context = plan_context(offload.context, args, draft)
+    shape = RunShape(args, draft, dtype, device_type, engine.budget, context,
+                     offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None,
+                     kv_quant=engine.kv_quant, kv_offload=offload.kv_offload)
+    if self_draft is None:
+        return shape
+    return with_self_draft(replace(shape, draft_kv=draft_kv), self_draft.fmt, self_draft.layers)
 
 
 def spaced_layers(n: int, k: int) -> tuple[int, ...]:

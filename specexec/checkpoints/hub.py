@@ -17,7 +17,7 @@ Errors are one-line ConfigErrors: access denied (401/403, gated or private: set 
 offline (HF_HUB_OFFLINE=1 or HubOptions.offline) with the files not cached, no connection, not enough disk.
 
 Does not know: the terminal (progress goes to a callback), planning (the caller's `reserve` says how much more
-disk the run needs once config.json is here), how a checkpoint loads (specexec.runtime.loading).
+disk the run needs once config.json is here), how a checkpoint loads (specexec.checkpoints.loading).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexec.options import ConfigError
-from specexec.runtime.hub_files import COMMIT, PART, Progress, Ticker, download, link_blob, write_ref
+from specexec.checkpoints.hub_files import COMMIT, PART, Progress, Ticker, download, link_blob, write_ref
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",

@@ -3,7 +3,7 @@
 An entry's drafts name other entries, or `self` / `self:FORMAT`: the target drafting with its own layers
 (`drafts: self` alone is a one-item list).
 
-The catalogue is one YAML file, specexec/runtime/models.yaml, shipped in the package ($SPECEXEC_MODELS_YAML
+The catalogue is one YAML file, specexec/checkpoints/models.yaml, shipped in the package ($SPECEXEC_MODELS_YAML
 points at another file). Each entry becomes a frozen `ModelEntry`; unknown keys,
 wrong types, unknown families or quantizations and drafts that name no entry raise ConfigError naming the file,
 the entry and the value. A name is present locally when its checkpoint is in huggingface_hub's local cache
@@ -22,12 +22,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from specexec.config import SUPPORTED_ARCHITECTURES
+from specexec.families import family_names
 from specexec.options import MAX_BUDGET, ConfigError, check_number, choices, is_self_draft
 
 CATALOG_ENV = "SPECEXEC_MODELS_YAML"
 DIRS_ENV = "SPECEXEC_MODEL_DIRS"
-FAMILIES = tuple(sorted(set(SUPPORTED_ARCHITECTURES.values())))
+FAMILIES = family_names()
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TOP_KEYS = ("version", "models")
 
@@ -44,6 +44,12 @@ class ModelEntry:
     budget: int = 64
     quant: str = "none"
     notes: str = ""
+    tokenizer: str = ""             # entries naming the same tokenizer share it exactly; "" = the family's own
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer this entry shares with its drafts: `tokenizer`, else its family."""
+        return self.tokenizer or self.family
 
     @classmethod
     def from_dict(cls, name: str, raw: Any, where: str) -> "ModelEntry":
@@ -92,7 +98,7 @@ class ModelEntry:
 
 
 _TYPES: dict[str, type] = {"hub": str, "family": str, "params": str, "drafts": list, "budget": int,
-                           "quant": str, "notes": str}
+                           "quant": str, "notes": str, "tokenizer": str}
 
 
 def _typed(at: str, key: str, value: Any) -> Any:
@@ -164,9 +170,9 @@ def _check_drafts(entries: tuple[ModelEntry, ...], source: str) -> None:
                 continue
             if d not in by_name:
                 raise ConfigError(f"{source}: model {e.name!r} drafts with {d!r}, which is not an entry")
-            if d == e.name or by_name[d].family != e.family:
-                raise ConfigError(f"{source}: model {e.name!r} cannot draft with {d!r} "
-                                  f"({by_name[d].family} vs {e.family})")
+            if d == e.name or by_name[d].tokenizer_name != e.tokenizer_name:
+                raise ConfigError(f"{source}: model {e.name!r} cannot draft with {d!r} (tokenizer "
+                                  f"{by_name[d].tokenizer_name} vs {e.tokenizer_name})")
 
 
 def _check_self(spec: str, at: str) -> None:
@@ -178,7 +184,7 @@ def _check_self(spec: str, at: str) -> None:
 
 
 def default_catalog_path() -> Path:
-    """$SPECEXEC_MODELS_YAML, else the shipped catalogue beside this module (specexec/runtime/models.yaml)."""
+    """$SPECEXEC_MODELS_YAML, else the shipped catalogue beside this module (specexec/checkpoints/models.yaml)."""
     env = os.environ.get(CATALOG_ENV)
     if env:
         return Path(env).expanduser()
@@ -213,8 +219,8 @@ def model_dirs() -> list[Path]:
 
 def hf_cache_path(hub_id: str) -> Path | None:
     """The snapshot directory of `hub_id` in huggingface_hub's local cache when it is complete (config.json
-    and every weight file its index names; see specexec.runtime.hub.missing), else None."""
-    from specexec.runtime.hub import HubOptions, cached
+    and every weight file its index names; see specexec.checkpoints.hub.missing), else None."""
+    from specexec.checkpoints.hub import HubOptions, cached
     try:
         return cached(hub_id, HubOptions(offline=True))
     except (ConfigError, OSError):          # a broken cache entry means "not present"

@@ -16,7 +16,7 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   it runs that the target streams; its embed/norm/head and the resident layers it runs are the target's. The
   plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
   picks the most layers that fit.
-- target KV cache / draft KV cache: each sized for its own user (engine.kv_slots_for): the target for the
+- target KV cache / draft KV cache: each sized for its own user (kv.cache.kv_slots_for): the target for the
   context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
   target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
   streamed layer when the device runs short, in (pinned) RAM travelling with the layer ("target KV cache
@@ -44,10 +44,10 @@ import torch
 from offload.memory_plan import GB, Bandwidths, Needs, Plan, PlanError
 from offload.planner import plan
 
-from specexec.engine import PREFILL_CHUNK
+from specexec.config import PREFILL_CHUNK
 from specexec.model import LOGIT_CHUNK
-from specexec.runtime.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
-from specexec.runtime.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, weight_bytes
+from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
+from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes, weight_bytes
 
 PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
 DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
@@ -110,7 +110,7 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
         notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
             "none: the builder drafts without it"
     device.append(("activations", act))
-    sizes = (layer_bytes(t, fmt, shape.dtype, shape.device),) * t.n_layers
+    sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
     kv = kv_layer_bytes(t, t_slots, elem, shape.kv_quant)
     tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
     return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
@@ -140,7 +140,7 @@ def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tupl
     n = shape.target.n_layers
     note = (f"self: {len(ids)} of {n} target layers{' (auto)' if sd.auto else ''}, {len(ids) - len(copies)} "
             f"shared, {len(copies)} {_fmt(sd.fmt)} copies; embed/norm/head shared")
-    return len(copies) * layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device), note
+    return sum(layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device, i) for i in copies), note
 
 
 def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
@@ -218,8 +218,8 @@ class MemoryPlan:
         copies = self.draft_copies
         return {"format": sd.fmt, "auto": sd.auto, "layers": list(self.draft_layers),
                 "shared": [i for i in self.draft_layers if i not in copies], "copies": list(copies),
-                "copy_bytes": len(copies) * layer_bytes(self.shape.target, sd.fmt, self.shape.dtype,
-                                                        self.shape.device)}
+                "copy_bytes": sum(layer_bytes(self.shape.target, sd.fmt, self.shape.dtype, self.shape.device, i)
+                                  for i in copies)}
 
     def to_json(self) -> dict:
         p = self.plan

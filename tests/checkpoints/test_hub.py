@@ -1,4 +1,4 @@
-"""Models by Hub name (specexec.runtime.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on 127.0.0.1
+"""Models by Hub name (specexec.checkpoints.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on 127.0.0.1
 (tests/hub_server.py, reached through HF_ENDPOINT): only what loads is fetched (never pickles), a dropped
 connection resumes with a Range request, an interrupted process resumes from its .part file, a corrupted part
 is caught by the checksum, 401/403/404 and offline-without-cache each end as one line (exit 2 from the CLI),
@@ -15,12 +15,12 @@ from safetensors.torch import load_file, save_file
 
 from cli.main import main
 from specexec.options import ConfigError
-from specexec.runtime import hub as hub_mod
+from specexec.checkpoints import hub as hub_mod
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.runtime.disk_need import layer_cache_bytes
-from specexec.runtime.sizes import layer_bytes
-from specexec.runtime.hub import HubOptions, cached, fetch
-from specexec.runtime.loading import load_model, read_args, resolve_model_path
+from specexec.planning.disk_need import layer_cache_bytes
+from specexec.planning.sizes import layer_bytes
+from specexec.checkpoints.hub import HubOptions, cached, fetch
+from specexec.checkpoints.loading import load_model, read_args, resolve_model_path
 from tests.hub_server import LocalHub, serve, stop
 
 REPO = "tiny-org/tiny-llama"
@@ -237,7 +237,7 @@ def test_free_disk_is_checked_before_the_weights_with_the_layer_cache(online: Lo
 
 def test_layer_cache_estimate_matches_the_cache_planner(tiny_llama: Path) -> None:
     from offload.cache import store as layer_cache
-    from specexec.runtime.offloaded import layer_names
+    from specexec.checkpoints.naming import layer_names
 
     args = read_args(tiny_llama)
     engine = EngineConfig(dtype="float32")

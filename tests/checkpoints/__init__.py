@@ -1,0 +1,1 @@
+"""Tests of checkpoints: loading, the Hub, the catalogue (specexec/checkpoints/)."""

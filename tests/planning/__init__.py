@@ -1,0 +1,1 @@
+"""Tests of the memory planner: the ledger, sizes, run shape (specexec/planning/)."""
