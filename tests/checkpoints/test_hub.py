@@ -164,6 +164,17 @@ def test_a_corrupt_part_file_is_caught_by_the_checksum_and_removed(online: Local
     assert _sha(fetch(REPO, HubOptions()) / "model.safetensors") == sha
 
 
+def test_a_second_hub_name_resolves_after_a_tokenizer_loads(online: LocalHub) -> None:
+    """Loading a tokenizer (offline by local_files_only) leaves the process online: the next Hub name in the
+    same process (`bench --drafts A,ORG/NAME`, a server loading a second model) still downloads."""
+    from specexec.runtime.tokenizer import load_tokenizer
+
+    first = resolve_model_path(REPO, HubOptions())
+    assert load_tokenizer(first).get_vocab()
+    second = resolve_model_path("tiny-org/sharded", HubOptions())
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"} <= _files(second)
+
+
 # ------------------------------------------------------------------------------------------ access + offline
 
 def test_gated_repo_needs_hf_token(online: LocalHub, monkeypatch: pytest.MonkeyPatch) -> None:
