@@ -20,8 +20,10 @@ from dataclasses import fields
 from rich.console import Console
 
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
-from cli.fetch import add_hub_args, fetch_model, target_reserve
+from cli.fetch import add_hub_args, fetch_model
+from specexec.checkpoints.hub import Reserve
 from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, is_self_draft
+from specexec.planning.disk_need import reserve_for
 from specexec.planning.target import TargetPlan
 from specexec.builders.registry import builder_needs_draft
 from specexec.runtime.assembly import Runtime
@@ -118,6 +120,15 @@ def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
     given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant")}
     budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
+
+
+def target_reserve(args: argparse.Namespace) -> Reserve | None:
+    """The layer cache the plan builds for the target, from the command's offload and engine flags (None when
+    the flags are invalid: the command reports that itself)."""
+    try:
+        return reserve_for(offload_config(args), engine_config(args))
+    except ConfigError:
+        return None
 
 
 def refuse_lossy_kv(config: EngineConfig, command: str) -> None:
