@@ -22,10 +22,10 @@ from rich.console import Console
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from cli.fetch import add_hub_args, fetch_model
 from specexec.checkpoints.hub import Reserve
-from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, is_self_draft
+from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, help_list, is_self_draft
 from specexec.planning.disk_need import reserve_for
 from specexec.planning.target import TargetPlan
-from specexec.builders.registry import builder_needs_draft
+from specexec.builders.registry import builder_needs_draft, names as builder_names
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SELF
 
@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") ->
     p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens, or auto: picked per step from "
                    "measured pass costs and acceptance (default 64, or the models.yaml entry's)")
     p.add_argument("--max-budget", type=int, metavar="N", help="largest tree --budget auto tries (default 1024)")
-    p.add_argument("--builder", metavar="NAME", help=f"tree builder: {choices_help('--builder')} (default specexec)")
+    p.add_argument("--builder", metavar="NAME", help=f"tree builder: {help_list(builder_names())} (default specexec)")
     p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", metavar="TYPE", help=f"{choices_help('--dtype')} (default auto: bf16 on CUDA, fp32 "
                    "on CPU)")

@@ -21,8 +21,10 @@ from offload.cache.identity import default_cache_root
 from offload.memory_plan import GB, Bandwidths, PlanError
 from offload.platform.mounts import slow_mount_warnings
 from offload.planner import default_budgets
+from specexec.builders.registry import names as builder_names
 from specexec.options import (
-    ConfigError, budget_options, check_choice, check_integer, check_number, choices, choices_help, parse_size)
+    ConfigError, budget_options, check_choice, check_integer, check_number, choices, choices_help, help_list,
+    parse_size)
 from specexec.planning.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
                                      with_warnings)
 from specexec.planning.run_shape import RunShape, plan_context
@@ -53,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--offload", metavar="TIER", help=f"{choices_help('--offload')} (default auto)")
     p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens (default 64; auto: 1024)")
     p.add_argument("--builder", metavar="NAME", default="specexec",
-                   help=f"tree builder: {choices_help('--builder')} (default specexec)")
+                   help=f"tree builder: {help_list(builder_names())} (default specexec)")
     p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) to plan the KV caches for "
                    "(default 4096, at most the model's maximum)")
     p.add_argument("--dtype", metavar="TYPE", help=f"{choices_help('--dtype')} (default auto: bf16 on CUDA, fp32 "
@@ -131,7 +133,7 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     check_integer("--budget", budget, 1, 16384)
     if ns.context is not None:
         check_integer("--context", ns.context, 16, 10**7)
-    for flag, value in (("--builder", ns.builder), ("--dtype", ns.dtype or "auto"),
+    for flag, value in (("--dtype", ns.dtype or "auto"),
                         ("--draft-quant", ns.draft_quant or "none"), ("--kv-quant", ns.kv_quant or "none"),
                         ("--kv-offload", ns.kv_offload or "auto")):
         check_choice(flag, value, choices(flag))

@@ -34,7 +34,7 @@ from specexec.profiler import Profiler, Span, StepStat, budget_trace
 from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
-from specexec.verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
+from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
 
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
 
@@ -128,6 +128,7 @@ class Engine:
         once."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
+        check_verifier(config.verifier)
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
         self.planned_context = context
         self.draft_kv_quant = draft_kv_quant or config.kv_quant

@@ -23,7 +23,7 @@ from cli.bench import plot
 from cli.bench.common import Plan, Result, encode_prompts, first_mismatch, run_variant, wide
 from cli.bench.table import cell
 from specexec.builders.registry import builder_needs_draft, names as builder_names
-from specexec.options import ConfigError, check_number, choices_help, parse_budget_list, parse_float_list
+from specexec.options import ConfigError, check_number, help_list, parse_budget_list, parse_float_list
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Run the prompt set through each tree builder at equal node budgets and "
                                    "temperatures, with the target alone as the reference; print one table.")
     common.add_common_args(p, max_new_default="64")
-    p.add_argument("--builders", metavar="LIST", help=f"builders to compare (default all: {choices_help('--builder')})")
+    p.add_argument("--builders", metavar="LIST", help=f"builders to compare (default all: {help_list(builder_names())})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, metavar="LIST",
                    help=f"node budgets (default {DEFAULT_BUDGETS})")
     p.add_argument("--temperatures", default="0,0.6", metavar="LIST", help="temperatures (default 0,0.6)")

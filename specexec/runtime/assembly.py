@@ -45,7 +45,7 @@ from specexec.options import ConfigError, check_device, check_draft_vocab, check
 from specexec.tuning import acceptance
 from specexec.tuning.calibration import save_target_costs, tuner_for
 from specexec.builders.base import TreeBuilder
-from specexec.builders.registry import make_builder
+from specexec.builders.registry import check_builder, make_builder
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
@@ -56,6 +56,7 @@ from specexec.planning.target import TargetPlan, plan_target
 from specexec.runtime.offloaded import load_target, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
+from specexec.verify import check_verifier
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
 Progress = Callable[[str], None]
@@ -252,6 +253,8 @@ class Runtime:
         offload = offload or OffloadConfig()
         say = progress or (lambda _msg: None)
         check_device(config.device)
+        check_builder(config.builder)              # the names an EngineConfig leaves to their registries
+        check_verifier(config.verifier)
         t_path = resolve_model_path(model)
         t_args = read_args(t_path)
         self_spec = _self_spec(draft, config, offload)
