@@ -1,4 +1,5 @@
-"""The dependency rule `cli -> specexec -> offload -> torch`, checked by reading imports with `ast`.
+"""The dependency rule `cli -> specexec -> offload -> torch`, checked by reading imports with `ast`
+(tests/import_graph.py).
 
 offload/ imports neither specexec nor cli; specexec/ never imports cli. Every import counts: top-level,
 inside functions, under TYPE_CHECKING, relative (`from .. import specexec`), and string-literal dynamic imports
@@ -6,49 +7,17 @@ inside functions, under TYPE_CHECKING, relative (`from .. import specexec`), and
 """
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.import_graph import imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN: dict[str, frozenset[str]] = {
     "offload": frozenset({"specexec", "cli"}),
     "specexec": frozenset({"cli"}),
 }
-
-
-def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
-    """(line, absolute module name) for every import in `source`, the code of module `module` (dotted)."""
-    package = module.split(".") if is_package else module.split(".")[:-1]
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source, filename=module)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                up = node.level - 1
-                if up > len(package):
-                    raise ValueError(f"{module}:{node.lineno}: relative import goes above the top-level package")
-                base = package[:len(package) - up]
-            else:
-                base = []
-            if node.module:
-                found.append((node.lineno, ".".join(base + node.module.split("."))))
-            else:                                   # `from . import x`: each name may be a module
-                found += [(node.lineno, ".".join(base + [alias.name])) for alias in node.names]
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str) and _call_name(node.func) in ("import_module", "__import__")):
-            found.append((node.lineno, node.args[0].value))
-    return found
-
-
-def _call_name(func: ast.expr) -> str | None:
-    if isinstance(func, ast.Name):
-        return func.id
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return None
 
 
 def violations(source: str, module: str, is_package: bool = False) -> list[str]:
