@@ -1,5 +1,5 @@
 """Where `--budget auto`'s target pass costs are kept between runs: one JSON file per target fingerprint
-(model shapes, dtype, device, offload plan, CPU threads) under $SPECEXEC_CACHE (default ~/.cache/specexec).
+(model shapes, dtype, device, offload plan, CPU threads) under <cache root>/costs/ (specexec/tuning/store.py).
 
 The runtime calls this module: `tuner_for` gives a new engine a BudgetTuner holding the saved costs (the
 engine then skips its calibration passes), and `save_target_costs` keeps what an engine measured (the
@@ -10,12 +10,12 @@ Does not know: how passes are timed (the engine measures), the tuner's policy (s
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch
 
 from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit
+from specexec.tuning.store import store_path
 
 
 def cost_fingerprint(target: torch.nn.Module) -> str:
@@ -29,9 +29,7 @@ def cost_fingerprint(target: torch.nn.Module) -> str:
 
 def default_cost_path(fingerprint: str) -> Path:
     """The cost file for one fingerprint."""
-    root = os.environ.get("SPECEXEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specexec")
-    return Path(root) / "costs" / f"{fingerprint}.json"
+    return store_path("costs", fingerprint)
 
 
 def saved_target_costs(target: torch.nn.Module) -> CurveFit | None:

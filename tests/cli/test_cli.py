@@ -231,6 +231,7 @@ def test_demo_runs_and_caches(capsys, tmp_path, monkeypatch) -> None:
     from cli.demo import cache_dir, ensure_models
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECEXEC_CACHE")                          # the cache root falls back to XDG's
     assert main(["demo", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
     for needle in ("built demo models", "tok/pass", "budget 8", "target only", "meaningless",
