@@ -1,10 +1,10 @@
 """Bringing --model / --draft onto this machine before a command loads them.
 
-A Hub id (`ORG/NAME`) or a models.yaml name that is not cached is downloaded by specexec.checkpoints.hub (config, tokenizer,
-safetensors; resumable) with a progress bar on stderr (bytes, speed, ETA), after a free-disk check that also
-counts the layer cache the offload plan will build for the target (the caller passes it: cli/args.py
-target_reserve, specexec.planning.disk_need). `--offline` (or
-HF_HUB_OFFLINE=1) only looks in the cache; `--gguf-file NAME` picks the file of a GGUF repo. Existing paths are
+A Hub id (`ORG/NAME`) or a models.yaml name that is not cached is downloaded by specexec.checkpoints.hub
+(config, tokenizer, safetensors; resumable) with a progress bar on stderr (bytes, speed, ETA), after a
+free-disk check that also counts the layer cache the offload plan will build for the target (the caller passes
+it: cli/args.py target_reserve, from specexec.planning.disk_need). `--offline` (or HF_HUB_OFFLINE=1) only looks
+in the cache; `--gguf-file NAME` picks the file of a GGUF repo. Existing paths are
 left alone. On Ctrl-C during a download one line says that the next run resumes it.
 
 Does not know: which files a checkpoint needs or how they are fetched (specexec.checkpoints.hub), the planner,

@@ -158,7 +158,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     max_new_tokens: int = 128
-    prefill_chunk: int | None = None   # prompt tokens per prefill pass; None: PREFILL_CHUNK, or a streamed target's plan
+    prefill_chunk: int | None = None   # prompt tokens per prefill pass; None: PREFILL_CHUNK, or a streamed plan's
     verifier: str = "auto"
     builder_options: tuple[tuple[str, Any], ...] = field(default=())
     draft_vocab: int | str | None = None   # VocabTrim: the draft head keeps N target-frequent tokens, or "auto"

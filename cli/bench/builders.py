@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Run the prompt set through each tree builder at equal node budgets and "
                                    "temperatures, with the target alone as the reference; print one table.")
     common.add_common_args(p, max_new_default="64")
-    p.add_argument("--builders", metavar="LIST", help=f"builders to compare (default all: {help_list(builder_names())})")
+    p.add_argument("--builders", metavar="LIST",
+                   help=f"builders to compare (default all: {help_list(builder_names())})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, metavar="LIST",
                    help=f"node budgets (default {DEFAULT_BUDGETS})")
     p.add_argument("--temperatures", default="0,0.6", metavar="LIST", help="temperatures (default 0,0.6)")

@@ -1,7 +1,7 @@
 """The one registry of tree builders: each builder class registers itself where it is defined (`@register`,
-under its own `name` attribute), and everything that names builders reads from here: the --builder help text, `bench builders`, `make_builder`
-and `check_builder` (Runtime.load calls it before anything loads; an EngineConfig does not, so building one
-imports no builder).
+under its own `name` attribute), and everything that names builders reads from here: the --builder help
+text, `bench builders`, `make_builder` and `check_builder` (Runtime.load calls it before anything loads; an
+EngineConfig does not, so building one imports no builder).
 
 Adding a builder is adding a module to specexec/builders/ with a `@register`ed class: the first lookup imports
 every module of the package once, so nothing else lists the names.

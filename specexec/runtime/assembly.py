@@ -8,9 +8,9 @@ leaves out: the context-length check and stop strings (which need the tokenizer)
 generated ids into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
 
 Memory plan and offloading: before any weight is loaded, the run is planned from the configs
-(specexec/planning/ledger.py via planning.target.plan_target: the draft counted once in its --draft-quant format, each KV
-cache for its own user, budgets measured while nothing of ours holds memory); `on_plan` sees the ledger
-first, then the draft loads (resident, optionally quantized) and the target as planned: resident, or with
+(specexec/planning/ledger.py via planning.target.plan_target: the draft counted once in its --draft-quant
+format, each KV cache for its own user, budgets measured while nothing of ours holds memory); `on_plan` sees the
+ledger first, then the draft loads (resident, optionally quantized) and the target as planned: resident, or with
 its decoder layers quantized and streamed (specexec/runtime/offloaded.py). `plan` holds the result; stats() gains
 the pager's streaming figures.
 

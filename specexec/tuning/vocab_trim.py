@@ -9,9 +9,9 @@ and verifier keeps working unchanged, tokens outside the set are never drafted, 
 
 The kept set: token counts measured from target samples (`measure_counts`: target-distributed samples on a
 prompt set, drawn through any Engine - speculative sampling is exact, so a draft may speed it up; cached as
-JSON under the cache root by `load_or_measure_counts`, specexec/tuning/store.py), or from any token list for tests (`counts_from_tokens`). `select_vocab`
-ranks by count (ties: lower id, i.e. the earlier BPE merge) and always keeps `always` (EOS, chat tokens).
-`auto_size` picks N when the user says `--draft-vocab auto`.
+JSON under the cache root by `load_or_measure_counts`, specexec/tuning/store.py), or from any token list for
+tests (`counts_from_tokens`). `select_vocab` ranks by count (ties: lower id, i.e. the earlier BPE merge) and
+always keeps `always` (EOS, chat tokens). `auto_size` picks N when the user says `--draft-vocab auto`.
 
 Does not know: tokenizers and prompts beyond the ids it is handed, builders, verification.
 """

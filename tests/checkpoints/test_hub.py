@@ -1,5 +1,5 @@
-"""Models by Hub name (specexec.checkpoints.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on 127.0.0.1
-(tests/hub_server.py, reached through HF_ENDPOINT): only what loads is fetched (never pickles), a dropped
+"""Models by Hub name (specexec.checkpoints.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on
+127.0.0.1 (tests/hub_server.py, reached through HF_ENDPOINT): only what loads is fetched (never pickles), a dropped
 connection resumes with a Range request, an interrupted process resumes from its .part file, a corrupted part
 is caught by the checksum, 401/403/404 and offline-without-cache each end as one line (exit 2 from the CLI),
 the free-disk check counts the layer cache the plan will build, and GGUF repos need --gguf-file."""
