@@ -200,6 +200,26 @@ def test_help_exits_zero(capsys) -> None:
     assert "--no-draft" in capsys.readouterr().out
 
 
+def _options(command: str) -> dict[str, str]:
+    """--flag -> its help text in `command`'s parser."""
+    from cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.choices and command in a.choices).choices[command]
+    return {o: a.help for a in sub._actions for o in a.option_strings}
+
+
+def test_plan_and_generate_share_each_flag_and_its_help() -> None:
+    """`specexec plan` declares none of generate's flags again: each shared one comes from cli/args.py with
+    its one text (plan may say another default: it applies no models.yaml defaults)."""
+    from cli.args import _flags
+
+    plan, generate, shared = _options("plan"), _options("generate"), _flags()
+    common = set(plan) & set(shared)
+    assert len(common) >= 12 and common <= set(generate)
+    for flag in common - {"--model"}:                       # plan's --model reads config.json only
+        assert plan[flag].startswith(shared[flag].text) and generate[flag].startswith(shared[flag].text), flag
+
+
 # ------------------------------------------------------------------------------------------ subprocesses
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
