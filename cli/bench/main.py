@@ -222,9 +222,7 @@ def run_ours(runtime: Runtime, plan: Plan, prompt_ids: list[list[int]], warmup: 
 
 def release(runtime: Runtime) -> None:
     """Stop an offloaded target's loader thread so its buffers can go before the transformers models load."""
-    close = getattr(runtime.engine.target, "close", None)
-    if callable(close):
-        close()
+    runtime.engine.close()                        # the target's own close(), when it has one (model.Closes)
     gc.collect()
 
 
