@@ -359,7 +359,7 @@ class Runtime:
         return _kv_cache_summary(self.engine)
 
     def stats(self) -> dict:
-        """Summary of the last generate_ids() call (see GenerationStats.summary)."""
+        """Summary of the last generate_ids() call (see specexec.generation.GenerationStats.summary)."""
         budget = (("auto" if self.config.auto_budget else self.config.budget)
                   if self.engine.builder is not None else 0)
         out = self.engine.stats.summary(budget, self.builder_name)    # with budget_trace: what auto picked
