@@ -92,3 +92,34 @@ def test_checker_scans_files(tmp_path: Path) -> None:
     (tmp_path / "offload" / "sub" / "bad.py").write_text("import torch\n\nfrom ...specexec import model\n")
     assert package_violations("offload", tmp_path) == ["offload.sub.bad:3 imports specexec"]
     assert package_violations("specexec", tmp_path) == []          # absent package: nothing to check
+
+
+def imports_of_test_modules(root: Path = ROOT) -> list[str]:
+    """'module:line imports name' for each import, in tests/, of a test module or a conftest."""
+    from tests.import_graph import imports, module_files
+
+    out = []
+    for module, (path, is_package) in module_files(root, ("tests",)).items():
+        for imp in imports(path.read_text(encoding="utf-8"), module, is_package):
+            for name in [f"{imp.base}.{n}" for n in imp.names] + [imp.base]:
+                last = name.split(".")[-1]
+                if name.startswith("tests.") and (last.startswith("test_") or last == "conftest"):
+                    out.append(f"{module}:{imp.line} imports {name}")
+    return out
+
+
+def test_tests_import_helpers_never_test_modules() -> None:
+    """A helper two test files share lives in a helper module (tests/tiny_models.py, tests/chi2.py, ...):
+    importing a test module runs its collection-time code and ties one test file's refactor to another's."""
+    bad = imports_of_test_modules()
+    assert not bad, "import the helper from a helper module instead:\n" + "\n".join(bad)
+
+
+def test_the_test_module_rule_sees_each_kind(tmp_path: Path) -> None:
+    (tmp_path / "tests" / "sub").mkdir(parents=True)
+    (tmp_path / "tests" / "sub" / "test_a.py").write_text(
+        "from tests.sub.test_b import helper\nfrom tests.sub import conftest\nfrom tests.chi2 import p\n"
+        "def f():\n    from tests.sub.conftest import x\n")
+    assert imports_of_test_modules(tmp_path) == ["tests.sub.test_a:1 imports tests.sub.test_b",
+                                                 "tests.sub.test_a:2 imports tests.sub.conftest",
+                                                 "tests.sub.test_a:5 imports tests.sub.conftest"]

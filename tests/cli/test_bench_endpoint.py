@@ -15,7 +15,7 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.serving.openai_api import ServerDefaults
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
-from tests.serving.test_serve import running
+from tests.serving.live_server import running
 
 MODEL, KEY, LIMIT, MAX_NEW = "tiny-pair", "sekret", 3, 8
 

@@ -153,7 +153,7 @@ def test_steps_timed_by_spans_settle_when_their_events_complete_never_by_waiting
     (and on_timed, the tuner's feed) arrive in step order once query() says done; `steps` waits if asked."""
     from types import SimpleNamespace
 
-    from tests.offload.test_pager import LagEvent
+    from tests.offload.lag_event import LagEvent
 
     clock = SimpleNamespace(done=False, waits=0)
     prof = Profiler("cpu")

@@ -19,6 +19,7 @@ from offload.streaming.storage import ALIGN
 from offload.streaming import tiers
 from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, fill, host_buffer, probe_copy, probe_read, split
 from offload.streaming.timing import stream_summary
+from tests.offload.lag_event import LagEvent
 
 SIZES = [3 * ALIGN, 2 * ALIGN, 5 * ALIGN, ALIGN, 4 * ALIGN, 2 * ALIGN]
 
@@ -306,22 +307,6 @@ def test_bind_turns_buffers_into_views(layers) -> None:
         got = list(pager.layers())
     assert got == [(i, (i, int(layers[i][0]))) for i in range(6)]
     assert calls == [(0, -1), (1, 0), (2, 1), (3, 0), (4, 1), (5, -1)]
-
-
-class LagEvent(HostEvent):
-    """A host-clock event that reports itself complete only once `clock.done` (a device running behind);
-    synchronize() counts the waits and completes it."""
-
-    def __init__(self, clock: SimpleNamespace) -> None:
-        super().__init__()
-        self.clock, self.forced = clock, False
-
-    def query(self) -> bool:
-        return self.t is not None and (self.clock.done or self.forced)
-
-    def synchronize(self) -> None:
-        self.clock.waits += 1
-        self.forced = True
 
 
 def test_timings_fold_only_once_their_events_completed(layers) -> None:

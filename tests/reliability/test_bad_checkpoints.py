@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error, copy_checkpoint
+from tests.reliability.checks import assert_nothing_cached, assert_one_line_error, copy_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,7 @@ from specexec.builders.registry import check_builder
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.options import (ConfigError, budget_options, check_budget_fits, check_device, parse_draft_layers,
                               parse_draft_vocab, parse_size)
-from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error
+from tests.reliability.checks import assert_nothing_cached, assert_one_line_error
 
 pytestmark = pytest.mark.timeout(120)
 

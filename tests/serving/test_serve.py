@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import pytest
-import uvicorn
 
 from cli.main import main
 from cli.serve.app import ServeSettings, build_app
+from tests.serving.live_server import running
 from specexec.config import EngineConfig, SamplingParams
 from specexec.serving.openai_api import ServerDefaults
 from specexec.runtime.assembly import Runtime
@@ -37,28 +37,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-pair"
 BUDGET, MAX_TOKENS = 8, 32
 MAX_BODY = 64 * 1024
-
-
-@contextlib.contextmanager
-def running(app) -> Iterator[str]:
-    """Serve `app` on 127.0.0.1:<free port> in a background thread; yields the base URL; stops it after."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
-        assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="module")
