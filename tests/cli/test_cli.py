@@ -15,7 +15,8 @@ import torch
 from cli.main import main
 from specexec.config import EngineConfig, SamplingParams
 from specexec.options import ConfigError
-from specexec.runtime.assembly import Detokenizer, Runtime
+from specexec.runtime.assembly import Runtime
+from specexec.runtime.detokenizer import Detokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 STATS_KEYS = {"steps", "tokens_per_step", "prefill_tok_s", "decode_tok_s", "draft_ms", "target_ms", "tree_size",
