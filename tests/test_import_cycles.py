@@ -55,3 +55,26 @@ def test_importing_a_module_is_not_importing_the_packages_above_it(tmp_path: Pat
     assert cycles(import_graph(tmp_path, ("p",))) == []
     _write(tmp_path, {"p/util.py": "from p import api\n"})           # now util needs the package's own name
     assert cycles(import_graph(tmp_path, ("p",))) == [["p", "p.impl", "p.util", "p"]]
+
+
+def _reach(graph: dict[str, dict[str, int]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for child in graph[todo.pop()]:
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def test_the_planner_never_reaches_the_engine_and_the_configs_no_builder() -> None:
+    """specexec/planning/ sizes a run from config.json alone: no import of it (lazy ones included, at any depth)
+    reaches the engine or a builder; config and options reach no builder, no verifier, no model."""
+    graph = import_graph(ROOT, TOPS)
+    for module in (m for m in graph if m.startswith("specexec.planning.")):
+        bad = {m for m in _reach(graph, module) if m == "specexec.engine" or m.startswith("specexec.builders")}
+        assert not bad, f"{module} reaches {sorted(bad)}"
+    for module in ("specexec.config", "specexec.options"):
+        bad = {m for m in _reach(graph, module)
+               if m.startswith("specexec.builders") or m in ("specexec.verify", "specexec.model", "specexec.engine")}
+        assert not bad, f"{module} reaches {sorted(bad)}"
