@@ -35,6 +35,11 @@ Kernels: which runs is chosen per device, each returns the log-sum-exp F.scaled_
 - anything else: plain maths (matmul, logsumexp), also the reference the tests compare the kernels against.
 A row that sees no key of a part (only possible in the window band) gets lse = -inf and output 0 there.
 
+Attention sinks (gpt-oss): a learned logit s_h per head that joins every row's softmax as a key with no value.
+It enters the denominator once, at the merge, as one more part with output 0 and lse = s_h:
+lse = logsumexp(lse_1, ..., lse_n, s_h); out = sum_i exp(lse_i - lse) * out_i. Each part stays a plain kernel
+call, and a one-part plan (a one-token decode) is scaled by sigmoid(lse_1 - s_h) the same way.
+
 Does not know: trees, RoPE, the cache layout beyond "k, v [B, H_kv, S, D] for slots [0, S)", checkpoints.
 """
 from __future__ import annotations
@@ -163,8 +168,9 @@ def _layout(bias: Tensor, groups: int, kernel: str) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------- per layer
 
-def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> Tensor:
-    """q [B, H, T, D]; k, v [B, H_kv, S >= plan.n_slots, D] (the cache's slots [0, S)) -> out [B, H, T, D]."""
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, sinks: Tensor | None = None) -> Tensor:
+    """q [B, H, T, D]; k, v [B, H_kv, S >= plan.n_slots, D] (the cache's slots [0, S)) -> out [B, H, T, D].
+    sinks [H]: attention-sink logits (see the module docstring), or None."""
     outs, lses = [], []
     for part in plan.parts:
         kp, vp = k[:, :, part.start:part.stop], v[:, :, part.start:part.stop]
@@ -174,17 +180,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> Tensor:
             out = torch.where(part.rows.unsqueeze(-1), out, 0.0)
         outs.append(out)
         lses.append(lse)
-    return merge(outs, lses)
+    return merge(outs, lses, sinks)
 
 
-def merge(outs: list[Tensor], lses: list[Tensor]) -> Tensor:
-    """Exact softmax merge: outs [B, H, T, D] each normalised over its own keys, lses [B, H, T] (fp32)."""
-    if len(outs) == 1:
+def merge(outs: list[Tensor], lses: list[Tensor], sinks: Tensor | None = None) -> Tensor:
+    """Exact softmax merge: outs [B, H, T, D] each normalised over its own keys, lses [B, H, T] (fp32); with
+    sinks [H], each head's sink logit joins the denominator (a part with output 0)."""
+    if sinks is None and len(outs) == 1:
         return outs[0]
-    if len(outs) == 2:                # the usual prefix + tree: weights sigmoid(l1 - l2) and 1 - that, six ops
+    if sinks is None and len(outs) == 2:     # the usual prefix + tree: weights sigmoid(l1 - l2) and 1 - that, six ops
         w = torch.sigmoid(lses[0] - lses[1]).unsqueeze(-1)
         second = outs[1].float()
         return (second + w * (outs[0].float() - second)).to(outs[0].dtype)
+    if sinks is not None:
+        lses = lses + [sinks.float().view(1, -1, 1).expand_as(lses[0])]
     lse = torch.stack(lses).logsumexp(0)
     acc = sum((l - lse).exp().unsqueeze(-1) * o.float() for o, l in zip(outs, lses))
     return acc.to(outs[0].dtype)

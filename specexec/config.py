@@ -9,7 +9,8 @@ Does not know: how a value was typed (options.py parses text), how weights are l
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from specexec.options import (
@@ -17,17 +18,73 @@ from specexec.options import (
     parse_draft_layers, parse_size)
 
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+ROUTERS = ("softmax", "topk_softmax", "sigmoid")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """The sparse feed-forward of a mixture-of-experts decoder (None in ModelArgs for a dense one); the maths is
+    specexec/moe.py.
+
+    Each token's router (a [n_experts, dim] linear, with a bias when `router_bias`) scores every expert and
+    keeps the `top_k` best; `router` says how scores become weights: "softmax" (softmax over all experts, then
+    the top k; renormalised to sum to 1 when `norm_topk_prob`: Mixtral, Qwen3-MoE, OLMoE), "topk_softmax" (the
+    top k logits, then a softmax over those k: gpt-oss), "sigmoid" (sigmoid of each logit, then the top k;
+    renormalised when `norm_topk_prob`). The token's output is the weighted sum of its experts' outputs.
+    Each expert is a gated MLP of `expert_dim` (biases when `expert_bias`) whose activation is "silu"
+    (silu(gate) * up) or "clamped_swiglu" (gpt-oss: gate clamped above at `swiglu_limit`, up clamped to
+    +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)). `shared_dim` > 0 adds one shared expert of
+    that width that every token runs (silu, no biases), scaled by sigmoid of a [1, dim] gate when
+    `shared_gate` (Qwen2-MoE). Layers in `dense_layers` have a plain MLP of ModelArgs.intermediate_size instead."""
+
+    n_experts: int
+    top_k: int
+    expert_dim: int                      # each expert's intermediate size (moe_intermediate_size)
+    norm_topk_prob: bool = True
+    router: str = "softmax"              # one of ROUTERS
+    router_bias: bool = False            # the router linear carries a bias
+    expert_bias: bool = False            # every expert's gate/up/down projections carry biases
+    activation: str = "silu"             # one of EXPERT_ACTIVATIONS
+    swiglu_alpha: float = 1.702          # clamped_swiglu only
+    swiglu_limit: float = 7.0            # clamped_swiglu only
+    shared_dim: int = 0                  # the shared expert's intermediate size (0: none)
+    shared_gate: bool = False            # the shared expert's output is scaled by sigmoid(x @ gate.T)
+    dense_layers: tuple[int, ...] = ()   # decoder layers whose feed-forward is a dense MLP
+
+    def __post_init__(self) -> None:
+        check_integer("n_experts", self.n_experts, low=1, high=1 << 16)
+        check_integer("top_k", self.top_k, low=1, high=self.n_experts)
+        check_integer("expert_dim", self.expert_dim, low=1, high=1 << 20)
+        check_integer("shared_dim", self.shared_dim, low=0, high=1 << 20)
+        check_choice("router", self.router, ROUTERS)
+        check_choice("expert activation", self.activation, EXPERT_ACTIVATIONS)
+        check_number("swiglu_limit", self.swiglu_limit, low=0.0, high=1e6, low_open=True)
+        check_number("swiglu_alpha", self.swiglu_alpha, low=-1e6, high=1e6)
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the sparse (routed) feed-forward."""
+        return layer not in self.dense_layers
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")     # config.json's layer_types values specexec runs
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """How the decoder layers of one kind attend: `window` (sliding window in positions; None: the whole
+    context) and `rope` ("global": ModelArgs.rope_theta / rope_scaling; "local": local_rope_theta /
+    local_rope_scaling). Layers of one kind share one attention plan and one RoPE table per forward."""
+
+    window: int | None = None
+    rope: str = "global"
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Shape and maths options of one Llama-family decoder (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3)."""
+    """Shape and named maths options of one decoder. specexec/families/ builds it from config.json (one module
+    per family); the network reads the options, never the family name (`family` is for people and for
+    models.yaml). `moe` is None for a dense model."""
 
     family: str
     vocab_size: int
@@ -46,64 +103,59 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_per_head: bool = True         # q/k RMSNorm over each head (Qwen3) or the whole projection (OLMoE)
+    clip_qkv: float | None = None         # q, k, v clamped to +-clip_qkv after the projections (and q/k norms)
+    attention_sinks: bool = False         # one learned logit per head in every softmax's denominator (gpt-oss)
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEArgs | None = None
+    # per-layer attention kinds: layer_types[i] is one of LAYER_TYPES (HF's names); () = every layer alike,
+    # sliding when sliding_window is set (Mistral). A sliding layer sees the last `sliding_window` positions.
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None      # RoPE base of the sliding layers when they have their own (Gemma 3)
+    local_rope_scaling: tuple[tuple[str, Any], ...] | None = None   # ... and its scaling (read only with a base)
+
+    def __post_init__(self) -> None:
+        if self.layer_types:
+            if len(self.layer_types) != self.n_layers:
+                raise ConfigError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.n_layers}")
+            for kind in self.layer_types:
+                check_choice("layer type", kind, LAYER_TYPES)
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
-        """Build from a parsed config.json; raises ConfigError for architectures outside the family."""
-        archs = cfg.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None:
-            shown = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
-            raise ConfigError(f"unsupported architecture {shown}; supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        try:
-            return cls._from_family(family, cfg)
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks the field {e.args[0]!r} needed for a {family} model") from None
+    def layer_kind(self, layer: int) -> LayerKind:
+        """The attention kind of decoder layer `layer` (see LayerKind)."""
+        sliding = self.layer_types[layer] == "sliding_attention" if self.layer_types else bool(self.sliding_window)
+        if not sliding:
+            return LayerKind()
+        return LayerKind(self.sliding_window, "local" if self.local_rope_theta is not None else "global")
 
-    @classmethod
-    def _from_family(cls, family: str, cfg: dict[str, Any]) -> "ModelArgs":
-        n_heads = int(cfg["num_attention_heads"])
-        dim = int(cfg["hidden_size"])
-        rope = cfg.get("rope_parameters") or {}          # transformers >= 5 folds rope_theta in here
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
-            scaling = tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (list, dict))))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
-        return cls(
-            family=family,
-            vocab_size=int(cfg["vocab_size"]),
-            dim=dim,
-            n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or dim // n_heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=scaling or None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
-            sliding_window=int(window) if window else None,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Every decoder layer's kind, in order."""
+        return tuple(self.layer_kind(i) for i in range(self.n_layers))
+
+    def rope_params(self, rope: str) -> tuple[float, dict[str, Any] | None]:
+        """(base, scaling dict or None) of one RoPE of LayerKind.rope ("global" | "local")."""
+        if rope == "local" and self.local_rope_theta is not None:
+            return self.local_rope_theta, dict(self.local_rope_scaling) if self.local_rope_scaling else None
+        return self.rope_theta, self.rope_scaling_dict
+
+    def subset(self, layers: Sequence[int]) -> ModelArgs:
+        """These args for a network that runs only decoder layers `layers` of this one, in that order (the
+        self-draft): each keeps its kind (layer_types) and, for a mixture of experts, whether it is dense."""
+        ids = list(layers)
+        kinds = tuple(self.layer_types[i] for i in ids) if self.layer_types else ()
+        moe = self.moe
+        if moe is not None and moe.dense_layers:
+            moe = replace(moe, dense_layers=tuple(j for j, i in enumerate(ids) if i in moe.dense_layers))
+        return replace(self, n_layers=len(ids), layer_types=kinds, moe=moe)
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,26 @@
-"""One Llama-family decoder (Llama 2/3/3.x incl. llama3 rope scaling, Mistral, Qwen2/2.5, Qwen3): pure maths.
+"""One pre-norm decoder for every family specexec runs (Llama, Mistral, Qwen2/3, and the mixtures of experts
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss), its differences named options of ModelArgs: pure maths.
 
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
 positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
 `TreeMask`: the whole committed prefix plus a small mask over the new tokens' own slots; or a dense bool
-mask), and `slots` says where each token's K/V is written. The mask becomes an `AttentionPlan` once per
-forward (the model's sliding window applied there) and every layer attends with it (specexec/attention.py:
-prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
-leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
-caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB).
+mask), and `slots` says where each token's K/V is written. Layers come in kinds (ModelArgs.layer_kind: a
+sliding window or none, the global or a local RoPE): per forward the mask becomes one `AttentionPlan` per
+window and the positions one cos/sin table per RoPE, and each layer attends with its kind's (specexec/attention.py:
+prefix and tree attended apart, merged exactly; attention sinks enter at that merge). A layer's feed-forward
+is the dense MLP or, where ModelArgs.moe says the layer is sparse, specexec/moe.py's router-then-experts
+block, whose routing of each pass goes to `Transformer.routing` (a RoutingLog; None records nothing).
+Parameter names follow the Hub checkpoints without the leading "model." (the MoE names are specexec/moe.py's;
+specexec/families/weights.py maps a checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a
+caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made
+of live beside it: specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP),
+specexec/moe.py (the sparse feed-forward).
 
 Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
 offloading (OffloadedTransformer overrides `layer_modules`), trees or sampling.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
@@ -25,7 +31,11 @@ from torch import nn
 
 from specexec.attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
 from specexec.config import ModelArgs
+from specexec.ffn import MLP
 from specexec.kv.cache import KVCache
+from specexec.moe import RoutingLog, SparseMLP
+from specexec.norms import RMSNorm
+from specexec.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_names
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -53,45 +63,6 @@ def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return tensor
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with the checkpoint's rope scaling (default, linear, llama3), computed in
-    fp32 on the CPU whatever the default device (callers move them; on meta there would be nothing to read)."""
-    d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
-    scaling = args.rope_scaling_dict or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
-        inv = inv / float(scaling["factor"])
-    elif kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
-    return inv
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [B, 1, T, D] from `Transformer.rope` (sin with its first half negated).
-    HF's rotate-half, x * cos + cat(-x2, x1) * sin, in four ops instead of seven: cat(x2, x1) is x rolled by
-    half, and the sign moves onto sin. Bit for bit the same: a product's sign does not change its magnitude."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -101,52 +72,58 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
-        if args.qk_norm:
-            self.q_norm = RMSNorm(d, args.norm_eps)
-            self.k_norm = RMSNorm(d, args.norm_eps)
+        if args.qk_norm:                  # over each head, or over the whole projection (qk_norm_per_head False)
+            self.q_norm = RMSNorm(d if args.qk_norm_per_head else h * d, args.norm_eps)
+            self.k_norm = RMSNorm(d if args.qk_norm_per_head else kv * d, args.norm_eps)
+        self.norm_per_head, self.clip = args.qk_norm_per_head, args.clip_qkv
+        if args.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(h))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hasattr(self, "q_norm") and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)                                  # over the projection
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm") and self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)                                  # per head
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             cache.write(layer, slots, k, v)
             k, v = cache.view(layer, plan.n_slots)
-        out = attend(q, k.to(q.dtype), v.to(q.dtype), plan)
+        out = attend(q, k.to(q.dtype), v.to(q.dtype), plan, getattr(self, "sinks", None))
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Block(nn.Module):
-    """One decoder layer: pre-norm attention and SwiGLU MLP with residuals."""
+    """One decoder layer: pre-norm attention and a feed-forward with residuals. The feed-forward of decoder layer
+    `layer` is a SparseMLP (specexec/moe.py) when ModelArgs.moe says that layer is sparse, else the dense MLP."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = SparseMLP(args) if args.moe is not None and args.moe.sparse(layer) else MLP(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+                cache: KVCache | None, layer: int, slots: torch.Tensor | None,
+                routing: RoutingLog | None = None) -> torch.Tensor:
+        """A sparse layer routes first, hands the routing to `routing` (when given), then runs the experts."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if not isinstance(self.mlp, SparseMLP):
+            return x + self.mlp(h)
+        route = self.mlp.route(h)
+        if routing is not None:
+            routing.record(layer, route)
+        return x + self.mlp.combine(h, route)
 
 
 class Transformer(nn.Module):
@@ -156,11 +133,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        for rope in rope_names(args):              # inv_freq (global), inv_freq_local (Gemma 3's sliding layers)
+            self.register_buffer(_rope_buffer(rope), rope_inv_freq(args, rope), persistent=False)
+        self.routing: RoutingLog | None = None       # set to a RoutingLog to record each sparse layer's routing
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -171,13 +150,25 @@ class Transformer(nn.Module):
         """(index, block) in order; the offloaded model streams them instead."""
         return enumerate(self.layers)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim] for `apply_rope`, computed in fp32 then cast:
-        (cos f, cos f) and (-sin f, sin f) for the frequencies f = position x inv_freq."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        sin = freqs.sin()
-        return (torch.cat((freqs, freqs), -1).cos().unsqueeze(1).to(dtype),
-                torch.cat((-sin, sin), -1).unsqueeze(1).to(dtype))
+    def init_rope(self, device: torch.device | str, like: Transformer | None = None) -> None:
+        """Set the RoPE tables on `device` (a model built on meta has none): computed, or `like`'s own."""
+        for rope in rope_names(self.args):
+            name = _rope_buffer(rope)
+            setattr(self, name, getattr(like, name) if like is not None else
+                    rope_inv_freq(self.args, rope).to(device))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, rope: str = "global"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] of one RoPE (LayerKind.rope) for `apply_rope`,
+        computed in fp32 then cast: (cos f, cos f) and (-sin f, sin f) for f = position x inv_freq, both times
+        the RoPE's attention factor (YaRN's; 1 otherwise)."""
+        freqs = positions.float().unsqueeze(-1) * getattr(self, _rope_buffer(rope)).to(positions.device)
+        sin, cos = freqs.sin(), torch.cat((freqs, freqs), -1).cos()
+        sin = torch.cat((-sin, sin), -1)
+        scale = rope_attention_factor(self.args, rope)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,10 +185,14 @@ class Transformer(nn.Module):
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope(positions, x.dtype)
-        plan = self.attention_plan(mask, positions, x.dtype)
+        kinds = self.args.layer_kinds
+        ropes = {rope: self.rope(positions, x.dtype, rope) for rope in {k.rope for k in kinds}}
+        plans = self.attention_plans(mask, positions, x.dtype)
+        if self.routing is not None:
+            self.routing.begin()
         for i, layer in self.layer_modules():
-            x = layer(x, cos, sin, plan, cache, i, slots)
+            kind = kinds[i]
+            x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, self.routing)
         return self.norm(x)
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
@@ -206,12 +201,22 @@ class Transformer(nn.Module):
         a, p = self.args, next(self.parameters())
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, p.dtype, p.device, quant=quant)
 
+    def attention_plans(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
+                        dtype: torch.dtype) -> dict[int | None, AttentionPlan]:
+        """The mask in the form the layers attend with, built once per forward for each sliding window the
+        layers have (None: full attention), never per layer (positions [B, T]). A dense mask is used as given
+        (the caller applied any window), so it cannot serve layers whose windows differ."""
+        a = self.args
+        windows = sorted({k.window for k in a.layer_kinds}, key=lambda w: (w is not None, w or 0))
+        if isinstance(mask, torch.Tensor) and len(windows) > 1:
+            raise ValueError(f"layers with sliding windows {windows} need a TreeMask, not one dense mask")
+        return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // a.n_kv_heads, dtype,
+                              pick_kernel(positions.device)) for w in windows}
+
     def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                        dtype: torch.dtype) -> AttentionPlan:
-        """The mask in the form every layer attends with, built once per forward (positions [B, T])."""
-        a = self.args
-        return build_plan(mask, positions, positions.shape[-1], a.sliding_window, a.n_heads // a.n_kv_heads,
-                          dtype, pick_kernel(positions.device))
+        """The plan decoder layer 0 attends with (attention_plans)."""
+        return self.attention_plans(mask, positions, dtype)[self.args.layer_kind(0).window]
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., D] -> fp32 logits [R, V] for `rows` of the flattened hidden (all rows when None)."""
@@ -219,6 +224,11 @@ class Transformer(nn.Module):
         if rows is not None:
             h = h.index_select(0, rows)
         return F.linear(h, self.head_weight).float()
+
+
+def _rope_buffer(rope: str) -> str:
+    """The buffer holding one RoPE's inverse frequencies: inv_freq, inv_freq_local."""
+    return "inv_freq" if rope == "global" else f"inv_freq_{rope}"
 
 
 def prefix_tree_mask(n_prefix: int, tree_mask: torch.Tensor, window: int | None = None,

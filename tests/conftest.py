@@ -155,6 +155,67 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"tiny_{request.param}")
 
 
+# MoE targets: name -> (family, seed, layers, config overrides); shapes in tests/tiny_models.MOE_SHAPES.
+MOE_MODELS: dict[str, tuple[str, int, int, dict]] = {
+    "qwen3_moe": ("qwen3_moe", 20, 3, {"mlp_only_layers": [1]}),     # 16 experts top-4; layer 1 dense
+    "qwen2_moe": ("qwen2_moe", 24, 3, {}),                            # shared expert + gate; layers 0, 2 dense
+    "mixtral": ("mixtral", 21, 2, {}),                                # 4 experts top-2
+    "olmoe": ("olmoe", 22, 2, {}),                                    # q/k norms over the projections, clip_qkv
+    "gpt_oss": ("gpt_oss", 23, 2, {}),                                # sinks, sliding/full layers, YaRN, biases
+}
+
+
+def _moe(root: Path, name: str) -> Path:
+    family, seed, layers, overrides = MOE_MODELS[name]
+    return write_tiny_model(root / f"moe-{name}", family, seed=seed, n_layers=layers, **overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tiny_root: Path) -> Path:
+    """Qwen3-MoE, 3 layers (layer 1 a dense MLP via mlp_only_layers), 16 experts of 32, top-4, renormalised."""
+    return _moe(tiny_root, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tiny_root: Path) -> Path:
+    """Qwen2-MoE, 3 layers (decoder_sparse_step 2: layer 1 routed, 0 and 2 dense), 8 experts of 32 top-2 without
+    renormalising, a shared expert of 48 behind its sigmoid gate, q/k/v biases."""
+    return _moe(tiny_root, "qwen2_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tiny_root: Path) -> Path:
+    """Mixtral, 2 layers, 4 experts of 64, top-2 (block_sparse_moe.experts.N.w1/w2/w3 in the checkpoint)."""
+    return _moe(tiny_root, "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_olmoe(tiny_root: Path) -> Path:
+    """OLMoE, 2 layers, 8 experts of 32, top-2 without renormalising; q/k norms over the projections, clip_qkv 1."""
+    return _moe(tiny_root, "olmoe")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tiny_root: Path) -> Path:
+    """gpt-oss, 2 layers (sliding window 8, then full attention), attention sinks, YaRN RoPE, q/k/v/o and
+    router and expert biases, 8 experts of 32 top-2 with the clamped gated activation; experts stored fused."""
+    return _moe(tiny_root, "gpt_oss")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4(tiny_root: Path, tiny_gpt_oss: Path) -> Path:
+    """tiny_gpt_oss with its fused expert weights in MXFP4 (X_blocks/X_scales, quant_method mxfp4), as the
+    Hub's gpt-oss checkpoints store them."""
+    from tests.mxfp4_writer import write_mxfp4
+    return write_mxfp4(tiny_root / "moe-gpt_oss-mxfp4", tiny_gpt_oss)
+
+
+@pytest.fixture(scope="session", params=list(MOE_MODELS))
+def tiny_moe(request: pytest.FixtureRequest) -> Path:
+    """Each MoE family's tiny checkpoint in turn (test ids: the MOE_MODELS names), written by transformers."""
+    return request.getfixturevalue(f"tiny_{request.param}")
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tiny_root: Path) -> tuple[Path, Path]:
     """(target, draft): Llama 4 layers and Llama 2 layers, same tokenizer, unrelated random weights."""

@@ -43,9 +43,9 @@ def test_checkpoint_loads_with_transformers(tiny_model: Path) -> None:
 
 
 def test_config_parses_as_model_args(tiny_model: Path) -> None:
-    from specexec.config import ModelArgs
+    from specexec.families import model_args
 
-    args = ModelArgs.from_hf_config(json.loads((tiny_model / "config.json").read_text()))
+    args = model_args(json.loads((tiny_model / "config.json").read_text()))
     assert (args.vocab_size, args.dim, args.n_heads, args.n_kv_heads, args.head_dim) == (VOCAB_SIZE, 64, 4, 2, 16)
     assert args.eos_token_ids == (EOS_ID,) and args.bos_token_id == BOS_ID
     assert args.sliding_window is None

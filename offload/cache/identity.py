@@ -21,6 +21,7 @@ import torch
 
 from offload.cache.manifest import VERSION, CacheError
 from offload.formats.checkpoint import INDEX, SINGLE, ST_DTYPES
+from offload.formats.refs import TensorRef, as_ref
 from offload.formats.sources import detect_format, is_gguf, open_source, tensor_specs
 from offload.quant.weights import dtype_name, packing
 
@@ -28,13 +29,18 @@ from offload.quant.weights import dtype_name, packing
 @dataclass(frozen=True)
 class LayerNames:
     """Where one layer's tensors come from: packed name (as the runtime binds it, e.g. 'mlp.up_proj.weight')
-    -> checkpoint tensor name ('model.layers.3.mlp.up_proj.weight'), in packing order; `linear` holds the
-    packed names of the 2-D nn.Linear weights to quantize (every other tensor is cast to the dtype)."""
-    tensors: Mapping[str, str]
+    -> checkpoint tensor name ('model.layers.3.mlp.up_proj.weight') or a TensorRef (a piece of a stored
+    tensor: one expert of a fused one, offload/formats/refs.py), in packing order; `linear` holds the packed
+    names of the 2-D nn.Linear weights to quantize (every other tensor is cast to the dtype)."""
+    tensors: Mapping[str, str | TensorRef]
     linear: frozenset[str]
 
+    def refs(self) -> dict[str, TensorRef]:
+        """packed name -> TensorRef (a bare name as the whole stored tensor)."""
+        return {p: as_ref(c) for p, c in self.tensors.items()}
+
     def to_dict(self) -> dict:
-        return {"tensors": dict(self.tensors), "linear": sorted(self.linear)}
+        return {"tensors": {p: r.to_json() for p, r in self.refs().items()}, "linear": sorted(self.linear)}
 
 
 def human_bytes(n: float) -> str:

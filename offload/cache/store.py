@@ -74,6 +74,8 @@ from offload.cache.reading import LayerFile
 from offload.platform.facilities import fsync_dir, pwrite_all
 from offload.cache.locking import exclusive_lock as _exclusive_lock
 from offload.cache.progress import progress_bar
+from offload.formats.checkpoint import CheckpointError
+from offload.formats.refs import read_ref, ref_shape
 from offload.formats.sources import CheckpointSource, open_source
 from offload.quant.weights import check_format, layer_specs, quantize_tensors
 from offload.streaming.storage import LayerLayout, pack_layer, plan_layout
@@ -262,11 +264,15 @@ def plan(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: to
     src = source_specs(checkpoint_dir)
     layouts = []
     for i, s in enumerate(layers):
-        missing = [c for c in s.tensors.values() if c not in src]
+        refs = s.refs()
+        missing = [r.name for r in refs.values() if r.name not in src]
         if missing:
             raise CacheError(f"{checkpoint_dir}: layer {i} needs tensor {missing[0]!r}, which no weight file has")
-        specs, meta = layer_specs({p: src[c] for p, c in s.tensors.items()}, fmt, dtype, s.linear, double_quant,
-                                  device or "cpu")
+        try:
+            shapes = {p: (src[r.name][0], ref_shape(r, src[r.name][1])) for p, r in refs.items()}
+        except CheckpointError as e:
+            raise CacheError(f"{checkpoint_dir}: {e}") from None
+        specs, meta = layer_specs(shapes, fmt, dtype, s.linear, double_quant, device or "cpu")
         layouts.append(plan_layout(specs, meta))
     return layouts
 
@@ -354,7 +360,7 @@ def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames]
 def _quantize_layer(ckpt: CheckpointSource, source: LayerNames, fmt: str, dtype: torch.dtype,
                     double_quant: bool, device: str | torch.device | None = None) -> tuple[torch.Tensor, LayerLayout]:
     """One layer read from the checkpoint, quantized (on `device`, default CPU) and packed: (uint8 [nbytes], layout)."""
-    tensors = {packed: ckpt.get(name).to(device or "cpu") for packed, name in source.tensors.items()}
+    tensors = {packed: read_ref(ckpt, ref).to(device or "cpu") for packed, ref in source.refs().items()}
     qtensors, meta = quantize_tensors(tensors, fmt, dtype, source.linear, double_quant)
     return pack_layer(qtensors, meta)
 

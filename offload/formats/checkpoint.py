@@ -104,6 +104,15 @@ class SafetensorsCheckpoint:
         except Exception as e:
             raise CheckpointError(f"{self._where[name]}: cannot read {name!r} ({e})") from None
 
+    def get_index(self, name: str, index: int) -> torch.Tensor:
+        """tensor[index] along its first dimension (one expert of a fused tensor), reading only those bytes."""
+        if name not in self._where:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} is missing")
+        try:
+            return self._open(self._where[name]).get_slice(name)[index:index + 1][0]
+        except Exception as e:
+            raise CheckpointError(f"{self._where[name]}: cannot read {name!r}[{index}] ({e})") from None
+
     def items(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in names if names is not None else self.names():
             yield name, self.get(name)

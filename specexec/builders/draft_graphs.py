@@ -19,6 +19,10 @@ Exactness: a replay runs the kernels `span_forward` runs eagerly on the same inp
 differs from the dense forward over keys [0, L0 + K) at most in summation order, since hidden keys add exact
 zeros. The gpu tests check both, and greedy output against target-only decoding.
 
+A draft with sliding-window layers is not captured (it runs eagerly with its TreeMask): the span mask is one
+dense mask, which cannot carry a window per layer kind. Nor is a mixture-of-experts draft: which experts run
+depends on the routing of each pass (a host sync per sparse layer), and a graph would replay the captured ones.
+
 Switch: DraftState.cuda_graphs (None: on unless the environment sets SPECEXEC_CUDA_GRAPHS=0); a CPU never
 captures. A capture that fails (a kernel that cannot be captured) turns graphs off for that cache, with one
 warning, and the pass runs eagerly.
@@ -52,13 +56,20 @@ def enabled(flag: bool | None, device: torch.device) -> bool:
 
 
 def runner(model: torch.nn.Module, cache: KVCache, flag: bool | None) -> "DraftGraphs | None":
-    """The graph runner of this cache (kept across generate() calls), or None where graphs are off."""
-    if not enabled(flag, cache.k.device):
+    """The graph runner of this cache (kept across generate() calls), or None where graphs are off (and for a
+    draft with sliding-window layers: the span mask is dense, and a dense mask carries no window)."""
+    if not enabled(flag, cache.k.device) or not capturable(model):
         return None
     r = _RUNNERS.get(cache)
     if r is None or r.model is not model:
         r = _RUNNERS[cache] = DraftGraphs(model, cache)
     return None if r.failed else r
+
+
+def capturable(model: torch.nn.Module) -> bool:
+    """Whether the draft's forward can be one graph: no sliding-window layer, no routed (MoE) layer."""
+    args = getattr(model, "args", None)
+    return args is None or not (any(kind.window for kind in args.layer_kinds) or args.moe is not None)
 
 
 def key_span(L0: int, K: int, capacity: int) -> int:

@@ -1,6 +1,8 @@
 """The tensors of a checkpoint as the streamed target needs them: one decoder Block's tensor names and shapes
-(block_specs, block_tensor_names), the "model." prefix HF checkpoints carry (checkpoint_prefix), the layer
-cache's naming of each layer's tensors (layer_names), and reading the resident embed/norm/head (read_resident).
+(block_specs, block_tensor_names; a dense and a sparse layer of an MoE model differ), the layer cache's naming
+of each layer's tensors (layer_names), and reading the resident embed/norm/head (read_resident). Both go
+through the family's weight-name mapping (specexec/families/weights.py): our name -> the TensorRef of its
+source, a stored tensor or one expert's piece of a fused one.
 
 Does not know: bytes or plans (specexec/planning/), the layer cache's storage (offload.cache), the pager, the
 resident loader (loading.py, whose checks these reuse).
@@ -8,7 +10,7 @@ resident loader (loading.py, whose checks these reuse).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import itertools
 from pathlib import Path
 
 import torch
@@ -16,52 +18,58 @@ from torch import nn
 
 from offload.cache.identity import LayerNames
 from offload.formats.checkpoint import CheckpointError
+from offload.formats.refs import read_ref, ref_shape
 from offload.formats.sources import open_source
 
 from specexec.checkpoints.loading import check_tensors, expected_shapes
 from specexec.config import ModelArgs
+from specexec.families.weights import checkpoint_refs
 from specexec.model import Block, on_meta
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 
 
+def sparse_layer(args: ModelArgs, layer: int) -> bool:
+    """Whether decoder layer `layer` has the routed (MoE) feed-forward; layers of one kind share every size."""
+    return args.moe is not None and args.moe.sparse(layer)
+
+
+def block_specs(args: ModelArgs, layer: int = 0) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
+    """((name, shape) of every tensor of decoder layer `layer`'s Block in state_dict order), names of its Linear
+    weights."""
+    return kind_specs(args, sparse_layer(args, layer))
+
+
 @functools.cache
-def block_specs(args: ModelArgs) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
-    """((name, shape) of every tensor of one decoder Block in state_dict order), names of its Linear weights."""
+def kind_specs(args: ModelArgs, sparse: bool) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
+    """block_specs of the dense (sparse=False) or the routed layers of `args`."""
+    m = args.moe                          # a layer of the asked kind: a dense one of an MoE model is listed
+    layer = 0 if m is None else m.dense_layers[0] if not sparse else next(i for i in itertools.count() if m.sparse(i))
     with on_meta():
-        block = Block(args)
+        block = Block(args, layer)
     shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())
     linear = frozenset(f"{path}.weight" for path, m in block.named_modules() if isinstance(m, nn.Linear))
     return shapes, linear
 
 
-def block_tensor_names(args: ModelArgs) -> tuple[list[str], frozenset[str]]:
-    """(every tensor name of one decoder Block in state_dict order, the names of its nn.Linear weights)."""
-    shapes, linear = block_specs(args)
+def block_tensor_names(args: ModelArgs, layer: int = 0) -> tuple[list[str], frozenset[str]]:
+    """(every tensor name of decoder layer `layer`'s Block in state_dict order, the names of its nn.Linear
+    weights); a sparse (MoE) layer's experts are `mlp.experts.{e}.*`, one expert's tensors adjacent."""
+    shapes, linear = block_specs(args, layer)
     return [n for n, _ in shapes], linear
 
 
-def checkpoint_prefix(names: Sequence[str]) -> str:
-    """'model.' when the checkpoint's tensor names carry it (HF *ForCausalLM checkpoints), else ''."""
-    return "model." if any(n.startswith("model.layers.") for n in names) else ""
-
-
 def layer_names(path: Path, args: ModelArgs) -> list[LayerNames]:
-    """For the layer cache: per decoder layer, packed name (as the Block binds it) -> checkpoint name, and
-    which of them are Linear weights. CheckpointError unless the checkpoint holds exactly what `args` implies
-    (check_tensors: the planner and `convert` call this before anything is cached)."""
-    names, linear = block_tensor_names(args)
-    source = open_source(path)
-    check_tensors(path, source, args)          # before planning or caching: a bad checkpoint caches nothing
-    stored = set(source.names())
-    prefix = checkpoint_prefix(list(stored))
+    """For the layer cache: per decoder layer, packed name (as the Block binds it) -> its source in the
+    checkpoint (a bare name for a whole stored tensor, else a TensorRef), and which of them are Linear
+    weights. CheckpointError unless the checkpoint holds exactly what `args` implies (check_tensors: the
+    planner and `convert` call this before anything is cached)."""
+    refs = check_tensors(path, open_source(path), args)   # before planning or caching: a bad one caches nothing
     out = []
     for i in range(args.n_layers):
-        tensors = {n: f"{prefix}layers.{i}.{n}" for n in names}
-        missing = [t for t in tensors.values() if t not in stored]
-        if missing:
-            raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing ({len(missing)} missing for layer {i})")
-        out.append(LayerNames(tensors, linear))
+        names, linear = block_tensor_names(args, i)
+        tensors = {n: refs[f"layers.{i}.{n}"] for n in names}
+        out.append(LayerNames({n: r.name if r.plain else r for n, r in tensors.items()}, linear))
     return out
 
 
@@ -70,15 +78,12 @@ def read_resident(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch
     """embed_tokens / norm / lm_head (unless tied) from the checkpoint, shape-checked, as dtype on device (the
     names in `host` stay in CPU memory)."""
     ckpt = open_source(path)
-    prefix = checkpoint_prefix(ckpt.names())
     shapes = expected_shapes(args)
+    refs = checkpoint_refs(args, [n for n in RESIDENT_NAMES if n in shapes], ckpt.names())  # no tied lm_head
     out: dict[str, torch.Tensor] = {}
-    for name in RESIDENT_NAMES:
-        if name not in shapes:                    # lm_head of a tied model
-            continue
-        raw = name if name == "lm_head.weight" else prefix + name
-        if tuple(ckpt.shape(raw)) != shapes[name]:
-            raise CheckpointError(f"{path}: {raw} has shape {list(ckpt.shape(raw))}, config.json implies "
-                                  f"{list(shapes[name])}")
-        out[name] = ckpt.get(raw).to(device="cpu" if name in host else device, dtype=dtype)
+    for name, ref in refs.items():
+        if ref_shape(ref, tuple(ckpt.shape(ref.name))) != shapes[name]:
+            raise CheckpointError(f"{path}: {ref.describe()} has shape {list(ckpt.shape(ref.name))}, config.json "
+                                  f"implies {list(shapes[name])}")
+        out[name] = read_ref(ckpt, ref).to(device="cpu" if name in host else device, dtype=dtype)
     return out

@@ -42,11 +42,12 @@ class KVCache:
 
     streamed: layer ids whose rows live on the host and travel with their layer; tail: rows of one forward a
     streamed layer keeps on the device until they are committed (the tree budget + 1; longer forwards, i.e.
-    prefill chunks, write straight through to the host)."""
+    prefill chunks, write straight through to the host); windows[i]: layer i's sliding window (None: full),
+    so a streamed sliding layer moves only the rows its window sees."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, batch: int = 1, quant: str = "none",
-                 streamed: Sequence[int] = (), tail: int = 0) -> None:
+                 streamed: Sequence[int] = (), tail: int = 0, windows: Sequence[int | None] = ()) -> None:
         if quant not in QUANTS:
             raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(QUANTS)}")
         self.device, self.dtype, self.quant = torch.device(device), dtype, quant
@@ -58,7 +59,7 @@ class KVCache:
                                              ("streamed", streamed.index(i)) for i in range(n_layers)]
         self.rows = Rows.empty(len(resident), capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device)
         self.stream = StreamedKV(streamed, capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device,
-                                 tail) if streamed else None
+                                 tail, [windows[i] if windows else None for i in streamed]) if streamed else None
         self.capacity = capacity
         self.length = 0
 

@@ -17,6 +17,10 @@ is used and rows committed since are missing, they are topped up (on the compute
 copy of the last commit's rows when that covers them (no host round trip), else from the host rows.
 Truncation lowers what every stage counts as valid.
 
+A sliding-window layer (window W) attends only to the committed rows [L - W + 1, L) (specexec/attention.py drops
+the older ones from its plan), so only those are staged and topped up: its bytes in per pass are at most W - 1
+rows, whatever the context. A stage records the rows [lo, valid) it holds; rows below lo are never read.
+
 Ordering (CUDA): D2H copies run on the compute stream after the rows were computed; an event (`written`)
 recorded after a commit's copies is waited for by the copy stream before it reads host rows again.
 
@@ -42,14 +46,16 @@ class StreamedKV:
     """Host rows of the streamed layers, their device tail and the device stages (see the module docstring)."""
 
     def __init__(self, layers: Sequence[int], capacity: int, batch: int, heads: int, dim: int, dtype: torch.dtype,
-                 quant: str, device: torch.device, tail: int) -> None:
+                 quant: str, device: torch.device, tail: int, windows: Sequence[int | None] = ()) -> None:
+        """windows[j]: the sliding window of streamed layer layers[j] (None or absent: it sees every row)."""
         self.index = {layer: j for j, layer in enumerate(layers)}
+        self.windows = {layer: (windows[j] if j < len(windows) else None) for j, layer in enumerate(layers)}
         self.device, self.cuda = device, device.type == "cuda"
         self.shape = (batch, heads, dim, dtype, quant)
         self.host = Rows.empty(len(layers), capacity, batch, heads, dim, dtype, quant, "cpu", self._host_alloc)
         self.tail = Rows.empty(len(layers), tail, batch, heads, dim, dtype, quant, device)
         self.stages: list[Rows] = []
-        self.records: list[tuple[int, int]] = []     # per stage: (layer, rows [0, valid) equal to the host's)
+        self.records: list[tuple[int, int, int]] = []   # per stage: (layer, lo, valid): rows [lo, valid) = the host's
         self.discard: Callable[[], None] | None = None
         self.length = 0                              # committed rows (the cache's length, kept in step)
         self.through = False                         # rows of the current forward went straight to the host
@@ -80,7 +86,7 @@ class StreamedKV:
     def _make_stages(self, n: int) -> None:
         B, H, D, dtype, quant = self.shape
         self.stages = [Rows.empty(1, self.capacity, B, H, D, dtype, quant, self.device) for _ in range(n)]
-        self.records = [(-1, 0)] * n
+        self.records = [(-1, 0, 0)] * n
 
     # ------------------------------------------------------------------------------------- copier side
 
@@ -93,10 +99,16 @@ class StreamedKV:
             return 0
         with self.lock:
             n, written = self.length, self.written
-            self.records = [(-1, 0) if held == layer else (held, v) for held, v in self.records]
-            self.records[slot] = (layer, n)
+            lo = self.first_needed(layer, n)
+            self.records = [(-1, 0, 0) if r[0] == layer else r for r in self.records]
+            self.records[slot] = (layer, lo, n)
         with torch.inference_mode():                  # the stages may be inference tensors (made while generating)
-            return self._copy_in(j, self.stages[slot], 0, n, written)
+            return self._copy_in(j, self.stages[slot], lo, n, written)
+
+    def first_needed(self, layer: int, length: int) -> int:
+        """The first committed row a forward over `length` committed rows reads in `layer` (its window's)."""
+        window = self.windows.get(layer)
+        return max(0, length - window + 1) if window else 0
 
     def _copy_in(self, j: int, stage: Rows, start: int, stop: int, written) -> int:
         """Host rows [start, stop) of streamed layer j into the same rows of `stage` (after `written`, the
@@ -116,19 +128,22 @@ class StreamedKV:
 
     def stage_of(self, layer: int) -> Rows:
         """The stage holding `layer`'s committed rows (topped up to the committed length when it lags)."""
+        need = self.first_needed(layer, self.length)
         with self.lock:                               # the copier rewrites records as it fills slots
-            s = next((i for i, (held, _) in enumerate(self.records) if held == layer), None)
+            s = next((i for i, r in enumerate(self.records) if r[0] == layer), None)
             if s is None and self.discard is None:    # no pager: stage it here, in stage 0
                 if not self.stages:
                     self._make_stages(1)
-                s, self.records[0] = 0, (layer, 0)
-            valid = self.records[s][1] if s is not None else 0
+                s, self.records[0] = 0, (layer, need, need)
+            _, lo, valid = self.records[s] if s is not None else (layer, 0, 0)
         if s is None:
             raise RuntimeError(f"KV rows of layer {layer} were not staged with the layer (pager out of step)")
+        if lo > need or valid < need:                 # truncated below it, or the window passed it: from `need`
+            lo = valid = need
         if valid < self.length:
             self._top_up(self.index[layer], self.stages[s], valid)
-            with self.lock:
-                self.records[s] = (layer, self.length)
+        with self.lock:
+            self.records[s] = (layer, lo, self.length)
         return self.stages[s]
 
     def _top_up(self, j: int, stage: Rows, valid: int) -> None:
@@ -209,7 +224,7 @@ class StreamedKV:
     def truncate(self, length: int) -> None:
         with self.lock:
             self.length, self.through = length, False
-            self.records = [(layer, min(valid, length)) for layer, valid in self.records]
+            self.records = [(layer, min(lo, length), min(valid, length)) for layer, lo, valid in self.records]
             if self.recent is not None and self.recent[0] >= length:
                 self.recent = None
 

@@ -24,7 +24,7 @@ from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.checkpoints.loading import read_args, resolve_dtype
 from specexec.planning.ledger import ASSUMED, plan_memory
 from specexec.planning.run_shape import run_shape
-from specexec.planning.sizes import layer_bytes
+from specexec.planning.sizes import layer_sizes
 from specexec.planning.target import target_formats
 
 
@@ -44,7 +44,7 @@ def layer_cache_bytes(args: ModelArgs, offload: OffloadConfig, engine: EngineCon
         return 0
     if memory.fmt == "none" and not memory.plan.streams:
         return 0
-    return layer_bytes(args, memory.fmt, dtype, device.type) * args.n_layers + SPACE_MARGIN
+    return sum(layer_sizes(args, memory.fmt, dtype, device.type)) + SPACE_MARGIN
 
 
 def reserve_for(offload: OffloadConfig, engine: EngineConfig):

@@ -90,8 +90,8 @@ class MemoryPlan:
         copies = self.draft_copies
         return {"format": sd.fmt, "auto": sd.auto, "layers": list(self.draft_layers),
                 "shared": [i for i in self.draft_layers if i not in copies], "copies": list(copies),
-                "copy_bytes": len(copies) * layer_bytes(self.shape.target, sd.fmt, self.shape.dtype,
-                                                        self.shape.device)}
+                "copy_bytes": sum(layer_bytes(self.shape.target, sd.fmt, self.shape.dtype, self.shape.device, i)
+                                  for i in copies)}
 
     def to_json(self) -> dict:
         p = self.plan

@@ -37,7 +37,7 @@ from offload.memory_plan import GB, Needs
 from specexec.config import PREFILL_CHUNK
 from specexec.model import LOGIT_CHUNK
 from specexec.planning.run_shape import RunShape, self_layer_ids
-from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, weight_bytes
+from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes, weight_bytes
 
 DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
 
@@ -95,7 +95,7 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
         notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
             "none: the builder drafts without it"
     device.append(("activations", act))
-    sizes = (layer_bytes(t, fmt, shape.dtype, shape.device),) * t.n_layers
+    sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
     kv = kv_layer_bytes(t, t_slots, elem, shape.kv_quant)
     tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
     return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
@@ -125,7 +125,7 @@ def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tupl
     n = shape.target.n_layers
     note = (f"self: {len(ids)} of {n} target layers{' (auto)' if sd.auto else ''}, {len(ids) - len(copies)} "
             f"shared, {len(copies)} {fmt_name(sd.fmt)} copies; embed/norm/head shared")
-    return len(copies) * layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device), note
+    return sum(layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device, i) for i in copies), note
 
 
 def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:

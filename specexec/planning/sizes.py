@@ -21,7 +21,7 @@ from offload.quant.linear import kernel_for
 from offload.quant.weights import layer_specs
 from offload.streaming.storage import plan_layout
 
-from specexec.checkpoints.naming import block_specs
+from specexec.checkpoints.naming import kind_specs, sparse_layer
 from specexec.config import ModelArgs
 from specexec.kv.rows import row_bytes
 from specexec.model import LOGIT_CHUNK
@@ -29,25 +29,38 @@ from specexec.model import LOGIT_CHUNK
 PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
 
 
+def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu", layer: int = 0) -> int:
+    """Packed bytes of decoder layer `layer` in `fmt`, packed for `device`'s kernel, as the layer cache and the
+    tiers hold it (aligned layout); equal to what offload.cache.store.plan computes from a checkpoint's headers.
+    Layers of one kind (dense, or routed in an MoE model) have one size."""
+    return _layer_bytes(args, fmt, dtype, device, sparse_layer(args, layer))
+
+
 @functools.cache
-def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> int:
-    """Packed bytes of one decoder layer in `fmt`, packed for `device`'s kernel, as the layer cache and the
-    tiers hold it (aligned layout); equal to what offload.cache.store.plan computes from a checkpoint's headers."""
-    shapes, linear = block_specs(args)
+def _layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, sparse: bool) -> int:
+    shapes, linear = kind_specs(args, sparse)
     specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
     return plan_layout(specs, meta).nbytes
+
+
+def layer_sizes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> tuple[int, ...]:
+    """layer_bytes of every decoder layer, in order."""
+    return tuple(layer_bytes(args, fmt, dtype, device, i) for i in range(args.n_layers))
 
 
 @functools.cache
 def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, int]:
     """Bytes a resident Transformer of `args` holds on `device` with its decoder linears quantized to `fmt`
     (what quantize_module leaves): {"embed", "head" (0 when tied), "norm" (+ RoPE buffer), "layers"}."""
-    shapes, linear = block_specs(args)
-    specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
-    per_layer = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
+    per_kind = {}
+    for sparse in {sparse_layer(args, i) for i in range(args.n_layers)}:
+        shapes, linear = kind_specs(args, sparse)
+        specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
+        per_kind[sparse] = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
     table = args.vocab_size * args.dim * dtype.itemsize
     return {"embed": table, "head": 0 if args.tie_word_embeddings else table,
-            "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4, "layers": args.n_layers * per_layer}
+            "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4,
+            "layers": sum(per_kind[sparse_layer(args, i)] for i in range(args.n_layers))}
 
 
 def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
@@ -84,10 +97,18 @@ def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: st
     outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
     up and product, the attention (attention_bytes), one dequantized weight (when the format's kernel on
     `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy;
-    with an int8 cache, one layer's dequantized K/V."""
+    with an int8 cache, one layer's dequantized K/V. An MoE layer (specexec/moe.py) counts its widest MLP (the
+    dense one, an expert's over all T rows, the shared expert's), the router's fp32 scores, the top-k pairs
+    sorted by expert and the output it accumulates."""
     T, D, I = tokens, args.dim, args.intermediate_size
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    routed = 0
+    if args.moe is not None:
+        m = args.moe
+        I = max(I if m.dense_layers else 0, m.expert_dim, m.shared_dim)
+        routed = T * (2 * m.n_experts * 4 + m.top_k * 3 * 8) + T * D * (elem + 4)
     hidden = T * (4 * D + 2 * (q + 2 * kv) + q + 3 * I) * elem + 2 * T * D * 4 + 2 * T * args.head_dim * elem
+    hidden += routed
     dequant = max(I, q) * D * elem if fmt != "none" and kernel_for(fmt, device) == "dequantize" else 0
     logits = min(T, logit_rows) * args.vocab_size * 4 * 2
     return (hidden + attention_bytes(args, T, context, elem, device) + dequant + logits

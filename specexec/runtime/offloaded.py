@@ -32,10 +32,10 @@ from offload.quant.weights import device_problem
 from offload.streaming.pager import LayerPager, build_pager
 from offload.streaming.storage import LayerLayout, unpack_layer
 
-from specexec.checkpoints.naming import read_resident
+from specexec.checkpoints.naming import read_resident, sparse_layer
 from specexec.config import ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
-from specexec.model import Block, Transformer, on_meta, rope_inv_freq
+from specexec.model import Block, Transformer, on_meta
 from specexec.options import ConfigError
 from specexec.planning.target import TargetPlan
 
@@ -81,30 +81,31 @@ class OffloadedTransformer(Transformer):
             self.embed_tokens = HostEmbedding(resident["embed_tokens.weight"], device)
             resident = {k: v for k, v in resident.items() if k != "embed_tokens.weight"}
         self.load_state_dict(resident, strict=False, assign=True)
-        self.inv_freq = rope_inv_freq(args).to(device)
+        self.init_rope(device)
         self.layouts, self.fmt, self.run_dtype = list(layouts), fmt, dtype
         self.prefetch = prefetch
-        self._slot_blocks: dict[int, Block] = {}
+        self._slot_blocks: dict[object, Block] = {}
         self._resident_blocks: dict[int, Block] = {}
         self.pager: LayerPager = pager_factory(self._bind)
         self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
         self._kv: KVCache | None = None               # the cache whose streamed rows the pager stages now
         self.eval().requires_grad_(False)
 
-    def _new_block(self) -> Block:
+    def _new_block(self, i: int) -> Block:
         with on_meta():
-            block = Block(self.args)
+            block = Block(self.args, i)
         swap_linears(block, self.fmt, self.run_dtype)
         return block.eval().requires_grad_(False)
 
     def _bind(self, i: int, slot: int, buf: torch.Tensor) -> Block:
-        """The Block for layer i held in `buf`: the slot's Block re-pointed at it, or layer i's resident Block."""
+        """The Block for layer i held in `buf`: the slot's Block (one per slot and layer kind: an MoE model's
+        dense and sparse layers differ) re-pointed at it, or layer i's resident Block."""
         if slot < 0 and i in self._resident_blocks:
             return self._resident_blocks[i]
         blocks = self._resident_blocks if slot < 0 else self._slot_blocks
-        key = i if slot < 0 else slot
+        key = i if slot < 0 else (slot, sparse_layer(self.args, i))
         if key not in blocks:
-            blocks[key] = self._new_block()
+            blocks[key] = self._new_block(i)
         layout = self.layouts[i]
         bind_module(blocks[key], unpack_layer(buf, layout), layout.meta)
         return blocks[key]
@@ -118,7 +119,7 @@ class OffloadedTransformer(Transformer):
             self.pager.discard()
             self.pager.companion, self._kv = None, None
         cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.run_dtype, self.norm.weight.device,
-                        quant=quant, streamed=streamed, tail=tail)
+                        quant=quant, streamed=streamed, tail=tail, windows=[k.window for k in a.layer_kinds])
         if streamed:
             cache.attach(len(self.pager.slots), self.pager.discard)
         return cache

@@ -23,7 +23,6 @@ layers stream (offload.streaming.pager), trees, builders or verification.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -73,7 +72,7 @@ class SelfDraft(Transformer):
                  shared: Sequence[int]) -> None:
         if len(blocks) != len(layer_ids):
             raise ValueError(f"{len(blocks)} blocks for {len(layer_ids)} layers")
-        args = replace(target.args, n_layers=len(layer_ids))
+        args = target.args.subset(layer_ids)
         with on_meta():                              # allocates nothing: every tensor is replaced
             super().__init__(args)
         self.embed_tokens = target.embed_tokens
@@ -81,7 +80,7 @@ class SelfDraft(Transformer):
         self.norm = target.norm
         if not args.tie_word_embeddings:
             self.lm_head = target.lm_head
-        self.inv_freq = target.inv_freq
+        self.init_rope(target.norm.weight.device, like=target)
         self.layer_ids, self.fmt, self.shared = tuple(layer_ids), fmt, tuple(shared)
         self.train(False)
 
@@ -136,16 +135,17 @@ def _copies(args: ModelArgs, ids: Sequence[int], fmt: str, like: torch.Tensor, p
         out = {}
         for j, i in enumerate(ids, 1):
             fill({i: tier.buffer(i)}, cache, bounce)
-            out[i] = copy_block(args, cache.layout(i), tier.buffer(i), fmt, dtype)
+            out[i] = copy_block(args, cache.layout(i), tier.buffer(i), fmt, dtype, i)
             say(f"self-draft: {_name(fmt)} copies of the streamed layers {bar(j, len(ids))} {j}/{len(ids)}")
     return out
 
 
-def copy_block(args: ModelArgs, layout: LayerLayout, buf: torch.Tensor, fmt: str, dtype: torch.dtype) -> Block:
-    """A Block bound to one packed layer in `buf` (views, no copy). A draft's linears may use batch-dependent
-    fused kernels (quant.kernel_for with row_exact=False)."""
+def copy_block(args: ModelArgs, layout: LayerLayout, buf: torch.Tensor, fmt: str, dtype: torch.dtype,
+               layer: int = 0) -> Block:
+    """A Block for decoder layer `layer` bound to its packed layer in `buf` (views, no copy). A draft's linears
+    may use batch-dependent fused kernels (quant.kernel_for with row_exact=False)."""
     with on_meta():
-        block = Block(args)
+        block = Block(args, layer)
     swap_linears(block, fmt, dtype)
     for m in block.modules():
         if isinstance(m, QuantLinear):

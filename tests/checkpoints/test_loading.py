@@ -120,7 +120,7 @@ def test_corrupted_header(tiny_llama: Path, tmp_path: Path) -> None:
 def test_missing_tensor(tiny_llama: Path, tmp_path: Path) -> None:
     path = _copy(tiny_llama, tmp_path / "ckpt")
     _rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match="missing tensor 'layers.1.mlp.up_proj.weight'"):
+    with pytest.raises(CheckpointError, match="missing tensor 'model.layers.1.mlp.up_proj.weight'"):
         load_model(path)
 
 

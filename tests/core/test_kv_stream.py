@@ -110,6 +110,68 @@ def test_a_fuzzed_sequence_of_operations_keeps_them_equal() -> None:
         assert dev.length == streamed.length and same(dev, streamed, dev.length)
 
 
+def same_window(a: KVCache, b: KVCache, n: int, windows) -> bool:
+    """The rows each layer's window sees of the first n: [n - W + 1, n) for a sliding layer, all else."""
+    def seen(c: KVCache, layer: int):
+        lo = max(0, n - windows[layer] + 1) if windows[layer] else 0
+        if c.streams and c.stream.discard is not None:      # pager-staged: stage the layer as a pager would
+            c.companion(layer, 0, lambda: False)
+        return [t[:, :, lo:n] for t in c.view(layer, n)]
+    return all(torch.equal(x, y) for layer in range(LAYERS) for x, y in zip(seen(a, layer), seen(b, layer)))
+
+
+@pytest.mark.parametrize("staged", ["self", "pager"])
+def test_a_sliding_layer_streams_only_its_window_and_holds_the_same_rows(staged: str) -> None:
+    """Fuzzed prefill chunks, trees, truncations (below what was staged, too) and uncommitted passes: every
+    row a sliding layer's window sees equals the device cache's; per pass it moves in at most W - 1 rows,
+    a full layer everything committed. With a pager's `companion` staging, the same."""
+    gen = torch.Generator().manual_seed(4)
+    windows = (5, None, 3)
+    args = (LAYERS, HEADS, DIM, 200, torch.float32, CPU)
+    dev = KVCache(*args)
+    streamed = KVCache(*args, streamed=(0, 1, 2), tail=8, windows=windows)
+    if staged == "pager":
+        streamed.attach(1, lambda: None)
+    row = row_bytes(HEADS, DIM, 4)
+    for _ in range(80):
+        op, L = int(torch.randint(0, 4, (), generator=gen)), dev.length
+        s = streamed.stream
+        before = s.moved_in
+        if op == 0 and L + 20 < dev.capacity:
+            T = int(torch.randint(1, 16, (), generator=gen))
+            _write_staged((dev, streamed), torch.arange(L, L + T), gen, staged)
+            for c in (dev, streamed):
+                c.advance(T)
+        elif op == 1 and L + 10 < dev.capacity:
+            T = int(torch.randint(1, 9, (), generator=gen))
+            _write_staged((dev, streamed), torch.arange(L, L + T), gen, staged)
+            keep = sorted(set(torch.randint(L, L + T, (3,), generator=gen).tolist()))
+            for c in (dev, streamed):
+                c.keep(torch.tensor(keep))
+        elif op == 2 and L:
+            n = int(torch.randint(0, L + 1, (), generator=gen))
+            for c in (dev, streamed):
+                c.truncate(n)
+        elif op == 3:
+            _write_staged((dev, streamed), torch.arange(L, L + 4), gen, staged)
+        if op in (0, 1, 3):
+            moved = s.moved_in - before                  # bytes H2D
+            assert moved <= (4 + L + 2) * row, (op, L, moved)   # windows 5 and 3: at most 4 + 2 rows, plus L
+        assert dev.length == streamed.length and same_window(dev, streamed, dev.length, windows)
+    assert streamed.stream.first_needed(0, 100) == 96 and streamed.stream.first_needed(1, 100) == 0
+
+
+def _write_staged(caches, slots: torch.Tensor, gen: torch.Generator, staged: str) -> None:
+    """write_all, with the streamed cache's layer staged by its companion first (as the pager does)."""
+    for layer in range(LAYERS):
+        k, v = rows(gen, slots.numel())
+        for c in caches:
+            c.begin_forward() if layer == 0 else None
+            if staged == "pager" and c.streams:
+                c.companion(layer, 0, lambda: False)
+            c.write(layer, slots, k, v)
+
+
 def test_what_moves_is_counted() -> None:
     """H2D: the committed rows of a layer each time it is staged; D2H: only the accepted rows."""
     gen = torch.Generator().manual_seed(2)

@@ -1,0 +1,66 @@
+"""The one table of supported architectures: HF architecture name -> (family name, the module that reads its
+config.json), and the one precise line for every architecture outside it.
+
+A family module exposes ARCHITECTURES ({HF architecture: family name}) and `model_args(family, cfg) ->
+ModelArgs`. Adding a family is adding its module to FAMILY_MODULES; nothing else lists architectures.
+
+Does not know: the network, checkpoints' tensors (specexec/checkpoints/loading.py), devices.
+"""
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+from specexec.config import ModelArgs
+from specexec.families import gpt_oss, llama, mixtral, olmoe, qwen_moe
+from specexec.options import ConfigError
+
+FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen_moe, mixtral, olmoe, gpt_oss)
+
+
+@functools.cache
+def architectures() -> dict[str, tuple[str, ModuleType]]:
+    """HF architecture name -> (family name, its module), in FAMILY_MODULES order."""
+    table: dict[str, tuple[str, ModuleType]] = {}
+    for module in FAMILY_MODULES:
+        for arch, family in module.ARCHITECTURES.items():
+            if arch in table:
+                raise RuntimeError(f"architecture {arch} is claimed by two family modules")
+            table[arch] = (family, module)
+    return table
+
+
+@functools.cache
+def family_module(family: str) -> ModuleType:
+    """The module of a family name (ModelArgs.family); KeyError for a name no module claims."""
+    for name, module in architectures().values():
+        if name == family:
+            return module
+    raise KeyError(family)
+
+
+def family_names() -> tuple[str, ...]:
+    """Every family name a supported architecture maps to, sorted (models.yaml's `family` values)."""
+    return tuple(sorted({family for family, _ in architectures().values()}))
+
+
+def model_args(cfg: dict[str, Any]) -> ModelArgs:
+    """ModelArgs from a parsed config.json; ConfigError (one line) for an architecture outside the table or a
+    config lacking a field its family needs."""
+    archs = cfg.get("architectures") or []
+    found = next((architectures()[a] for a in archs if a in architectures()), None)
+    if found is None:
+        raise ConfigError(refusal(cfg))
+    family, module = found
+    try:
+        return module.model_args(family, cfg)
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks the field {e.args[0]!r} needed for a {family} model") from None
+
+
+def refusal(cfg: dict[str, Any]) -> str:
+    """The line for a config whose architecture specexec does not run: which one, and what is supported."""
+    archs = cfg.get("architectures") or []
+    shown = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
+    return f"unsupported architecture {shown}; supported: {', '.join(architectures())}"

@@ -1,0 +1,171 @@
+"""The sparse (mixture-of-experts) feed-forward: a router, then the experts its rows were routed to.
+
+A sparse layer's feed-forward is two calls, so a caller can act between them (part B of issue 27 streams only
+the experts a pass routed to, and counts them, before any expert weight is read):
+
+    routing = mlp.route(h)            # Routing: index [T, k] (which experts each row goes to), weight [T, k]
+    out = mlp.combine(h, routing)     # the weighted sum of those experts' outputs (+ the shared expert)
+
+`SparseMLP.forward(h)` is the two in a row. Block (specexec/model.py) makes the calls itself and hands each
+layer's Routing to the model's `routing` log (a RoutingLog; None records nothing) between them.
+
+Parameter names, inside a decoder layer (the contract the weight-name mapping, specexec/families/weights.py,
+and the layer cache use; the checkpoint's own names are mapped onto these):
+
+    mlp.router.weight [E, D]                    (+ mlp.router.bias [E] with MoEArgs.router_bias)
+    mlp.experts.{e}.gate_proj.weight [I, D]     e = 0 .. E-1, I = MoEArgs.expert_dim
+    mlp.experts.{e}.up_proj.weight   [I, D]
+    mlp.experts.{e}.down_proj.weight [D, I]     (+ .bias of each with MoEArgs.expert_bias)
+    mlp.shared_expert.{gate,up,down}_proj.weight   with MoEArgs.shared_dim > 0
+    mlp.shared_expert_gate.weight [1, D]        with MoEArgs.shared_gate
+
+Every expert is its own GatedMLP (specexec/ffn.py) of three nn.Linear, so quantization (offload/quant/linear.swap_linears) and
+binding a layer's packed views work on experts as on any MLP, and one expert's tensors share the prefix
+`mlp.experts.{e}.`. The router and the shared-expert gate are NOT nn.Linear (plain parameters read with
+F.linear), so they are never quantized: a quantized router would move the discrete top-k choice.
+
+Computation: the T*k (row, expert) pairs are sorted by expert once; each expert that got rows runs once on
+their gathered rows and its weighted output is added back with index_add_, experts in ascending order (the
+order transformers adds them in, so fp32 results agree to rounding). Finding which experts got rows is one
+host sync per sparse layer and pass.
+
+Does not know: checkpoints and their names, devices, streaming (which experts are resident or where their
+bytes come from), trees.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specexec.config import ModelArgs, MoEArgs
+from specexec.ffn import GatedMLP
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One sparse layer's routing of a pass's T rows (B*T flattened): index [T, k] long, the experts each row
+    goes to (in top-k order); weight [T, k], their weights in the run dtype."""
+
+    index: Tensor
+    weight: Tensor
+
+    def experts(self) -> list[int]:
+        """The distinct experts of this pass, ascending (a host sync)."""
+        return torch.unique(self.index).tolist()
+
+
+class RoutingLog:
+    """What a model's sparse layers routed to in its latest forward: `layers[i]` is layer i's index [T, k].
+    Set `Transformer.routing = RoutingLog()` to record; `record` is called at each sparse layer between its
+    router and its experts, so a subclass can act on a layer's routing before the experts run."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, Tensor] = {}
+
+    def begin(self) -> None:
+        """A new forward starts: forget the previous one."""
+        self.layers = {}
+
+    def record(self, layer: int, routing: Routing) -> None:
+        self.layers[layer] = routing.index
+
+    def experts(self, layer: int) -> list[int]:
+        """The distinct experts layer `layer` routed to in the latest forward (a host sync)."""
+        return torch.unique(self.layers[layer]).tolist()
+
+
+class Router(nn.Module):
+    """Scores every expert for every row and keeps the top k (MoEArgs.router says how scores become weights)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        m = _moe(args)
+        self.kind, self.top_k, self.norm_topk = m.router, m.top_k, m.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(m.n_experts, args.dim))
+        self.bias = nn.Parameter(torch.empty(m.n_experts)) if m.router_bias else None
+
+    def forward(self, x: Tensor) -> Routing:
+        """x [T, D] -> Routing (index [T, k], weight [T, k] in x's dtype); scores in fp32."""
+        logits = F.linear(x, self.weight, self.bias)                               # [T, E]
+        if self.kind == "topk_softmax":
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return Routing(index, torch.softmax(top.float(), dim=-1).to(x.dtype))
+        scores = torch.softmax(logits.float(), dim=-1) if self.kind == "softmax" else torch.sigmoid(logits.float())
+        top, index = torch.topk(scores, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return Routing(index, top.to(x.dtype))
+
+
+class SharedGate(nn.Module):
+    """The shared expert's scalar gate: sigmoid(x . w) per row, weight [1, D] (not an nn.Linear: never quantized).
+    Computed as a product and a row sum, not F.linear: a one-column GEMV's rounding follows the weight's address
+    (BLAS peels unaligned heads), so a resident and a streamed copy of the same weight would differ in the last
+    bit; the row sum's order is fixed by the index alone."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., D] -> [..., 1]."""
+        return torch.sigmoid((x * self.weight[0]).sum(-1, keepdim=True))
+
+
+class SparseMLP(nn.Module):
+    """The routed feed-forward of one sparse layer: router, experts.{e}, optional shared expert and its gate."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        m = _moe(args)
+        self.router = Router(args)
+        self.experts = nn.ModuleList(
+            GatedMLP(args.dim, m.expert_dim, m.expert_bias, m.activation, m.swiglu_alpha, m.swiglu_limit)
+            for _ in range(m.n_experts))
+        if m.shared_dim:
+            self.shared_expert = GatedMLP(args.dim, m.shared_dim)
+            if m.shared_gate:
+                self.shared_expert_gate = SharedGate(args.dim)
+
+    def route(self, h: Tensor) -> Routing:
+        """h [B, T, D] (the post-attention norm's output) -> the routing of its B*T rows."""
+        return self.router(h.reshape(-1, h.shape[-1]))
+
+    def combine(self, h: Tensor, routing: Routing, experts: Sequence[nn.Module] | None = None) -> Tensor:
+        """h [B, T, D] and its routing -> [B, T, D]: each row's experts' outputs weighted by the routing, plus
+        the shared expert. `experts[e]` computes expert e (default: this layer's own; a streaming caller may
+        pass modules bound to wherever the routed experts' weights are; only routed ones are called)."""
+        experts = self.experts if experts is None else experts
+        x = h.reshape(-1, h.shape[-1])
+        out = torch.zeros_like(x)
+        k = routing.index.shape[-1]
+        flat = routing.index.reshape(-1)                                           # [T*k]
+        order = torch.argsort(flat, stable=True)                                   # pairs grouped by expert
+        rows, weights = order // k, routing.weight.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()        # the one host sync
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                r = rows[start:start + n]
+                y = experts[e](x.index_select(0, r)) * weights[start:start + n, None]
+                out.index_add_(0, r, y.to(out.dtype))
+                start += n
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(x)
+            if hasattr(self, "shared_expert_gate"):
+                shared = self.shared_expert_gate(x) * shared
+            out = out + shared
+        return out.view_as(h)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.combine(h, self.route(h))
+
+
+def _moe(args: ModelArgs) -> MoEArgs:
+    if args.moe is None:
+        raise ValueError(f"a sparse feed-forward needs ModelArgs.moe; this {args.family} config has none")
+    return args.moe
