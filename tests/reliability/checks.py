@@ -44,3 +44,15 @@ def copy_checkpoint(src: Path, dest: Path) -> Path:
     """A private copy of a session checkpoint that a test may break."""
     shutil.copytree(src, dest)
     return dest
+
+
+def checkpoint_argv(mode: str, model: Path, cache: Path) -> list[str]:
+    """The CLI run that meets a (broken) checkpoint `model` in `mode`: generate resident, streamed from the
+    SSD tier (offload), nf4 in the RAM tier under a budget (ram-budget), or convert."""
+    if mode == "convert":
+        return ["convert", "--model", str(model), "--quant", "nf4", "--out", str(cache), "--no-progress"]
+    argv = ["generate", "--model", str(model), "--no-draft", "--prompt", "Hello", "--max-new-tokens", "2",
+            "--cache-dir", str(cache)]
+    if mode == "ram-budget":                     # nf4 layers in the RAM tier, under an explicit budget
+        return argv + ["--quant", "nf4", "--offload", "ram", "--ram-budget", "256MB"]
+    return argv + (["--quant", "none", "--offload", "ssd"] if mode == "offload" else [])
