@@ -18,7 +18,7 @@ from specexec.config import EngineConfig, SamplingParams  # noqa: E402
 from specexec.serving.openai_api import ServerDefaults  # noqa: E402
 from specexec.prompts import load_prompts  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
-from tests.serving.test_serve import running  # noqa: E402
+from tests.serving.live_server import running  # noqa: E402
 
 MODEL, KEY, LIMIT, MAX_NEW = "tiny-pair", "sekret", 3, 8
 

@@ -6,8 +6,8 @@ does not fit. The model: its embed/norm/head and resident layers ARE the target'
 own layer count, copies come from (and go into) the layer cache of their format. Exactness: fp32 greedy output
 equals the target alone at full and at skipped depth, streamed and resident; a self-draft with every layer in
 the target's own format is the target, so a chain draft is accepted whole; sampling keeps the target's
-distribution (chi-square, the harness of test_sampling_e2e). The CLI: plan, generate, chat's default, bench's
-self row, models.yaml, one-line errors.
+distribution (chi-square: tests/chi2.py over tests/sampling_pairs.py). The CLI: plan, generate, chat's default,
+bench's self row, models.yaml, one-line errors.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from specexec.planning.target import target_formats
 from specexec.runtime.offloaded import HostEmbedding
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
-from tests.core.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
+from tests.chi2 import chi2_pvalue
+from tests.sampling_pairs import exact_pairs, sample_pairs
 from tests.tiny_models import prompt
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -287,14 +288,13 @@ def test_every_layer_in_the_targets_format_is_the_target(tiny_pair, tmp_path) ->
 @pytest.mark.parametrize("verifier,temperature,layers", [("sample_match", 1.0, (0, 3)), ("rrs", 0.6, (0, 2, 3))])
 def test_sampling_keeps_the_target_distribution(tiny_pair, verifier: str, temperature: float,
                                                 layers: tuple[int, ...]) -> None:
-    pytest.importorskip("scipy")
     target = load_model(tiny_pair[0])
     draft = build_self_draft(target, layers, "none")
     sampling = SamplingParams(temperature=temperature, top_p=0.95)
     engine = Engine(target, draft, EngineConfig(budget=4, verifier=verifier), SpecExecBuilder())
     trials = 320
     counts = sample_pairs(engine, sampling, trials)
-    assert chi_square_p(counts, exact_pairs(target, sampling), trials) > 1e-3
+    assert chi2_pvalue(counts, exact_pairs(target, sampling)) > 1e-3
 
 
 @pytest.mark.gpu
