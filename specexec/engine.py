@@ -31,11 +31,12 @@ from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
-from specexec.profiler import Profiler, Span, StepStat, budget_trace
+from specexec.profiler import Profiler, Span
+from specexec.generation import GenerationStats, PrefillProgress
 from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
-from specexec.verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
+from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
 
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
 
@@ -49,58 +50,12 @@ def new_cache(model: Transformer, slots: int, quant: str, tail: int) -> KVCache:
 
 
 @dataclass
-class PrefillProgress:
-    """How far one model's prefill got (Engine.on_prefill hears it after every pass): `which` model
-    ("target" | "draft"), tokens done of total, passes done of passes, started: time.perf_counter() then."""
+class StepState:
+    """What every step of one generate() call works on: the target's KV cache and the draft's state (its
+    cache and pending tokens; None when nothing drafts with a draft model)."""
 
-    which: str
-    total: int
-    passes: int
-    started: float
-    done: int = 0
-    passes_done: int = 0
-
-    @property
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started
-
-
-@dataclass
-class GenerationStats:
-    """What one generate() call did; filled in as it runs. Its steps are the ledger's (the profiler's step
-    records of this call): one ledger, read here, never kept twice."""
-
-    prompt_tokens: int = 0          # prompt tokens prefilled by this call
-    reused_tokens: int = 0          # prompt tokens whose KV was kept from the previous call (shared prefix)
-    prefill_s: float = 0.0
-    generated: int = 0
-    ledger: Profiler | None = None  # whose step records are this call's steps (None: no steps)
-
-    @property
-    def steps(self) -> list[StepStat]:
-        """Every step of the call with its times (waits for pending CUDA times: not on the step path)."""
-        return self.ledger.steps if self.ledger is not None else []
-
-    @property
-    def decode_s(self) -> float:
-        return sum(s.draft_ms + s.target_ms for s in self.steps) / 1000
-
-    def summary(self, budget: int | str, builder: str) -> dict:
-        steps, decode_s = self.steps, self.decode_s
-        n = max(len(steps), 1)
-        return {
-            "steps": len(steps),
-            "tokens_per_step": round(self.generated / n, 3),
-            "prefill_tok_s": round(self.prompt_tokens / self.prefill_s, 2) if self.prefill_s else None,
-            "decode_tok_s": round(self.generated / decode_s, 2) if decode_s else None,
-            "draft_ms": round(sum(s.draft_ms for s in steps) / n, 2),
-            "target_ms": round(sum(s.target_ms for s in steps) / n, 2),
-            "tree_size": round(sum(s.tree_size for s in steps) / n, 1),
-            "reused_tokens": self.reused_tokens,
-            "budget": budget,
-            "budget_trace": budget_trace(s.budget for s in steps),     # what --budget auto picked, per step
-            "builder": builder,
-        }
+    cache: KVCache
+    draft: DraftState | None
 
 
 @dataclass
@@ -129,6 +84,7 @@ class Engine:
         once."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
+        check_verifier(config.verifier)
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
         self.planned_context = context
         self.draft_kv_quant = draft_kv_quant or config.kv_quant
@@ -249,7 +205,7 @@ class Engine:
         if self._prefill_span is not None:
             stats.prefill_s = self._prefill_span.seconds
 
-    def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> tuple[KVCache, DraftState | None]:
+    def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> StepState:
         """Prefill what the caches do not already hold: the longest common prefix with the previous call's
         context is kept (chat turns), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
         span = self.profiler.start("prefill")
@@ -274,7 +230,7 @@ class Engine:
         if self.tuner is not None and not self.tuner.costs.target.points:
             self._calibrate(target_cache)
         self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
-        return target_cache, draft
+        return StepState(target_cache, draft)
 
     def _calibrate(self, cache: KVCache) -> None:
         """Measure target pass seconds at a few tree sizes for a budget tuner that has no costs yet, and hand
@@ -306,10 +262,10 @@ class Engine:
                 return new[: max(keep - len(generated), 0)], True
         return new, stop
 
-    def _step(self, state: tuple[KVCache, DraftState | None], root: int, sampling: SamplingParams, rule: Rule,
+    def _step(self, state: StepState, root: int, sampling: SamplingParams, rule: Rule,
               rng: torch.Generator) -> Accepted:
         """One decoding step, in its five stages; the target span times verify + commit + observe."""
-        cache, draft = state
+        cache, draft = state.cache, state.draft
         longrope.rerun_past_switch([(self.target, cache, "target")] + ([(draft.model, draft.cache, "draft")] if draft
                                    else []), self._context, self.prefill)
         drafted = self._draft(draft, root, sampling, rng, longrope.budget_cap(self.target, cache))

@@ -222,10 +222,26 @@ class Transformer(nn.Module):
                 slots = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)
             if mask is None:
                 raise ValueError("a cached forward needs an explicit mask over the cache slots")
-            cache.begin_forward()
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
-        x = self.embed(tokens)
+        return self.decode(self.embed(tokens), positions, mask, cache, slots)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> embedded rows [B, T, D] on the model's device (forward's first step); with embed_scale
+        (Gemma) times sqrt(dim), that scale rounded to the run dtype first (transformers' Gemma: a float32
+        sqrt(dim) cast to the weight's dtype)."""
+        x = self.embed_tokens(tokens)
+        if self.args.embed_scale:
+            x = x * torch.tensor(self.args.dim ** 0.5, dtype=torch.float32).to(x.dtype)
+        return x
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None,
+               cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
+        """forward after the embedding: x [B, T, D] through every decoder layer and the final norm -> hidden
+        [B, T, D]. forward checks the arguments; a CUDA graph of the draft captures this part alone
+        (builders/draft_graphs.py: an embedding may live on the host)."""
+        if cache is not None:
+            cache.begin_forward()
         kinds = self.args.layer_kinds
         long = self.long_rope(positions, cache)
         ropes = {rope: self.rope(positions, x.dtype, "long" if long and rope == "global" else rope)
@@ -237,14 +253,6 @@ class Transformer(nn.Module):
             kind = kinds[i]
             x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, self.routing)
         return self.norm(x)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] -> [B, T, D]; with embed_scale (Gemma) times sqrt(dim), that scale rounded to the run
-        dtype first (transformers' Gemma: a float32 sqrt(dim) cast to the weight's dtype)."""
-        x = self.embed_tokens(tokens)
-        if self.args.embed_scale:
-            x = x * torch.tensor(self.args.dim ** 0.5, dtype=torch.float32).to(x.dtype)
-        return x
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
         """A KV cache for this model with `capacity` slots, rows in its dtype on its device (int8 when quant

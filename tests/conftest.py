@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import DRAFT_PERTURB, LLAMA3_ROPE, LONGROPE, write_tiny_model
+from tests.tiny_models import DRAFT_PERTURB, FAMILY_MODELS, LLAMA3_ROPE, family_model, write_tiny_model
 
 # Tiny models: one thread is fastest, and on a shared 2-core machine two threads oversubscribe badly.
 torch.set_num_threads(1)
@@ -216,31 +216,10 @@ def tiny_moe(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"tiny_{request.param}")
 
 
-# The families beyond Llama (tests/core/test_families.py and friends): name -> (family, seed, layers, config
-# overrides). phi3_long: LongRoPE switching at 16 tokens, so every test context crosses it.
-FAMILY_MODELS: dict[str, tuple[str, int, int, dict]] = {
-    "gemma2": ("gemma2", 30, 2, {}),
-    "gemma3": ("gemma3", 31, 3, {}),
-    "gemma3_mm": ("gemma3_mm", 32, 3, {}),
-    "phi3": ("phi3", 33, 2, {}),
-    "phi3_long": ("phi3", 34, 2, {"rope_scaling": LONGROPE, "original_max_position_embeddings": 16,
-                                  "max_position_embeddings": 64}),
-}
-
-
 @pytest.fixture(scope="session", params=list(FAMILY_MODELS))
 def tiny_family(request: pytest.FixtureRequest, tiny_root: Path) -> Path:
     """Each family of FAMILY_MODELS in turn (tests/tiny_models.family_kwargs: the options that matter)."""
     return family_model(tiny_root, request.param)
-
-
-def family_model(root: Path, name: str) -> Path:
-    """The tiny checkpoint of FAMILY_MODELS[name] under `root`, written once."""
-    family, seed, layers, overrides = FAMILY_MODELS[name]
-    path = root / f"family-{name}"
-    if not (path / "config.json").exists():
-        write_tiny_model(path, family, seed=seed, n_layers=layers, **overrides)
-    return path
 
 
 @pytest.fixture(scope="session")

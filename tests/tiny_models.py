@@ -174,3 +174,24 @@ def load_pair_models(pair: tuple[Path, Path], perturbed: Path) -> dict:
 def prompt(seed: int, n: int = 14) -> list[int]:
     """A reproducible random prompt of n ordinary token ids."""
     return torch.randint(7, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# The families beyond Llama (tests/core/test_families.py and friends): name -> (family, seed, layers, config
+# overrides). phi3_long: LongRoPE switching at 16 tokens, so every test context crosses it.
+FAMILY_MODELS: dict[str, tuple[str, int, int, dict]] = {
+    "gemma2": ("gemma2", 30, 2, {}),
+    "gemma3": ("gemma3", 31, 3, {}),
+    "gemma3_mm": ("gemma3_mm", 32, 3, {}),
+    "phi3": ("phi3", 33, 2, {}),
+    "phi3_long": ("phi3", 34, 2, {"rope_scaling": LONGROPE, "original_max_position_embeddings": 16,
+                                  "max_position_embeddings": 64}),
+}
+
+
+def family_model(root: Path, name: str) -> Path:
+    """The tiny checkpoint of FAMILY_MODELS[name] under `root`, written once."""
+    family, seed, layers, overrides = FAMILY_MODELS[name]
+    path = root / f"family-{name}"
+    if not (path / "config.json").exists():
+        write_tiny_model(path, family, seed=seed, n_layers=layers, **overrides)
+    return path

@@ -13,7 +13,7 @@ from typing import Any
 
 from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, layer_types, n_experts, sliding_window
-from specexec.families.weights import Rule
+from specexec.families.rules import Rule
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
 WEIGHT_RULES = (Rule(r"mlp\.router\.weight", "mlp.gate.weight"),)

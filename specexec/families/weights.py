@@ -2,10 +2,11 @@
 
 The network's names are the Hub checkpoints' names without the leading "model." (specexec/model.py; the MoE
 names in specexec/moe.py). Where a family's checkpoint names a tensor otherwise, or stores several of ours in
-one tensor, its module lists WEIGHT_RULES: each Rule matches our name inside a decoder layer (a regex over e.g.
-"mlp.experts.3.gate_proj.weight") and names the stored tensor inside the same layer (a template with the
-regex's groups), with the piece to take (offload/formats/refs.TensorRef: one expert of a fused tensor, strided
-gate/up columns, a transpose). The first matching rule wins; a name no rule matches is stored as it is.
+one tensor, its module lists WEIGHT_RULES: each Rule (specexec/families/rules.py) matches our name inside a
+decoder layer (a regex over e.g. "mlp.experts.3.gate_proj.weight") and names the stored tensor inside the same
+layer (a template with the regex's groups), with the piece to take (offload/formats/refs.TensorRef: one expert
+of a fused tensor, strided gate/up columns, a transpose). The first matching rule wins; a name no rule matches
+is stored as it is.
 
 Where the decoder sits in the checkpoint: under "model." (HF *ForCausalLM) or at the top level, with the LM
 head beside it; a family whose checkpoints nest the decoder (Gemma 3's multimodal ones: language_model.model.*
@@ -24,38 +25,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from offload.formats.refs import TensorRef
 
 from specexec.config import ModelArgs
+from specexec.families.registry import family_module
+from specexec.families.rules import Rule
 
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 HEAD = "lm_head.weight"                        # the LM head sits beside "model." in HF *ForCausalLM checkpoints
 PREFIXES = {"model.": ""}                      # decoder prefix -> head prefix every family's checkpoints may use
 ALWAYS_UNUSED = (r".*rotary_emb\.inv_freq",)   # RoPE's buffers, saved by old transformers
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Our name inside a decoder layer (`ours`, a full-match regex) -> the stored tensor inside the same layer
-    (`theirs`, a template: \\1 etc. are ours's groups). With `expert`, group 1 of ours is an expert index into
-    the first dimension of a fused [n_experts, ...] stored tensor; start/step/transpose as in TensorRef."""
-
-    ours: str
-    theirs: str
-    expert: bool = False
-    start: int = 0
-    step: int = 1
-    transpose: bool = False
-
-    def ref(self, match: re.Match[str], prefix: str, args: ModelArgs) -> TensorRef:
-        name = prefix + match.expand(self.theirs)
-        if not self.expert:
-            return TensorRef(name, start=self.start, step=self.step, transpose=self.transpose)
-        count = args.moe.n_experts if args.moe is not None else None
-        return TensorRef(name, int(match.group(1)), count, self.start, self.step, self.transpose)
 
 
 def checkpoint_prefix(args: ModelArgs, stored: Iterable[str]) -> tuple[str, str]:
@@ -88,8 +69,6 @@ def unused_tensors(args: ModelArgs, stored: Iterable[str]) -> set[str]:
 def _family(args: ModelArgs, attribute: str, default: Any) -> Any:
     """One of the family module's weight-naming attributes (default for a ModelArgs made by hand: tests,
     benchmarks)."""
-    from specexec.families.registry import family_module
-
     try:
         return getattr(family_module(args.family), attribute, default)
     except KeyError:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from offload.formats.checkpoint import CheckpointError, SafetensorsCheckpoint
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.families.weights import checkpoint_prefix, checkpoint_refs, unused_tensors
-from tests.conftest import family_model
+from tests.tiny_models import family_model
 
 VISION = ["vision_tower.vision_model.embeddings.patch_embedding.weight",
           "multi_modal_projector.mm_input_projection_weight",

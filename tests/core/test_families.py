@@ -23,37 +23,15 @@ from specexec.runtime.assembly import Runtime
 from specexec.rope import long_switch
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
-from tests.conftest import family_model
-from tests.tiny_models import TINY_WINDOW, write_tiny_model
+from tests.model_reference import TOL, hf_model, new_cache, prefill
+from tests.tiny_models import TINY_WINDOW, family_model, write_tiny_model
 
-TOL = 1e-4
 PARENTS = [-1, 0, 1, 2, 3, 4, 5, 6, 1, 8, 0, 10]     # chains past the window, and short branches
-
-
-def hf(path: Path):
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    cls = (transformers.Gemma3ForConditionalGeneration if "ConditionalGeneration" in
-           (path / "config.json").read_text() else AutoModelForCausalLM)
-    return cls.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def cache_of(model, capacity: int = 96) -> KVCache:
-    a = model.args
-    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, "cpu")
-
-
-def prefill(model, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
-    pos = torch.arange(cache.length, cache.length + ids.numel())
-    hidden = model(ids[None], pos[None], TreeMask(cache.length), cache)
-    cache.advance(ids.numel())
-    return model.logits(hidden)
 
 
 def cache_for(model, total: int) -> KVCache:
     """A cache whose rows use the LongRoPE factors transformers uses for a sequence of `total` tokens."""
-    cache = cache_of(model)
+    cache = new_cache(model)
     switch = long_switch(model.args)
     cache.long_rope = switch is not None and total > switch
     return cache
@@ -61,7 +39,7 @@ def cache_for(model, total: int) -> KVCache:
 
 @torch.inference_mode()
 def test_logits_match_transformers(tiny_family: Path) -> None:
-    ours, ref = load_model(tiny_family), hf(tiny_family)
+    ours, ref = load_model(tiny_family), hf_model(tiny_family)
     ids = torch.randint(7, 300, (25,), generator=torch.Generator().manual_seed(1))
     want = ref(input_ids=ids[None]).logits[0].float()
     cache = cache_for(ours, 25)
@@ -72,7 +50,7 @@ def test_logits_match_transformers(tiny_family: Path) -> None:
 
 @torch.inference_mode()
 def test_a_tree_past_the_window_equals_each_path(tiny_family: Path) -> None:
-    ours, ref = load_model(tiny_family), hf(tiny_family)
+    ours, ref = load_model(tiny_family), hf_model(tiny_family)
     g = torch.Generator().manual_seed(2)
     switch = long_switch(ours.args)
     prompt = torch.randint(7, 300, (10 if switch is None else switch + 1,), generator=g)   # LongRoPE: all long
@@ -136,7 +114,7 @@ F32 = EngineConfig(budget=8, dtype="float32")
 
 
 def hf_greedy(path: Path, ids: list[int]) -> list[int]:
-    ref = hf(path)
+    ref = hf_model(path)
     with torch.inference_mode():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
                            pad_token_id=0)

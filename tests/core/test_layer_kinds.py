@@ -16,10 +16,9 @@ from specexec.config import LayerKind
 from specexec.model import TreeMask
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
-from tests.core.test_families import cache_of, hf, prefill
+from tests.model_reference import TOL, hf_model, new_cache, prefill
 from tests.tiny_models import write_tiny_model
 
-TOL = 1e-4
 WINDOW = 5
 ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 PARENTS = [-1, 0, 1, 2, 3, 4, 5, 1, 7, 8, 0]        # two chains longer than the window, one short branch
@@ -42,12 +41,12 @@ def test_the_kinds_are_read_from_config_json(alternating: Path) -> None:
 
 @torch.inference_mode()
 def test_alternating_windows_match_transformers(alternating: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ours, ref = load_model(alternating), hf(alternating)
+    ours, ref = load_model(alternating), hf_model(alternating)
     ids = torch.randint(7, ours.args.vocab_size, (23,), generator=torch.Generator().manual_seed(3))
     want = ref(ids[None]).logits[0]
     calls: list[int | None] = []
     monkeypatch.setattr("specexec.model.build_plan", lambda *a, **k: calls.append(a[3]) or build_plan(*a, **k))
-    cache = cache_of(ours)
+    cache = new_cache(ours)
     got = torch.cat([prefill(ours, cache, ids[a:b]) for a, b in [(0, 9), (9, 16), (16, 17), (17, 23)]])
     assert (got - want).abs().max() < TOL
     assert sorted(calls, key=str) == sorted([None, WINDOW] * 4, key=str)      # one plan per kind per forward
@@ -60,11 +59,11 @@ def test_alternating_windows_match_transformers(alternating: Path, monkeypatch: 
 
 @torch.inference_mode()
 def test_a_tree_past_the_window_equals_each_path(alternating: Path) -> None:
-    ours, ref = load_model(alternating), hf(alternating)
+    ours, ref = load_model(alternating), hf_model(alternating)
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(7, ours.args.vocab_size, (12,), generator=g)
     tree = TokenTree.from_lists(torch.randint(7, 300, (len(PARENTS),), generator=g).tolist(), PARENTS)
-    cache = cache_of(ours)
+    cache = new_cache(ours)
     prefill(ours, cache, prompt)
     L = cache.length
     got = ours.logits(ours(tree.tokens[None], tree.positions(L)[None], TreeMask(L, tree.ancestor_mask()), cache))

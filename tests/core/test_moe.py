@@ -21,7 +21,7 @@ from specexec.moe import GatedMLP, Routing, RoutingLog, SparseMLP
 from specexec.runtime.assembly import Runtime
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
-from tests.core.test_model import TOL, TREE_PARENTS, hf_model, new_cache, prefill
+from tests.model_reference import TOL, TREE_PARENTS, hf_model, new_cache, prefill
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 
 PROMPT = "The quick brown fox"
@@ -200,7 +200,7 @@ def test_quantized_experts_streamed_equal_the_same_quantization_resident(tiny_mo
     """Experts are nn.Linear inside the layer, so swap_linears/QuantLinear quantize them like any MLP (the router
     stays unquantized); a whole MoE layer streams as one packed layer through the RAM and SSD tiers."""
     from offload.quant.linear import QuantLinear
-    from tests.runtime.test_offloaded import offloaded, reference
+    from tests.runtime.offloaded_models import offloaded, reference
 
     want = tree_pass(reference(tiny_moe, fmt))
     tiers = ["ssd", "ram", "ssd"][:load_model(tiny_moe).args.n_layers]
@@ -299,7 +299,7 @@ def test_the_planned_size_of_each_layer_is_what_the_cache_packs(tiny_qwen3_moe: 
     packed bytes the layer cache writes for it."""
     from specexec.checkpoints.loading import read_args
     from specexec.planning.sizes import layer_sizes
-    from tests.runtime.test_offloaded import open_cache
+    from tests.runtime.offloaded_models import open_cache
 
     args = read_args(tiny_qwen3_moe)
     cache = open_cache(tiny_qwen3_moe, "int8", cache_root)

@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error, copy_checkpoint
-from tests.reliability.test_bad_checkpoints import _argv
+from tests.reliability.checks import assert_nothing_cached, assert_one_line_error, checkpoint_argv, copy_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +55,7 @@ CASES: dict[str, tuple[str, Callable[[Path], Path], tuple[str, ...]]] = {
 def test_broken_moe_checkpoint_is_one_line_and_caches_nothing(case, mode, cli, cache_root, tmp_path, request):
     fixture, breaker, needles = CASES[case]
     model = breaker(copy_checkpoint(request.getfixturevalue(fixture), tmp_path / "ckpt"))
-    assert_one_line_error(cli(*_argv(mode, model, cache_root)), *needles)
+    assert_one_line_error(cli(*checkpoint_argv(mode, model, cache_root)), *needles)
     assert_nothing_cached(cache_root, tmp_path / "xdg-cache")
 
 
@@ -73,5 +72,5 @@ def test_gguf_with_merged_experts_we_do_not_read(fixture, tensor, cli, cache_roo
     path = write_gguf(request.getfixturevalue(fixture), tmp_path / "merged.gguf",
                       extra={tensor: np.zeros((4, 128, 64), dtype=np.float32)})
     for mode in ("generate", "convert"):
-        assert_one_line_error(cli(*_argv(mode, path, cache_root)), tensor)
+        assert_one_line_error(cli(*checkpoint_argv(mode, path, cache_root)), tensor)
     assert_nothing_cached(cache_root, tmp_path / "xdg-cache")
