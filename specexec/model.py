@@ -66,7 +66,8 @@ def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Self-attention with RoPE over a KV cache: q/k/v projections (or one fused qkv_proj), optional q/k
-    RMSNorm, RoPE on the first rope_dim dimensions of each head, the plan's split attention, o_proj."""
+    RMSNorm (per head, or over the whole projection) and q/k/v clipping, RoPE on the first rope_dim dimensions
+    of each head, the plan's split attention (with per-head sinks where the model has them), o_proj."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
