@@ -24,3 +24,4 @@ def test_data_files_are_package_data() -> None:
     assert "models.yaml" in data["specexec.runtime"] and (ROOT / "specexec/runtime/models.yaml").is_file()
     shipped = {p.suffix for p in (ROOT / "specexec/prompts").iterdir() if p.suffix != ".py" and p.is_file()}
     assert shipped and {f"*{s}" for s in shipped} <= set(data["specexec.prompts"])
+    assert "*.c" in data["offload.quant.cpu_kernels"] and (ROOT / "offload/quant/cpu_kernels/kernels.c").is_file()
