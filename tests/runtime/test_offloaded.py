@@ -214,7 +214,7 @@ def test_quant_auto_is_none_while_resident_and_int4_once_streaming_on_a_cpu(tiny
                             offload=OffloadConfig(offload="ram", cache_dir=str(cache_root)))
     assert streamed.plan.fmt == "int4" and isinstance(streamed.engine.target, OffloadedTransformer)
     layer = next(streamed.engine.target.layer_modules())[1]
-    assert layer.mlp.up_proj.kernel() == "int4pack" and layer.input_layernorm.weight.dtype == torch.float32
+    assert layer.mlp.up_proj.kernel() == "int4-cpu" and layer.input_layernorm.weight.dtype == torch.float32
     forced = Runtime.load(str(tiny_pair[0]), None, config,
                           offload=OffloadConfig(offload="ram", quant="none", cache_dir=str(cache_root)))
     assert forced.plan.fmt == "none" and ids_of(forced, n=4) == ids_of(plain, n=4)
@@ -227,7 +227,7 @@ def test_draft_quant_keeps_greedy_output(tiny_pair, tiny_perturbed_draft, cache_
     rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
                       offload=OffloadConfig(draft_quant=fmt, cache_dir=str(cache_root)))
     up = rt.engine.draft.layers[0].mlp.up_proj
-    assert isinstance(up, QuantLinear) and up.kernel() == f"{fmt}pack" and not up.row_exact
+    assert isinstance(up, QuantLinear) and up.kernel() == f"{fmt}-cpu" and not up.row_exact
     assert f"{fmt} layers" in rt.draft_info.dtype and rt.draft_info.dtype.startswith("float32")   # fp32 on CPU
     assert ids_of(rt) == ids_of(base)
 
