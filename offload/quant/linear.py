@@ -60,6 +60,7 @@ from torch import nn
 
 from offload.quant import int4
 from offload.quant import int8
+from offload.quant.cpu_kernels.ops import BoundLinear
 from offload.quant.weights import (
     FORMATS, bnb_functional, check_format, dequantize, dtype_name, quantize_weight, weight_specs)
 
@@ -166,6 +167,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
         self.fmt, self.dtype, self.row_exact = check_format(fmt), dtype, row_exact
         self.wmeta: dict | None = None
+        self._cpu: BoundLinear | None = None       # the CPU kernel with this weight's pointers (first forward)
         for attr in _BUFFERS.values():
             self.register_buffer(attr, None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
@@ -189,7 +191,11 @@ class QuantLinear(nn.Module):
             int4.check_packing(parts[".qdata"], wmeta)
         for suffix, attr in _BUFFERS.items():
             setattr(self, attr, parts.get(suffix))
-        self.bias, self.wmeta = bias, wmeta
+        self.bias, self.wmeta, self._cpu = bias, wmeta, None
+
+    def _apply(self, fn, recurse: bool = True):        # .to(), .float(), ...: new tensors, new pointers
+        self._cpu = None
+        return super()._apply(fn, recurse)
 
     def bind(self, views: dict[str, torch.Tensor], meta: dict, prefix: str) -> None:
         """Point at views["<prefix>.weight*"] / views["<prefix>.bias"] of one unpacked layer; no allocation."""
@@ -215,12 +221,15 @@ class QuantLinear(nn.Module):
         return kernel_for(wmeta["format"], device.type, self.row_exact)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu is not None:                                  # the CPU integer kernels' fast path
+            return self._cpu(x)
         kernel = self.kernel()
+        if kernel in ("int4-cpu", "int8-cpu"):                     # bias in its own dtype, added by the kernel
+            q4 = kernel == "int4-cpu"
+            self._cpu = BoundLinear("q4" if q4 else "q8", self.qdata, self.scales_zeros if q4 else self.scale,
+                                    self.wmeta.get("group", 0), self.bias)
+            return self._cpu(x)
         rows = x.reshape(-1, self.in_features)
-        if kernel == "int4-cpu":                                   # bias in its own dtype, added by the kernel
-            return int4.matmul(rows, self.parts(), self.wmeta, self.bias).view(*x.shape[:-1], self.out_features)
-        if kernel == "int8-cpu":
-            return int8.matmul(rows, self.parts(), self.bias).view(*x.shape[:-1], self.out_features)
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
         if kernel in ("linear", "dequantize"):
             w = self.dequantize()

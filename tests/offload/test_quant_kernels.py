@@ -206,9 +206,12 @@ def test_bench_stream_runs_int4_layers_through_the_int4_kernel(monkeypatch, caps
 
     from cli.main import main
 
+    from offload.quant.cpu_kernels.ops import BoundLinear
+
     calls = {"dequantize": 0, "int4": 0}
-    real_mm, real_dq = int4.matmul, qweights.dequantize
-    monkeypatch.setattr(int4, "matmul", lambda *a: calls.__setitem__("int4", calls["int4"] + 1) or real_mm(*a))
+    real_mm, real_dq = BoundLinear.__call__, qweights.dequantize
+    monkeypatch.setattr(BoundLinear, "__call__", lambda self, *a: calls.__setitem__(
+        "int4", calls["int4"] + (self.kind == "q4")) or real_mm(self, *a))
     monkeypatch.setattr(quant, "dequantize",
                         lambda *a: calls.__setitem__("dequantize", calls["dequantize"] + 1) or real_dq(*a))
     argv = ["bench", "stream", "--synthetic", "1b", "--quant", "int4", "--layers", "2", "--distinct", "1",

@@ -124,37 +124,57 @@ def _bias_arg(bias: torch.Tensor | None) -> tuple[int | None, int, torch.Tensor 
     return b.data_ptr(), int(b.dtype == torch.bfloat16), b
 
 
+class BoundLinear:
+    """One weight ready for repeated calls: `bound(x [..., K], out=None) -> [..., N]` in x's dtype, with the
+    weight's pointers and the kernel looked up once (a decode step calls each linear once per token; this
+    keeps a call to one ctypes call and the output's allocation). It holds the weight's tensors, so their
+    memory outlives it; whoever replaces them (QuantLinear.bind, .to()) makes a new one."""
+
+    def __init__(self, kind: str, codes: torch.Tensor, scales: torch.Tensor, group: int,
+                 bias: torch.Tensor | None) -> None:
+        for name, t, dtype in (("codes", codes, torch.uint8 if kind == "q4" else torch.int8),
+                               ("scales", scales, torch.bfloat16)):
+            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{kind} {name} must be a contiguous {dtype} CPU tensor, got {t.dtype} "
+                                 f"{list(t.shape)} on {t.device}")
+        self.kind, self.codes, self.scales, self.group = kind, codes, scales, group
+        self.n, self.k = codes.shape[0], codes.shape[1] * (2 if kind == "q4" else 1)
+        self.bias_ptr, self.bias_bf16, self.bias = _bias_arg(bias)
+        self.lib = library()
+
+    def reference(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.kind == "q4":
+            return q4_reference(rows, self.codes, self.scales, self.group, self.bias)
+        return q8_reference(rows, self.codes, self.scales, self.bias)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows, y = _rows_out(x, self.n, out)
+        if self.lib is None:
+            y.copy_(self.reference(rows))
+            return y.view(*x.shape[:-1], self.n)
+        bf = int(rows.dtype == torch.bfloat16)
+        threads = torch.get_num_threads()
+        if self.kind == "q4":
+            rc = self.lib.sx_q4_linear(rows.data_ptr(), bf, rows.shape[0], self.k, self.codes.data_ptr(),
+                                       self.scales.data_ptr(), self.n, self.group, self.bias_ptr, self.bias_bf16,
+                                       y.data_ptr(), bf, threads)
+        else:
+            rc = self.lib.sx_q8_linear(rows.data_ptr(), bf, rows.shape[0], self.k, self.codes.data_ptr(),
+                                       self.scales.data_ptr(), self.n, self.bias_ptr, self.bias_bf16, y.data_ptr(),
+                                       bf, threads)
+        if rc:
+            raise RuntimeError(f"sx_{self.kind}_linear failed ({rc}) on x {list(rows.shape)}, W [{self.n}, "
+                               f"{self.k}]")
+        return y.view(*x.shape[:-1], self.n)
+
+
 def q4_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int,
               bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (fp32 or bf16) @ W.T (+ bias) -> [..., N] in x's dtype, W a q4 weight (module docstring)."""
-    n, k = codes.shape[0], 2 * codes.shape[1]
-    rows, y = _rows_out(x, n, out)
-    lib = library()
-    if lib is None:
-        y.copy_(q4_reference(rows, codes, sz, group, bias))
-    else:
-        bp, bbf, _keep = _bias_arg(bias)
-        bf = int(rows.dtype == torch.bfloat16)
-        rc = lib.sx_q4_linear(rows.data_ptr(), bf, rows.shape[0], k, codes.data_ptr(), sz.data_ptr(), n, group,
-                              bp, bbf, y.data_ptr(), bf, torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"sx_q4_linear failed ({rc}) on x {list(rows.shape)}, W [{n}, {k}], group {group}")
-    return y.view(*x.shape[:-1], n)
+    return BoundLinear("q4", codes, sz, group, bias)(x, out)
 
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (fp32 or bf16) @ W.T (+ bias) -> [..., N] in x's dtype, W a q8 weight (module docstring)."""
-    n, k = codes.shape
-    rows, y = _rows_out(x, n, out)
-    lib = library()
-    if lib is None:
-        y.copy_(q8_reference(rows, codes, scale, bias))
-    else:
-        bp, bbf, _keep = _bias_arg(bias)
-        bf = int(rows.dtype == torch.bfloat16)
-        rc = lib.sx_q8_linear(rows.data_ptr(), bf, rows.shape[0], k, codes.data_ptr(), scale.data_ptr(), n, bp,
-                              bbf, y.data_ptr(), bf, torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"sx_q8_linear failed ({rc}) on x {list(rows.shape)}, W [{n}, {k}]")
-    return y.view(*x.shape[:-1], n)
+    return BoundLinear("q8", codes, scale, 0, bias)(x, out)
