@@ -1,8 +1,8 @@
 """Pictures of the benchmarks, for `--plot FILE.png|svg`.
 
 - `specexec bench`: tok/s (left) and tokens per target pass (right) against the tree budget, one line per
-  builder's specexec rows; baselines (no-draft, hf-offload, hf-assisted) and `budget=auto` rows are horizontal
-  lines, since they have no budget of their own.
+  builder's specexec rows; baselines (no-draft, hf-offload, hf-assisted, llama.cpp) and `budget=auto` rows are
+  horizontal lines, since they have no budget of their own.
 - `bench stream`: seconds per pass against tree tokens (both axes log), with the streaming floor bytes per pass
   ÷ the tier's measured bandwidth as a second line: where the two meet, the pass is bound by streaming.
 - `bench builders`: one column of panels per temperature, tok/s on top and tokens per pass below, one line
@@ -27,7 +27,7 @@ from specexec.options import ConfigError
 FORMATS = ("png", "svg")
 FIG_SIZE = (10.0, 6.0)            # inches
 DPI = 100
-BASELINES = ("no-draft", "hf-offload", "hf-assisted")
+BASELINES = ("no-draft", "hf-offload", "hf-assisted", "llama.cpp", "llama.cpp prompt-lookup")
 
 
 def check_target(path: str | None) -> Path | None:
