@@ -75,9 +75,12 @@ def _generate(llm, ids: list[int], max_new: int, eos: set[int], sampling) -> tup
 
 
 def _load(path: Path, lookup: bool, context: int, seed: int | None):
-    from llama_cpp import Llama, LlamaPromptLookupDecoding
+    from llama_cpp import Llama
 
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS) if lookup else None
+    draft = None
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
     return Llama(model_path=str(path), n_threads=torch.get_num_threads(), n_ctx=context, verbose=False,
                  seed=seed if seed is not None else 0, draft_model=draft)
 

@@ -34,10 +34,12 @@ class FakeLlama:
 
 @pytest.fixture
 def fake_llama_cpp(monkeypatch: pytest.MonkeyPatch):
-    module = types.ModuleType("llama_cpp")
+    module, speculative = types.ModuleType("llama_cpp"), types.ModuleType("llama_cpp.llama_speculative")
     module.Llama = FakeLlama
-    module.LlamaPromptLookupDecoding = lambda num_pred_tokens: ("lookup", num_pred_tokens)
+    speculative.LlamaPromptLookupDecoding = lambda num_pred_tokens: ("lookup", num_pred_tokens)
+    module.llama_speculative = speculative
     monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
     monkeypatch.setattr(llamacpp, "available", lambda: True)
     FakeLlama.calls = []
     return FakeLlama
