@@ -221,6 +221,18 @@ typedef struct {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+#if !SX_AVX512
+/* Zero terms of one weight row, plain C: sum over groups of (z - 8 s) * ds, for mt activation rows. */
+ALWAYS_INLINE void q4_zero_terms(const uint16_t *sz, int64_t ng, const Acts *a, int64_t m0, const int mt,
+                                 float *zt) {
+    for (int i = 0; i < mt; i++) zt[i] = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        float mz = fmaf(-8.0f, bf16_to_f32(sz[2 * g]), bf16_to_f32(sz[2 * g + 1]));
+        for (int i = 0; i < mt; i++) zt[i] = fmaf(mz, a->ds[(m0 + i) * a->nb + g], zt[i]);
+    }
+}
+#endif
+
 /* y for weight row n and activation rows m0 .. m0 + MTC - 1 (MTC a compile-time constant after inlining):
  * main terms sum over chunks and lanes of s * d * dot, then the zero terms sum over groups of (z - 8 s) * ds. */
 ALWAYS_INLINE void q4_tile(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t n, int64_t m0,
@@ -298,11 +310,7 @@ ALWAYS_INLINE void q4_tile(const Q4Call *k, const uint8_t *codes, const uint16_t
         }
     }
     for (int i = 0; i < MTC; i++) res[i] = hsum256(acc[i]);
-    for (int i = 0; i < MTC; i++) zt[i] = 0.0f;
-    for (int64_t g = 0; g < k->ng; g++) {
-        float mz = fmaf(-8.0f, bf16_to_f32(sz[2 * g]), bf16_to_f32(sz[2 * g + 1]));
-        for (int i = 0; i < MTC; i++) zt[i] = fmaf(mz, a->ds[(m0 + i) * a->nb + g], zt[i]);
-    }
+    q4_zero_terms(sz, k->ng, a, m0, MTC, zt);
 #else
     float acc[MT][LANES];
     memset(acc, 0, sizeof acc);
@@ -326,12 +334,8 @@ ALWAYS_INLINE void q4_tile(const Q4Call *k, const uint8_t *codes, const uint16_t
         float t = 0.0f;
         for (int l = 0; l < LANES; l++) t += acc[i][l];
         res[i] = t;
-        zt[i] = 0.0f;
     }
-    for (int64_t g = 0; g < k->ng; g++) {
-        float mz = fmaf(-8.0f, bf16_to_f32(sz[2 * g]), bf16_to_f32(sz[2 * g + 1]));
-        for (int i = 0; i < MTC; i++) zt[i] = fmaf(mz, a->ds[(m0 + i) * a->nb + g], zt[i]);
-    }
+    q4_zero_terms(sz, k->ng, a, m0, MTC, zt);
 #endif
     float bn = bias_at(k->bias, k->bias_bf16, n);
     for (int i = 0; i < MTC; i++) store(k->out, k->out_bf16, (m0 + i) * k->N + n, res[i] + zt[i] + bn);
