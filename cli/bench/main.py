@@ -260,8 +260,10 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
         if greedy and base is not None:
             same = sum(a == b for a, b in zip(r.outputs, base.outputs))
             mismatch = [first_mismatch(a, b) for a, b in zip(r.outputs, base.outputs)]
-        if r.lossy or r.config.startswith("llama.cpp"):     # an int8 cache / other weights: no exactness claim
+        if r.lossy:                                  # an int8 cache: outside every exactness claim
             same = None
+        if r.config.startswith("llama.cpp"):          # other weights (the GGUF's quantization): no comparison at all
+            same = mismatch = None
         rows.append({
             "config": r.config, "tok_s": _round(r.tok_s, 3),
             "tokens_per_pass": _round(r.new_tokens / r.passes if r.passes else None, 3),

@@ -87,7 +87,7 @@ def test_the_rows_get_our_prompts_tokens_and_threads(capsys, fake_llama_cpp, tin
     for name in ("llama.cpp", "llama.cpp prompt-lookup"):
         r = rows[name]
         assert r["new_tokens"] == 10 and r["tok_s"] > 0 and r["ttft_s"] is not None
-        assert r["identical_to_baseline"] is None and r["draft_ms_per_step"] is None
+        assert r["identical_to_baseline"] is None and r["first_mismatch"] is None and r["draft_ms_per_step"] is None
     assert rows["llama.cpp"]["tokens_per_pass"] == 1.0 and rows["llama.cpp prompt-lookup"]["tokens_per_pass"] is None
     assert "llama.cpp" in rows["no-draft"]["speedup"] and "× llama.cpp" in err
 
