@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from offload.cache.root import default_cache_root
+
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off")
 ENV_SWITCH = "SPECEXEC_CPU_KERNELS"
@@ -61,7 +63,6 @@ def _key(cc: str) -> str:
 
 
 def _kernel_dir() -> Path:
-    from offload.cache.identity import default_cache_root      # lazy: offload.cache imports offload.quant
     return default_cache_root() / "kernels"
 
 
