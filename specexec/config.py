@@ -262,7 +262,7 @@ class OffloadConfig:
     """Where the target's decoder layers live and how they are stored. Validated on construction.
 
     quant: target layer format; auto = none while every layer stays resident, and once any layer streams int4 on
-    a CPU (torch's fused int4 kernel), nf4 on CUDA (offload.quant.weights.auto_format).
+    a CPU (specexec's integer int4 kernel), nf4 on CUDA (offload.quant.weights.auto_format).
     draft_quant: the (always resident) draft's linear layers (none: the run dtype, fp32 on a CPU).
     offload: auto = the planner decides from the budgets; none / ram / ssd put every target layer resident / in
     pinned RAM / in the on-disk cache.

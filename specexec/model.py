@@ -176,8 +176,12 @@ class Transformer(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """[V, D] LM head weight (the embedding when tied)."""
-        return self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        """[V, D] LM head weight (the embedding when tied and no head module was swapped in; a quantized head's
+        dequantized weight, a new tensor)."""
+        head = self._modules.get("lm_head")
+        if head is None:
+            return self.embed_tokens.weight
+        return head.weight if isinstance(head, nn.Linear) else head.dequantize()
 
     def layer_modules(self) -> Iterator[tuple[int, Block]]:
         """(index, block) in order; the offloaded model streams them instead."""
@@ -283,7 +287,9 @@ class Transformer(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])
         if rows is not None:
             h = h.index_select(0, rows)
-        return soft_cap(F.linear(h, self.head_weight).float(), self.args.logit_softcap)
+        head = self._modules.get("lm_head")            # a tied model has none, unless a quantized one was set
+        logits = (F.linear(h, self.embed_tokens.weight) if head is None else head(h)).float()
+        return soft_cap(logits, self.args.logit_softcap)
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -25,6 +25,7 @@ def test_data_files_are_package_data() -> None:
     assert "models.yaml" in data["specexec.checkpoints"] and (ROOT / "specexec/checkpoints/models.yaml").is_file()
     shipped = {p.suffix for p in (ROOT / "specexec/prompts").iterdir() if p.suffix != ".py" and p.is_file()}
     assert shipped and {f"*{s}" for s in shipped} <= set(data["specexec.prompts"])
+    assert "*.c" in data["offload.quant.cpu_kernels"] and (ROOT / "offload/quant/cpu_kernels/kernels.c").is_file()
 
 
 def test_the_torch_floor_has_every_api_the_code_calls() -> None:

@@ -4,8 +4,11 @@ run, and a comparison table (plus `--json`: one line {"rows": [...]}) says how t
 Configurations: `specexec budget=N` for each of --budgets, `no-draft` (the same runtime decoding with the
 target alone), and, when transformers + accelerate are installed, `hf-offload` (transformers generate() with
 a device_map under the same memory limits) and `hf-assisted` (transformers assisted generation with the same
-draft). Our models load once and every specexec/no-draft configuration is a Runtime.variant of them; the
-transformers models load once, after ours are released, and serve both hf-* rows. Before each prompt the KV
+draft), and, when llama-cpp-python is installed (or --configs names it), `llama.cpp` (llama.cpp on the GGUF of
+--gguf or --model, same prompt ids, max tokens and threads, plus its prompt-lookup speculative row:
+cli/bench/llamacpp.py; skipped with one line without the package or a GGUF). Our models load once and every
+specexec/no-draft configuration is a Runtime.variant of them; the transformers models load once, after ours are
+released, and serve both hf-* rows. Before each prompt the KV
 cache is reset, so every configuration prefills every prompt. Prompts are encoded through the chat template
 (when the model has one) and left-truncated, with a warning, to fit the context minus --max-new-tokens.
 
@@ -47,17 +50,18 @@ from pathlib import Path
 from rich.console import Console
 
 from cli import args as common
+from cli.bench import llamacpp
 from cli.bench import plot
 from cli.bench.common import Plan, Result, config_name, encode_prompts, run_variant, wide
 from cli.bench.context import context_rows, context_table, parse_contexts, run_contexts
 from cli.bench.hf import run_hf
-from cli.bench.table import BASELINES, make_rows, make_table, per_step
+from cli.bench.table import BASELINES, EXTERNAL, make_rows, make_table, per_step
 from specexec.config import EngineConfig
 from specexec.options import ConfigError, budget_options, check_number, is_self_draft, parse_budget_list
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 
-CONFIG_KINDS = ("specexec", "no-draft", "hf-offload", "hf-assisted")
+CONFIG_KINDS = ("specexec", "no-draft", "hf-offload", "hf-assisted", "llama.cpp")
 DEFAULT_BUDGETS = "16,64,256"
 LOSSY_TAG = " kv=int8 LOSSY"        # --kv-quant int8: rows with an int8 KV cache, never called identical
 
@@ -77,6 +81,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "--budget N alone means just N)")
     p.add_argument("--configs", metavar="LIST", help=f"which to run, comma-separated from {', '.join(CONFIG_KINDS)} "
                    "(default: all; hf-* only when transformers + accelerate are installed)")
+    p.add_argument("--gguf", metavar="PATH", help="the llama.cpp rows' model: the target as a GGUF file (default: "
+                   "--model itself when it is a .gguf); the rows need llama-cpp-python (pip install "
+                   "'specexec[llamacpp]')")
     p.add_argument("--prompts", metavar="FILE", help="JSONL prompts, one {\"prompt\": ...} per line (default: the "
                    "built-in 40: chat, code, reasoning, summarisation)")
     p.add_argument("--limit", type=int, metavar="N", help="only the first N prompts")
@@ -111,7 +118,7 @@ def _kinds(text: str | None, has_draft: bool, has_model_draft: bool | None = Non
     """The configurations to run: --configs, else all that can (hf-* need transformers + accelerate;
     specexec a draft; hf-assisted a draft model, not the self-draft)."""
     model = has_draft if has_model_draft is None else has_model_draft
-    needs = {"specexec": has_draft, "hf-assisted": model}
+    needs = {"specexec": has_draft, "hf-assisted": model, "llama.cpp": llamacpp.available()}
     if text is None:
         kinds = [k for k in CONFIG_KINDS if hf_available() or not k.startswith("hf-")]
         return tuple(k for k in kinds if needs.get(k, True))
@@ -145,14 +152,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
     budgets = parse_budget_list(budgets_text, _auto_budget_supported())
     kinds = _kinds(args.configs, bool(drafts), any(not is_self_draft(d) for d in drafts))
     if contexts:                                   # the context sweep measures our runtime only
-        if args.configs and any(k.startswith("hf-") for k in kinds):
-            raise ConfigError("--context runs specexec and no-draft only; drop the hf-* rows from --configs")
-        kinds = tuple(k for k in kinds if not k.startswith("hf-"))
+        if args.configs and any(k.startswith(EXTERNAL) for k in kinds):
+            raise ConfigError("--context runs specexec and no-draft only; drop the hf-* and llama.cpp rows from "
+                              "--configs")
+        kinds = tuple(k for k in kinds if not k.startswith(EXTERNAL))
     if sampling.presence_penalty or sampling.frequency_penalty:      # transformers has no such logits processor
-        if args.configs and any(k.startswith("hf-") for k in kinds):
+        if args.configs and any(k.startswith(EXTERNAL) for k in kinds):
             raise ConfigError("--presence-penalty/--frequency-penalty: transformers' generate() has no such "
-                              "penalty, so the hf-* rows would decode something else; drop them from --configs")
-        kinds = tuple(k for k in kinds if not k.startswith("hf-"))
+                              "penalty (llama.cpp's differs), so those rows would decode something else; drop the "
+                              "hf-* and llama.cpp rows from --configs")
+        kinds = tuple(k for k in kinds if not k.startswith(EXTERNAL))
     prompts = load_prompts(args.prompts)
     if args.limit is not None:
         check_number("--limit", args.limit, low=1, high=10**6)
@@ -276,6 +285,13 @@ def run(args: argparse.Namespace) -> int:
     with console.status("benchmarking") as status:
         results += run_hf(hf[0], hf[1], plan, prompt_ids, hf[2], hf[3], args.warmup, lambda msg: status.update(msg),
                           _done_line(console))
+        if "llama.cpp" in plan.kinds:
+            skip = llamacpp.skip_reason(args.model, args.gguf)
+            if skip:
+                console.print(skip, style="yellow", highlight=False, markup=False)
+            else:
+                results += llamacpp.run_llamacpp(llamacpp.gguf_for(args.model, args.gguf), plan, prompt_ids, hf[2],
+                                                 args.warmup, lambda msg: status.update(msg), _done_line(console))
     rows = make_rows(results, plan.sampling.greedy)
     title = (f"{len(prompt_ids)} prompts · up to {plan.config.max_new_tokens} new tokens · temperature "
              f"{plan.sampling.temperature} · {plan.config.device}")

@@ -1,8 +1,8 @@
 """Pictures of the benchmarks, for `--plot FILE.png|svg`.
 
 - `specexec bench`: tok/s (left) and tokens per target pass (right) against the tree budget, one line per
-  builder's specexec rows; baselines (no-draft, hf-offload, hf-assisted) and `budget=auto` rows are horizontal
-  lines, since they have no budget of their own.
+  builder's specexec rows; baselines (no-draft, hf-offload, hf-assisted, llama.cpp) and `budget=auto` rows are
+  horizontal lines, since they have no budget of their own.
 - `bench stream`: seconds per pass against tree tokens (both axes log), with the streaming floor bytes per pass
   ÷ the tier's measured bandwidth as a second line: where the two meet, the pass is bound by streaming.
 - `bench builders`: one column of panels per temperature, tok/s on top and tokens per pass below, one line
@@ -22,7 +22,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from cli.bench.table import BASELINES
+from cli.bench.table import BASELINES, EXTERNAL
 from specexec.options import ConfigError
 
 FORMATS = ("png", "svg")
@@ -89,7 +89,8 @@ def _series_name(row: dict) -> str:
 def bench_figure(rows: list[dict], title: str):
     """tok/s and tokens per pass against the budget (see the module doc)."""
     fig, axes = _figure(title)
-    swept = [r for r in rows if isinstance(r.get("budget"), int) and r["config"] not in BASELINES]
+    swept = [r for r in rows if isinstance(r.get("budget"), int) and r["config"] not in BASELINES
+             and not r["config"].startswith(EXTERNAL)]
     flat = [r for r in rows if r not in swept]
     series: dict[str, list[dict]] = defaultdict(list)
     for r in swept:

@@ -12,7 +12,8 @@ from rich.table import Table
 from cli.bench.common import Result, first_mismatch
 from specexec.profiler import budget_trace
 
-BASELINES = ("no-draft", "hf-offload", "hf-assisted")     # the rows every other row's speed-up is against
+BASELINES = ("no-draft", "hf-offload", "hf-assisted", "llama.cpp")   # the rows every other row's speed-up is against
+EXTERNAL = ("hf-", "llama.cpp")      # rows of other tools: not our runtime, not the same weights' numerics
 
 
 def cell(x: float | int | None, fmt: str) -> str:
@@ -29,8 +30,8 @@ def _round(x: float | None, nd: int = 3) -> float | None:
 
 
 def per_step(r: Result, seconds: float) -> float | None:
-    """Milliseconds per step of our rows (None for the transformers rows, which the profiler does not see)."""
-    return None if r.config.startswith("hf-") or not r.passes else round(1000 * seconds / r.passes, 1)
+    """Milliseconds per step of our rows (None for other tools' rows, which the profiler does not see)."""
+    return None if r.config.startswith(EXTERNAL) or not r.passes else round(1000 * seconds / r.passes, 1)
 
 
 def make_rows(results: list[Result], greedy: bool) -> list[dict]:
@@ -45,6 +46,8 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
             mismatch = [first_mismatch(a, b) for a, b in zip(r.outputs, base.outputs)]
         if r.lossy:                                  # an int8 cache: outside every exactness claim
             same = None
+        if r.config.startswith("llama.cpp"):          # other weights (the GGUF's quantization): no comparison at all
+            same = mismatch = None
         rows.append({
             "config": r.config, "tok_s": _round(r.tok_s, 3),
             "tokens_per_pass": _round(r.new_tokens / r.passes if r.passes else None, 3),

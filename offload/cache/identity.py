@@ -2,7 +2,7 @@
 
 `fingerprint` is cheap (names, sizes, mtimes and header hashes of the checkpoint's files: no tensor data is
 read); `options_of` is everything else that decides the cache's bytes; `cache_dir_for` names the directory
-after both, under `default_cache_root()`. `source_specs` gives every checkpoint tensor's dtype and shape from
+after both, under `default_cache_root()` (offload/cache/root.py). `source_specs` gives every checkpoint tensor's dtype and shape from
 the headers alone (for planning layer sizes before anything is quantized).
 
 Does not know: the manifest's checks (cache_manifest.py), reading or building layers (cache_reading.py,
@@ -48,14 +48,6 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
-
-
-def default_cache_root() -> Path:
-    """$SPECEXEC_CACHE, else $XDG_CACHE_HOME/specexec, else ~/.cache/specexec."""
-    if os.environ.get("SPECEXEC_CACHE"):
-        return Path(os.environ["SPECEXEC_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specexec"
 
 
 def _header(path: Path) -> tuple[bytes, dict]:

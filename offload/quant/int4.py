@@ -1,22 +1,24 @@
-"""Group-wise asymmetric 4-bit weights packed for torch's own int4 kernels ("tinygemm"):
-aten._weight_int4pack_mm_for_cpu on the CPU, aten._weight_int4pack_mm on CUDA (compute capability 8.0+).
+"""Group-wise asymmetric 4-bit weights: on the CPU in the q4 layout of specexec's integer kernels
+(offload/quant/cpu_kernels), on CUDA packed for torch's int4 kernel aten._weight_int4pack_mm ("tinygemm",
+compute capability 8.0+).
 
 A weight [out, in] is cut along `in` into groups of G (32, 64 or 128; default 64). Each group gets a bf16 scale s
 and zero z (the value of code 8) and each weight a 4-bit code q in [0, 15]: w ~ (q - 8) * s + z, with the group's
 range [min, max] shrunk by whichever of a few factors (CLIP) gives the least squared error, then refit by least
-squares to its codes where that helps. Parts:
-    ".qdata"         the codes in the kernel's own packed layout, N*K/2 bytes:
-                     CPU:  uint8 [out, in/2], arranged for the CPU's vector ISA (AVX512 / AVX2 / plain differ);
+squares to its codes where that helps. The codes and (s, z) are the same on both devices; only their order differs:
+    ".qdata"         CPU:  uint8 [out, in/2], group g's G/2 bytes from g*G/2, byte j = code g*G + j (low nibble)
+                           and code g*G + G/2 + j (high nibble)  (cpu_kernels.ops.pack_q4)
                      CUDA: int32 [out/8, in/(16 t), 32, t/2] for t inner k tiles (2, 4 or 8)
-    ".scales_zeros"  bf16 [in/G, out, 2]: (scale, zero) per group and output channel
+    ".scales_zeros"  bf16 (s, z) per group and output channel: CPU [out, in/G, 2], CUDA [in/G, out, 2]
 Weight meta: {"format": "int4", "shape", "dtype", "group", "packing", "inner_k_tiles" (CUDA only)}. `packing`
-names the layout (e.g. "cpu-avx2-1f3a5c7e": the ISA plus a hash of a probe packed by this torch build), so a
-layer packed on another machine or torch build is refused at bind time and the layer cache keys on it.
+names the layout ("cpu-q4-v1"; "cuda-tinygemm-<torch version>"), so a layer packed for the other device or an
+older layout is refused at bind time and the layer cache keys on it. The CPU layout depends on no ISA, torch build
+or compiler: the same cache serves the compiled kernels and their pure-torch twin.
 
-Both kernels take bf16 activations, accumulate every output in fp32 over `in` in a fixed order and round it to
-bf16: the result of a row does not depend on the other rows of the batch (the CPU kernel computes each output
-row on its own in 1..4-row register blocks: tested bit for bit for 1..257 rows and 1 or 2 threads; the CUDA
-kernel: asserted by a gpu-marked test).
+The CPU kernel takes fp32 or bf16 activations, quantizes them to int8 per group (cpu_kernels.ops) and accumulates
+in fp32 in a fixed order per output; the CUDA kernel takes bf16 and rounds each output to bf16. On both, a row's
+result does not depend on the other rows of the batch (CPU: tested bit for bit for 1..257 rows, 1 or 2 threads;
+CUDA: asserted by a gpu-marked test).
 
 Shapes the kernels take: out % 16 == 0, in % 32 == 0 (`fits`); the caller stores other weights another way.
 
@@ -25,14 +27,16 @@ Does not know: modules, layers, files, formats other than its own.
 from __future__ import annotations
 
 import functools
-import hashlib
 
 import torch
+
+from offload.quant.cpu_kernels import ops as cpu_ops
 
 GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 64
 CLIP = (1.0, 0.9, 0.8)        # range factors tried per group (1.0 = min-max)
 REFITS = 2                    # least-squares refits of each group's range to its codes
+CPU_PACKING = "cpu-q4-v1"     # the CPU layout's name (cpu_kernels.ops); a new layout gets a new name
 
 
 def fits(shape: tuple[int, int]) -> bool:
@@ -72,15 +76,12 @@ def cuda_supported(device: torch.device | str) -> str | None:
 
 @functools.cache
 def packing(device_type: str) -> str:
-    """The name of the packed layout the int4 kernel of `device_type` ("cpu" | "cuda") uses in this process."""
+    """The name of the packed layout the int4 kernel of `device_type` ("cpu" | "cuda") reads."""
     if device_type == "cuda":
         return f"cuda-tinygemm-{torch.__version__.split('+')[0]}"
     if device_type != "cpu":
         raise ValueError(f"int4 runs on cpu or cuda, not {device_type}")
-    probe = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
-    digest = hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:8]
-    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}-{digest}"
+    return CPU_PACKING
 
 
 def specs(shape: tuple[int, int], device_type: str, group: int = DEFAULT_GROUP
@@ -93,9 +94,9 @@ def specs(shape: tuple[int, int], device_type: str, group: int = DEFAULT_GROUP
         t = inner_k_tiles(in_f)
         extra["inner_k_tiles"] = t
         qspec = (torch.int32, (out_f // 8, in_f // (16 * t), 32, t // 2))
-    else:
-        qspec = (torch.uint8, (out_f, in_f // 2))
-    return {".qdata": qspec, ".scales_zeros": (torch.bfloat16, (in_f // g, out_f, 2))}, extra
+        return {".qdata": qspec, ".scales_zeros": (torch.bfloat16, (in_f // g, out_f, 2))}, extra
+    return {".qdata": (torch.uint8, (out_f, in_f // 2)),
+            ".scales_zeros": (torch.bfloat16, (out_f, in_f // g, 2))}, extra
 
 
 def quantize(weight: torch.Tensor, group: int = DEFAULT_GROUP) -> tuple[dict[str, torch.Tensor], dict]:
@@ -110,16 +111,16 @@ def quantize(weight: torch.Tensor, group: int = DEFAULT_GROUP) -> tuple[dict[str
     g = group_for(in_f, group)
     w = weight.detach().float().reshape(out_f, in_f // g, g)
     q, scale, zero = _best_codes(w)
+    extra: dict = {"group": g, "packing": packing(device_type)}
+    if device_type != "cuda":
+        scales_zeros = torch.stack([scale, zero], dim=-1).contiguous()                     # [out, in/g, 2]
+        return {".qdata": cpu_ops.pack_q4(q.reshape(out_f, in_f), g), ".scales_zeros": scales_zeros}, extra
     q = q.reshape(out_f, in_f)
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()      # [in/g, out, 2]
-    extra: dict = {"group": g, "packing": packing(device_type)}
-    if device_type == "cuda":
-        t = inner_k_tiles(in_f)
-        extra["inner_k_tiles"] = t
-        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-        qdata = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), t)
-    else:
-        qdata = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    t = inner_k_tiles(in_f)
+    extra["inner_k_tiles"] = t
+    pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    qdata = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), t)
     return {".qdata": qdata.contiguous(), ".scales_zeros": scales_zeros}, extra
 
 
@@ -190,17 +191,22 @@ def check_packing(qdata: torch.Tensor, meta: dict) -> None:
                          f"kernel here reads {here!r} (another machine or torch build): rebuild the layer cache")
 
 
-def matmul(x: torch.Tensor, parts: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
-    """x bf16 [M, in] (contiguous) @ W.T -> bf16 [M, out], on x's device."""
+def matmul(x: torch.Tensor, parts: dict[str, torch.Tensor], meta: dict, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x [M, in] (contiguous) @ W.T (+ bias) -> [M, out], on x's device. CPU: x fp32 or bf16, the result in x's
+    dtype (cpu_kernels.ops.q4_linear); CUDA: x bf16, the result bf16, bias added after."""
     qdata, sz = parts[".qdata"], parts[".scales_zeros"]
     if x.device.type == "cuda":
-        return torch.ops.aten._weight_int4pack_mm(x, qdata, meta["group"], sz)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qdata, meta["group"], sz)
+        y = torch.ops.aten._weight_int4pack_mm(x, qdata, meta["group"], sz)
+        return y if bias is None else y + bias.to(y.dtype)
+    return cpu_ops.q4_linear(x, qdata, sz, meta["group"], bias)
 
 
 def dequantize(parts: dict[str, torch.Tensor], meta: dict, chunk: int = 512) -> torch.Tensor:
-    """The weight [out, in] as the kernel sees it, rounded to bf16: the kernel applied to rows of the identity
-    (each output is 1 * w + 0 * ..., exact before the final rounding). For tests and error reports only."""
+    """The weight [out, in] as the kernel sees it: CPU fp32 (q - 8) * s + z; CUDA the kernel applied to rows of
+    the identity (each output is 1 * w + 0 * ..., exact before its bf16 rounding). For tests and error reports."""
+    if parts[".qdata"].device.type != "cuda":
+        return cpu_ops.q4_dequantize(parts[".qdata"], parts[".scales_zeros"], meta["group"])
     out_f, in_f = meta["shape"]
     device = parts[".qdata"].device
     w = torch.empty(out_f, in_f, dtype=torch.bfloat16, device=device)

@@ -1,12 +1,14 @@
-"""Per-channel symmetric 8-bit weights for torch's int8 weight-only kernel (aten._weight_int8pack_mm).
+"""Per-channel symmetric 8-bit weights: on the CPU for specexec's integer kernels (offload/quant/cpu_kernels, which
+read this layout as it is), on CUDA for torch's int8 weight-only kernel (aten._weight_int8pack_mm) where it exists.
 
 A weight [out, in] gets one bf16 scale per output channel, s = max|w| / 127, and int8 codes q = round(w / s) in
 [-127, 127]: w ~ q * s. Parts: ".qdata" int8 [out, in], ".scale" bf16 [out]. Weight meta: {"format": "int8",
 "shape", "dtype", "scheme": "per-channel"}.
 
-The CPU kernel takes bf16 activations, accumulates every output in fp32 and rounds it to bf16; a row's result does
-not depend on the other rows (tests check it bit for bit). On CUDA the kernel is used where this torch build has
-one (`cuda_kernel`); otherwise, and wherever a caller needs row-exact results on CUDA, the weight is dequantized.
+The CPU kernel takes fp32 or bf16 activations, quantizes them to int8 per block of 64 (cpu_kernels.ops) and
+accumulates in fp32 in a fixed order per output: a row's result does not depend on the other rows (tests check it
+bit for bit). On CUDA torch's kernel (bf16 in and out) is used where this torch build has one (`cuda_kernel`);
+otherwise, and wherever a caller needs row-exact results on CUDA, the weight is dequantized.
 
 Does not know: modules, layers, files, formats other than its own.
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from offload.quant.cpu_kernels import ops as cpu_ops
 
 SCHEME = "per-channel"
 
@@ -43,9 +47,13 @@ def cuda_kernel() -> bool:
         return False
 
 
-def matmul(x: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """x bf16 [M, in] (contiguous) @ W.T -> bf16 [M, out], through the int8 kernel."""
-    return torch.ops.aten._weight_int8pack_mm(x, parts[".qdata"], parts[".scale"])
+def matmul(x: torch.Tensor, parts: dict[str, torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] (contiguous) @ W.T (+ bias) -> [M, out]. CPU: x fp32 or bf16, the result in x's dtype
+    (cpu_kernels.ops.q8_linear); CUDA: torch's kernel, x bf16, the result bf16, bias added after."""
+    if x.device.type != "cuda":
+        return cpu_ops.q8_linear(x, parts[".qdata"], parts[".scale"], bias)
+    y = torch.ops.aten._weight_int8pack_mm(x, parts[".qdata"], parts[".scale"])
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def dequantize(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -12,15 +12,18 @@ CONTRACT (used by specexec/runtime/offloaded.py, the pager and the draft):
     class QuantLinear(nn.Module):     QuantLinear(in_features, out_features, bias, fmt, dtype, row_exact=True)
         forward(x [..., in]) -> [..., out] in x's dtype, through `kernel_for(format, device, row_exact)`:
             "linear" (fmt none), "dequantize" (the whole weight once per call, any number of tokens, then ONE
-            F.linear), "int4pack" / "int8pack" (torch's weight-only kernels: x is cast to bf16 and the result
-            back to x's dtype inside the call, so an fp32 residual stream stays fp32), "bnb-4bit" (bitsandbytes'
-            4-bit inference GEMM: fused where bitsandbytes' own per-GPU heuristics say so; CUDA draft only).
+            F.linear), "int4-cpu" / "int8-cpu" (specexec's integer CPU kernels, offload/quant/cpu_kernels: x in
+            its own dtype, quantized to int8 per block inside the call, the result in x's dtype, bias added by
+            the kernel; their pure-torch twin where no compiler built them), "int4pack" / "int8pack" (torch's
+            CUDA weight-only kernels: x is cast to bf16 and the result back to x's dtype inside the call, so an
+            fp32 residual stream stays fp32), "bnb-4bit" (bitsandbytes' 4-bit inference GEMM: fused where
+            bitsandbytes' own per-GPU heuristics say so; CUDA draft only).
             row_exact=True (the default, and always for a target) allows only kernels whose result for a row
             does not depend on the batch's other rows.
         bind(views, meta, prefix): point at views["<prefix>.weight*"] and views["<prefix>.bias"] (prefix = the
             module's path inside the layer, e.g. "self_attn.q_proj"; meta = the layer meta from
             quantize_tensors). No tensor is allocated; the pager uses it to re-target a slot module.
-        dequantize() -> [out, in] in the stored dtype (int4: the kernel's values, rounded to bf16).
+        dequantize() -> [out, in] in the stored dtype (int4 on CUDA: the kernel's values, rounded to bf16).
         from_linear(linear, fmt, dtype, double_quant=False, row_exact=True) -> QuantLinear  (owns its tensors)
 
     def swap_linears(module: nn.Module, fmt: str, dtype: torch.dtype) -> None
@@ -38,12 +41,13 @@ CONTRACT (used by specexec/runtime/offloaded.py, the pager and the draft):
     pass_traffic(module, device_type=None) -> bytes one forward of `module`'s linears moves, per kernel.
 
 Exactness: every kernel a row-exact QuantLinear runs gives each row a result that depends only on that row and
-the packed bytes (torch's int4/int8 kernels accumulate each output on its own in a fixed order: bit for bit for
-1..257 rows, tested; dequantize -> F.linear inherits the BLAS's behaviour, whose fp32 rows on a CPU differ in
-the last bit for some batch sizes), and never on which tier the bytes came from. Caveat for int4/int8: their
-bf16 input and output roundings turn a last-bit difference arriving from elsewhere (CPU attention gives a row
-slightly different bits in a tree pass than in a one-token pass) into a bf16-ulp difference, so a greedy
-near-tie can (rarely) resolve differently from a one-token decode; the linears themselves add no difference.
+the packed bytes (the CPU integer kernels and torch's CUDA int4/int8 kernels accumulate each output on its own
+in a fixed order: bit for bit for 1..257 rows, tested; dequantize -> F.linear, and the integer kernels' pure-torch
+twin, inherit the BLAS's behaviour, whose fp32 rows on a CPU differ in the last bit for some batch sizes), and
+never on which tier the bytes came from. Caveat for int4/int8: their activation roundings (int8 per block on the
+CPU, bf16 on CUDA) turn a last-bit difference arriving from elsewhere (CPU attention gives a row slightly
+different bits in a tree pass than in a one-token pass) into a rounding-step difference, so a greedy near-tie
+can (rarely) resolve differently from a one-token decode; the linears themselves add no difference.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ from torch import nn
 
 from offload.quant import int4
 from offload.quant import int8
+from offload.quant.cpu_kernels.ops import BoundLinear
 from offload.quant.weights import (
     FORMATS, bnb_functional, check_format, dequantize, dtype_name, quantize_weight, weight_specs)
 
@@ -65,7 +70,7 @@ PART_SUFFIXES = ("", ".qdata", ".absmax", ".code", ".nested_absmax", ".nested_co
                  ".scales_zeros")
 _BUFFERS = {s: "weight" if s == "" else s[1:] for s in PART_SUFFIXES}   # suffix -> buffer attribute name
 _ACCEPTS = {f: {f} for f in FORMATS} | {"int4": {"int4", "int8"}}        # layer format -> weight formats it binds
-KERNELS = ("linear", "dequantize", "int4pack", "int8pack", "bnb-4bit")
+KERNELS = ("linear", "dequantize", "int4-cpu", "int8-cpu", "int4pack", "int8pack", "bnb-4bit")
 
 
 @functools.cache
@@ -87,10 +92,12 @@ def kernel_for(fmt: str, device_type: str, row_exact: bool = True) -> str:
     for few rows, chosen per GPU and shape by bitsandbytes) instead of dequantizing the whole weight per call."""
     if fmt == "none":
         return "linear"
+    if fmt in ("int4", "int8") and device_type == "cpu":
+        return f"{fmt}-cpu"
     if fmt == "int4":
         return "int4pack"
     if fmt == "int8":
-        return "int8pack" if device_type == "cpu" or (not row_exact and int8.cuda_kernel()) else "dequantize"
+        return "int8pack" if not row_exact and int8.cuda_kernel() else "dequantize"
     if device_type == "cuda" and not row_exact and _bnb_gemm_4bit():
         return "bnb-4bit"
     return "dequantize"
@@ -160,6 +167,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
         self.fmt, self.dtype, self.row_exact = check_format(fmt), dtype, row_exact
         self.wmeta: dict | None = None
+        self._cpu: BoundLinear | None = None       # the CPU kernel with this weight's pointers (first forward)
         for attr in _BUFFERS.values():
             self.register_buffer(attr, None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
@@ -183,7 +191,11 @@ class QuantLinear(nn.Module):
             int4.check_packing(parts[".qdata"], wmeta)
         for suffix, attr in _BUFFERS.items():
             setattr(self, attr, parts.get(suffix))
-        self.bias, self.wmeta = bias, wmeta
+        self.bias, self.wmeta, self._cpu = bias, wmeta, None
+
+    def _apply(self, fn, recurse: bool = True):        # .to(), .float(), ...: new tensors, new pointers
+        self._cpu = None
+        return super()._apply(fn, recurse)
 
     def bind(self, views: dict[str, torch.Tensor], meta: dict, prefix: str) -> None:
         """Point at views["<prefix>.weight*"] / views["<prefix>.bias"] of one unpacked layer; no allocation."""
@@ -209,12 +221,19 @@ class QuantLinear(nn.Module):
         return kernel_for(wmeta["format"], device.type, self.row_exact)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu is not None:                                  # the CPU integer kernels' fast path
+            return self._cpu(x)
         kernel = self.kernel()
+        if kernel in ("int4-cpu", "int8-cpu"):                     # bias in its own dtype, added by the kernel
+            q4 = kernel == "int4-cpu"
+            self._cpu = BoundLinear("q4" if q4 else "q8", self.qdata, self.scales_zeros if q4 else self.scale,
+                                    self.wmeta.get("group", 0), self.bias)
+            return self._cpu(x)
+        rows = x.reshape(-1, self.in_features)
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
         if kernel in ("linear", "dequantize"):
             w = self.dequantize()
             return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
-        rows = x.reshape(-1, self.in_features)
         if kernel == "bnb-4bit":
             y = _bnb_gemm(rows.contiguous(), self.parts(), self.wmeta, bias)
             return y.view(*x.shape[:-1], self.out_features)

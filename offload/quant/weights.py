@@ -1,7 +1,8 @@
 """Quantization of decoder-layer weights as plain tensors plus json-able metadata: bitsandbytes' NF4/FP4
-(blockwise 4-bit), torch's own int4 (group-wise, offload/quant/int4.py) and int8 (per channel,
-offload/quant/int8.py) layouts, or none. A quantized layer packs into one storage buffer
-(offload.streaming.storage); the module that computes with it is offload/quant/linear.py.
+(blockwise 4-bit), int4 (group-wise, offload/quant/int4.py) and int8 (per channel, offload/quant/int8.py) in the
+layouts of their integer kernels (offload/quant/cpu_kernels on a CPU, torch's on CUDA), or none. A quantized layer
+packs into one storage buffer (offload.streaming.storage); the module that computes with it is
+offload/quant/linear.py.
 
 Does not know: model architectures beyond "2-D weights of nn.Linear", kernels, modules, tokens, offloading, files.
 
@@ -23,7 +24,8 @@ CONTRACT (used by storage/cache, offload/quant/linear.py and specexec/runtime/of
           fmt int8:       "<w>.qdata" int8 [out, in], "<w>.scale" bfloat16 [out]       (per output channel)
           fmt int4:       "<w>.qdata" the codes packed for the int4 kernel of the device the weight was quantized
                           on (uint8 [out, in/2] on CPU, int32 [out/8, in/(16t), 32, t/2] on CUDA),
-                          "<w>.scales_zeros" bfloat16 [in/G, out, 2]                   (group G, default 64)
+                          "<w>.scales_zeros" bfloat16 [out, in/G, 2] on CPU, [in/G, out, 2] on CUDA (group G,
+                          default 64)
                           A weight the int4 kernels cannot take (out % 16 or in % 32 nonzero) is stored as int8;
                           its weight meta says "format": "int8".
         (double_quant applies to nf4/fp4 only and is ignored otherwise.)
@@ -35,7 +37,7 @@ CONTRACT (used by storage/cache, offload/quant/linear.py and specexec/runtime/of
 
     Lower level, also public:
     quantize_weight(weight [out, in], fmt, dtype, double_quant=False, group=64) -> ({suffix: tensor}, weight meta)
-    dequantize(parts: {suffix: tensor}, weight meta) -> [out, in] in meta's dtype (int4: bf16-rounded values)
+    dequantize(parts: {suffix: tensor}, weight meta) -> [out, in] in meta's dtype (int4 on CUDA: bf16-rounded)
     weight_specs(shape, fmt, dtype, double_quant=False, device="cpu") / layer_specs(specs, fmt, dtype,
         linear_names, double_quant=False, device="cpu"): what quantize_weight / quantize_tensors produce on
         `device`, as {name: (dtype, shape)} + meta, without quantizing (packed sizes for the planner, synthetic
@@ -43,6 +45,7 @@ CONTRACT (used by storage/cache, offload/quant/linear.py and specexec/runtime/of
     packing(fmt, device) -> str | None: what besides the format decides the packed bytes (int4: the kernel's
         layout on that device; int8: its scheme); part of the layer cache's key.
     auto_format(device) -> "int4" on a CPU, "nf4" on CUDA: what --quant auto streams.
+    head_format(layer_fmt, device) -> "int8" | "none": the LM head's format beside such layers.
     Tensors are quantized on the device they are on (CUDA is far faster than bitsandbytes' CPU path).
 """
 from __future__ import annotations
@@ -92,9 +95,17 @@ def check_format(fmt: str) -> str:
 
 
 def auto_format(device: torch.device | str) -> str:
-    """The format --quant auto gives streamed layers: int4 on a CPU (torch's fused kernel reads 4 bits a weight
-    and dequantizes in registers), nf4 on CUDA (bitsandbytes, dequantized while the next layer copies)."""
+    """The format --quant auto gives streamed layers: int4 on a CPU (the integer kernel reads 4 bits a weight
+    and multiplies them with int8 activations), nf4 on CUDA (bitsandbytes, dequantized while the next layer copies)."""
     return AUTO_FORMAT.get(torch.device(device).type, "nf4")
+
+
+def head_format(layer_fmt: str, device: torch.device | str) -> str:
+    """The LM head's format for a model whose decoder layers are `layer_fmt` on `device`: int8 (per channel,
+    the CPU integer kernel) where the layers run the CPU integer kernels (int4, int8), else none (the run
+    dtype). A small model's head is the largest single read of its decode step (151,936 x 1,536 in fp32 is
+    0.93 GB, int8 0.23 GB)."""
+    return "int8" if check_format(layer_fmt) in ("int4", "int8") and torch.device(device).type == "cpu" else "none"
 
 
 def packing(fmt: str, device: torch.device | str = "cpu") -> str | None:
@@ -216,7 +227,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, dtype: torch.dt
 
 
 def dequantize(parts: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
-    """The weight [out, in] in meta's dtype (int4: the kernel's values rounded to bf16), from its parts
+    """The weight [out, in] in meta's dtype (int4 on CUDA: the kernel's values rounded to bf16), from its parts
     ({suffix: tensor} as quantize_weight returns them)."""
     fmt, dtype = meta["format"], parse_dtype(meta["dtype"])
     if fmt == "none":

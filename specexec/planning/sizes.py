@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from offload.quant.linear import kernel_for
-from offload.quant.weights import layer_specs
+from offload.quant.weights import head_format, layer_specs
 from offload.streaming.storage import plan_layout
 
 from specexec.checkpoints.naming import kind_specs, sparse_layer
@@ -52,14 +52,18 @@ def layer_sizes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cp
 @functools.cache
 def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, int]:
     """Bytes a resident Transformer of `args` holds on `device` with its decoder linears quantized to `fmt`
-    (what quantize_module leaves): {"embed", "head" (0 when tied), "norm" (+ RoPE buffer), "layers"}."""
+    (what quantize_module leaves): {"embed", "head" (0 when tied, unless an int8 head is beside it: offload's
+    head_format), "norm" (+ RoPE buffer), "layers"}."""
     per_kind = {}
     for sparse in {sparse_layer(args, i) for i in range(args.n_layers)}:
         shapes, linear = kind_specs(args, sparse)
         specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
         per_kind[sparse] = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
     table = args.vocab_size * args.dim * dtype.itemsize
-    return {"embed": table, "head": 0 if args.tie_word_embeddings else table,
+    head = 0 if args.tie_word_embeddings else table
+    if head_format(fmt, device) == "int8":
+        head = args.vocab_size * (args.dim + 2)                     # int8 codes and a bf16 scale per row
+    return {"embed": table, "head": head,
             "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4,
             "layers": sum(per_kind[sparse_layer(args, i)] for i in range(args.n_layers))}
 

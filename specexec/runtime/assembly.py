@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from offload.quant.linear import quantize_module
+from offload.quant.weights import head_format
 from offload.formats.sources import is_gguf
 from offload.streaming.timing import stream_summary
 
@@ -53,7 +54,7 @@ from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, loa
 from specexec.model import Streams, Transformer
 from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.planning.target import TargetPlan, plan_target
-from specexec.runtime.offloaded import load_target, quantize_layers
+from specexec.runtime.offloaded import load_target, quantize_head, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
 from specexec.runtime.detokenizer import Detokenizer, StopWatcher
 from specexec.runtime.draft_vocab import align_vocab
@@ -101,8 +102,14 @@ def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: b
         model = load_model(path, config.device, config.dtype, allow_pickle)
         params = sum(p.numel() for p in model.parameters())
         quantize_layers(model, quant, row_exact=not draft)
-    dtype += f" ({quant} layers)" if quant != "none" else ""
+    quantize_head(model, quant)
+    dtype += f" ({_formats(quant, device)})" if quant != "none" else ""
     return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
+
+
+def _formats(layer_fmt: str, device: torch.device) -> str:
+    """'int4 layers, int8 head' (what the load line and --json say a quantized model computes with)."""
+    return f"{layer_fmt} layers" + (", int8 head" if head_format(layer_fmt, device) == "int8" else "")
 
 
 def _plannable(path: Path, offload: OffloadConfig) -> bool:
@@ -168,7 +175,7 @@ def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: Off
     dtype = resolve_dtype(config.dtype, device)
     model = load_target(path, args, target_plan, offload, device, dtype)
     params = sum(math.prod(s) for s in expected_shapes(args).values())
-    name = f"{str(dtype).removeprefix('torch.')} ({target_plan.fmt} layers)"
+    name = f"{str(dtype).removeprefix('torch.')} ({_formats(target_plan.fmt, device)})"
     return model, ModelInfo(path, args, params, name, config.device, time.perf_counter() - t0)
 
 

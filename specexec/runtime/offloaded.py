@@ -1,6 +1,7 @@
 """OffloadedTransformer: a Transformer whose decoder layers come from offload's LayerPager instead of memory.
 
-Embeddings, final norm and LM head are resident (run dtype, on the device); each decoder layer lives packed
+Embeddings, final norm and LM head are resident (run dtype, on the device; the head int8 where the layers run the
+CPU integer kernels, `quantize_head`); each decoder layer lives packed
 (quantized or not) in one of the pager's tiers: resident on the device, in a RAM region, or in the on-disk
 layer cache. `layer_modules()` walks the pager: a streamed layer is bound (quant.bind_module, views only, no
 allocation) to the Block of the slot it arrived in; a resident layer has its own Block bound once. forward,
@@ -27,8 +28,8 @@ import torch
 from torch import nn
 
 from offload.cache.store import LayerCache
-from offload.quant.linear import bind_module, quantize_module, swap_linears
-from offload.quant.weights import device_problem
+from offload.quant.linear import QuantLinear, bind_module, quantize_module, swap_linears
+from offload.quant.weights import device_problem, head_format, quantize_weight
 from offload.streaming.pager import LayerPager, build_pager
 from offload.streaming.storage import LayerLayout, unpack_layer
 
@@ -185,7 +186,21 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
     model.kv_streamed = tuple(p.companions_streamed)   # their KV rows travel with them (KVCache streamed layers)
     model.plan_fingerprint = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}" + (
         f"|kv {p.companions_streamed}" if p.companions_streamed else "")
+    quantize_head(model, target_plan.fmt)
     return model
+
+
+def quantize_head(model: Transformer, layer_fmt: str) -> None:
+    """Give `model` the LM head its layer format calls for (offload.quant.weights.head_format): an int8 copy of
+    the head (the embedding when tied; the embedding table itself stays for lookups) computed by the CPU
+    integer kernel, as `model.lm_head`. Row-exact like the layers, so the target's tree pass and one-token
+    pass still agree; the fp32 head of an untied model is freed."""
+    weight = model.head_weight
+    if head_format(layer_fmt, weight.device) == "none" or isinstance(model._modules.get("lm_head"), QuantLinear):
+        return
+    head = QuantLinear(weight.shape[1], weight.shape[0], False, "int8", weight.dtype)
+    head.set_parts(*quantize_weight(weight.detach(), "int8", weight.dtype), None)
+    model.lm_head = head.eval()
 
 
 def quantize_layers(model: Transformer, fmt: str, row_exact: bool = True) -> None:

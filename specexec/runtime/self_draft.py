@@ -78,7 +78,7 @@ class SelfDraft(Transformer):
         self.embed_tokens = target.embed_tokens
         self.layers = nn.ModuleList(blocks)
         self.norm = target.norm
-        if not args.tie_word_embeddings:
+        if target._modules.get("lm_head") is not None:         # untied, or a quantized head (quantize_head)
             self.lm_head = target.lm_head
         self.init_rope(target.norm.weight.device, like=target)
         self.layer_ids, self.fmt, self.shared = tuple(layer_ids), fmt, tuple(shared)

@@ -134,7 +134,7 @@ def test_budget_lists() -> None:
     assert parse_budget_list("16,auto", auto_supported=True) == (16, "auto")
     with pytest.raises(ConfigError, match="budget tuner"):
         parse_budget_list("auto", auto_supported=False)
-    assert set(CONFIG_KINDS) == {"specexec", "no-draft", "hf-offload", "hf-assisted"}
+    assert set(CONFIG_KINDS) == {"specexec", "no-draft", "hf-offload", "hf-assisted", "llama.cpp"}
 
 
 def test_stream_bench_still_has_its_subcommand(capsys) -> None:

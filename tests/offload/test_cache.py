@@ -19,7 +19,8 @@ import torch
 
 from cli.main import main
 from offload.cache import store as C
-from offload.cache.identity import cache_dir_for, default_cache_root, options_of
+from offload.cache.identity import cache_dir_for, options_of
+from offload.cache.root import default_cache_root
 from offload.cache.reading import _VERIFIED, aligned_empty
 from offload.cache.manifest import CacheCorruptError, CacheError
 from offload.platform import facilities

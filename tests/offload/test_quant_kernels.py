@@ -1,8 +1,9 @@
-"""torch's weight-only kernels behind --quant int4 / int8 (offload/quant/int4.py, offload/quant/int8.py) and the kernel
-choice (quant.kernel_for): int4's error against NF4's per group size, rows that do not depend on the batch (bit for bit,
-any number of rows, any thread count), no dequantization on the CPU, an fp32 residual stream around bf16 kernels, int4's
-int8 fallback for shapes its kernel cannot take, packings from another machine refused, the packing in the layer cache's
-key, what a pass moves (pass_traffic), and on a GPU: the CUDA int4 kernel and the draft's fused NF4.
+"""The kernels behind --quant int4 / int8 (offload/quant/int4.py, offload/quant/int8.py: specexec's integer kernels on
+the CPU, torch's on CUDA) and the kernel choice (quant.kernel_for): int4's error against NF4's per group size, rows that
+do not depend on the batch (bit for bit, any number of rows, any thread count), no dequantization on the CPU, an fp32
+residual stream in and out, int4's int8 fallback for shapes its kernel cannot take, packings of another layout
+refused, the packing in the layer cache's key, what a pass moves (pass_traffic), and on a GPU: the CUDA int4 kernel
+and the draft's fused NF4. The CPU kernels against their pure-torch twin: tests/offload/test_cpu_kernels.py.
 """
 from __future__ import annotations
 
@@ -86,22 +87,24 @@ def test_cpu_kernel_formats_never_dequantize(monkeypatch: pytest.MonkeyPatch, fm
     for mod in (quant, int4, int8):
         real = mod.dequantize
         monkeypatch.setattr(mod, "dequantize", lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
-    assert q.kernel() == f"{fmt}pack"
+    assert q.kernel() == f"{fmt}-cpu"
     for rows in (1, 64):
         q(torch.randn(rows, 512))
     assert calls == []
 
 
-def test_the_residual_stream_stays_fp32_around_bf16_kernels() -> None:
-    """x fp32 in, fp32 out (cast at the call's boundary); the kernel sees bf16-rounded x, nothing else is bf16."""
+def test_the_residual_stream_stays_fp32_through_the_cpu_kernels() -> None:
+    """x fp32 in, fp32 out: the CPU kernels read fp32 activations and write fp32 results (no bf16 rounding on
+    either side); bf16 in gives bf16 out."""
     q = _qlinear("int4", (256, 512), bias=False)
     x = torch.randn(3, 512)
     y = q(x)
     assert y.dtype == torch.float32
-    assert torch.equal(y, q(x.bfloat16().float()))                     # the kernel's input is bf16-rounded x
-    assert torch.equal(y, y.bfloat16().float())                        # its bf16 output, cast back exactly
+    assert not torch.equal(y, y.bfloat16().float())                    # not a bf16 result cast back
+    assert q(x.bfloat16()).dtype == torch.bfloat16
     qb = _qlinear("int4", (256, 512), bias=True)
-    assert qb.bias.dtype == torch.float32 and torch.equal(qb(x), (qb(x) - qb.bias) + qb.bias)
+    assert qb.bias.dtype == torch.float32
+    torch.testing.assert_close(qb(x), q(x) + qb.bias, rtol=1e-5, atol=1e-5)
     block = nn.Sequential(nn.LayerNorm(512), nn.Linear(512, 256))
     quant.quantize_module(block, "int4", torch.float32)
     assert block[0].weight.dtype == torch.float32 and block(x).dtype == torch.float32
@@ -150,8 +153,9 @@ def test_packing_is_part_of_the_layer_cache_key(monkeypatch: pytest.MonkeyPatch,
 
 def test_kernel_choice() -> None:
     """The target (row_exact) never gets a kernel whose rows depend on the batch; the draft gets fused ones."""
-    table = {("none", "cpu", True): "linear", ("int4", "cpu", True): "int4pack", ("int4", "cuda", True): "int4pack",
-             ("int8", "cpu", True): "int8pack", ("int8", "cuda", True): "dequantize",
+    table = {("none", "cpu", True): "linear", ("int4", "cpu", True): "int4-cpu", ("int4", "cuda", True): "int4pack",
+             ("int8", "cpu", True): "int8-cpu", ("int8", "cpu", False): "int8-cpu",
+             ("int8", "cuda", True): "dequantize",
              ("nf4", "cpu", True): "dequantize", ("nf4", "cpu", False): "dequantize",
              ("nf4", "cuda", True): "dequantize", ("fp4", "cuda", True): "dequantize",
              ("nf4", "cuda", False): "bnb-4bit", ("fp4", "cuda", False): "bnb-4bit"}
@@ -166,8 +170,8 @@ def test_pass_traffic_counts_what_each_kernel_moves() -> None:
     n, k = 256, 512
     for fmt, kernel, weight, dequant in (("none", "linear", 4 * n * k, 0),
                                          ("nf4", "dequantize", n * k // 2 + 4 * (n * k // 64) + 64, 2 * 4 * n * k),
-                                         ("int8", "int8pack", n * k + 2 * n, 0),
-                                         ("int4", "int4pack", n * k // 2 + 2 * 2 * n * (k // 64), 0)):
+                                         ("int8", "int8-cpu", n * k + 2 * n, 0),
+                                         ("int4", "int4-cpu", n * k // 2 + 2 * 2 * n * (k // 64), 0)):
         module = nn.Sequential(nn.Linear(k, n), nn.Linear(k, n))
         quant.quantize_module(module, fmt, torch.float32)
         t = quant.pass_traffic(module)
@@ -197,14 +201,17 @@ def test_draft_quant_marks_the_draft_not_row_exact(tiny_llama) -> None:
 
 def test_bench_stream_runs_int4_layers_through_the_int4_kernel(monkeypatch, capsys, tmp_path) -> None:
     """`bench stream --quant int4`: random packed codes of the real layout, streamed from the SSD tier, every
-    linear through torch's int4 kernel (none dequantized), every byte of the layers streamed once per pass."""
+    linear through the int4 kernel (none dequantized), every byte of the layers streamed once per pass."""
     import json
 
     from cli.main import main
 
+    from offload.quant.cpu_kernels.ops import BoundLinear
+
     calls = {"dequantize": 0, "int4": 0}
-    real_mm, real_dq = int4.matmul, qweights.dequantize
-    monkeypatch.setattr(int4, "matmul", lambda *a: calls.__setitem__("int4", calls["int4"] + 1) or real_mm(*a))
+    real_mm, real_dq = BoundLinear.__call__, qweights.dequantize
+    monkeypatch.setattr(BoundLinear, "__call__", lambda self, *a: calls.__setitem__(
+        "int4", calls["int4"] + (self.kind == "q4")) or real_mm(self, *a))
     monkeypatch.setattr(quant, "dequantize",
                         lambda *a: calls.__setitem__("dequantize", calls["dequantize"] + 1) or real_dq(*a))
     argv = ["bench", "stream", "--synthetic", "1b", "--quant", "int4", "--layers", "2", "--distinct", "1",

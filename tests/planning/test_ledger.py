@@ -25,7 +25,7 @@ from specexec.planning.sizes import layer_bytes, weight_bytes
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.checkpoints.naming import layer_names
 from specexec.planning.sizes import module_bytes
-from specexec.runtime.offloaded import quantize_layers
+from specexec.runtime.offloaded import quantize_head, quantize_layers
 from specexec.runtime.assembly import Runtime
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -187,7 +187,7 @@ def test_plan_flag_errors_are_one_line(capsys, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ real objects
 
-@pytest.mark.parametrize("fmt", ["none", "nf4", "int8"])
+@pytest.mark.parametrize("fmt", ["none", "nf4", "int8", "int4"])
 def test_config_only_sizes_equal_the_real_objects(tiny_pair, fmt: str) -> None:
     """layer_bytes = the layer cache's layouts (from the checkpoint's headers); weight_bytes = a loaded,
     quantized model's parameters and buffers; kv_bytes = a KVCache's."""
@@ -199,6 +199,7 @@ def test_config_only_sizes_equal_the_real_objects(tiny_pair, fmt: str) -> None:
     assert {lay.nbytes for lay in layouts} == {layer_bytes(args, fmt, torch.float32)}
     model = load_model(draft)
     quantize_layers(model, fmt)
+    quantize_head(model, fmt)
     assert sum(weight_bytes(read_args(draft), fmt, torch.float32).values()) == module_bytes(model)
     a = read_args(draft)
     assert kv_bytes(a, 77, 4) == KVCache(a.n_layers, a.n_kv_heads, a.head_dim, 77, torch.float32, "cpu").nbytes

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cli.main import main
 from offload.quant.linear import QuantLinear
@@ -196,7 +197,7 @@ def test_quant_auto_is_none_while_resident_and_int4_once_streaming_on_a_cpu(tiny
                             offload=OffloadConfig(offload="ram", cache_dir=str(cache_root)))
     assert streamed.plan.fmt == "int4" and isinstance(streamed.engine.target, OffloadedTransformer)
     layer = next(streamed.engine.target.layer_modules())[1]
-    assert layer.mlp.up_proj.kernel() == "int4pack" and layer.input_layernorm.weight.dtype == torch.float32
+    assert layer.mlp.up_proj.kernel() == "int4-cpu" and layer.input_layernorm.weight.dtype == torch.float32
     forced = Runtime.load(str(tiny_pair[0]), None, config,
                           offload=OffloadConfig(offload="ram", quant="none", cache_dir=str(cache_root)))
     assert forced.plan.fmt == "none" and ids_of(forced, n=4) == ids_of(plain, n=4)
@@ -209,7 +210,7 @@ def test_draft_quant_keeps_greedy_output(tiny_pair, tiny_perturbed_draft, cache_
     rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
                       offload=OffloadConfig(draft_quant=fmt, cache_dir=str(cache_root)))
     up = rt.engine.draft.layers[0].mlp.up_proj
-    assert isinstance(up, QuantLinear) and up.kernel() == f"{fmt}pack" and not up.row_exact
+    assert isinstance(up, QuantLinear) and up.kernel() == f"{fmt}-cpu" and not up.row_exact
     assert f"{fmt} layers" in rt.draft_info.dtype and rt.draft_info.dtype.startswith("float32")   # fp32 on CPU
     assert ids_of(rt) == ids_of(base)
 
@@ -339,3 +340,17 @@ def test_cuda_runtime_streams_and_matches(tiny_pair, tiny_perturbed_draft, cache
     b = Runtime.load(target, draft, config, offload=OffloadConfig(offload="ssd", **common))
     assert ids_of(a) == ids_of(b)
     assert b.stats()["bytes_streamed"] > 0
+
+
+def test_an_int4_target_on_a_cpu_computes_its_head_in_int8(tiny_qwen2_tied, cache_root) -> None:
+    """Beside int4/int8 layers on a CPU the LM head is an int8 copy run by the integer kernel (the tied
+    embedding stays for lookups): logits close to the fp32 head's, the same bits for a row in any batch."""
+    rt = Runtime.load(str(tiny_qwen2_tied), None, EngineConfig(budget=4, max_new_tokens=4),
+                      offload=OffloadConfig(quant="int4", cache_dir=str(cache_root)))
+    model = rt.engine.target
+    head = model.lm_head
+    assert isinstance(head, QuantLinear) and head.kernel() == "int8-cpu" and "int8 head" in rt.target_info.dtype
+    h = torch.randn(5, model.args.dim, generator=torch.Generator().manual_seed(0))
+    got, fp32 = model.logits(h), F.linear(h, model.embed_tokens.weight)
+    assert ((got - fp32).norm() / fp32.norm()).item() < 0.02
+    assert torch.equal(model.logits(h[2:3]), got[2:3])

@@ -1,0 +1,531 @@
+/* specexec's CPU linears: 4-bit and 8-bit weights times int8 activations quantized on the fly, with integer
+ * dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C), threaded over output rows with OpenMP
+ * (the libgomp torch already loaded, so torch's own thread pool runs them).
+ *
+ * Weights (offload/quant/cpu_kernels/__init__.py documents the layouts; offload/quant/int4.py and int8.py
+ * make them once, when a layer is quantized):
+ *   q4: codes uint8 [N, K/2]: group g of G weights (G = 32, 64, 128) is the G/2 bytes at g*G/2; byte j holds
+ *       weight g*G + j in its low nibble and g*G + G/2 + j in its high one. sz bf16 [N, K/G, 2] = (s, z) per
+ *       group: w = (q - 8) * s + z.
+ *   q8: codes int8 [N, K], scale bf16 [N]: w = q * s.
+ * Activations: each row of x is cut into blocks of B values (q4: B = G; q8: B = 64) and each block gets
+ * d = amax / 127 and codes round_half_even(x * (127 / amax)) in [-127, 127] (exactly what torch's ops compute
+ * in fp32: the pure-torch reference reproduces them bit for bit).
+ * y[m, n] = sum over blocks of d * s * (integer dot) + (zero terms) + bias[n], in one fixed order of fp32
+ * operations per (m, n) whatever M, the thread count or the tile a row falls in: a row's result never depends
+ * on the other rows (the target's tree pass gives the same bits as its one-token pass).
+ *
+ * Does not know: torch, tensors, modules, files; Python hands it raw pointers (ctypes).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define SX_AVX512 1
+#include <immintrin.h>
+#define CB 64                   /* code bytes per chunk: one zmm */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SX_AVX2 1
+#include <immintrin.h>
+#define CB 32                   /* one ymm */
+#else
+#define CB 32
+#endif
+#define LANES (CB / 4)          /* int32 lanes of a chunk's dot product */
+#define MT 8                    /* activation rows per pass over a weight row (the rest: more passes) */
+#define Q8B 64                  /* activation block of the q8 kernel */
+
+const char *sx_isa(void) {
+#if SX_AVX512
+    return "avx512vnni";
+#elif SX_AVX2
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+int sx_chunk_bytes(void) { return CB; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if SX_AVX2
+static inline float hsum256(__m256 v) {                  /* a fixed pairwise order */
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
+static inline uint16_t f32_to_bf16(float f) {            /* round to nearest even, as torch's .to(bf16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);     /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ------------------------------------------------------------------------------------------ activations */
+
+/* One block of n values (fp32) -> codes q[n], d and d * sum(q). The vector paths give the same codes as the
+ * scalar one (max is exact, then the same fp32 multiply and round-half-even conversion), so a partial block at
+ * the end of a row may take the scalar path. */
+static void quant_block(const float *x, int n, int8_t *q, float *d, float *ds) {
+    float amax = 0.0f;
+    int sum = 0;
+#if SX_AVX512
+    if (n % 16 == 0) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+        amax = _mm512_reduce_max_ps(mx);
+        __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), acc = _mm512_setzero_si512();
+        for (int i = 0; i < n; i += 16) {
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), id));   /* MXCSR: nearest-even */
+            v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+            _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(v));
+            acc = _mm512_add_epi32(acc, v);
+        }
+        sum = _mm512_reduce_add_epi32(acc);
+        *d = amax / 127.0f;
+        *ds = *d * (float)sum;
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < n; i++) {
+        float v = nearbyintf(x[i] * id);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        q[i] = (int8_t)v;
+        sum += (int)v;
+    }
+    *d = amax / 127.0f;
+    *ds = *d * (float)sum;
+}
+
+/* Scratch of the calling thread (grown, never shrunk: no allocation once the largest call has been seen). */
+static __thread uint8_t *scratch;
+static __thread size_t scratch_size;
+
+static void *scratch_get(size_t n) {
+    if (n > scratch_size) {
+        free(scratch);
+        scratch = aligned_alloc(64, (n + 63) / 64 * 64);
+        scratch_size = scratch ? n : 0;
+    }
+    return scratch;
+}
+
+/* Quantized activations of M rows: per row `kp` code bytes (zero-padded; q4: in the kernel's order), per block
+ * d and d * sum(q) (ds), and per chunk the LANES-wide vector of each lane's d (dl). */
+typedef struct {
+    int8_t *q;
+    float *d, *ds, *dl;
+    int64_t kp, nb, nc;
+} Acts;
+
+/* Row m of x (fp32 or bf16) as fp32: x itself, or converted into buf[K]. */
+static const float *row_f32(const void *x, int bf16, int64_t m, int64_t K, float *buf) {
+    if (!bf16) return (const float *)x + m * K;
+    const uint16_t *h = (const uint16_t *)x + m * K;
+    for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
+    return buf;
+}
+
+/* The block of lane l's first byte, relative to the chunk's first block (q4: code bytes, blocks of B/2 bytes;
+ * q8: activations, blocks of B): the same for every chunk, as chunks and blocks nest. */
+static int lane_block(int l, int B, int q4) {
+    int per = q4 ? B / 2 : B;
+    return CB >= per ? 4 * l / per : 0;
+}
+
+/* q4 order: chunk c of CB code bytes reads 2*CB activations, [CB for the low nibbles][CB for the high ones];
+ * code byte b = c*CB + p is in block g = b / (B/2) at j = b % (B/2). A block's halves are copied in runs. */
+static void place_q4(int8_t *qr, const int8_t *blk, int64_t b, int n, int B) {
+    int half = B / 2, run = half < CB ? half : CB;
+    for (int r = 0; r < half && r < n; r += run) {
+        int64_t byte = (int64_t)b * half + r, c = byte / CB, p = byte % CB;
+        int lo = n - r < run ? n - r : run, hi = n - half - r < run ? n - half - r : run;
+        memcpy(qr + c * 2 * CB + p, blk + r, (size_t)lo);
+        if (hi > 0) memcpy(qr + c * 2 * CB + CB + p, blk + half + r, (size_t)hi);
+    }
+}
+
+static int quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int B, int q4, Acts *a) {
+    int64_t nb = (K + B - 1) / B;
+    int64_t kp = q4 ? (K / 2 + CB - 1) / CB * CB * 2 : (K + CB - 1) / CB * CB;
+    int64_t nc = q4 ? kp / (2 * CB) : kp / CB;
+    size_t need = (size_t)(M * kp) + 4 * (size_t)(2 * M * nb + M * nc * LANES + K + B) + 256;
+    uint8_t *s = scratch_get(need);
+    if (!s) return -1;
+    a->q = (int8_t *)s;
+    a->d = (float *)(s + (M * kp + 63) / 64 * 64);
+    a->ds = a->d + M * nb;
+    a->dl = a->ds + M * nb;
+    float *fbuf = a->dl + M * nc * LANES;
+    int8_t *blk = (int8_t *)(fbuf + K);
+    a->kp = kp, a->nb = nb, a->nc = nc;
+    memset(a->q, 0, (size_t)(M * kp));
+    int rel[LANES];
+    for (int l = 0; l < LANES; l++) rel[l] = lane_block(l, B, q4);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = row_f32(x, bf16, m, K, fbuf);
+        int8_t *qr = a->q + m * kp;
+        float *d = a->d + m * nb, *ds = a->ds + m * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            int n = (int)((b + 1) * B <= K ? B : K - b * B);
+            quant_block(xr + b * B, n, q4 ? blk : qr + b * B, d + b, ds + b);
+            if (q4) place_q4(qr, blk, b, n, B);
+        }
+        for (int64_t c = 0; c < nc; c++) {               /* lane l of chunk c: block first(c) + rel[l] */
+            int64_t first = q4 ? c * CB / (B / 2) : c * CB / B;
+            float *dl = a->dl + (m * nc + c) * LANES;
+            for (int l = 0; l < LANES; l++) dl[l] = first + rel[l] < nb ? d[first + rel[l]] : 0.0f;
+        }
+    }
+    return 0;
+}
+
+static inline void store(void *out, int out_bf16, int64_t i, float v) {
+    if (out_bf16) ((uint16_t *)out)[i] = f32_to_bf16(v);
+    else ((float *)out)[i] = v;
+}
+
+static inline float bias_at(const void *bias, int bias_bf16, int64_t n) {
+    if (!bias) return 0.0f;
+    return bias_bf16 ? bf16_to_f32(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+}
+
+/* ------------------------------------------------------------------------------------------ q4 rows */
+
+/* What every row of one call shares. */
+typedef struct {
+    const Acts *a;
+    int64_t K, ng, nbytes, half, full;   /* full: chunks with all CB code bytes */
+    int gpc;                            /* groups whose (s, z) a chunk reads */
+    const void *bias;
+    int bias_bf16, out_bf16;
+    void *out;
+    int64_t N;
+    int sel[16];                        /* lane -> index of its group's s among the chunk's (s, z) pairs */
+} Q4Call;
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#if !SX_AVX512
+/* Zero terms of one weight row, plain C: sum over groups of (z - 8 s) * ds, for mt activation rows. */
+ALWAYS_INLINE void q4_zero_terms(const uint16_t *sz, int64_t ng, const Acts *a, int64_t m0, const int mt,
+                                 float *zt) {
+    for (int i = 0; i < mt; i++) zt[i] = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        float mz = fmaf(-8.0f, bf16_to_f32(sz[2 * g]), bf16_to_f32(sz[2 * g + 1]));
+        for (int i = 0; i < mt; i++) zt[i] = fmaf(mz, a->ds[(m0 + i) * a->nb + g], zt[i]);
+    }
+}
+#endif
+
+/* y for weight row n and activation rows m0 .. m0 + MTC - 1 (MTC a compile-time constant after inlining):
+ * main terms sum over chunks and lanes of s * d * dot, then the zero terms sum over groups of (z - 8 s) * ds. */
+ALWAYS_INLINE void q4_tile(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t n, int64_t m0,
+                           const int MTC) {
+    const Acts *a = k->a;
+    float res[MT], zt[MT];
+#if SX_AVX512
+    __m512 acc[MT];
+    for (int i = 0; i < MTC; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i sel = _mm512_loadu_si512(k->sel), lo4 = _mm512_set1_epi8(0x0f);
+    for (int64_t c = 0; c < a->nc; c++) {
+        int64_t b0 = c * CB, g0 = b0 / k->half;
+        __m512i w;
+        __m128i pr;
+        if (c < k->full) {
+            w = _mm512_loadu_si512(codes + b0);
+            pr = _mm_maskz_loadu_epi16((__mmask8)((1u << (2 * k->gpc)) - 1), sz + 2 * g0);
+        } else {                                          /* the last, partial chunk: masked loads */
+            int64_t left = k->nbytes - b0, gl = k->ng - g0 < k->gpc ? k->ng - g0 : k->gpc;
+            w = _mm512_maskz_loadu_epi8((((__mmask64)1 << left) - 1), codes + b0);
+            pr = _mm_maskz_loadu_epi16((__mmask8)((1u << (2 * gl)) - 1), sz + 2 * g0);
+        }
+        __m512i wl = _mm512_and_si512(w, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4);
+        __m512 s8 = _mm512_castps256_ps512(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(pr), 16)));
+        __m512 sv = _mm512_permutexvar_ps(sel, s8);
+        for (int i = 0; i < MTC; i++) {
+            const int8_t *xq = a->q + (m0 + i) * a->kp + c * 2 * CB;
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_load_si512(xq));
+            dot = _mm512_dpbusd_epi32(dot, wh, _mm512_load_si512(xq + CB));
+            __m512 sd = _mm512_mul_ps(sv, _mm512_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[i]);
+        }
+    }
+    for (int i = 0; i < MTC; i++) res[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < MTC; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < k->ng; g += 16) {
+        __mmask16 mk = k->ng - g >= 16 ? 0xffff : (__mmask16)((1u << (k->ng - g)) - 1);
+        __m512i p2 = _mm512_maskz_loadu_epi32(mk, sz + 2 * g);
+        __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(p2, 16));
+        __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p2, _mm512_set1_epi32((int)0xffff0000u)));
+        __m512 mz = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+        for (int i = 0; i < MTC; i++)
+            acc[i] = _mm512_fmadd_ps(mz, _mm512_maskz_loadu_ps(mk, a->ds + (m0 + i) * a->nb + g), acc[i]);
+    }
+    for (int i = 0; i < MTC; i++) zt[i] = _mm512_reduce_add_ps(acc[i]);
+#elif SX_AVX2
+    __m256 acc[MT];
+    for (int i = 0; i < MTC; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i sel = _mm256_loadu_si256((const __m256i *)k->sel), lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < a->nc; c++) {
+        int64_t b0 = c * CB, g0 = b0 / k->half;
+        __m256i w;
+        uint16_t prs[8] = {0};
+        if (c < k->full) {
+            w = _mm256_loadu_si256((const __m256i *)(codes + b0));
+            memcpy(prs, sz + 2 * g0, (size_t)(4 * k->gpc));
+        } else {
+            uint8_t tmp[32] = {0};
+            int64_t left = k->nbytes - b0, gl = k->ng - g0 < k->gpc ? k->ng - g0 : k->gpc;
+            memcpy(tmp, codes + b0, (size_t)left);
+            w = _mm256_loadu_si256((const __m256i *)tmp);
+            memcpy(prs, sz + 2 * g0, (size_t)(4 * gl));
+        }
+        __m256i wl = _mm256_and_si256(w, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), lo4);
+        __m256i p32 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)prs)), 16);
+        __m256 sv = _mm256_permutevar8x32_ps(_mm256_castsi256_ps(p32), sel);
+        for (int i = 0; i < MTC; i++) {
+            const int8_t *xq = a->q + (m0 + i) * a->kp + c * 2 * CB;
+            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_load_si256((const __m256i *)xq)),
+                                         _mm256_maddubs_epi16(wh, _mm256_load_si256((const __m256i *)(xq + CB))));
+            __m256i dot = _mm256_madd_epi16(p, ones);
+            __m256 sd = _mm256_mul_ps(sv, _mm256_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sd, acc[i]);
+        }
+    }
+    for (int i = 0; i < MTC; i++) res[i] = hsum256(acc[i]);
+    q4_zero_terms(sz, k->ng, a, m0, MTC, zt);
+#else
+    float acc[MT][LANES];
+    memset(acc, 0, sizeof acc);
+    for (int64_t c = 0; c < a->nc; c++)
+        for (int l = 0; l < LANES; l++) {
+            int64_t b0 = c * CB + 4 * l;
+            if (b0 >= k->nbytes) break;
+            float s = bf16_to_f32(sz[2 * (b0 / k->half)]);
+            for (int i = 0; i < MTC; i++) {
+                const int8_t *xq = a->q + (m0 + i) * a->kp + c * 2 * CB;
+                int dot = 0;
+                for (int t = 0; t < 4; t++) {
+                    uint8_t w = codes[b0 + t];
+                    dot += (w & 15) * xq[4 * l + t] + (w >> 4) * xq[CB + 4 * l + t];
+                }
+                float sd = s * a->dl[((m0 + i) * a->nc + c) * LANES + l];
+                acc[i][l] = fmaf((float)dot, sd, acc[i][l]);
+            }
+        }
+    for (int i = 0; i < MTC; i++) {
+        float t = 0.0f;
+        for (int l = 0; l < LANES; l++) t += acc[i][l];
+        res[i] = t;
+    }
+    q4_zero_terms(sz, k->ng, a, m0, MTC, zt);
+#endif
+    float bn = bias_at(k->bias, k->bias_bf16, n);
+    for (int i = 0; i < MTC; i++) store(k->out, k->out_bf16, (m0 + i) * k->N + n, res[i] + zt[i] + bn);
+}
+
+/* Every activation row against weight row n, in tiles of MT (each tile size its own unrolled copy). */
+static void q4_rows(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t n, int64_t M) {
+    int64_t m0 = 0;
+    for (; m0 + MT <= M; m0 += MT) q4_tile(k, codes, sz, n, m0, MT);
+    switch (M - m0) {
+    case 1: q4_tile(k, codes, sz, n, m0, 1); break;
+    case 2: q4_tile(k, codes, sz, n, m0, 2); break;
+    case 3: q4_tile(k, codes, sz, n, m0, 3); break;
+    case 4: q4_tile(k, codes, sz, n, m0, 4); break;
+    case 5: q4_tile(k, codes, sz, n, m0, 5); break;
+    case 6: q4_tile(k, codes, sz, n, m0, 6); break;
+    case 7: q4_tile(k, codes, sz, n, m0, 7); break;
+    default: break;
+    }
+}
+
+/* y [M, N] = x [M, K] @ W.T (+ bias) for a q4 weight. x, y: fp32 or bf16 (flags); bias: fp32/bf16 or NULL. */
+int sx_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sz,
+                 int64_t N, int G, const void *bias, int bias_bf16, void *out, int out_bf16, int threads) {
+    if (K % G || (G != 32 && G != 64 && G != 128) || M < 0 || N < 0) return -2;
+    Acts a;
+    if (quantize_acts(x, x_bf16, M, K, G, 1, &a)) return -1;
+    Q4Call k = {.a = &a, .K = K, .ng = K / G, .nbytes = K / 2, .half = G / 2, .full = K / 2 / CB,
+                .gpc = CB >= G / 2 ? CB / (G / 2) : 1, .bias = bias, .bias_bf16 = bias_bf16, .out_bf16 = out_bf16,
+                .out = out, .N = N};
+    for (int l = 0; l < 16; l++) k.sel[l] = l < LANES ? 2 * lane_block(l, G, 1) : 0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) q4_rows(&k, codes + n * (K / 2), sz + n * k.ng * 2, n, M);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ q8 rows */
+
+/* sum over chunks of d * dot(q, xq) for one weight row. AVX-512 and plain C read the weight's bytes as q + 128
+ * (xor 0x80: unsigned for vpdpbusd), whose extra Q8_OFFSET * sum(xq) per block the caller subtracts; AVX2
+ * multiplies |q| by xq with q's sign (vpmaddubsw would saturate on q + 128). */
+#if SX_AVX2
+#define Q8_OFFSET 0.0f
+#else
+#define Q8_OFFSET 128.0f
+#endif
+
+typedef struct {
+    const Acts *a;
+    int64_t K, full, N;
+    const float *corr;                  /* Q8_OFFSET * sum of ds per activation row */
+    const uint16_t *scale;
+    const void *bias;
+    int bias_bf16, out_bf16;
+    void *out;
+} Q8Call;
+
+ALWAYS_INLINE void q8_tile(const Q8Call *k, const int8_t *codes, int64_t n, int64_t m0, const int MTC) {
+    const Acts *a = k->a;
+    float res[MT];
+#if SX_AVX512
+    __m512 acc[MT];
+    for (int i = 0; i < MTC; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t c = 0; c < a->nc; c++) {
+        int64_t k0 = c * CB;
+        __m512i w = c < k->full ? _mm512_loadu_si512(codes + k0)
+                                : _mm512_maskz_loadu_epi8((((__mmask64)1 << (k->K - k0)) - 1), codes + k0);
+        w = _mm512_xor_si512(w, flip);                    /* padding: 0x80 * 0 */
+        for (int i = 0; i < MTC; i++) {
+            const int8_t *xq = a->q + (m0 + i) * a->kp + k0;
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(xq));
+            __m512 d = _mm512_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[i]);
+        }
+    }
+    for (int i = 0; i < MTC; i++) res[i] = _mm512_reduce_add_ps(acc[i]);
+#elif SX_AVX2
+    __m256 acc[MT];
+    for (int i = 0; i < MTC; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < a->nc; c++) {
+        int64_t k0 = c * CB;
+        __m256i w;
+        if (c < k->full) {
+            w = _mm256_loadu_si256((const __m256i *)(codes + k0));
+        } else {
+            int8_t tmp[32] = {0};
+            memcpy(tmp, codes + k0, (size_t)(k->K - k0));
+            w = _mm256_loadu_si256((const __m256i *)tmp);
+        }
+        __m256i wa = _mm256_abs_epi8(w);
+        for (int i = 0; i < MTC; i++) {
+            const int8_t *xq = a->q + (m0 + i) * a->kp + k0;
+            __m256i xs = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)xq), w);
+            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
+            __m256 d = _mm256_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i]);
+        }
+    }
+    for (int i = 0; i < MTC; i++) res[i] = hsum256(acc[i]);
+#else
+    float acc[MT][LANES];
+    memset(acc, 0, sizeof acc);
+    for (int64_t c = 0; c < a->nc; c++)
+        for (int l = 0; l < LANES; l++) {
+            int64_t k0 = c * CB + 4 * l;
+            for (int i = 0; i < MTC; i++) {
+                const int8_t *xq = a->q + (m0 + i) * a->kp + k0;
+                int dot = 0;
+                for (int t = 0; t < 4 && k0 + t < k->K; t++) dot += ((int)codes[k0 + t] + 128) * xq[t];
+                acc[i][l] = fmaf((float)dot, a->dl[((m0 + i) * a->nc + c) * LANES + l], acc[i][l]);
+            }
+        }
+    for (int i = 0; i < MTC; i++) {
+        float t = 0.0f;
+        for (int l = 0; l < LANES; l++) t += acc[i][l];
+        res[i] = t;
+    }
+#endif
+    float s = bf16_to_f32(k->scale[n]), bn = bias_at(k->bias, k->bias_bf16, n);
+    for (int i = 0; i < MTC; i++) store(k->out, k->out_bf16, (m0 + i) * k->N + n, s * (res[i] - k->corr[m0 + i]) + bn);
+}
+
+static void q8_rows(const Q8Call *k, const int8_t *codes, int64_t n, int64_t M) {
+    int64_t m0 = 0;
+    for (; m0 + MT <= M; m0 += MT) q8_tile(k, codes, n, m0, MT);
+    switch (M - m0) {
+    case 1: q8_tile(k, codes, n, m0, 1); break;
+    case 2: q8_tile(k, codes, n, m0, 2); break;
+    case 3: q8_tile(k, codes, n, m0, 3); break;
+    case 4: q8_tile(k, codes, n, m0, 4); break;
+    case 5: q8_tile(k, codes, n, m0, 5); break;
+    case 6: q8_tile(k, codes, n, m0, 6); break;
+    case 7: q8_tile(k, codes, n, m0, 7); break;
+    default: break;
+    }
+}
+
+/* y [M, N] = x [M, K] @ W.T (+ bias) for a q8 weight (per-channel scale). */
+int sx_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *codes, const uint16_t *scale,
+                 int64_t N, const void *bias, int bias_bf16, void *out, int out_bf16, int threads) {
+    if (M < 0 || N < 0 || K <= 0) return -2;
+    Acts a;
+    if (quantize_acts(x, x_bf16, M, K, Q8B, 0, &a)) return -1;
+    float *corr = malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (!corr) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        float t = 0.0f;
+        for (int64_t b = 0; b < a.nb; b++) t += a.ds[m * a.nb + b];
+        corr[m] = Q8_OFFSET * t;
+    }
+    Q8Call k = {.a = &a, .K = K, .full = K / CB, .N = N, .corr = corr, .scale = scale, .bias = bias,
+                .bias_bf16 = bias_bf16, .out_bf16 = out_bf16, .out = out};
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) q8_rows(&k, codes + n * K, n, M);
+    free(corr);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ probes */
+
+/* Reads nbytes at p with `threads` threads (64-byte loads, xor-folded so nothing is optimised away): the
+ * machine's memory read bandwidth when nbytes is far beyond the last-level cache. Returns the fold. */
+uint64_t sx_read(const uint8_t *p, int64_t nbytes, int threads) {
+    uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(^ : total)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t per = nbytes / nt / 64 * 64, b0 = t * per, b1 = t == nt - 1 ? nbytes / 64 * 64 : b0 + per;
+#if SX_AVX512
+        __m512i f0 = _mm512_setzero_si512(), f1 = f0, f2 = f0, f3 = f0;
+        int64_t i = b0;
+        for (; i + 256 <= b1; i += 256) {
+            f0 = _mm512_xor_si512(f0, _mm512_load_si512(p + i));
+            f1 = _mm512_xor_si512(f1, _mm512_load_si512(p + i + 64));
+            f2 = _mm512_xor_si512(f2, _mm512_load_si512(p + i + 128));
+            f3 = _mm512_xor_si512(f3, _mm512_load_si512(p + i + 192));
+        }
+        for (; i < b1; i += 64) f0 = _mm512_xor_si512(f0, _mm512_load_si512(p + i));
+        f0 = _mm512_xor_si512(_mm512_xor_si512(f0, f1), _mm512_xor_si512(f2, f3));
+        uint64_t lanes[8];
+        _mm512_storeu_si512(lanes, f0);
+        for (int l = 0; l < 8; l++) total ^= lanes[l];
+#else
+        uint64_t f[8] = {0};
+        for (int64_t i = b0; i < b1; i += 64)
+            for (int l = 0; l < 8; l++) { uint64_t v; memcpy(&v, p + i + 8 * l, 8); f[l] ^= v; }
+        for (int l = 0; l < 8; l++) total ^= f[l];
+#endif
+    }
+    return total;
+}
