@@ -204,6 +204,21 @@ def test_config_only_sizes_equal_the_real_objects(tiny_pair, fmt: str) -> None:
     assert kv_bytes(a, 77, 4) == KVCache(a.n_layers, a.n_kv_heads, a.head_dim, 77, torch.float32, "cpu").nbytes
 
 
+@pytest.mark.parametrize("fmt", ["none", "int8"])
+def test_moe_sizes_equal_the_layer_cache_layouts(tiny_qwen3_moe, fmt: str) -> None:
+    """An MoE target's per-layer bytes and its dense / per-expert split (planning, from config.json) are the
+    layer cache's layouts from the checkpoint's headers: each expert a region of one size."""
+    from specexec.planning.sizes import expert_split, layer_sizes
+
+    args = read_args(tiny_qwen3_moe)
+    layouts = cache_plan(tiny_qwen3_moe, layer_names(tiny_qwen3_moe, args), fmt, torch.float32, False)
+    assert [lay.nbytes for lay in layouts] == list(layer_sizes(args, fmt, torch.float32))
+    for i, lay in enumerate(layouts):
+        dense, expert = expert_split(args, fmt, torch.float32, "cpu", i)
+        assert dense == lay.dense_nbytes and {r.nbytes for r in lay.regions} == ({expert} if expert else set())
+        assert dense + args.moe.n_experts * expert == lay.nbytes if expert else dense == lay.nbytes
+
+
 def test_runtime_plans_before_loading_and_counts_the_draft_once(tiny_pair, tmp_path, monkeypatch) -> None:
     """The plan is made (and shown) before any weight loads; its draft line equals the loaded draft's bytes."""
     import specexec.runtime.assembly as runtime_mod
