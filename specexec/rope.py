@@ -55,7 +55,7 @@ def _yarn_inv_freq(inv: torch.Tensor, theta: float, d: int, scaling: dict[str, A
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, d - 1)
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001)).clamp(0, 1)
     return inv / factor * ramp + inv * (1 - ramp)
 
 

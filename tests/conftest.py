@@ -160,6 +160,7 @@ MOE_MODELS: dict[str, tuple[str, int, int, dict]] = {
     "qwen3_moe": ("qwen3_moe", 20, 3, {"mlp_only_layers": [1]}),     # 16 experts top-4; layer 1 dense
     "mixtral": ("mixtral", 21, 2, {}),                                # 4 experts top-2
     "olmoe": ("olmoe", 22, 2, {}),                                    # q/k norms over the projections, clip_qkv
+    "gpt_oss": ("gpt_oss", 23, 2, {}),                                # sinks, sliding/full layers, YaRN, biases
 }
 
 
@@ -184,6 +185,21 @@ def tiny_mixtral(tiny_root: Path) -> Path:
 def tiny_olmoe(tiny_root: Path) -> Path:
     """OLMoE, 2 layers, 8 experts of 32, top-2 without renormalising; q/k norms over the projections, clip_qkv 1."""
     return _moe(tiny_root, "olmoe")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tiny_root: Path) -> Path:
+    """gpt-oss, 2 layers (sliding window 8, then full attention), attention sinks, YaRN RoPE, q/k/v/o and
+    router and expert biases, 8 experts of 32 top-2 with the clamped gated activation; experts stored fused."""
+    return _moe(tiny_root, "gpt_oss")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4(tiny_root: Path, tiny_gpt_oss: Path) -> Path:
+    """tiny_gpt_oss with its fused expert weights in MXFP4 (X_blocks/X_scales, quant_method mxfp4), as the
+    Hub's gpt-oss checkpoints store them."""
+    from tests.mxfp4_writer import write_mxfp4
+    return write_mxfp4(tiny_root / "moe-gpt_oss-mxfp4", tiny_gpt_oss)
 
 
 @pytest.fixture(scope="session", params=list(MOE_MODELS))

@@ -128,11 +128,12 @@ def tokenizer_metadata(hf_dir: Path) -> dict:
 
 
 def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = True,
-               kquant: str | None = None) -> Path:
+               kquant: str | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
     """Write hf_dir (a tiny checkpoint) as the GGUF file `dest`; 2-D weights as `qtype`.
 
     kquant: instead of the checkpoint's values, store every 2-D decoder weight as random valid blocks of that
-    K-quant type (needs row lengths that are multiples of 256)."""
+    K-quant type (needs row lengths that are multiples of 256). extra: more tensors under their GGUF names, F32
+    (e.g. a layout the reader must refuse)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -155,6 +156,8 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
         else:
             data, raw = encode(arr, qtype)
         writer.add_tensor(gguf_name(name), data, raw_dtype=raw)
+    for name, arr in (extra or {}).items():
+        writer.add_tensor(name, arr.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

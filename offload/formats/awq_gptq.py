@@ -86,7 +86,8 @@ def parse_quant_config(qc: dict[str, Any], where: str) -> QuantScheme:
     method = str(qc.get("quant_method", "")).lower()
     if method not in METHODS:
         raise CheckpointError(f"{where}: quantization_config quant_method {method or None!r} is not supported; "
-                              "supported: awq (AutoAWQ GEMM), gptq (AutoGPTQ / GPTQModel), or unquantized weights")
+                              "supported: awq (AutoAWQ GEMM), gptq (AutoGPTQ / GPTQModel), mxfp4 (gpt-oss), or "
+                              "unquantized weights")
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
     group = int(qc.get("group_size", qc.get("q_group_size", 128)))
     if group == 0 or group < -1:

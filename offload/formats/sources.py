@@ -1,11 +1,12 @@
-"""Path -> the right checkpoint source: a safetensors directory, an AWQ/GPTQ directory, or a .gguf file.
+"""Path -> the right checkpoint source: a safetensors directory, an AWQ/GPTQ or MXFP4 directory, or a .gguf file.
 
 Every source has the same small interface, which is all the loaders (and the layer cache) need:
 
     names() -> list[str]                 HF tensor names ("model.layers.0.self_attn.q_proj.weight", ...)
     shape(name) -> tuple[int, ...]       the dense shape get() returns
     get(name) -> torch.Tensor            one CPU tensor, dense (quantized formats are dequantized to float32)
-    format: str                          "safetensors" | "awq" | "gptq" | "gguf" (for manifests and messages)
+    format: str                          "safetensors" | "awq" | "gptq" | "mxfp4" | "gguf" (manifests, messages)
+    get_index(name, i) (optional)        get(name)[i] reading only that slice (one expert of a fused tensor)
 
 `tensor_specs(source)` adds the dtype of each tensor (from headers, nothing read) for planning sizes. A .gguf
 source also has config() (a config.json-like dict) and fingerprint() (what offload.cache.identity records of
@@ -24,7 +25,7 @@ import torch
 from offload.formats.awq_gptq import PackedCheckpoint, parse_quant_config, read_quant_config, stored_dtype
 from offload.formats.checkpoint import CheckpointError, SafetensorsCheckpoint
 
-FORMATS = ("safetensors", "awq", "gptq", "gguf")
+FORMATS = ("safetensors", "awq", "gptq", "mxfp4", "gguf")
 GGUF_SUFFIX = ".gguf"
 
 
@@ -50,7 +51,8 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """'gguf' for a GGUF file; for a directory 'awq' / 'gptq' by its quantization config, else 'safetensors'.
+    """'gguf' for a GGUF file; for a directory 'awq' / 'gptq' / 'mxfp4' by its quantization config, else
+    'safetensors'.
     CheckpointError for a quantization method this runtime cannot read."""
     p = Path(path)
     if is_gguf(p):
@@ -60,6 +62,8 @@ def detect_format(path: str | os.PathLike) -> str:
     qc = read_quant_config(p)
     if qc is None:
         return "safetensors"
+    if str(qc.get("quant_method", "")).lower() == "mxfp4":
+        return "mxfp4"
     return parse_quant_config(qc, str(p)).method
 
 
@@ -71,6 +75,9 @@ def open_source(path: str | os.PathLike) -> CheckpointSource:
         return open_gguf(path)
     if fmt in ("awq", "gptq"):
         return PackedCheckpoint(path)
+    if fmt == "mxfp4":
+        from offload.formats.mxfp4 import MXFP4Checkpoint
+        return MXFP4Checkpoint(path)
     ckpt = SafetensorsCheckpoint(path)
     ckpt.format = "safetensors"
     return ckpt

@@ -13,8 +13,9 @@ from specexec.options import ConfigError
 ROPE_KINDS = ("default", "llama3", "linear")
 
 
-def base_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelArgs keyword arguments shared by every family (shape, norm eps, RoPE, ids, tied embeddings)."""
+def base_fields(cfg: dict[str, Any], rope_kinds: tuple[str, ...] = ROPE_KINDS) -> dict[str, Any]:
+    """ModelArgs keyword arguments shared by every family (shape, norm eps, RoPE, ids, tied embeddings);
+    `rope_kinds`: the RoPE scalings the family's checkpoints may name."""
     n_heads = int(cfg["num_attention_heads"])
     dim = int(cfg["hidden_size"])
     rope = cfg.get("rope_parameters") or {}          # transformers >= 5 folds rope_theta in here
@@ -28,7 +29,7 @@ def base_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         intermediate_size=int(cfg["intermediate_size"]),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=rope_scaling(cfg),
+        rope_scaling=rope_scaling(cfg, rope_kinds),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),

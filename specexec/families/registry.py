@@ -13,10 +13,10 @@ from types import ModuleType
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families import llama, mixtral, olmoe, qwen_moe
+from specexec.families import gpt_oss, llama, mixtral, olmoe, qwen_moe
 from specexec.options import ConfigError
 
-FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen_moe, mixtral, olmoe)
+FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen_moe, mixtral, olmoe, gpt_oss)
 
 
 @functools.cache

@@ -1,0 +1,73 @@
+"""Broken mixture-of-experts checkpoints through the real command line, as test_bad_checkpoints.py does for
+dense ones: ONE line `error: ...` naming the checkpoint's own tensor, exit code 2, no traceback, and nothing
+written under the layer-cache root, on the resident, the streamed (`--offload ssd`) and the `convert` paths.
+
+Cases: an expert missing (Qwen3-MoE's per-expert tensors, Mixtral's w1/w2/w3), an expert too many, a router
+of the wrong shape, a fused gpt-oss expert tensor holding another number of experts, an MXFP4 pair with a half
+missing, and a GGUF file whose merged expert tensors (llama.cpp's ffn_*_exps) are a layout we do not read.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error, copy_checkpoint
+from tests.reliability.test_bad_checkpoints import _argv
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _rewrite(path: Path, change: Callable[[dict], None]) -> Path:
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+EXPERT = "model.layers.0.mlp.experts.5.up_proj.weight"
+ROUTER = "model.layers.2.mlp.gate.weight"
+MIXTRAL_W2 = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+FUSED = "model.layers.0.mlp.experts.down_proj"
+
+# name -> (fixture, break it, words the one line must contain)
+CASES: dict[str, tuple[str, Callable[[Path], Path], tuple[str, ...]]] = {
+    "missing expert": ("tiny_qwen3_moe", lambda p: _rewrite(p, lambda t: t.pop(EXPERT)), ("missing tensor", EXPERT)),
+    "expert too many": ("tiny_qwen3_moe", lambda p: _rewrite(p, lambda t: t.update(
+        {"model.layers.0.mlp.experts.16.gate_proj.weight": torch.zeros(32, 64)})),
+        ("unexpected tensor", "model.layers.0.mlp.experts.16.gate_proj.weight")),
+    "router of the wrong shape": ("tiny_qwen3_moe", lambda p: _rewrite(p, lambda t: t.update(
+        {ROUTER: torch.zeros(17, 64)})), (ROUTER, "[17, 64]", "[16, 64]")),
+    "missing Mixtral w2": ("tiny_mixtral", lambda p: _rewrite(p, lambda t: t.pop(MIXTRAL_W2)),
+                           ("missing tensor", MIXTRAL_W2)),
+    "fused experts of another count": ("tiny_gpt_oss", lambda p: _rewrite(p, lambda t: t.update(
+        {FUSED: t[FUSED][:7].contiguous()})), (FUSED, "[7, 32, 64]", "8 experts")),
+    "MXFP4 pair half missing": ("tiny_gpt_oss_mxfp4", lambda p: _rewrite(p, lambda t: t.pop(FUSED + "_scales")),
+                                (FUSED + "_blocks", "_scales")),
+}
+
+
+@pytest.mark.parametrize("mode", ["generate", "offload", "convert"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_broken_moe_checkpoint_is_one_line_and_caches_nothing(case, mode, cli, cache_root, tmp_path, request):
+    fixture, breaker, needles = CASES[case]
+    model = breaker(copy_checkpoint(request.getfixturevalue(fixture), tmp_path / "ckpt"))
+    assert_one_line_error(cli(*_argv(mode, model, cache_root)), *needles)
+    assert_nothing_cached(cache_root, tmp_path / "xdg-cache")
+
+
+def test_gguf_with_merged_experts_we_do_not_read(cli, cache_root, tiny_llama, tmp_path):
+    """llama.cpp stores a Mixtral's experts merged (blk.N.ffn_gate_exps [E, I, D]) in a 'llama' file: refused
+    with the tensor named, before anything is cached."""
+    pytest.importorskip("gguf")
+    from tests.gguf_writer import write_gguf
+
+    path = write_gguf(tiny_llama, tmp_path / "merged.gguf",
+                      extra={"blk.0.ffn_gate_exps.weight": np.zeros((4, 128, 64), dtype=np.float32)})
+    for mode in ("generate", "convert"):
+        assert_one_line_error(cli(*_argv(mode, path, cache_root)), "blk.0.ffn_gate_exps.weight")
+    assert_nothing_cached(cache_root, tmp_path / "xdg-cache")
