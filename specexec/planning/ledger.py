@@ -46,6 +46,7 @@ from offload.planner import plan
 
 from specexec.config import PREFILL_CHUNK
 from specexec.model import LOGIT_CHUNK
+from specexec.planning.experts import describe_moe, expert_parts, moe_summary
 from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
 from specexec.planning.sizes import (forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes,
                                      weight_bytes)
@@ -116,7 +117,7 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
     return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
                  companion_bytes=(kv,) * t.n_layers, companion_residue=(tail,) * t.n_layers,
-                 companion_name="target KV cache", companions=shape.kv_offload)
+                 companion_name="target KV cache", companions=shape.kv_offload, parts=expert_parts(shape, fmt))
 
 
 def _draft_kv_note(shape: RunShape) -> str:
@@ -198,7 +199,12 @@ class MemoryPlan:
                 + f", {_dtype(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens"
                 + (", KV int8 (LOSSY: no exactness claim)" if s.kv_quant == "int8" else ""))
         streamed = "" if not self.plan.streams else f"; prefill: up to {self.prefill_tokens} tokens per pass"
-        return head + streamed + "\n" + self.plan.describe()
+        moe = self.moe_json()
+        return head + streamed + "\n" + self.plan.describe() + ("\n" + describe_moe(moe) if moe else "")
+
+    def moe_json(self) -> dict | None:
+        """An MoE target's experts, expert cache and per-budget pass prices (planning/experts.py); else None."""
+        return moe_summary(self.plan, self.shape, self.fmt)
 
     def _draft_text(self) -> str:
         s = self.shape
@@ -232,7 +238,7 @@ class MemoryPlan:
                 "prefill_tokens": self.prefill_tokens, "read_ahead": p.read_ahead, "slots": p.n_slots,
                 "budget": self.shape.budget, "context": self.shape.context,
                 "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget, "warnings": list(p.warnings),
-                "kv": self.kv_json(), "self_draft": self.self_json()}
+                "kv": self.kv_json(), "self_draft": self.self_json(), "moe": self.moe_json()}
 
     def kv_json(self) -> dict:
         """Where the target's KV rows live and in what format: per layer on the device or streamed with it,
