@@ -27,10 +27,12 @@ import torch
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
 from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
+from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
-from specexec.profiler import Profiler, Span, StepStat, budget_trace
+from specexec.generation_stats import GenerationStats, PrefillProgress
+from specexec.profiler import Profiler, Span
 from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
@@ -45,61 +47,6 @@ def new_cache(model: Transformer, slots: int, quant: str, tail: int) -> KVCache:
         return model.new_cache(slots, quant, tail)
     a, p = model.args, next(model.parameters())
     return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device, quant=quant)
-
-
-@dataclass
-class PrefillProgress:
-    """How far one model's prefill got (Engine.on_prefill hears it after every pass): `which` model
-    ("target" | "draft"), tokens done of total, passes done of passes, started: time.perf_counter() then."""
-
-    which: str
-    total: int
-    passes: int
-    started: float
-    done: int = 0
-    passes_done: int = 0
-
-    @property
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started
-
-
-@dataclass
-class GenerationStats:
-    """What one generate() call did; filled in as it runs. Its steps are the ledger's (the profiler's step
-    records of this call): one ledger, read here, never kept twice."""
-
-    prompt_tokens: int = 0          # prompt tokens prefilled by this call
-    reused_tokens: int = 0          # prompt tokens whose KV was kept from the previous call (shared prefix)
-    prefill_s: float = 0.0
-    generated: int = 0
-    ledger: Profiler | None = None  # whose step records are this call's steps (None: no steps)
-
-    @property
-    def steps(self) -> list[StepStat]:
-        """Every step of the call with its times (waits for pending CUDA times: not on the step path)."""
-        return self.ledger.steps if self.ledger is not None else []
-
-    @property
-    def decode_s(self) -> float:
-        return sum(s.draft_ms + s.target_ms for s in self.steps) / 1000
-
-    def summary(self, budget: int | str, builder: str) -> dict:
-        steps, decode_s = self.steps, self.decode_s
-        n = max(len(steps), 1)
-        return {
-            "steps": len(steps),
-            "tokens_per_step": round(self.generated / n, 3),
-            "prefill_tok_s": round(self.prompt_tokens / self.prefill_s, 2) if self.prefill_s else None,
-            "decode_tok_s": round(self.generated / decode_s, 2) if decode_s else None,
-            "draft_ms": round(sum(s.draft_ms for s in steps) / n, 2),
-            "target_ms": round(sum(s.target_ms for s in steps) / n, 2),
-            "tree_size": round(sum(s.tree_size for s in steps) / n, 1),
-            "reused_tokens": self.reused_tokens,
-            "budget": budget,
-            "budget_trace": budget_trace(s.budget for s in steps),     # what --budget auto picked, per step
-            "builder": builder,
-        }
 
 
 @dataclass
@@ -119,13 +66,15 @@ class Engine:
     def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
                  builder: TreeBuilder | None, eos_ids: tuple[int, ...] = (),
                  profiler: Profiler | None = None, context: int | None = None,
-                 draft_kv_quant: str | None = None, tuner: BudgetTuner | None = None) -> None:
+                 draft_kv_quant: str | None = None, tuner: BudgetTuner | None = None,
+                 experts: ExpertPasses | None = None) -> None:
         """context: the tokens (prompt + answer) a memory plan reserved KV cache for; the caches are then
         allocated for it at the first generate() (None: sized for each call's need, growing as it grows).
         draft_kv_quant: the draft cache's format when the plan chose one (None: config.kv_quant's).
         tuner: --budget auto's tuner, e.g. holding saved target costs (None: a fresh one; only used with
-        config.auto_budget and a builder). The builder's and the models' optional abilities are checked here,
-        once."""
+        config.auto_budget and a builder). experts: an MoE target's ExpertPasses (its costs and trim mode; None:
+        one that learns and counts with every expert held). The builder's and the models' optional abilities
+        are checked here, once."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
@@ -149,6 +98,12 @@ class Engine:
         self.target_closes = has(target, Closes)
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
+        self.experts = experts or (ExpertPasses(target.args, device=self.device) if target.args.moe else None)
+        if self.experts is not None:
+            self.experts.attach(target)
+            if self.tuner is not None:               # the one cost model gains the MoE term
+                self.tuner.costs.experts = self.experts.expected_seconds
+        self._trims = False                  # this call's trees are trimmed to their experts' worth (generate)
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
         """Caches with room for `total` committed tokens plus what each model writes beyond them
@@ -222,6 +177,8 @@ class Engine:
         self.profiler.begin()
         self.stats = stats = GenerationStats(ledger=self.profiler)
         rule = self.rule_for(sampling)
+        self._trims = (self.experts is not None and self.builder is not None and not rule.needs_draft
+                       and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
             generated: list[int] = []
@@ -308,10 +265,13 @@ class Engine:
         """One decoding step, in its five stages; the target span times verify + commit + observe."""
         cache, draft = state
         drafted = self._draft(draft, root, sampling, rng)
+        counts = self.target.expert_counters() if isinstance(self.target, CountsExperts) else None
         with self.profiler.span("target") as target_span:
             acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng)
             self._commit(drafted.tree, acc, cache, draft)
             self._observe(drafted.tree, acc, hidden)
+            if self.experts is not None:
+                self.experts.observe(drafted.tree, acc.nodes, self.target, self.profiler, counts)
         self._account(drafted, acc, target_span)
         return acc
 
@@ -328,6 +288,8 @@ class Engine:
         budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
         before = draft.passes if draft is not None else 0
         tree = self.builder.build(draft, root, budget, sampling, rng)
+        if self._trims:                              # the nodes worth the experts they pull in
+            tree = self.experts.trim(tree, self.target)
         span.stop()
         return Drafted(tree, budget, draft.passes - before if draft is not None else 0, span)
 
@@ -353,10 +315,13 @@ class Engine:
         times are known (CUDA: events, never waited for here) the tuner and a cost-following builder hear
         them (r = target pass s / draft pass s)."""
         tree, passes = drafted.tree, drafted.passes
+        expert_s = self.experts.last_expert_s if self.experts is not None else 0.0
 
         def timed(draft_s: float, target_s: float) -> None:
             if self.tuner is not None:
-                self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
+                self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s, expert_s)
+            if self.experts is not None:
+                self.experts.observe_times(draft_s)
             if self.follows_costs and passes:
                 self.builder.observe_costs(draft_s, target_s, passes)
 

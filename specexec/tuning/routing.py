@@ -87,7 +87,8 @@ class RoutingStats:
         self.counts = torch.zeros(L, n_experts, dtype=torch.float64, device=self.device)
         self.rows = 0.0                                             # decayed rows seen (per layer, alike)
         self.gamma_sum, self.gamma_weight = 0.0, 0.0                # decayed sum / weight of observed gammas
-        self.alpha_sum, self.alpha_weight = 0.0, 0.0
+        self.alpha_sum = torch.zeros(L, dtype=torch.float64)              # decayed repeats per layer / k
+        self.alpha_weight = 0.0                                               # decayed rows seen before
         self.last = torch.full((TOKEN_BUCKETS, L, top_k), -1, dtype=torch.long, device=self.device)
         self.passes = 0
         self.union_history: list[tuple[int, float]] = []           # (rows, mean union per layer) per pass
@@ -99,12 +100,18 @@ class RoutingStats:
         return (PRIOR_GAMMA * PRIOR_PASSES + self.gamma_sum) / (PRIOR_PASSES + self.gamma_weight)
 
     @property
-    def alpha(self) -> float:
-        """The repeat rate beyond chance: m, the share of a token's last experts its next row has again, is
-        alpha + (1 - alpha) k / E, so alpha = (m - k/E) / (1 - k/E) (0 for routing that ignores the token)."""
+    def alphas(self) -> Tensor:
+        """Per sparse layer [L] the repeat rate beyond chance: m, the share of a token's last experts its next
+        row has again, is alpha + (1 - alpha) k / E, so alpha = (m - k/E) / (1 - k/E) (0 for routing that
+        ignores the token; early layers, which see little context, repeat most)."""
         chance = self.top_k / self.n_experts
         m = (chance * PRIOR_REPEATS + self.alpha_sum) / (PRIOR_REPEATS + self.alpha_weight)
-        return 0.0 if chance >= 1 else min(max((m - chance) / (1 - chance), 0.0), 1.0)
+        return torch.zeros_like(m) if chance >= 1 else ((m - chance) / (1 - chance)).clamp(0.0, 1.0)
+
+    @property
+    def alpha(self) -> float:
+        """The mean of `alphas` over the sparse layers."""
+        return float(self.alphas.mean())
 
     def frequencies(self) -> Tensor:
         """p [L, E] (float64, each row sums to top_k): counts blended with the uniform prior."""
@@ -127,7 +134,7 @@ class RoutingStats:
         seen = (last >= 0)
         onehot = torch.zeros(tokens.numel(), len(self.layers), self.n_experts, device=self.device)
         onehot.scatter_(2, last.clamp(min=0), seen.float())
-        a = self.alpha
+        a = self.alphas.to(device=self.device, dtype=torch.float32)[None, :, None]    # [1, L, 1]
         known = seen.any(dim=-1, keepdim=True).float()                              # [N, L, 1]
         return known * (a * onehot + (1 - a) * p) + (1 - known) * p
 
@@ -147,23 +154,24 @@ class RoutingStats:
         prev = self.last[buckets]                                                    # [T, L, k]
         had = prev[:, :, :1] >= 0                                                    # [T, L, 1]
         same = (index[:, :, :, None] == prev[:, :, None, :]).any(-1) & had           # [T, L, k]
-        n_had = had.sum()
+        n_had = had[:, 0].sum()
         n_eff = solve_n_eff(p_before, union, float(T)) if T > 1 else None
-        values = [union.mean(), same.sum().double(), n_had.double()]
+        values = [union.mean(), n_had.double(), *same.sum(dim=(0, 2)).double()]
         if n_eff is not None:
             values.append(torch.log(n_eff).mean())
         host = torch.stack(values).tolist()                                         # the one host read
+        L = len(self.layers)
         self.counts = self.counts * self.decay + bins
         self.rows = self.rows * self.decay + T
         self.last[buckets] = index
         self.passes += 1
         self.union_history.append((T, host[0]))
         del self.union_history[:-256]
-        if host[2] > 0:
-            self.alpha_sum = self.alpha_sum * self.decay + host[1] / self.top_k
-            self.alpha_weight = self.alpha_weight * self.decay + host[2]
+        if host[1] > 0:
+            self.alpha_sum = self.alpha_sum * self.decay + torch.tensor(host[2:2 + L], dtype=torch.float64) / self.top_k
+            self.alpha_weight = self.alpha_weight * self.decay + host[1]
         if n_eff is not None:
-            g = min(max(host[3] / math.log(T), 0.0), 1.0)
+            g = min(max(host[2 + L] / math.log(T), 0.0), 1.0)
             self.gamma_sum = self.gamma_sum * self.decay + g
             self.gamma_weight = self.gamma_weight * self.decay + 1.0
 

@@ -1,0 +1,71 @@
+"""What one generate() call did, for the engine's callers: prefill progress (PrefillProgress, heard after each
+prefill pass) and the call's statistics (GenerationStats, read from the profiler's step records: one ledger).
+
+Does not know: how steps run (specexec/engine.py), models, trees.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from specexec.profiler import Profiler, StepStat, budget_trace, moe_stats
+
+
+@dataclass
+class PrefillProgress:
+    """How far one model's prefill got (Engine.on_prefill hears it after every pass): `which` model
+    ("target" | "draft"), tokens done of total, passes done of passes, started: time.perf_counter() then."""
+
+    which: str
+    total: int
+    passes: int
+    started: float
+    done: int = 0
+    passes_done: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+
+@dataclass
+class GenerationStats:
+    """What one generate() call did; filled in as it runs. Its steps are the ledger's (the profiler's step
+    records of this call): one ledger, read here, never kept twice."""
+
+    prompt_tokens: int = 0          # prompt tokens prefilled by this call
+    reused_tokens: int = 0          # prompt tokens whose KV was kept from the previous call (shared prefix)
+    prefill_s: float = 0.0
+    generated: int = 0
+    ledger: Profiler | None = None  # whose step records are this call's steps (None: no steps)
+
+    @property
+    def steps(self) -> list[StepStat]:
+        """Every step of the call with its times (waits for pending CUDA times: not on the step path)."""
+        return self.ledger.steps if self.ledger is not None else []
+
+    @property
+    def decode_s(self) -> float:
+        return sum(s.draft_ms + s.target_ms for s in self.steps) / 1000
+
+    def summary(self, budget: int | str, builder: str) -> dict:
+        steps, decode_s = self.steps, self.decode_s
+        n = max(len(steps), 1)
+        return {
+            "steps": len(steps),
+            "tokens_per_step": round(self.generated / n, 3),
+            "prefill_tok_s": round(self.prompt_tokens / self.prefill_s, 2) if self.prefill_s else None,
+            "decode_tok_s": round(self.generated / decode_s, 2) if decode_s else None,
+            "draft_ms": round(sum(s.draft_ms for s in steps) / n, 2),
+            "target_ms": round(sum(s.target_ms for s in steps) / n, 2),
+            "tree_size": round(sum(s.tree_size for s in steps) / n, 1),
+            "reused_tokens": self.reused_tokens,
+            "budget": budget,
+            "budget_trace": budget_trace(s.budget for s in steps),     # what --budget auto picked, per step
+            "builder": builder,
+            **({"moe": moe} if (moe := self.moe()) is not None else {}),
+        }
+
+    def moe(self) -> dict | None:
+        """stats.moe of an MoE target (profiler.moe_stats over this call's passes), else None."""
+        return moe_stats(self.ledger.counters, self.ledger.gauges) if self.ledger is not None else None
