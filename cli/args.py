@@ -1,4 +1,5 @@
-"""Command-line flags that several subcommands share (generate, chat, bench), defined once, and turning them
+"""Command-line flags that several subcommands share (generate, chat, bench, serve; `plan` takes the ones it
+plans with), defined once (`add_flag`: the text, the default said, the argparse keywords), and turning them
 into the frozen configs of specexec.config.
 
 Groups: model (--model --draft PATH|NAME|self[:FMT] / --no-draft --allow-pickle --offline --gguf-file), engine
@@ -15,15 +16,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 
 from rich.console import Console
 
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
-from cli.fetch import add_hub_args, fetch_model, target_reserve
-from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, is_self_draft
+from cli.fetch import add_hub_args, fetch_model
+from specexec.checkpoints.hub import Reserve
+from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, help_list, is_self_draft
+from specexec.planning.disk_need import reserve_for
 from specexec.planning.target import TargetPlan
-from specexec.builders.registry import builder_needs_draft
+from specexec.builders.registry import builder_needs_draft, names as builder_names
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SELF
 
@@ -42,15 +45,72 @@ SAMPLING_FLAGS = {
 }
 
 
+@dataclass(frozen=True)
+class Flag:
+    """One shared flag: argparse keywords, its --help text and what its default is (as --help says it; a
+    command may say another default, e.g. `specexec plan`, which applies no models.yaml defaults)."""
+
+    text: str
+    default: str = ""
+    kwargs: dict = field(default_factory=dict)
+
+
+def _flags() -> dict[str, Flag]:
+    """Every shared flag, built when a parser is (the registries' names as they are then)."""
+    return {
+        "--model": Flag("target checkpoint directory, a name from `specexec models`, or a Hub id ORG/NAME "
+                        "(downloaded once into the Hugging Face cache: config, tokenizer, safetensors)",
+                        kwargs={"metavar": "PATH|NAME"}),
+        "--draft": Flag("draft checkpoint (same tokenizer as the target), or self: the target's own layers "
+                        "(resident low-bit copies of the ones it streams, FMT default int4 on a CPU, nf4 on CUDA; "
+                        "see --draft-layers)", "for a models.yaml target: its recommended draft",
+                        {"metavar": "PATH|NAME|self[:FMT]"}),
+        "--max-new-tokens": Flag("at most N new tokens", "128", {"type": int, "metavar": "N"}),
+        "--budget": Flag("draft tree size in tokens, or auto: picked per step from measured pass costs and "
+                         "acceptance", "64, or the models.yaml entry's", {"metavar": "N|auto"}),
+        "--max-budget": Flag("largest tree --budget auto tries", "1024", {"type": int, "metavar": "N"}),
+        "--builder": Flag(f"tree builder: {help_list(builder_names())}", "specexec", {"metavar": "NAME"}),
+        "--device": Flag("cpu or cuda", "cpu", {"metavar": "DEV"}),
+        "--dtype": Flag(choices_help("--dtype"), "auto: bf16 on CUDA, fp32 on CPU", {"metavar": "TYPE"}),
+        "--kv-quant": Flag(f"KV cache rows: {choices_help('--kv-quant')}", "none; int8 is LOSSY: half the memory "
+                           "and bytes moved; the output may differ from the target's, so no exactness claim holds",
+                           {"metavar": "FMT"}),
+        "--quant": Flag(f"target layer format: {choices_help('--quant')}", "auto, or the models.yaml entry's",
+                        {"metavar": "FMT"}),
+        "--draft-quant": Flag(f"draft linear layers: {choices_help('--draft-quant')}",
+                              "none; the draft always stays resident", {"metavar": "FMT"}),
+        "--offload": Flag(f"where target layers live: {choices_help('--offload')}", "auto: the planner decides "
+                          "from the budgets; none = all resident, ram = all streamed from (pinned) RAM, ssd = all "
+                          "streamed from the on-disk layer cache", {"metavar": "TIER"}),
+        "--gpu-budget": Flag("GPU memory to use, e.g. 22GB", "free minus a margin", {"metavar": "SIZE"}),
+        "--ram-budget": Flag("RAM to use, e.g. 48GB", "free minus a margin", {"metavar": "SIZE"}),
+        "--cache-dir": Flag("root of the quantized layer cache", "$SPECEXEC_CACHE, else $XDG_CACHE_HOME/specexec, "
+                            "else ~/.cache/specexec", {"metavar": "DIR"}),
+        "--context": Flag("tokens (prompt + answer) the memory plan reserves KV cache for", "4096, at most the "
+                          "model's maximum; longer chats grow past the plan", {"type": int, "metavar": "N"}),
+        "--kv-offload": Flag(f"target KV rows: {choices_help('--kv-offload')}", "auto: on the device, or in RAM "
+                             "travelling with their layer when the device runs short", {"metavar": "WHERE"}),
+        "--draft-layers": Flag("with --draft self: how many of the target's decoder layers the draft runs, evenly "
+                               "spaced, first and last included", "auto: the most whose copies fit; half of a "
+                               "wholly resident target", {"metavar": "N|auto"}),
+    }
+
+
+def add_flag(p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup, flag: str, says: str | None = None,
+             text: str | None = None, **kwargs) -> None:
+    """Add the shared `flag` to p, its --help saying the default is `says` (else the flag's own; "": no
+    default said) after `text` (else the flag's own); kwargs: argparse keywords this command adds or changes
+    (required, type, a default value, ...)."""
+    f = _flags()[flag]
+    said = f.default if says is None else says
+    helptext = (f.text if text is None else text) + (f" (default {said})" if said else "")
+    p.add_argument(flag, **{**f.kwargs, **kwargs, "help": helptext})
+
+
 def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", required=required, metavar="PATH|NAME",
-                   help="target checkpoint directory, a name from `specexec models`, or a Hub id ORG/NAME "
-                        "(downloaded once into the Hugging Face cache: config, tokenizer, safetensors)")
+    add_flag(p, "--model", required=required)
     draft = p.add_mutually_exclusive_group()
-    draft.add_argument("--draft", metavar="PATH|NAME|self[:FMT]", help="draft checkpoint (same tokenizer as the "
-                       "target), or self: the target's own layers (resident low-bit copies of the ones it streams, "
-                       "FMT default int4 on a CPU, nf4 on CUDA; see --draft-layers); default for a models.yaml "
-                       "target: its recommended draft")
+    add_flag(draft, "--draft")
     draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read pickle (.bin) weights with torch.load(weights_only=True)")
@@ -58,17 +118,9 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") -> None:
-    p.add_argument("--max-new-tokens", type=int, metavar="N", help=f"at most N new tokens (default {max_new_default})")
-    p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens, or auto: picked per step from "
-                   "measured pass costs and acceptance (default 64, or the models.yaml entry's)")
-    p.add_argument("--max-budget", type=int, metavar="N", help="largest tree --budget auto tries (default 1024)")
-    p.add_argument("--builder", metavar="NAME", help=f"tree builder: {choices_help('--builder')} (default specexec)")
-    p.add_argument("--device", metavar="DEV", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", metavar="TYPE", help=f"{choices_help('--dtype')} (default auto: bf16 on CUDA, fp32 "
-                   "on CPU)")
-    p.add_argument("--kv-quant", metavar="FMT", help=f"KV cache rows: {choices_help('--kv-quant')} (default "
-                   "none; int8 is LOSSY: half the memory and bytes moved; the output may differ from the target's, so "
-                   "no exactness claim holds)")
+    add_flag(p, "--max-new-tokens", max_new_default)
+    for flag in ("--budget", "--max-budget", "--builder", "--device", "--dtype", "--kv-quant"):
+        add_flag(p, flag)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -79,29 +131,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> None:
-    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {choices_help('--quant')} (default auto, "
-                   "or the models.yaml entry's)")
-    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {choices_help('--draft-quant')} "
-                   "(default none; the draft always stays resident)")
-    p.add_argument("--offload", metavar="TIER", help=f"where target layers live: {choices_help('--offload')} "
-                   "(default auto: the planner decides from the budgets; none = all resident, ram = all streamed "
-                   "from (pinned) RAM, ssd = all streamed from the on-disk layer cache)")
-    p.add_argument("--gpu-budget", metavar="SIZE", help="GPU memory to use, e.g. 22GB (default: free minus a margin)")
-    p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 48GB (default: free minus a margin)")
-    p.add_argument("--cache-dir", metavar="DIR", help="root of the quantized layer cache (default $SPECEXEC_CACHE "
-                   "or ~/.cache/specexec)")
+    for flag in ("--quant", "--draft-quant", "--offload", "--gpu-budget", "--ram-budget", "--cache-dir"):
+        add_flag(p, flag)
     if context_list:                              # bench: a sweep (cli/bench/context.py); the plan takes the largest
-        p.add_argument("--context", metavar="LIST", help="run the prompts after a long shared document filling each "
-                       "of these contexts, e.g. 1k,8k,32k: one table of tok/s, tokens per pass, prefill and pass "
-                       "seconds by context (the memory plan reserves KV cache for the largest)")
+        add_flag(p, "--context", "", "run the prompts after a long shared document filling each of these "
+                 "contexts, e.g. 1k,8k,32k: one table of tok/s, tokens per pass, prefill and pass seconds by "
+                 "context (the memory plan reserves KV cache for the largest)", type=str, metavar="LIST")
     else:
-        p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) the memory plan reserves "
-                       "KV cache for (default 4096, at most the model's maximum; longer chats grow past the plan)")
-    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {choices_help('--kv-offload')} (default "
-                   "auto: on the device, or in RAM travelling with their layer when the device runs short)")
-    p.add_argument("--draft-layers", metavar="N|auto", help="with --draft self: how many of the target's decoder "
-                   "layers the draft runs, evenly spaced, first and last included (default auto: the most whose "
-                   "copies fit; half of a wholly resident target)")
+        add_flag(p, "--context")
+    add_flag(p, "--kv-offload")
+    add_flag(p, "--draft-layers")
 
 
 def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True,
@@ -118,6 +157,15 @@ def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
     given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant")}
     budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
+
+
+def target_reserve(args: argparse.Namespace) -> Reserve | None:
+    """The layer cache the plan builds for the target, from the command's offload and engine flags (None when
+    the flags are invalid: the command reports that itself)."""
+    try:
+        return reserve_for(offload_config(args), engine_config(args))
+    except ConfigError:
+        return None
 
 
 def refuse_lossy_kv(config: EngineConfig, command: str) -> None:

@@ -40,7 +40,8 @@ from cli.prefill_bar import PrefillBar
 from specexec.config import SamplingParams, with_field
 from specexec.options import ConfigError, budget_options
 from specexec.profiler import summary_table
-from specexec.runtime.assembly import Detokenizer, Runtime
+from specexec.runtime.assembly import Runtime
+from specexec.runtime.detokenizer import Detokenizer
 from specexec.runtime.tokenizer import encode_messages
 
 DEFAULT_MAX_NEW = 1024          # per answer, capped at half the context

@@ -1,7 +1,8 @@
 """`specexec demo`: the whole path on a small random-weight target/draft pair, with nothing to download.
 
 The pair (a 4-layer, hidden-256 Llama target and the same model with 1% weight noise as the draft) is built
-once as real Hugging Face checkpoints under $XDG_CACHE_HOME/specexec/demo/ (default ~/.cache/specexec/demo/),
+once as real Hugging Face checkpoints under <cache root>/demo/ ($SPECEXEC_CACHE, else $XDG_CACHE_HOME/specexec,
+else ~/.cache/specexec),
 then loaded like any model and decoded greedily with the target alone and at a couple of tree budgets. The
 report (rich, on stderr) shows the plan, tree size, tokens per target pass, tokens/s, and whether the output
 equals the target alone.
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
+from specexec.tuning import store
 
 VERSION = "v1"                     # bump when the recipe below changes: a new cache directory is built
 TARGET_SHAPE = dict(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, intermediate=688, vocab_size=320)
@@ -42,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specexec" / "demo" / VERSION
+    """<cache root>/demo/<version> (the cache root of every cache: specexec/tuning/store.py)."""
+    return store.cache_dir("demo") / VERSION
 
 
 def ensure_models(root: Path, rebuild: bool = False) -> tuple[Path, Path, bool]:

@@ -2,7 +2,8 @@
 
 Reports torch / CUDA / driver, the GPU's name and memory, host -> GPU bandwidth measured (pinned, and
 pageable for contrast), the cache directory's sequential read bandwidth with O_DIRECT (a temporary file is
-written, read back and removed), whether bitsandbytes' CUDA kernels work, free RAM, and runs a tiny random
+written, read back and removed), whether bitsandbytes' CUDA kernels work (on CUDA a missing bitsandbytes
+fails: --quant auto streams NF4 there), free RAM, and runs a tiny random
 model (built in a temporary directory) whose greedy output on the GPU must equal the CPU's, resident and
 streamed from the SSD tier. On a machine without CUDA it says so and checks the CPU path (resident vs
 streamed). Exit 0 when every check passes, 1 when one fails (a mismatch is a bug). `--json`: one line.
@@ -92,15 +93,21 @@ def disk_report(directory: Path, io_mb: int) -> dict:
             "stand_ins": missing(), "warnings": list(slow_mount_warnings(None, directory))}
 
 
+BNB_HINT = "install it (pip install bitsandbytes): on CUDA --quant auto streams NF4 layers with its kernels"
+
+
 def bnb_report() -> dict:
-    """bitsandbytes' version and whether its CUDA 4-bit kernels run (None without CUDA)."""
+    """bitsandbytes' version and whether its CUDA 4-bit kernels run (None without CUDA). On a CUDA machine a
+    missing or broken bitsandbytes is a failure (cuda_kernels False): --quant auto means NF4 there."""
+    cuda = torch.cuda.is_available()
     try:
         import bitsandbytes
         import bitsandbytes.functional as bnbf
     except Exception as e:                                 # noqa: BLE001 -- any import failure is the finding
-        return {"version": None, "cuda_kernels": None, "error": f"{type(e).__name__}: {e}"}
+        out = {"version": None, "cuda_kernels": False if cuda else None, "error": f"{type(e).__name__}: {e}"}
+        return {**out, "hint": BNB_HINT} if cuda else out
     out = {"version": bitsandbytes.__version__, "cuda_kernels": None}
-    if not torch.cuda.is_available():
+    if not cuda:
         return out
     try:
         w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
@@ -187,7 +194,8 @@ def describe(r: dict) -> str:
     else:
         lines.append(f"disk {d['dir']}: FAILED: {d['error']}")
     kern = {None: "not applicable (no CUDA)", True: "loaded", False: f"NOT working ({b.get('error', '')})"}
-    lines.append(f"bitsandbytes {b['version'] or 'missing'}: CUDA kernels {kern[b['cuda_kernels']]}")
+    lines.append(f"bitsandbytes {b['version'] or 'missing'}: CUDA kernels {kern[b['cuda_kernels']]}"
+                 + (f"; {b['hint']}" if b.get("hint") else ""))
     lines.append(f"RAM: {_gb(m['available_bytes'])} available of {_gb(m['total_bytes'])}")
     runs = ", ".join(f"{k} {'=' if v else 'DIFFERS'}" for k, v in t["equal"].items())
     lines.append(f"tiny model ({t['tokens']} greedy tokens, {t['seconds']:.1f} s): {runs}")

@@ -1,12 +1,14 @@
 """Bringing --model / --draft onto this machine before a command loads them.
 
-A Hub id (`ORG/NAME`) or a models.yaml name that is not cached is downloaded by specexec.checkpoints.hub (config, tokenizer,
-safetensors; resumable) with a progress bar on stderr (bytes, speed, ETA), after a free-disk check that also
-counts the layer cache the offload plan will build for the target (specexec.planning.disk_need). `--offline` (or
-HF_HUB_OFFLINE=1) only looks in the cache; `--gguf-file NAME` picks the file of a GGUF repo. Existing paths are
+A Hub id (`ORG/NAME`) or a models.yaml name that is not cached is downloaded by specexec.checkpoints.hub
+(config, tokenizer, safetensors; resumable) with a progress bar on stderr (bytes, speed, ETA), after a
+free-disk check that also counts the layer cache the offload plan will build for the target (the caller passes
+it: cli/args.py target_reserve, from specexec.planning.disk_need). `--offline` (or HF_HUB_OFFLINE=1) only looks
+in the cache; `--gguf-file NAME` picks the file of a GGUF repo. Existing paths are
 left alone. On Ctrl-C during a download one line says that the next run resumes it.
 
-Does not know: which files a checkpoint needs or how they are fetched (specexec.checkpoints.hub), the planner.
+Does not know: which files a checkpoint needs or how they are fetched (specexec.checkpoints.hub), the planner,
+the command flags (cli/args.py imports this module, never the other way).
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specexec.options import ConfigError
 from specexec.checkpoints.hub import HubOptions, Progress, Reserve
 from specexec.checkpoints.loading import HUB_ID, resolve_model_path
 
@@ -48,18 +49,6 @@ def fetch_model(args: argparse.Namespace, attr: str, reserve: Reserve | None = N
         opts = HubOptions(offline=bool(getattr(args, "offline", False)), gguf_file=gguf, progress=progress,
                           reserve=reserve)
         setattr(args, attr, str(resolve_model_path(spec, opts)))
-
-
-def target_reserve(args: argparse.Namespace) -> Reserve | None:
-    """The layer cache the plan builds for the target, from the command's offload and engine flags (None when
-    the flags are invalid: the command reports that itself)."""
-    from cli import args as common
-    from specexec.planning.disk_need import reserve_for
-
-    try:
-        return reserve_for(common.offload_config(args), common.engine_config(args))
-    except ConfigError:
-        return None
 
 
 @contextmanager

@@ -24,9 +24,11 @@ from specexec.config import EngineConfig, SamplingParams
 from cli.prefill_bar import prefill_bar
 from specexec.builders.registry import builder_needs_draft
 from specexec.options import (
-    ConfigError, choices_help, check_chat_options, check_draft_choice, check_number, check_prompt_text,
+    ConfigError, check_chat_options, check_draft_choice, check_number, check_prompt_text, help_list,
     parse_draft_vocab)
-from specexec.runtime.assembly import Detokenizer, ModelInfo, Runtime
+from specexec.runtime.assembly import ModelInfo, Runtime
+from specexec.runtime.detokenizer import Detokenizer
+from specexec.verify import verifier_names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1, metavar="N",
                    help="N independent samples of the same prompt (loaded and prefilled once)")
     p.add_argument("--verifier", metavar="RULE",
-                   help=f"acceptance rule at T > 0: {choices_help('--verifier')} (default auto: the builder's own)")
+                   help=f"acceptance rule at T > 0: {help_list(verifier_names())} (default auto: the builder's own)")
     add_engine_args(p)
     p.add_argument("--draft-vocab", metavar="N|auto",
                    help="VocabTrim: the draft proposes only the N tokens the target samples most (measured once "

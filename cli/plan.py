@@ -23,8 +23,8 @@ from offload.cache.identity import default_cache_root
 from offload.memory_plan import GB, Bandwidths, PlanError
 from offload.platform.mounts import slow_mount_warnings
 from offload.planner import default_budgets
-from specexec.options import (
-    ConfigError, budget_options, check_choice, check_integer, check_number, choices, choices_help, parse_size)
+from cli.args import add_flag
+from specexec.options import ConfigError, budget_options, check_choice, check_integer, check_number, choices, parse_size
 from specexec.planning.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
                                      with_warnings)
 from specexec.planning.run_shape import RunShape, plan_context
@@ -38,32 +38,21 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Plan a run without loading a weight: what every byte of GPU memory (or RAM "
                                    "on a CPU) holds, which target layers stay resident, which stream from RAM "
                                    "or SSD, and the predicted seconds per target pass.")
-    p.add_argument("--model", required=True, metavar="PATH|NAME", help="target: a directory with config.json "
-                   "(nothing else needed), a .gguf file, or a name from `specexec models` present here")
-    p.add_argument("--draft", metavar="PATH|NAME|self[:FMT]", help="draft model, or self: the target's own layers "
-                   "(resident copies of the streamed ones in FMT, default the device's: int4 CPU, nf4 CUDA) "
-                   "(default: none)")
-    p.add_argument("--draft-layers", metavar="N|auto", help="with --draft self: decoder layers the draft runs "
-                   "(default auto: the most whose copies fit)")
+    add_flag(p, "--model", "", "target: a directory with config.json (nothing else needed), a .gguf file, or a "
+             "name from `specexec models` present here (nothing is downloaded)", required=True)
+    add_flag(p, "--draft", "none")
+    add_flag(p, "--draft-layers")
     p.add_argument("--gpu-memory", metavar="SIZE", help="plan for a GPU with this much memory, e.g. 24GB "
                    "(default: this machine's GPU, or the CPU when there is none)")
-    p.add_argument("--ram-budget", metavar="SIZE", help="RAM to use, e.g. 64GB (default: available minus a margin)")
-    p.add_argument("--device", metavar="DEV", help="cpu or cuda (default: cuda with --gpu-memory or a GPU here)")
-    p.add_argument("--quant", metavar="FMT", help=f"target layer format: {choices_help('--quant')} (default auto)")
-    p.add_argument("--draft-quant", metavar="FMT", help=f"draft linear layers: {choices_help('--draft-quant')} "
-                   "(default none)")
-    p.add_argument("--offload", metavar="TIER", help=f"{choices_help('--offload')} (default auto)")
-    p.add_argument("--budget", metavar="N|auto", help="draft tree size in tokens (default 64; auto: 1024)")
-    p.add_argument("--builder", metavar="NAME", default="specexec",
-                   help=f"tree builder: {choices_help('--builder')} (default specexec)")
-    p.add_argument("--context", type=int, metavar="N", help="tokens (prompt + answer) to plan the KV caches for "
-                   "(default 4096, at most the model's maximum)")
-    p.add_argument("--dtype", metavar="TYPE", help=f"{choices_help('--dtype')} (default auto: bf16 on CUDA, fp32 "
-                   "on CPU)")
-    p.add_argument("--kv-quant", metavar="FMT", help=f"KV cache rows: {choices_help('--kv-quant')} (default "
-                   "none; int8 is LOSSY: half the bytes, no exactness claim)")
-    p.add_argument("--kv-offload", metavar="WHERE", help=f"target KV rows: {choices_help('--kv-offload')} "
-                   "(default auto: on the device, streamed with their layer from RAM when the device runs short)")
+    add_flag(p, "--ram-budget")
+    add_flag(p, "--device", "cuda with --gpu-memory or a GPU here, else cpu")
+    add_flag(p, "--quant", "auto")
+    add_flag(p, "--draft-quant")
+    add_flag(p, "--offload")
+    add_flag(p, "--budget", "64; auto plans for the largest tree it tries, 1024")
+    add_flag(p, "--builder", default="specexec")
+    for flag in ("--context", "--dtype", "--kv-quant", "--kv-offload"):
+        add_flag(p, flag)
     p.add_argument("--link-gbps", type=float, metavar="GB/S", help=f"host -> GPU bandwidth (default "
                    f"{DEFAULT_LINK_GBPS:g} on CUDA; on a CPU the RAM tier's copy rate, default "
                    f"{ASSUMED['cpu'].ram / GB:g})")
@@ -133,7 +122,7 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     check_integer("--budget", budget, 1, 16384)
     if ns.context is not None:
         check_integer("--context", ns.context, 16, 10**7)
-    for flag, value in (("--builder", ns.builder), ("--dtype", ns.dtype or "auto"),
+    for flag, value in (("--dtype", ns.dtype or "auto"),
                         ("--draft-quant", ns.draft_quant or "none"), ("--kv-quant", ns.kv_quant or "none"),
                         ("--kv-offload", ns.kv_offload or "auto")):
         check_choice(flag, value, choices(flag))

@@ -1,7 +1,7 @@
 """A progress bar for long prefills (chat, generate): tokens done of the prompt and tokens per second, per model,
 transient on stderr, shown only when a prefill takes more than one pass or more than SHOW_AFTER_S seconds.
 
-The engine reports progress through its `on_prefill` callback after each prefill pass (specexec.engine.
+The engine reports progress through its `on_prefill` callback after each prefill pass (specexec.generation.
 PrefillProgress: host time, it never waits for the device); this module only draws it. `prefill_bar(console,
 engine)` installs the callback for one generation and takes the bar down at the first generated tokens (or
 when the block ends), so the answer's text is never drawn over.
@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specexec.engine import Engine, PrefillProgress
+from specexec.engine import Engine
+from specexec.generation import PrefillProgress
 
 SHOW_AFTER_S = 1.0
 

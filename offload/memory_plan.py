@@ -312,7 +312,16 @@ class Plan:
 
 
 def _span(ids: list[int]) -> str:
-    return f"[{ids[0]}..{ids[-1]}]" if len(ids) > 1 else f"[{ids[0]}]"
+    """Layer ids as their runs, "[0..2]", "[1,4,8]", "[0..3,7..9]"; past four runs the first three, then the
+    last: "[1,3,5,…,79]" (resident layers are spread among the streamed ones)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = [f"{a}..{b}" if b > a else f"{a}" for a, b in runs]
+    return "[" + ",".join(text if len(text) <= 4 else text[:3] + ["…", text[-1]]) + "]"
 
 
 def gb_text(n: float) -> str:

@@ -26,6 +26,9 @@ that saves at least COMPANION_GAIN of the pass: their copies add host work (writ
 read-ahead made before the commit) that the byte count does not show. On a CPU moving a companion saves nothing
 (the device is RAM), so it streams only when asked (`companions="stream"`, for tests and benchmarks).
 
+Order (CUDA): the resident layers are spread among the streamed ones (`interleave`), so the link copies while
+they compute; the choice of how many stays resident is made on counts, and dense layers are interchangeable.
+
 Read-ahead depth (how many layers the SSD reader may hold ahead of the consumer: pinned bounce buffers on
 CUDA, host slots on CPU) starts at the minimum the Needs give (2) and grows into whatever budget is LEFT once
 every layer has its tier, up to MAX_READ_AHEAD and the number of SSD layers. It never displaces a layer: a
@@ -79,7 +82,7 @@ def plan(needs: Needs, device: str, ram_budget: int, gpu_budget: int | None = No
     if needs.companions not in COMPANION_MODES:
         raise PlanError(f"unknown companion mode {needs.companions!r}; choose one of: {', '.join(COMPANION_MODES)}")
     if device == "cuda":
-        tiers, companions = _assign_cuda(needs, gpu_budget, ram_budget, mode, bandwidths)
+        tiers, companions = interleave(*_assign_cuda(needs, gpu_budget, ram_budget, mode, bandwidths), needs)
     else:
         tiers, companions = _assign_cpu(needs, ram_budget, mode)
     base = Plan(device, tiers, needs, gpu_budget, ram_budget, bandwidths, warnings, mode,
@@ -96,6 +99,24 @@ def _with_part_cache(p: Plan) -> Plan:
         return p
     left = p.device_budget - p.device_bytes - (p.host_bytes if p.device == "cpu" else 0)
     return replace(p, cached_parts=int(max(min(parts.count, left // (parts.each * p.parts_streamed)), 0)))
+
+
+def interleave(tiers: tuple[str, ...], companions: tuple[bool, ...], needs: Needs
+               ) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """The same tiers with the resident layers spread evenly among the streamed ones (resident j of k at layer
+    about (j + 1/2) n / k), the streamed ones keeping their order (RAM, then SSD; device companions first).
+    A pass computes its layers in order and the slots were filled while the draft grew its tree: resident
+    layers all first would be computed while the link idles (every slot already full), all last after its
+    final copy. Spread, each one computes while the next streamed layer copies. Only when every layer is
+    interchangeable (same packed size, companion and residue: every dense model), so each budget holds the
+    same bytes; otherwise the tiers are returned as they are."""
+    n, k = len(tiers), tiers.count("resident")
+    if not 0 < k < n or len({(needs.layer_bytes[i], needs.companion(i), needs.residue(i)) for i in range(n)}) > 1:
+        return tiers, companions
+    places = {int((j + 0.5) * n / k) for j in range(k)}
+    streamed = iter([(t, c) for t, c in zip(tiers, companions) if t != "resident"])
+    pairs = [("resident", False) if i in places else next(streamed) for i in range(n)]
+    return tuple(t for t, _ in pairs), tuple(c for _, c in pairs)
 
 
 def _deepen_read_ahead(p: Plan) -> Plan:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from specexec.options import (
-    DTYPES, MAX_BUDGET, ConfigError, check_choice, check_draft_vocab, check_integer, check_number, choices,
+    DTYPES, MAX_BUDGET, ConfigError, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
     parse_draft_layers, parse_size)
 
 
@@ -200,7 +200,9 @@ PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (E
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs: tree budget and builder, device and dtype. Validated on construction."""
+    """How the engine runs: tree budget and builder, device and dtype. Validated on construction, except the
+    builder and verifier names: their registries import this module (and torch, and every builder), so they
+    are checked where they are used (builders.registry.make_builder, the Engine, Runtime.load)."""
 
     budget: int = 64                # the tree budget, or with auto_budget the largest budget tried
     auto_budget: bool = False       # --budget auto: specexec.tuning.budget picks each step's budget
@@ -208,7 +210,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     max_new_tokens: int = 128
-    prefill_chunk: int | None = None   # prompt tokens per prefill pass; None: PREFILL_CHUNK, or a streamed target's plan
+    prefill_chunk: int | None = None   # prompt tokens per prefill pass; None: PREFILL_CHUNK, or a streamed plan's
     verifier: str = "auto"
     builder_options: tuple[tuple[str, Any], ...] = field(default=())
     draft_vocab: int | str | None = None   # VocabTrim: the draft head keeps N target-frequent tokens, or "auto"
@@ -221,8 +223,8 @@ class EngineConfig:
         check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
         if self.prefill_chunk is not None:
             check_integer("prefill_chunk", self.prefill_chunk, low=1, high=10**6)
-        check_choice("builder", self.builder, choices("--builder"))
-        check_choice("verifier", self.verifier, choices("--verifier"))
+        check_name("builder", self.builder)
+        check_name("verifier", self.verifier)
         check_choice("dtype", self.dtype, DTYPES)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"unknown device {self.device!r}; use cpu or cuda")

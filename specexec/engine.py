@@ -31,12 +31,12 @@ from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
-from specexec.generation_stats import GenerationStats, PrefillProgress
 from specexec.profiler import Profiler, Span
+from specexec.generation import GenerationStats, PrefillProgress
 from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
-from specexec.verify import RULES, Accepted, Rule, accept_greedy, default_rule, exact_rules_for
+from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
 
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
 
@@ -47,6 +47,15 @@ def new_cache(model: Transformer, slots: int, quant: str, tail: int) -> KVCache:
         return model.new_cache(slots, quant, tail)
     a, p = model.args, next(model.parameters())
     return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device, quant=quant)
+
+
+@dataclass
+class StepState:
+    """What every step of one generate() call works on: the target's KV cache and the draft's state (its
+    cache and pending tokens; None when nothing drafts with a draft model)."""
+
+    cache: KVCache
+    draft: DraftState | None
 
 
 @dataclass
@@ -77,6 +86,7 @@ class Engine:
         are checked here, once."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
+        check_verifier(config.verifier)
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
         self.planned_context = context
         self.draft_kv_quant = draft_kv_quant or config.kv_quant
@@ -205,7 +215,7 @@ class Engine:
         if self._prefill_span is not None:
             stats.prefill_s = self._prefill_span.seconds
 
-    def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> tuple[KVCache, DraftState | None]:
+    def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> StepState:
         """Prefill what the caches do not already hold: the longest common prefix with the previous call's
         context is kept (chat turns), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
         span = self.profiler.start("prefill")
@@ -228,7 +238,7 @@ class Engine:
         if self.tuner is not None and not self.tuner.costs.target.points:
             self._calibrate(target_cache)
         self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
-        return target_cache, draft
+        return StepState(target_cache, draft)
 
     def _calibrate(self, cache: KVCache) -> None:
         """Measure target pass seconds at a few tree sizes for a budget tuner that has no costs yet, and hand
@@ -260,10 +270,10 @@ class Engine:
                 return new[: max(keep - len(generated), 0)], True
         return new, stop
 
-    def _step(self, state: tuple[KVCache, DraftState | None], root: int, sampling: SamplingParams, rule: Rule,
+    def _step(self, state: StepState, root: int, sampling: SamplingParams, rule: Rule,
               rng: torch.Generator) -> Accepted:
         """One decoding step, in its five stages; the target span times verify + commit + observe."""
-        cache, draft = state
+        cache, draft = state.cache, state.draft
         drafted = self._draft(draft, root, sampling, rng)
         counts = self.target.expert_counters() if isinstance(self.target, CountsExperts) else None
         with self.profiler.span("target") as target_span:

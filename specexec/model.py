@@ -1,4 +1,5 @@
-"""One Llama-family decoder (Llama 2/3/3.x incl. llama3 rope scaling, Mistral, Qwen2/2.5, Qwen3): pure maths.
+"""One pre-norm decoder for every family specexec runs (Llama, Mistral, Qwen2/3, and the mixtures of experts
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss), its differences named options of ModelArgs: pure maths.
 
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
 positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a
@@ -6,10 +7,14 @@ positions are explicit (tree siblings share one), the mask says which cache slot
 mask), and `slots` says where each token's K/V is written. Layers come in kinds (ModelArgs.layer_kind: a
 sliding window or none, the global or a local RoPE): per forward the mask becomes one `AttentionPlan` per
 window and the positions one cos/sin table per RoPE, and each layer attends with its kind's (specexec/attention.py:
-prefix and tree attended apart, merged exactly). Parameter names follow the HF checkpoints without the
-leading "model." so loading is a rename. `logits(hidden, rows)` computes the LM head only for the rows a
+prefix and tree attended apart, merged exactly; attention sinks enter at that merge). A layer's feed-forward
+is the dense MLP or, where ModelArgs.moe says the layer is sparse, specexec/moe.py's router-then-experts
+block, whose routing of each pass goes to `Transformer.routing` (a RoutingLog; None records nothing).
+Parameter names follow the Hub checkpoints without the leading "model." (the MoE names are specexec/moe.py's;
+specexec/families/weights.py maps a checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a
 caller needs; callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made
-of live beside it: specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP).
+of live beside it: specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP),
+specexec/moe.py (the sparse feed-forward).
 
 Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
 offloading (OffloadedTransformer overrides `layer_modules`), trees or sampling.
@@ -176,10 +181,21 @@ class Transformer(nn.Module):
                 slots = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)
             if mask is None:
                 raise ValueError("a cached forward needs an explicit mask over the cache slots")
-            cache.begin_forward()
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
-        x = self.embed_tokens(tokens)
+        return self.decode(self.embed(tokens), positions, mask, cache, slots)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> embedded rows [B, T, D] on the model's device (forward's first step)."""
+        return self.embed_tokens(tokens)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None,
+               cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
+        """forward after the embedding: x [B, T, D] through every decoder layer and the final norm -> hidden
+        [B, T, D]. forward checks the arguments; a CUDA graph of the draft captures this part alone
+        (builders/draft_graphs.py: an embedding may live on the host)."""
+        if cache is not None:
+            cache.begin_forward()
         kinds = self.args.layer_kinds
         ropes = {rope: self.rope(positions, x.dtype, rope) for rope in {k.rope for k in kinds}}
         plans = self.attention_plans(mask, positions, x.dtype)

@@ -102,14 +102,18 @@ class Router(nn.Module):
 
 
 class SharedGate(nn.Module):
-    """The shared expert's scalar gate: sigmoid(x @ weight.T), weight [1, D] (not an nn.Linear: never quantized)."""
+    """The shared expert's scalar gate: sigmoid(x . w) per row, weight [1, D] (not an nn.Linear: never quantized).
+    Computed as a product and a row sum, not F.linear: a one-column GEMV's rounding follows the weight's address
+    (BLAS peels unaligned heads), so a resident and a streamed copy of the same weight would differ in the last
+    bit; the row sum's order is fixed by the index alone."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(1, dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.sigmoid(F.linear(x, self.weight))
+        """x [..., D] -> [..., 1]."""
+        return torch.sigmoid((x * self.weight[0]).sum(-1, keepdim=True))
 
 
 class SparseMLP(nn.Module):

@@ -2,13 +2,14 @@
 
 Flags, server requests and models.yaml entries arrive as text or loose values; the functions here turn them
 into typed values or raise ConfigError with the offending value and what to do instead, so callers never
-re-validate. The names a choice flag accepts (--builder, --verifier, --quant, --offload, ...) are not listed
-here: `choices(flag)` reads each from the registry that owns it (builders.registry, verify.RULES, offload's
-quant formats and memory_plan modes), lazily where that registry imports this module or torch. The frozen
-configurations these values end up in are specexec/config.py.
+re-validate. The names a choice flag accepts (--quant, --offload, --kv-quant, ...) are not listed here:
+`choices(flag)` reads each from the registry that owns it (offload's quant formats and memory_plan modes,
+kv.quants), lazily where that registry imports torch. The frozen configurations these values end up in are
+specexec/config.py.
 
-Does not know: the configuration dataclasses, how weights are loaded, or anything about trees; which devices
-exist only in check_device, which asks torch lazily.
+Does not know: the configuration dataclasses, how weights are loaded, or anything about trees; the builder and
+verifier names (their registries import the configs: builders.registry and verify check them where they are
+used); which devices exist only in check_device, which asks torch lazily.
 """
 from __future__ import annotations
 
@@ -54,33 +55,24 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
 
 
-def _builders() -> tuple[str, ...]:
-    from specexec.builders.registry import names      # lazy: the builders import this module
-    return names()
-
-
-def _verifiers() -> tuple[str, ...]:
-    from specexec.verify import RULES                  # lazy: verify imports this module
-    return ("auto", *RULES)
-
-
 def _quant_formats() -> tuple[str, ...]:
     from offload.quant.weights import FORMATS  # lazy: keeps torch out of this module's import
     return tuple(FORMATS)
 
 
 def _kv_quants() -> tuple[str, ...]:
-    from specexec.kv.rows import QUANTS                # lazy: keeps torch out of this module's import
+    from specexec.kv.quants import QUANTS              # names only: no torch
     return tuple(QUANTS)
 
 
 # Choice flag -> where its accepted values are registered. Flags, --help text, validation and error messages
-# all call choices(); no other module lists these names.
+# all call choices(); no other module lists these names. --builder and --verifier are not here: their
+# registries (specexec.builders.registry.names(), specexec.verify.verifier_names()) import the configs, so
+# their names are checked where those registries are used (make_builder, the Engine, Runtime.load), never by
+# a config under construction (which would import torch and every builder, and close an import cycle).
 _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
-    "--builder": _builders,                            # specexec.builders.registry (@register)
-    "--verifier": _verifiers,                          # specexec.verify.RULES, plus auto (the builder's own)
     "--dtype": lambda: DTYPES,
-    "--kv-quant": _kv_quants,                          # specexec.kv.rows.QUANTS
+    "--kv-quant": _kv_quants,                          # specexec.kv.quants.QUANTS
     "--quant": lambda: ("auto", *_quant_formats()),    # offload.quant.weights.FORMATS, plus auto
     "--draft-quant": _quant_formats,
     "--offload": lambda: memory_plan.OFFLOAD_MODES,
@@ -96,7 +88,18 @@ def choices(flag: str) -> tuple[str, ...]:
 
 def choices_help(flag: str) -> str:
     """choices(flag) as --help text writes them: 'a | b | c'."""
-    return " | ".join(choices(flag))
+    return help_list(choices(flag))
+
+
+def help_list(names: tuple[str, ...]) -> str:
+    """Accepted names as --help text writes them: 'a | b | c' (also for registries outside choices())."""
+    return " | ".join(names)
+
+
+def check_name(name: str, value: Any) -> None:
+    """Raise ConfigError unless value is a non-empty string (a registry checks later that it names something)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name} must be a name, got {value!r}")
 
 
 def check_integer(name: str, value: Any, low: int, high: int) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from specexec.config import SamplingParams
+from specexec.options import check_choice
 from specexec.tree import TokenTree
 
 ProbsFn = Callable[[int], Tensor]          # node -> processed probabilities [V] at that node
@@ -195,6 +196,16 @@ _EXACT = {
     "deterministic": ("greedy", "sample_match", "rrs"),
     "without_replacement": ("greedy", "sample_match", "rrs_wor"),
 }
+
+
+def verifier_names() -> tuple[str, ...]:
+    """The accepted values of --verifier / EngineConfig.verifier: "auto" (the builder's own) and every rule."""
+    return ("auto", *RULES)
+
+
+def check_verifier(name: str) -> None:
+    """ConfigError (listing verifier_names()) unless `name` is one of them."""
+    check_choice("verifier", name, verifier_names())
 
 
 def exact_rules_for(drafting: str, sampling: SamplingParams | None = None) -> tuple[str, ...]:

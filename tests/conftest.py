@@ -158,6 +158,7 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
 # MoE targets: name -> (family, seed, layers, config overrides); shapes in tests/tiny_models.MOE_SHAPES.
 MOE_MODELS: dict[str, tuple[str, int, int, dict]] = {
     "qwen3_moe": ("qwen3_moe", 20, 3, {"mlp_only_layers": [1]}),     # 16 experts top-4; layer 1 dense
+    "qwen2_moe": ("qwen2_moe", 24, 3, {}),                            # shared expert + gate; layers 0, 2 dense
     "mixtral": ("mixtral", 21, 2, {}),                                # 4 experts top-2
     "olmoe": ("olmoe", 22, 2, {}),                                    # q/k norms over the projections, clip_qkv
     "gpt_oss": ("gpt_oss", 23, 2, {}),                                # sinks, sliding/full layers, YaRN, biases
@@ -173,6 +174,13 @@ def _moe(root: Path, name: str) -> Path:
 def tiny_qwen3_moe(tiny_root: Path) -> Path:
     """Qwen3-MoE, 3 layers (layer 1 a dense MLP via mlp_only_layers), 16 experts of 32, top-4, renormalised."""
     return _moe(tiny_root, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tiny_root: Path) -> Path:
+    """Qwen2-MoE, 3 layers (decoder_sparse_step 2: layer 1 routed, 0 and 2 dense), 8 experts of 32 top-2 without
+    renormalising, a shared expert of 48 behind its sigmoid gate, q/k/v biases."""
+    return _moe(tiny_root, "qwen2_moe")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +27,20 @@ BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3"}
+        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}
+# MoE: the router and the per-expert Hub tensors that llama.cpp merges into one [E, out, in] tensor per layer
+ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+MERGED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+          "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def gguf_name(hf: str) -> str:
     if hf in GLOBAL:
         return GLOBAL[hf]
     _, _, layer, rest = hf.split(".", 3)                    # model.layers.N.<module>.<weight|bias>
+    if rest in ROUTERS:
+        return f"blk.{layer}.ffn_gate_inp.weight"
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{BLOCK[module]}.{kind}"
 
@@ -143,7 +151,7 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
     _write_hparams(writer, cfg)
     if tokenizer:
         _write_tokenizer(writer, tokenizer_metadata(hf_dir))
-    tensors = load_file(hf_dir / "model.safetensors")
+    tensors = merge_experts(load_file(hf_dir / "model.safetensors"))
     if llama3_scaling(cfg):
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     for i, (name, t) in enumerate(sorted(tensors.items())):
@@ -155,7 +163,7 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
             raw = gguf.GGMLQuantizationType[kquant]
         else:
             data, raw = encode(arr, qtype)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=raw)
+        writer.add_tensor(name if name.startswith("blk.") else gguf_name(name), data, raw_dtype=raw)
     for name, arr in (extra or {}).items():
         writer.add_tensor(name, arr.astype(np.float32))
     writer.write_header_to_file()
@@ -163,6 +171,21 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
     writer.write_tensors_to_file()
     writer.close()
     return dest
+
+
+def merge_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's per-expert tensors stacked, expert outermost, under llama.cpp's merged names
+    (blk.N.ffn_{gate,up,down}_exps [E, out, in]); every other tensor as it is."""
+    out, groups = {}, {}
+    for name, t in tensors.items():
+        m = EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            groups.setdefault(f"blk.{m.group(1)}.{MERGED[m.group(3)]}.weight", {})[int(m.group(2))] = t
+    for name, experts in groups.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 def _permuted(name: str, arr: np.ndarray, cfg: dict, arch: str) -> np.ndarray:
@@ -189,6 +212,12 @@ def _write_hparams(writer, cfg: dict) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
 
 
 def _write_tokenizer(writer, tok: dict) -> None:

@@ -1,4 +1,5 @@
-"""The dependency rule `cli -> specexec -> offload -> torch`, checked by reading imports with `ast`.
+"""The dependency rule `cli -> specexec -> offload -> torch`, checked by reading imports with `ast`
+(tests/import_graph.py).
 
 offload/ imports neither specexec nor cli; specexec/ never imports cli. Every import counts: top-level,
 inside functions, under TYPE_CHECKING, relative (`from .. import specexec`), and string-literal dynamic imports
@@ -6,49 +7,17 @@ inside functions, under TYPE_CHECKING, relative (`from .. import specexec`), and
 """
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.import_graph import imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN: dict[str, frozenset[str]] = {
     "offload": frozenset({"specexec", "cli"}),
     "specexec": frozenset({"cli"}),
 }
-
-
-def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
-    """(line, absolute module name) for every import in `source`, the code of module `module` (dotted)."""
-    package = module.split(".") if is_package else module.split(".")[:-1]
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source, filename=module)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                up = node.level - 1
-                if up > len(package):
-                    raise ValueError(f"{module}:{node.lineno}: relative import goes above the top-level package")
-                base = package[:len(package) - up]
-            else:
-                base = []
-            if node.module:
-                found.append((node.lineno, ".".join(base + node.module.split("."))))
-            else:                                   # `from . import x`: each name may be a module
-                found += [(node.lineno, ".".join(base + [alias.name])) for alias in node.names]
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str) and _call_name(node.func) in ("import_module", "__import__")):
-            found.append((node.lineno, node.args[0].value))
-    return found
-
-
-def _call_name(func: ast.expr) -> str | None:
-    if isinstance(func, ast.Name):
-        return func.id
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return None
 
 
 def violations(source: str, module: str, is_package: bool = False) -> list[str]:
@@ -123,3 +92,34 @@ def test_checker_scans_files(tmp_path: Path) -> None:
     (tmp_path / "offload" / "sub" / "bad.py").write_text("import torch\n\nfrom ...specexec import model\n")
     assert package_violations("offload", tmp_path) == ["offload.sub.bad:3 imports specexec"]
     assert package_violations("specexec", tmp_path) == []          # absent package: nothing to check
+
+
+def imports_of_test_modules(root: Path = ROOT) -> list[str]:
+    """'module:line imports name' for each import, in tests/, of a test module or a conftest."""
+    from tests.import_graph import imports, module_files
+
+    out = []
+    for module, (path, is_package) in module_files(root, ("tests",)).items():
+        for imp in imports(path.read_text(encoding="utf-8"), module, is_package):
+            for name in [f"{imp.base}.{n}" for n in imp.names] + [imp.base]:
+                last = name.split(".")[-1]
+                if name.startswith("tests.") and (last.startswith("test_") or last == "conftest"):
+                    out.append(f"{module}:{imp.line} imports {name}")
+    return out
+
+
+def test_tests_import_helpers_never_test_modules() -> None:
+    """A helper two test files share lives in a helper module (tests/tiny_models.py, tests/chi2.py, ...):
+    importing a test module runs its collection-time code and ties one test file's refactor to another's."""
+    bad = imports_of_test_modules()
+    assert not bad, "import the helper from a helper module instead:\n" + "\n".join(bad)
+
+
+def test_the_test_module_rule_sees_each_kind(tmp_path: Path) -> None:
+    (tmp_path / "tests" / "sub").mkdir(parents=True)
+    (tmp_path / "tests" / "sub" / "test_a.py").write_text(
+        "from tests.sub.test_b import helper\nfrom tests.sub import conftest\nfrom tests.chi2 import p\n"
+        "def f():\n    from tests.sub.conftest import x\n")
+    assert imports_of_test_modules(tmp_path) == ["tests.sub.test_a:1 imports tests.sub.test_b",
+                                                 "tests.sub.test_a:2 imports tests.sub.conftest",
+                                                 "tests.sub.test_a:5 imports tests.sub.conftest"]

@@ -94,6 +94,8 @@ def tiny_config_kwargs(family: str, n_layers: int, vocab_size: int, ids: dict[st
 MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
                       use_sliding_window=False, attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, use_sliding_window=False, decoder_sparse_step=2, mlp_only_layers=[]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, clip_qkv=1.0),
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),

@@ -21,8 +21,9 @@ from rich.table import Table
 from cli import args as common
 from cli.bench import plot
 from cli.bench.common import Plan, Result, encode_prompts, first_mismatch, run_variant, wide
+from cli.bench.table import cell
 from specexec.builders.registry import builder_needs_draft, names as builder_names
-from specexec.options import ConfigError, check_number, choices_help, parse_budget_list, parse_float_list
+from specexec.options import ConfigError, check_number, help_list, parse_budget_list, parse_float_list
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 
@@ -34,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Run the prompt set through each tree builder at equal node budgets and "
                                    "temperatures, with the target alone as the reference; print one table.")
     common.add_common_args(p, max_new_default="64")
-    p.add_argument("--builders", metavar="LIST", help=f"builders to compare (default all: {choices_help('--builder')})")
+    p.add_argument("--builders", metavar="LIST",
+                   help=f"builders to compare (default all: {help_list(builder_names())})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, metavar="LIST",
                    help=f"node budgets (default {DEFAULT_BUDGETS})")
     p.add_argument("--temperatures", default="0,0.6", metavar="LIST", help="temperatures (default 0,0.6)")
@@ -136,10 +138,6 @@ def best(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _cell(x, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)
-
-
 def table(rows: list[dict], title: str) -> Table:
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     for col in ("T", "builder", "budget", "rule", "tok/pass", "draft ms/step", "target ms/step", "tok/s",
@@ -147,9 +145,9 @@ def table(rows: list[dict], title: str) -> Table:
         t.add_column(col, justify="left" if col in ("builder", "rule") else "right")
     for r in rows:
         ident = "–" if r["identical"] is None else ("yes" if r["identical"] else "NO")
-        t.add_row(f"{r['temperature']:g}", r["builder"], _cell(r["budget"], "d"), r["rule"],
-                  _cell(r["tokens_per_pass"], ".2f"), _cell(r["draft_ms_per_step"], ".1f"),
-                  _cell(r["target_ms_per_step"], ".1f"), _cell(r["tok_s"], ".2f"), _cell(r["speedup"], ".2f"), ident)
+        t.add_row(f"{r['temperature']:g}", r["builder"], cell(r["budget"], "d"), r["rule"],
+                  cell(r["tokens_per_pass"], ".2f"), cell(r["draft_ms_per_step"], ".1f"),
+                  cell(r["target_ms_per_step"], ".1f"), cell(r["tok_s"], ".2f"), cell(r["speedup"], ".2f"), ident)
     return t
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from rich.table import Table
 
 from cli.bench.common import Plan, first_mismatch
+from cli.bench.table import cell
 from specexec.config import SamplingParams
 from specexec.options import ConfigError, budget_options
 from specexec.prompts import Prompt
@@ -155,8 +156,8 @@ def context_table(rows: list[dict], title: str) -> Table:
     for col in ("context", "config", "tok/s", "tok/pass", "prefill s", "prefill tok/s", "pass s", "identical (T=0)"):
         t.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
-        t.add_row(str(r["context"]), r["config"], _cell(r["tok_s"], ".2f"), _cell(r["tokens_per_pass"], ".2f"),
-                  _cell(r["prefill_s"], ".2f"), _cell(r["prefill_tok_s"], ".0f"), _cell(r["pass_s"], ".3f"),
+        t.add_row(str(r["context"]), r["config"], cell(r["tok_s"], ".2f"), cell(r["tokens_per_pass"], ".2f"),
+                  cell(r["prefill_s"], ".2f"), cell(r["prefill_tok_s"], ".0f"), cell(r["pass_s"], ".3f"),
                   _same(r))
     return t
 
@@ -168,7 +169,3 @@ def _same(r: dict) -> str:
     if r["lossy"]:
         return "LOSSY: " + (f"diverges at token {', '.join(map(str, at))}" if at else "same tokens here")
     return "yes" if r["identical_to_baseline"] else f"NO (from token {', '.join(map(str, sorted(at)))})"
-
-
-def _cell(x: float | None, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)

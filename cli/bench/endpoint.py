@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
+from cli.bench import plot
 from cli.bench.common import Result, wide
+from cli.bench.table import make_rows, make_table
 from specexec.options import ConfigError, check_number
 from specexec.prompts import Prompt, load_prompts
 
@@ -170,9 +172,6 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.bench import plot
-    from cli.bench.main import make_rows, make_table
-
     check_flags(args)
     figure = plot.check_target(args.plot)
     prompts = load_prompts(args.prompts)

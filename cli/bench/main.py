@@ -30,7 +30,7 @@ long shared document filling each context instead, and one table gives the cost 
 (cli/bench/context.py).
 
 With --endpoint URL the same prompt set and table measure OpenAI-compatible servers instead (cli/bench/endpoint.py);
---plot FILE draws the rows (cli/bench/plot.py).
+--plot FILE draws the rows (cli/bench/plot.py); the rows and the table are cli/bench/table.py's.
 
 Does not know: how a step works (specexec.engine), how flags are validated (specexec.options), how models load
 (specexec.runtime.assembly; transformers for the hf-* rows).
@@ -45,21 +45,19 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from cli import args as common
 from cli.bench import plot
-from cli.bench.common import Plan, Result, config_name, encode_prompts, first_mismatch, run_variant, wide
+from cli.bench.common import Plan, Result, config_name, encode_prompts, run_variant, wide
 from cli.bench.context import context_rows, context_table, parse_contexts, run_contexts
 from cli.bench.hf import run_hf
+from cli.bench.table import BASELINES, make_rows, make_table, per_step
 from specexec.config import EngineConfig
 from specexec.options import ConfigError, budget_options, check_number, is_self_draft, parse_budget_list
-from specexec.profiler import budget_trace
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 
 CONFIG_KINDS = ("specexec", "no-draft", "hf-offload", "hf-assisted")
-BASELINES = ("no-draft", "hf-offload", "hf-assisted")
 DEFAULT_BUDGETS = "16,64,256"
 LOSSY_TAG = " kv=int8 LOSSY"        # --kv-quant int8: rows with an int8 KV cache, never called identical
 
@@ -224,77 +222,8 @@ def run_ours(runtime: Runtime, plan: Plan, prompt_ids: list[list[int]], warmup: 
 
 def release(runtime: Runtime) -> None:
     """Stop an offloaded target's loader thread so its buffers can go before the transformers models load."""
-    close = getattr(runtime.engine.target, "close", None)
-    if callable(close):
-        close()
+    runtime.engine.close()                        # the target's own close(), when it has one (model.Closes)
     gc.collect()
-
-
-# -------------------------------------------------------------------- report
-
-def _gb(n: int | None) -> float | None:
-    return None if n is None else round(n / 1e9, 3)
-
-
-def _round(x: float | None, nd: int = 3) -> float | None:
-    return None if x is None else round(x, nd)
-
-
-def make_rows(results: list[Result], greedy: bool) -> list[dict]:
-    """The JSON rows: one per configuration, with the identical-output check and speed-ups vs each baseline."""
-    base = next((r for r in results if r.config == "no-draft"), None)
-    baseline_tok_s = {r.config: r.tok_s for r in results if r.config in BASELINES}
-    rows = []
-    for r in results:
-        same = mismatch = None
-        if greedy and base is not None:
-            same = sum(a == b for a, b in zip(r.outputs, base.outputs))
-            mismatch = [first_mismatch(a, b) for a, b in zip(r.outputs, base.outputs)]
-        if r.lossy:                                  # an int8 cache: outside every exactness claim
-            same = None
-        rows.append({
-            "config": r.config, "tok_s": _round(r.tok_s, 3),
-            "tokens_per_pass": _round(r.new_tokens / r.passes if r.passes else None, 3),
-            "ttft_s": _round(sum(r.ttfts) / len(r.ttfts) if r.ttfts else None, 4),
-            "identical_to_baseline": None if same is None else same == len(base.outputs),
-            "identical_prompts": None if same is None else f"{same}/{len(base.outputs)}",
-            "first_mismatch": mismatch,
-            "peak_ram_gb": _gb(r.peak_ram), "peak_vram_gb": _gb(r.peak_vram),
-            "new_tokens": r.new_tokens, "passes": r.passes, "decode_s": _round(r.decode_s, 4),
-            "draft_ms_per_step": _per_step(r, r.draft_s), "target_ms_per_step": _per_step(r, r.target_s),
-            "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
-            "budget": r.budget, "builder": r.builder, "draft": r.draft, "note": r.note or None, "lossy": r.lossy,
-            "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
-        })
-    return rows
-
-
-def _per_step(r: Result, seconds: float) -> float | None:
-    """Milliseconds per step of our rows (None for the transformers rows, which the profiler does not see)."""
-    return None if r.config.startswith("hf-") or not r.passes else round(1000 * seconds / r.passes, 1)
-
-
-def _cell(x: float | None, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)
-
-
-def make_table(rows: list[dict], title: str) -> Table:
-    baselines = [b for b in BASELINES if any(r["config"] == b for r in rows)]
-    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("config", "tok/s", "tok/pass", "TTFT s", "peak RAM GB", "peak VRAM GB", "identical (T=0)",
-                *[f"× {b}" for b in baselines]):
-        t.add_column(col, justify="left" if col == "config" else "right")
-    for r in rows:
-        ident = "–" if r["identical_prompts"] is None else \
-            f"{'yes' if r['identical_to_baseline'] else 'NO'} {r['identical_prompts']}"
-        at = sorted(i for i in r["first_mismatch"] or () if i is not None)
-        ident += f" (from token {', '.join(map(str, at))})" if at else ""
-        if r.get("lossy"):
-            ident = "LOSSY: " + (f"diverges at token {', '.join(map(str, at))}" if at else "same tokens here")
-        t.add_row(r["config"], _cell(r["tok_s"], ".2f"), _cell(r["tokens_per_pass"], ".2f"),
-                  _cell(r["ttft_s"], ".3f"), _cell(r["peak_ram_gb"], ".2f"), _cell(r["peak_vram_gb"], ".2f"), ident,
-                  *[_cell(r["speedup"].get(b), ".2f") for b in baselines])
-    return t
 
 
 # -------------------------------------------------------------------- entry point
@@ -303,7 +232,7 @@ def _done_line(console: Console) -> Callable[[Result], None]:
     """One dim line per finished configuration (long runs show progress in a log file too)."""
     def done(r: Result) -> None:
         rate = f"{r.tok_s:.2f} tok/s" if r.tok_s else "– tok/s"
-        draft, target = _per_step(r, r.draft_s), _per_step(r, r.target_s)
+        draft, target = per_step(r, r.draft_s), per_step(r, r.target_s)
         steps = f" · per step: draft {draft:.0f} ms, target {target:.0f} ms" if draft is not None else ""
         console.print(f"done {r.config}: {r.new_tokens} tokens · {rate} · {r.passes} target passes{steps}",
                       style="dim", highlight=False, markup=False)

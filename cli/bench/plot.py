@@ -22,12 +22,12 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from cli.bench.table import BASELINES
 from specexec.options import ConfigError
 
 FORMATS = ("png", "svg")
 FIG_SIZE = (10.0, 6.0)            # inches
 DPI = 100
-BASELINES = ("no-draft", "hf-offload", "hf-assisted")
 
 
 def check_target(path: str | None) -> Path | None:

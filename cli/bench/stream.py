@@ -5,7 +5,8 @@ weights. A few DISTINCT layers are made (quantized layers are random codes with 
 bytes and kernels as real ones, without an hour of CPU quantization) and the N streamed layers cycle through
 them: the resident and RAM tiers hold the distinct layers once (aliased), while the SSD tier writes all N to a
 file, so every SSD read is a real read. The planner places the N layers from --offload and the budgets exactly
-as for a real model of N layers, and its plan is printed.
+as for a real model of N layers, and its plan is printed; the pager streams with the plan's slots and SSD
+read-ahead (bounce buffers), as a real run would.
 
 For each tree size T in --tokens: the raw rate of the slowest tier used is measured first (tier_peak_gbps: the
 same reader on the same file in the same page-cache state, or a region -> slot copy for RAM), then one forward
@@ -197,7 +198,7 @@ class StreamBench:
 
         def factory(bind) -> LayerPager:
             return LayerPager([self.size] * args.n_layers, device, resident, self.ram, self.reader, ids["ssd"],
-                              N_SLOTS, N_BOUNCE, bind)
+                              the_plan.n_slots or N_SLOTS, the_plan.n_bounce or N_BOUNCE, bind)   # the planned depth
 
         self.model = OffloadedTransformer(args, weights, [layout] * args.n_layers, fmt, factory, prefetch=False)
 

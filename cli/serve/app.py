@@ -202,7 +202,7 @@ class Server:
         try:
             if job.kind == "chat":
                 for i in range(job.choices):
-                    yield api.sse(api.chat_chunk(job, i, {"role": "assistant", "content": ""}))
+                    yield api.sse(api.chunk(job, i, opening=True))
             while not isinstance(event := await ticket.events.get(), End):
                 if isinstance(event, Failed):
                     yield api.sse(api.error_body(event.message, "server_error", code="generation_failed"))
@@ -254,13 +254,9 @@ def _apply(event: Any, choices: list[api.Choice]) -> None:
 
 def _chunk(job: api.Job, event: Any) -> dict:
     """The stream chunk of a Delta (new text) or Finished (finish reason and that choice's step stats)."""
-    if job.kind == "chat":
-        if isinstance(event, Delta):
-            return api.chat_chunk(job, event.index, {"content": event.text})
-        return api.chat_chunk(job, event.index, {}, event.finish_reason, event.stats)
     if isinstance(event, Delta):
-        return api.completion_chunk(job, event.index, event.text)
-    return api.completion_chunk(job, event.index, "", event.finish_reason, event.stats)
+        return api.chunk(job, event.index, event.text)
+    return api.chunk(job, event.index, None, event.finish_reason, event.stats)
 
 
 # name -> (type, help, snapshot key)

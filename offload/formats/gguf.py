@@ -2,7 +2,9 @@
 
 `GGUFCheckpoint(path)` has the same names()/shape(name)/get(name) as offload.formats.checkpoint.SafetensorsCheckpoint,
 under HF names (token_embd -> model.embed_tokens, blk.N.attn_q -> model.layers.N.self_attn.q_proj, ...,
-output -> lm_head; no `output` tensor means tied embeddings). get() dequantizes ONE tensor to float32 (the
+output -> lm_head; no `output` tensor means tied embeddings; gguf_names.py has the table). A mixture of
+experts' merged expert tensors (blk.N.ffn_*_exps) show as the family's per-expert Hub names, each one
+expert's slice of the file (the expert is the outermost dimension, so a slice is whole quant blocks). get() dequantizes ONE tensor to float32 (the
 caller casts once, as transformers does), in row chunks so a quantized tensor's numpy temporaries stay small;
 the file itself is only memory-mapped, so the model is never in RAM at once. llama.cpp stores the Q/K weights
 (and biases) of Llama/Mistral permuted for its rope layout; they are un-permuted here (not for Qwen2/Qwen3,
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from offload.formats.checkpoint import CheckpointError
+from offload.formats.gguf_names import hub_names
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -38,20 +41,13 @@ CHUNK_ELEMENTS = 1 << 20            # elements per numpy dequantize call: bounds
 
 # general.architecture -> HF architecture. llama.cpp writes Mistral models as "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}     # a "llama" file with an expert count is a Mixtral
 PERMUTED_QK = frozenset({"llama", "mistral"})      # llama.cpp permutes Q/K rows for these (convert_hf_to_gguf.py)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
                    "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
                    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
 
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
-_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _NOT_WEIGHTS = frozenset({"rope_freqs.weight"})     # llama3 rope factors: read into config(), not a parameter
 
 
@@ -179,16 +175,6 @@ def _type_name(qtype: int) -> str:
 
 # ----------------------------------------------------------------------------------------- names
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name of a llama.cpp tensor name, or None when it is not a Llama-family parameter."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK.match(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
-        return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-
-
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's `permute(w, n_head, n_head_kv)` of Q/K rows (weight [out, in] or bias [out]): it stored
     each head's rotary halves interleaved; HF keeps them as two halves."""
@@ -218,6 +204,7 @@ class GGUFCheckpoint:
         if self.arch not in ARCHITECTURES:
             raise CheckpointError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; supported: "
                                   f"{', '.join(ARCHITECTURES)} (Mistral files say 'llama')")
+        self.n_experts = int(self.meta.get(f"{self.arch}.expert_count", 0) or 0)
         self._where = self._map_names()
         self._config: dict[str, Any] | None = None
 
@@ -226,15 +213,27 @@ class GGUFCheckpoint:
         for name, info in self._raw.items():
             if name in _NOT_WEIGHTS:
                 continue
-            target = hf_name(name)
-            if target is None:
-                raise CheckpointError(f"{self.path}: tensor {name!r} is not part of a dense {self.arch} decoder "
-                                      "(Llama-family names: token_embd, blk.N.attn_*/ffn_{gate,up,down}/"
-                                      "*_norm, output_norm, output)")
-            where[target] = info
+            pieces = hub_names(name, self.arch, self.n_experts)
+            if pieces is None and not self.n_experts and re.search(r"\.ffn_\w*(exps|inp)\.", name):
+                raise CheckpointError(f"{self.path}: tensor {name!r} holds experts, but the file declares no "
+                                      f"{self.arch}.expert_count; it is not a model this runtime reads")
+            if pieces is None:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is not part of a {self.arch} decoder as this "
+                                      "runtime reads it (token_embd, blk.N.attn_*/ffn_{gate,up,down}/*_norm, merged "
+                                      "experts blk.N.ffn_gate_inp and ffn_{gate,up,down}_exps, output_norm, output)")
+            for target, piece in pieces.items():
+                where[target] = info if piece.expert is None else self._expert_slice(info, piece.expert)
         if "model.embed_tokens.weight" not in where:
             raise CheckpointError(f"{self.path}: no token_embd.weight tensor; not a complete model file")
         return where
+
+    def _expert_slice(self, info: TensorInfo, expert: int) -> TensorInfo:
+        """Expert `expert` of a merged [E, out, in] tensor: its own contiguous bytes (whole quant blocks)."""
+        if len(info.dims) != 3 or info.dims[-1] != self.n_experts:
+            raise CheckpointError(f"{self.path}: merged expert tensor {info.name} has dims {list(info.dims)}; "
+                                  f"expected [in, out, {self.n_experts}] (expert_count experts outermost)")
+        per = info.nbytes // self.n_experts
+        return TensorInfo(f"{info.name}[{expert}]", info.dims[:-1], info.qtype, info.offset + expert * per, per)
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -316,8 +315,9 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: partial rotary embedding ({rope_dim} of {head_dim} dims) is not "
                                   "supported; supported: rope over the whole head")
         theta = float(self._meta("rope.freq_base", 10000.0))
+        arch = MOE_ARCHITECTURES.get(self.arch, ARCHITECTURES[self.arch]) if self.n_experts else ARCHITECTURES[self.arch]
         cfg = {
-            "architectures": [ARCHITECTURES[self.arch]], "model_type": self.arch,
+            "architectures": [arch], "model_type": self.arch,
             "vocab_size": self.shape("model.embed_tokens.weight")[0],
             "hidden_size": int(self._meta("embedding_length")), "num_hidden_layers": int(self._meta("block_count")),
             "intermediate_size": int(self._meta("feed_forward_length")),
@@ -329,6 +329,13 @@ class GGUFCheckpoint:
             "use_sliding_window": False, "sliding_window": None,
             "rope_scaling": self._rope_scaling(head_dim, theta),
         }
+        if self.n_experts:              # llama.cpp renormalises the kept weights of both (norm_w = true)
+            dense = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in self._raw]
+            cfg.update(num_experts=self.n_experts, num_local_experts=self.n_experts, norm_topk_prob=True,
+                       mlp_only_layers=dense,
+                       num_experts_per_tok=int(self._meta("expert_used_count")),
+                       moe_intermediate_size=int(self._meta("expert_feed_forward_length",
+                                                            cfg["intermediate_size"])))
         for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                               ("pad_token_id", "padding_token_id")):
             if f"tokenizer.ggml.{meta_key}" in self.meta:

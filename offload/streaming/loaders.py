@@ -9,8 +9,8 @@ Both take Jobs from their queue and wait on the pager's condition variable, chec
 WAIT_TICK seconds; a failure is handed to the Job, and the consumer raises it.
 
 `Loaders` is the loader half of LayerPager (a mixin): it uses the pager's slots, bounce, tiers, sizes, ram,
-ssd, copy_stream, companion, stats, _cv, _queues, _waiting, _threads, _stats_lock and _event, all set or
-defined by LayerPager.
+ssd, copy_stream, companion, stats, last_copy, _cv, _queues, _waiting, _threads, _stats_lock and _event,
+all set or defined by LayerPager.
 
 Does not know: the consumer side (which pass is running, handing layers out, cancelling: pager.py), timing
 folds (timing.py), what the bytes mean.
@@ -159,6 +159,8 @@ class Loaders:
                 if bounce is not None:
                     bounce.used = lt.copy_end
                     bounce.empty()
+                if self.copy_stream is not None:
+                    self.last_copy = lt.copy_end
                 slot.full, slot.layer, slot.job, slot.timing = True, i, job, lt
                 self._cv.notify_all()
 

@@ -83,6 +83,7 @@ class LayerPager(Loaders):
         self._stats_lock = threading.Lock()
         self._job: Job | None = None
         self._last_ids: list[int] = list(range(len(self.sizes)))
+        self.last_copy: Any = None                              # copy-end event of the latest fill (CUDA)
 
     def _tier(self, i: int, ssd_ids: set[int]) -> str:
         if self.resident is not None and i in self.resident.buffers:
@@ -228,19 +229,34 @@ class LayerPager(Loaders):
                 job.done = True
             self._cv.notify_all()
             while not job.done:
-                if not job.started:                 # never queued (Ctrl-C between `_job = job` and the queue)
-                    job.done = True
-                    break
+                if not job.started or (self._crashed is not None and self._survivors_let_go()):
+                    job.done = True                 # never queued (Ctrl-C between `_job = job` and the queue),
+                    break                           # or a dead loader thread can never finish its share
                 self._cv.wait(WAIT_TICK)
             for b in self.slots + self.bounce:
                 b.empty()
             self._cv.notify_all()
 
+    def _survivors_let_go(self) -> bool:
+        """(cv held, a loader thread died) Every other loader thread waits, for a job or a buffer: none is
+        inside a job's copy or read, so the cancelled job is no one's any more."""
+        dead = self._crashed[0]
+        return all(stage in self._waiting for stage in self._threads if stage != dead)
+
     def discard(self) -> None:
-        """Cancel the read-ahead (queued or running job): every buffer is empty afterwards; the next pass loads
-        afresh. A no-op when nothing is loading."""
+        """Cancel the read-ahead (queued or running job): every buffer is empty afterwards and no copy the
+        loaders queued is still running (`_fence`: the caller may free or reuse what they read, e.g. a
+        companion's host rows or stages); the next pass loads afresh. A no-op when nothing is loading."""
         if self._job is not None:
             self._cancel(self._job)
+        self._fence()
+
+    def _fence(self) -> None:
+        """(host) Wait for the copies already queued on the copy stream (the latest fill's end event: one
+        stream, in order). Outside the step path only: discard, close."""
+        ev = self.last_copy
+        if ev is not None and not ev.query():
+            ev.synchronize()
 
     def _orphan(self, job: Job) -> bool:
         """A job that never reached the loader (Ctrl-C between `self._job = job` and the queue)."""
@@ -269,6 +285,7 @@ class LayerPager(Loaders):
         """Stop the loader threads (the pager can still be used: new threads start on demand)."""
         if self._job is not None:
             self._cancel(self._job)
+        self._fence()
         with self._cv:
             for q in self._queues.values():
                 q.append(None)

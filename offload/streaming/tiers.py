@@ -6,6 +6,9 @@
   caching host allocator, which rounds blocks up to a power of two, never doubles it) split into layer slices.
   Where registration is unavailable or refused (some drivers, WSL2), the region comes from torch's pinned
   allocator instead, as a few blocks whose sizes it does not round up much (`pinned_regions`).
+  A registered region is unregistered (cudaHostUnregister) when its last view is freed, before its memory is:
+  whoever drops one first makes sure no copy into or out of it is still queued (the pager's `discard` and the
+  KV rows' event waits do), so a long chat that regrows its pinned KV rows keeps only the live ones locked.
 - `PackedFile`: a file of packed layers at 4 KiB-aligned offsets read with O_DIRECT (falling back to buffered
   reads followed by posix_fadvise(DONTNEED), so the page cache does not keep a second copy of what was read;
   facilities.py has each platform's stand-ins). Any object with the `LayerReader` protocol (e.g. the disk
@@ -20,10 +23,12 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy
 import torch
 
 from offload.platform import facilities
@@ -51,7 +56,7 @@ def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     """uint8 [nbytes] CPU tensor whose data starts on an ALIGN boundary (O_DIRECT-able), allocated once.
     pin=True page-locks it for CUDA (`pinned_regions`)."""
     if pin and nbytes:
-        return pinned_regions([nbytes])[0]
+        return pinned_regions([nbytes])[0][:nbytes]      # a region is rounded up to ALIGN; the caller asked less
     return _aligned(nbytes)
 
 
@@ -66,11 +71,12 @@ def pinned_regions(sizes: Sequence[int]) -> list[torch.Tensor]:
     region registered in place with cudaHostRegister; where that is unavailable or refused, regions from
     torch's pinned allocator (pin_memory), one per group of `pin_groups` (a PinFallbackWarning says so once)."""
     total = sum(round_up(n, ALIGN) for n in sizes)
-    region = _aligned(total)
+    region, owner = _lockable(total)
     why = _register(region)
     if why is None:
+        _unregister_with(owner, region.data_ptr())
         return [region]
-    del region
+    del region, owner
     _warn_once(f"{why}; pinning host memory with torch's allocator instead (it may reserve more RAM)")
     out = []
     for group in pin_groups([round_up(n, ALIGN) for n in sizes]):
@@ -110,13 +116,38 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _lockable(nbytes: int) -> tuple[torch.Tensor, object]:
+    """(an ALIGN-aligned uint8 [nbytes] CPU tensor, the object that owns its memory): the tensor and every view of
+    it keep the owner (a numpy array) alive, and the owner is finalized, before its memory is freed, when the
+    last of them goes: the moment to unregister a pinned region."""
+    owner = numpy.empty(nbytes + ALIGN, dtype=numpy.uint8)
+    raw = torch.from_numpy(owner)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start:start + nbytes], owner
+
+
+def _unregister_with(owner: object, ptr: int) -> None:
+    """cudaHostUnregister(ptr) when `owner` is finalized (its last view freed), not at interpreter exit (the
+    process's end unpins everything)."""
+    weakref.finalize(owner, _unregister, ptr).atexit = False
+
+
+def _unregister(ptr: int) -> None:
+    """Unpin a region registered at `ptr` (a finalizer: never raises; a failure's error is drained)."""
+    try:
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _drain_cuda_error()
+    except Exception:                                   # noqa: BLE001 -- a finalizer must not raise
+        pass
+
+
 def _pin_memory(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _register(buf: torch.Tensor) -> str | None:
-    """Page-lock `buf` in place (cudaHostRegister); None when done, else why not. It stays registered until the
-    process ends (the region lives as long as the tier, which lives as long as the model)."""
+    """Page-lock `buf` in place (cudaHostRegister); None when done, else why not (`_unregister_with` unlocks
+    it when its memory is freed)."""
     try:
         register = torch.cuda.cudart().cudaHostRegister
     except (AttributeError, RuntimeError, AssertionError, OSError) as e:

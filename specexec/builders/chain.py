@@ -15,25 +15,23 @@ Does not know: the target model, verification, the draft's internals (growth.Pas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree
-from specexec.builders.growth import Growth, QStore, draft_passes, host_values, pick_children
+from specexec.builders.growth import DrawsWithoutReplacement, Growth, draft_passes, host_values, pick_children
 from specexec.builders.registry import register
 
 
 @register
 @dataclass
-class ChainBuilder:
+class ChainBuilder(DrawsWithoutReplacement):
     min_path_prob: float = 0.0
     name: str = "chain"
     drafting: str = "without_replacement"
     needs_draft: bool = True
-    _q: QStore = field(default_factory=QStore, repr=False)
 
     def build(self, draft, root_token: int, budget: int, sampling: SamplingParams,
               rng: torch.Generator | None = None) -> TokenTree:
@@ -52,13 +50,3 @@ class ChainBuilder:
             logq = g.expand(passes, node)
             self._q.add(logq)
         return g.tree(passes)
-
-    def draft_probs(self, tree: TokenTree, node: int) -> Tensor:
-        """Processed draft probabilities [V] at `node` of the last chain built."""
-        return self._q.probs(tree, node)
-
-    def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
-        """Classic speculative decoding learns nothing from the target."""
-
-    def kv_slots(self, budget: int) -> int:
-        return budget + 2                                     # processed nodes + the trash slot

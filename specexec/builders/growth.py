@@ -19,7 +19,8 @@ tree under construction, child selection, and at most ONE host synchronisation p
 - `host_values` is the one host synchronisation a builder makes per pass (its stop decision and whatever
   counts it needs, read together); everything else stays on the device.
 - `QStore` keeps the processed draft log-probabilities of every processed node of the last tree, for
-  builders verified with rrs_wor (`draft_probs(tree, node)`).
+  builders verified with rrs_wor (`draft_probs(tree, node)`); `DrawsWithoutReplacement` is what those
+  builders (chain, rsd, static, rsd-c) share besides growing: draft_probs, observe, kv_slots.
 
 Does not know: the target model, verification, which nodes a builder expands or keeps, how the draft's forward
 is computed (DraftState.forward).
@@ -27,6 +28,7 @@ is computed (DraftState.forward).
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import Protocol
 
 import torch
@@ -239,3 +241,25 @@ class QStore:
         proc = int(tree.draft_slots[node]) - self.L0
         part = bisect.bisect_right(self.starts, proc) - 1
         return self.parts[part][proc - self.starts[part]].exp()
+
+
+class DrawsWithoutReplacement:
+    """What the builders whose children are draws from q without replacement (chain, rsd, static, rsd-c)
+    share besides growing: the q of every node the last tree processed, handed to rrs_wor (`draft_probs`);
+    nothing learnt from the target (`observe`: their shapes and draws look at the draft alone); a draft cache
+    of one slot per processed node plus the trash slot (`kv_slots`). A mixin whose QStore (`_q`) is made on
+    first use, so each builder's dataclass fields, hence its constructor, stay its own."""
+
+    @functools.cached_property
+    def _q(self) -> QStore:
+        return QStore()
+
+    def draft_probs(self, tree: TokenTree, node: int) -> Tensor:
+        """Processed draft probabilities [V] at `node` of the last tree built."""
+        return self._q.probs(tree, node)
+
+    def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
+        """Nothing to learn: the tree's shape and draws depend on the draft only."""
+
+    def kv_slots(self, budget: int) -> int:
+        return budget + 2                                     # processed nodes + the trash slot

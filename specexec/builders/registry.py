@@ -1,12 +1,13 @@
 """The one registry of tree builders: each builder class registers itself where it is defined (`@register`,
-under its own `name` attribute), and everything that names builders reads from here: EngineConfig validation
-and the --builder help text (through options.choices("--builder")), `bench builders`, and `make_builder`.
+under its own `name` attribute), and everything that names builders reads from here: the --builder help
+text, `bench builders`, `make_builder` and `check_builder` (Runtime.load calls it before anything loads; an
+EngineConfig does not, so building one imports no builder).
 
 Adding a builder is adding a module to specexec/builders/ with a `@register`ed class: the first lookup imports
 every module of the package once, so nothing else lists the names.
 
-Does not know: any particular builder, the engine, the CLI. It imports nothing of specexec at module level,
-so options.py can consult it lazily without an import cycle (the builders import config and options).
+Does not know: any particular builder, the engine, the CLI. Nothing below the builders (config, options)
+imports it: the builders import those, and the registry's first lookup imports every builder.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pkgutil
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from specexec.options import ConfigError, check_choice
 
 if TYPE_CHECKING:
     from specexec.builders.base import TreeBuilder
@@ -59,11 +62,15 @@ def names() -> tuple[str, ...]:
     return tuple(factories())
 
 
+def check_builder(name: str) -> None:
+    """ConfigError (listing the registered names) unless a builder is registered under `name`."""
+    check_choice("builder", name, names())
+
+
 def make_builder(name: str, options: tuple[tuple[str, object], ...] = ()) -> TreeBuilder:
     """A fresh builder by name, with EngineConfig.builder_options as keyword arguments (e.g. static's
     acceptance_file); ConfigError for a name the registry lacks or an option the builder does not take."""
-    from specexec.options import ConfigError, check_choice  # lazy: config consults this module lazily
-    check_choice("builder", name, names())
+    check_builder(name)
     fixed = [k for k, _ in options if k in FIXED_OPTIONS or k.startswith("_")]
     if fixed:                                   # the drafting kind decides which verifiers are exact
         raise ConfigError(f"builder option(s) {', '.join(fixed)} cannot be set")

@@ -23,7 +23,7 @@ Does not know: the target, verification, the draft's internals (growth.Passes ru
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from torch import Tensor
 from specexec.config import SamplingParams
 from specexec.sampling import gumbel_topk
 from specexec.tree import TokenTree
-from specexec.builders.growth import Growth, QStore, draft_passes, host_values
+from specexec.builders.growth import DrawsWithoutReplacement, Growth, draft_passes, host_values
 from specexec.builders.static import Shape, StaticBuilder
 from specexec.builders.registry import register
 
@@ -45,7 +45,7 @@ def shift_gumbel(g_child: Tensor, g_parent: Tensor, z: Tensor) -> Tensor:
 
 @register
 @dataclass
-class RSDBuilder:
+class RSDBuilder(DrawsWithoutReplacement):
     """RSD-S: beam width W = budget // L over L = depth (default round(sqrt(budget)), at most max_depth)."""
 
     depth: int | None = None
@@ -53,7 +53,6 @@ class RSDBuilder:
     name: str = "rsd"
     drafting: str = "without_replacement"
     needs_draft: bool = True
-    _q: QStore = field(default_factory=QStore, repr=False)
 
     def beam(self, budget: int) -> tuple[int, int]:
         """(W, L) for a budget: W * L <= budget."""
@@ -97,16 +96,6 @@ class RSDBuilder:
         rows, toks = pick // w, tok.flatten()[pick]
         new = g.add(toks, beams[rows], g.scores[beams[rows]] + lp.flatten()[pick])
         return new, top.values[:count]
-
-    def draft_probs(self, tree: TokenTree, node: int) -> Tensor:
-        """Processed draft probabilities [V] at `node` of the last tree built."""
-        return self._q.probs(tree, node)
-
-    def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
-        """RSD learns nothing from the target."""
-
-    def kv_slots(self, budget: int) -> int:
-        return budget + 2                                     # processed nodes + the trash slot
 
 
 def branching_shape(budget: int, branching: tuple[int, ...]) -> Shape:

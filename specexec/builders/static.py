@@ -33,7 +33,7 @@ from torch import Tensor
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree
 from specexec.tuning.acceptance import load_table as load_acceptance_table
-from specexec.builders.growth import Growth, QStore, draft_passes, host_values, pick_children, upload
+from specexec.builders.growth import DrawsWithoutReplacement, Growth, draft_passes, host_values, pick_children, upload
 from specexec.builders.registry import register
 
 DEFAULT_ACCEPTANCE = (0.60, 0.12, 0.05, 0.03, 0.02, 0.014, 0.01, 0.008,
@@ -125,14 +125,15 @@ def tree_shape(budget: int, max_depth: int, acceptance: tuple[float, ...] = DEFA
 
 @register
 @dataclass
-class StaticBuilder:
+class StaticBuilder(DrawsWithoutReplacement):
+    """Sequoia's DP shape filled by the draft (acceptance statistics are measured offline: the shape is fixed)."""
+
     acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
     acceptance_file: str | None = None
     max_depth: int = 16
     name: str = "static"
     drafting: str = "without_replacement"
     needs_draft: bool = True
-    _q: QStore = field(default_factory=QStore, repr=False)
     _by_temperature: dict[float, tuple[float, ...]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -167,16 +168,6 @@ class StaticBuilder:
             return tuple(self.acceptance)
         t = 0.0 if temperature is None else float(temperature)
         return self._by_temperature[min(self._by_temperature, key=lambda x: (abs(x - t), x))]
-
-    def draft_probs(self, tree: TokenTree, node: int) -> Tensor:
-        """Processed draft probabilities [V] at `node` of the last tree built."""
-        return self._q.probs(tree, node)
-
-    def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
-        """The shape is fixed; acceptance statistics are measured offline."""
-
-    def kv_slots(self, budget: int) -> int:
-        return budget + 2                                     # processed nodes + the trash slot
 
 
 @functools.lru_cache(maxsize=64)

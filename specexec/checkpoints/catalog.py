@@ -44,6 +44,12 @@ class ModelEntry:
     budget: int = 64
     quant: str = "none"
     notes: str = ""
+    tokenizer: str = ""             # entries naming the same tokenizer share it exactly; "" = the family's own
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer this entry shares with its drafts: `tokenizer`, else its family."""
+        return self.tokenizer or self.family
 
     @classmethod
     def from_dict(cls, name: str, raw: Any, where: str) -> "ModelEntry":
@@ -92,7 +98,7 @@ class ModelEntry:
 
 
 _TYPES: dict[str, type] = {"hub": str, "family": str, "params": str, "drafts": list, "budget": int,
-                           "quant": str, "notes": str}
+                           "quant": str, "notes": str, "tokenizer": str}
 
 
 def _typed(at: str, key: str, value: Any) -> Any:
@@ -164,9 +170,9 @@ def _check_drafts(entries: tuple[ModelEntry, ...], source: str) -> None:
                 continue
             if d not in by_name:
                 raise ConfigError(f"{source}: model {e.name!r} drafts with {d!r}, which is not an entry")
-            if d == e.name or by_name[d].family != e.family:
-                raise ConfigError(f"{source}: model {e.name!r} cannot draft with {d!r} "
-                                  f"({by_name[d].family} vs {e.family})")
+            if d == e.name or by_name[d].tokenizer_name != e.tokenizer_name:
+                raise ConfigError(f"{source}: model {e.name!r} cannot draft with {d!r} (tokenizer "
+                                  f"{by_name[d].tokenizer_name} vs {e.tokenizer_name})")
 
 
 def _check_self(spec: str, at: str) -> None:

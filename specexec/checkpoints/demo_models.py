@@ -38,7 +38,7 @@ Once upon a time there was a little model that wanted to think faster than the b
 def main(): return sum(x * x for x in range(10))  # numbers 0123456789 and symbols +-*/=<>()[]{}
 user: tell me a story. assistant: there once was a tree with many branches, and every branch was a guess.
 """
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def train_tokenizer(vocab_size: int, corpus: str = CORPUS, special: tuple[str, ...] = SPECIAL_TOKENS) -> Any:
@@ -84,6 +84,7 @@ def model_classes(family: str) -> tuple[type, type]:
     table = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
              "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
              "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+             "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
              "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
              "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}
     if family not in table:

@@ -17,7 +17,7 @@ from typing import Any
 
 from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import ROPE_KINDS, base_fields, layer_types, n_experts
-from specexec.families.weights import Rule
+from specexec.families.rules import Rule
 
 ARCHITECTURES = {"GptOssForCausalLM": "gpt_oss"}
 E = r"mlp\.experts\.(\d+)\."

@@ -11,7 +11,7 @@ from typing import Any
 
 from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, n_experts, sliding_window
-from specexec.families.weights import Rule
+from specexec.families.rules import Rule
 
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral"}
 WEIGHT_RULES = (

@@ -11,7 +11,7 @@ from typing import Any
 
 from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, n_experts
-from specexec.families.weights import Rule
+from specexec.families.rules import Rule
 
 ARCHITECTURES = {"OlmoeForCausalLM": "olmoe"}
 WEIGHT_RULES = (Rule(r"mlp\.router\.weight", "mlp.gate.weight"),)

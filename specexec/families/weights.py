@@ -2,10 +2,10 @@
 
 The network's names are the Hub checkpoints' names without the leading "model." (specexec/model.py; the MoE
 names in specexec/moe.py). Where a family's checkpoint names a tensor otherwise, or stores several of ours in
-one tensor, its module lists WEIGHT_RULES: each Rule matches our name inside a decoder layer (a regex over e.g.
-"mlp.experts.3.gate_proj.weight") and names the stored tensor inside the same layer (a template with the
-regex's groups), with the piece to take (offload/formats/refs.TensorRef: one expert of a fused tensor, strided
-gate/up columns, a transpose). The first matching rule wins; a name no rule matches is stored as it is.
+one tensor, its module lists WEIGHT_RULES: each Rule (specexec/families/rules.py) matches our name inside a
+decoder layer (a regex over e.g. "mlp.experts.3.gate_proj.weight") and names the stored tensor inside the same
+layer (a template with the regex's groups), with the piece to take (offload/formats/refs.TensorRef: one expert
+of a fused tensor, strided gate/up columns, a transpose). The first matching rule wins; a name no rule matches is stored as it is.
 
 `checkpoint_refs(args, names, stored)` gives every model tensor's TensorRef. The resident loader and the
 checks before loading (specexec/checkpoints/loading.py), the layer cache's naming (specexec/checkpoints/naming.py
@@ -18,35 +18,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 
 from offload.formats.refs import TensorRef
 
 from specexec.config import ModelArgs
+from specexec.families.registry import family_module
+from specexec.families.rules import Rule
 
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 UNPREFIXED = frozenset({"lm_head.weight"})      # the LM head sits beside "model." in HF *ForCausalLM checkpoints
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Our name inside a decoder layer (`ours`, a full-match regex) -> the stored tensor inside the same layer
-    (`theirs`, a template: \\1 etc. are ours's groups). With `expert`, group 1 of ours is an expert index into
-    the first dimension of a fused [n_experts, ...] stored tensor; start/step/transpose as in TensorRef."""
-
-    ours: str
-    theirs: str
-    expert: bool = False
-    start: int = 0
-    step: int = 1
-    transpose: bool = False
-
-    def ref(self, match: re.Match[str], prefix: str, args: ModelArgs) -> TensorRef:
-        name = prefix + match.expand(self.theirs)
-        if not self.expert:
-            return TensorRef(name, start=self.start, step=self.step, transpose=self.transpose)
-        count = args.moe.n_experts if args.moe is not None else None
-        return TensorRef(name, int(match.group(1)), count, self.start, self.step, self.transpose)
 
 
 def checkpoint_prefix(stored: Iterable[str]) -> str:
@@ -57,8 +37,6 @@ def checkpoint_prefix(stored: Iterable[str]) -> str:
 def checkpoint_refs(args: ModelArgs, names: Iterable[str], stored: Collection[str]) -> dict[str, TensorRef]:
     """For each of our parameter `names` (full names, e.g. 'layers.3.mlp.router.weight'), the TensorRef of its
     source among the checkpoint's `stored` tensor names, by the family's WEIGHT_RULES."""
-    from specexec.families.registry import family_module
-
     try:
         rules = tuple(getattr(family_module(args.family), "WEIGHT_RULES", ()))
     except KeyError:                     # a ModelArgs made by hand (tests, benchmarks): the Hub names

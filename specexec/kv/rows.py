@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-QUANTS = ("none", "int8")
+from specexec.kv.quants import QUANTS
+
 INT8_MAX = 127
 
 

@@ -233,7 +233,9 @@ class StreamedKV:
         self.through = False
 
     def grow(self, capacity: int) -> None:
-        """Reallocate host rows and stages for `capacity` slots, keeping the committed rows."""
+        """Reallocate host rows and stages for `capacity` slots, keeping the committed rows. The old rows are
+        dropped only once no copy uses them (the read-ahead discarded and fenced, the D2H writes waited for),
+        and dropping them unpins them (offload/streaming/tiers.py)."""
         if self.discard is not None:
             self.discard()                            # no read-ahead may copy into the old stages
         self._sync()

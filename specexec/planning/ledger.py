@@ -2,35 +2,15 @@
 holds is, sized for the model shapes, formats, tree budget and context of this run, and the plan built on it.
 
 Nothing here loads or reads a weight: the sizes come from ModelArgs (config.json) and the formats (sizes.py:
-the packed size of a layer in any format, KV caches, transients), the run from run_shape.py, so `specexec plan` can
-answer for a checkpoint that is not downloaded and a card that is not installed. The runtime plans with the same code
-before it loads anything, and prints the same ledger.
+the packed size of a layer in any format, KV caches, transients), the run from run_shape.py, so `specexec plan`
+can answer for a checkpoint that is not downloaded and a card that is not installed. The runtime plans with the
+same code before it loads anything, and prints the same ledger.
 
-Ledger lines (device side: the GPU on CUDA, RAM on CPU):
-- target embed / target norm/head: the target's resident embedding table, final norm and LM head. The
-  embedding table of a STREAMED, untied target may instead live in host RAM (line "target embed (host RAM)"):
-  its rows for the T tokens of a pass are gathered on the CPU and copied over (exact: a gather), and the
-  GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
-- draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
-  A self-draft (--draft self: the target's own layers, `with_self_draft`) counts only its copies of the layers
-  it runs that the target streams; its embed/norm/head and the resident layers it runs are the target's. The
-  plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
-  picks the most layers that fit.
-- target KV cache / draft KV cache: each sized for its own user (kv.cache.kv_slots_for): the target for the
-  context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
-  target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
-  streamed layer when the device runs short, in (pinned) RAM travelling with the layer ("target KV cache
-  (streamed)", its bytes in the pass time) through "target KV cache stages" (one per slot, plus the tree rows
-  each such layer keeps on the device until they are committed). When nothing fits with the draft's cache in
-  the run dtype, the draft's cache is planned in int8 (exact: the draft only proposes). --kv-quant int8
-  sizes both caches in int8 (LOSSY) and adds one layer's dequantized K/V to the activations.
-- activations: the largest transient of any pass that runs (sizes.attention_bytes has the attention formula):
-  the target's tree pass, a streamed prefill chunk of PREFILL_RESERVE tokens (dropped when it does not fit),
-  the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
-- resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
-
-Also here: how many tokens one streamed prefill pass takes (as many as the activations and the budget left
-over allow, `prefill_tokens`), and, when nothing fits, what would (`what_fits`).
+The lines of the ledger, and what each one counts, are the run's Needs (specexec/planning/needs.py); this
+module plans with them: MemoryPlan (the ledger, the plan, how it is described and written as JSON),
+`plan_memory` (the format and embedding placement whose predicted pass is fastest; a self-draft's layer count
+and which of its layers are shared), and, when nothing fits, what would (`what_fits`); and a simulated card
+for `specexec plan --gpu-memory` (`card_budget`, `card_for`).
 
 Does not know: how layers stream (offload.streaming.pager), where the budgets come from (the caller), checkpoints.
 """
@@ -39,127 +19,18 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 
-import torch
-
 from offload.memory_plan import GB, Bandwidths, Needs, Plan, PlanError
 from offload.planner import plan
 
 from specexec.config import PREFILL_CHUNK
-from specexec.model import LOGIT_CHUNK
-from specexec.planning.experts import describe_moe, expert_parts, moe_summary
+from specexec.planning.experts import describe_moe, moe_summary
+from specexec.planning.needs import dtype_name, fmt_name, needs_for, prefill_tokens
 from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
-from specexec.planning.sizes import (forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes,
-                                     weight_bytes)
+from specexec.planning.sizes import layer_bytes
 
 PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
-DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
 CUDA_CONTEXT = 500 * 10**6    # a simulated card (--gpu-memory): what the CUDA context and libraries take
 ASSUMED = {"cuda": Bandwidths(ram=25e9, ssd=3e9), "cpu": Bandwidths(ram=8e9, ssd=1.5e9)}
-
-
-# ----------------------------------------------------------------------------------------- the run
-
-def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]:
-    """(bytes, what they are for) of the activations line: the largest of the passes that run."""
-    t_slots, d_slots = shape.slots
-    dev, elem = shape.device, shape.elem
-    tq, dq = shape.kv_quant, shape.draft_quant_kv
-    passes = {f"tree {shape.budget + 1}": forward_bytes(shape.target, shape.budget + 1, t_slots, elem, fmt, dev,
-                                                        LOGIT_CHUNK, tq)}
-    if prefill:
-        passes[f"prefill {prefill}"] = forward_bytes(shape.target, prefill, t_slots, elem, fmt, dev, 0, tq)
-    if shape.draft is not None:
-        rows = min(shape.budget + 1, DRAFT_ROWS)
-        growth = (shape.draft_scratch or 0) ** 2                        # the builder's ancestor matrix (bool)
-        passes[f"draft {rows} rows"] = forward_bytes(shape.draft, rows, d_slots or shape.context, elem,
-                                                     shape.draft_fmt, dev, rows, dq) + growth
-        chunk = min(PREFILL_CHUNK, shape.context)
-        passes[f"draft prefill {chunk}"] = forward_bytes(shape.draft, chunk, d_slots or shape.context, elem,
-                                                         shape.draft_fmt, dev, 0, dq)
-    top = max(passes, key=passes.get)
-    return passes[top], f"largest: {top} tokens (" + ", ".join(f"{k} {_gb(v)}" for k, v in passes.items()) + ")"
-
-
-def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: int = 0,
-              shared: frozenset[int] = frozenset()) -> Needs:
-    """The planner's Needs of this run with target layers in `fmt`: every fixed line named (see the module
-    docstring), the embedding table on the host side when embed_on_host (CUDA) and activations that also
-    cover a streamed prefill of `prefill` tokens. A self-draft's weights are copies of the layers it runs
-    except `shared` (layers the plan keeps resident: the draft uses the target's own)."""
-    t, elem = shape.target, shape.elem
-    tw = weight_bytes(t, fmt, shape.dtype, shape.device)
-    t_slots, d_slots = shape.slots
-    act, act_note = activation_lines(shape, fmt, prefill)
-    device: list[tuple[str, int]] = []
-    host: list[tuple[str, int]] = []
-    lossy = ", int8: LOSSY" if shape.kv_quant == "int8" else ""
-    notes = {"activations": act_note, "target KV cache": f"{t_slots} slots ({shape.context} context + "
-             f"{shape.budget + 1} tree{lossy})", "target norm/head": "tied: the embedding is the head"
-             if t.tie_word_embeddings else "",
-             "target KV cache stages": "one per streaming slot, and the tree rows of streamed layers",
-             "target KV cache (streamed)": "pinned: committed rows travel with their layer"
-             if shape.device == "cuda" else "committed rows travel with their layer"}
-    if embed_on_host:
-        (host if shape.device == "cuda" else device).append(("target embed (host RAM)", tw["embed"]))
-        notes["target embed (host RAM)"] = "rows gathered on the CPU for each pass"
-    else:
-        device.append(("target embed", tw["embed"]))
-    device.append(("target norm/head", tw["head"] + tw["norm"]))
-    if shape.draft is not None:
-        draft_bytes, notes["draft weights"] = draft_weights(shape, shared)
-        device.append(("draft weights", draft_bytes))
-        device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv)))
-        notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
-            "none: the builder drafts without it"
-    device.append(("activations", act))
-    sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
-    kv = kv_layer_bytes(t, t_slots, elem, shape.kv_quant)
-    tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
-    return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
-                 companion_bytes=(kv,) * t.n_layers, companion_residue=(tail,) * t.n_layers,
-                 companion_name="target KV cache", companions=shape.kv_offload, parts=expert_parts(shape, fmt))
-
-
-def _draft_kv_note(shape: RunShape) -> str:
-    if shape.draft_quant_kv != "int8":
-        return ""
-    if shape.kv_quant == "int8":
-        return ", int8 (--kv-quant)"
-    return ", int8: the draft's own cache, to fit (the target verifies: output unchanged)"
-
-
-def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tuple[int, str]:
-    """(bytes, note) of the draft weights line: a model draft counted once in its format; a self-draft only
-    its copies of the layers it runs that are not `shared` (resident in the target): embed/norm/head and
-    shared layers are the target's, counted on their own lines."""
-    sd = shape.self_draft
-    if sd is None:
-        dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype, shape.device)
-        return sum(dw.values()), (f"{shape.draft.n_layers} layers {_fmt(shape.draft_fmt)}, embed/head "
-                                  f"{_dtype(shape.dtype)}")
-    ids = self_layer_ids(shape)
-    copies = [i for i in ids if i not in shared]
-    n = shape.target.n_layers
-    note = (f"self: {len(ids)} of {n} target layers{' (auto)' if sd.auto else ''}, {len(ids) - len(copies)} "
-            f"shared, {len(copies)} {_fmt(sd.fmt)} copies; embed/norm/head shared")
-    return sum(layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device, i) for i in copies), note
-
-
-def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
-    """The most tokens (<= context) one prefill pass of the target can take within `room` bytes of
-    activation memory (the activations line plus what the plan left over)."""
-    t_slots = shape.slots[0]
-
-    def fits(c: int) -> bool:
-        return forward_bytes(shape.target, c, t_slots, shape.elem, fmt, shape.device, 0, shape.kv_quant) <= room
-
-    lo, hi = 1, shape.context
-    if fits(hi):
-        return hi
-    while lo < hi:                                 # largest c with fits(c); fits(1) assumed (the tree fits)
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
 
 
 # ----------------------------------------------------------------------------------------- planning
@@ -195,8 +66,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         s = self.shape
-        head = (f"memory ledger: target {s.target.n_layers} layers {_fmt(self.fmt)}" + self._draft_text()
-                + f", {_dtype(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens"
+        head = (f"memory ledger: target {s.target.n_layers} layers {fmt_name(self.fmt)}" + self._draft_text()
+                + f", {dtype_name(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens"
                 + (", KV int8 (LOSSY: no exactness claim)" if s.kv_quant == "int8" else ""))
         streamed = "" if not self.plan.streams else f"; prefill: up to {self.prefill_tokens} tokens per pass"
         moe = self.moe_json()
@@ -211,11 +82,11 @@ class MemoryPlan:
         if s.draft is None:
             return ", no draft"
         if s.self_draft is None:
-            return f", draft {s.draft.n_layers} layers {_fmt(s.draft_fmt)}"
+            return f", draft {s.draft.n_layers} layers {fmt_name(s.draft_fmt)}"
         ids, copies = self.draft_layers, self.draft_copies
         how = "--draft-layers auto picked " if s.self_draft.auto else ""
         return (f", draft self ({how}{len(ids)} of {s.target.n_layers} layers {_ids(ids)}: "
-                f"{len(ids) - len(copies)} shared, {len(copies)} {_fmt(s.self_draft.fmt)} copies)")
+                f"{len(ids) - len(copies)} shared, {len(copies)} {fmt_name(s.self_draft.fmt)} copies)")
 
     def self_json(self) -> dict | None:
         """The self-draft's choice, for --json (None for a model draft or none)."""
@@ -367,7 +238,7 @@ def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | No
 # ----------------------------------------------------------------------------------------- the self-draft
 
 def _draft_layers_first(tiers: tuple[str, ...], ids: tuple[int, ...]) -> tuple[str, ...]:
-    """The planner's tiers (it keeps a prefix resident; every decoder layer has the same size) with the
+    """The planner's tiers (it spreads the resident layers; every decoder layer has the same size) with the
     resident places moved onto the draft's layers first: a resident layer the draft runs needs no copy, and
     the target streams the same bytes whichever layers stay. The streamed tiers keep their order (RAM, then
     SSD) over the other layers, ascending."""
@@ -450,20 +321,8 @@ def card_for(budget: int) -> int:
     return int(max((budget + CUDA_CONTEXT) / 0.95, budget + CUDA_CONTEXT + 2**29)) + 1
 
 
-def _gb(n: float) -> str:
-    return f"{n / GB:.2f} GB" if abs(n) >= 0.01 * GB else f"{n / 1e6:.1f} MB"
-
-
 def _ids(ids: tuple[int, ...]) -> str:
     """Layer ids for a ledger line: all of them when few, else the first and last few."""
     text = ", ".join(map(str, ids)) if len(ids) <= 8 else (", ".join(map(str, ids[:4])) + ", ..., "
                                                           + ", ".join(map(str, ids[-2:])))
     return f"[{text}]"
-
-
-def _fmt(fmt: str) -> str:
-    return "unquantized" if fmt == "none" else fmt
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -4,13 +4,13 @@
 objects: it resolves the checkpoint paths, reads their configs (unsupported architectures fail before any
 weight is read), loads and cross-checks the tokenizers, loads both models on the configured device and dtype,
 and makes the tree builder (specexec.builders.registry). `generate_ids()` adds what the engine deliberately
-leaves out: the context-length check and stop strings (which need the tokenizer). `Detokenizer` turns
-generated ids into text the way a stream needs it (leading spaces kept, incomplete UTF-8 held back).
+leaves out: the context-length check and stop strings (which need the tokenizer; the text side is
+specexec/runtime/detokenizer.py).
 
 Memory plan and offloading: before any weight is loaded, the run is planned from the configs
-(specexec/planning/ledger.py via planning.target.plan_target: the draft counted once in its --draft-quant format, each KV
-cache for its own user, budgets measured while nothing of ours holds memory); `on_plan` sees the ledger
-first, then the draft loads (resident, optionally quantized) and the target as planned: resident, or with
+(specexec/planning/ledger.py via planning.target.plan_target: the draft counted once in its --draft-quant
+format, each KV cache for its own user, budgets measured while nothing of ours holds memory); `on_plan` sees the
+ledger first, then the draft loads (resident, optionally quantized) and the target as planned: resident, or with
 its decoder layers quantized and streamed (specexec/runtime/offloaded.py). `plan` holds the result; stats() gains
 the pager's streaming figures.
 
@@ -45,7 +45,7 @@ from specexec.options import ConfigError, check_device, check_draft_vocab, check
 from specexec.tuning import acceptance
 from specexec.tuning.calibration import save_target_costs, tuner_for
 from specexec.builders.base import TreeBuilder
-from specexec.builders.registry import make_builder
+from specexec.builders.registry import check_builder, make_builder
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
@@ -55,7 +55,9 @@ from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_s
 from specexec.planning.target import TargetPlan, plan_target
 from specexec.runtime.offloaded import load_target, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
+from specexec.runtime.detokenizer import Detokenizer, StopWatcher
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
+from specexec.verify import check_verifier
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
 Progress = Callable[[str], None]
@@ -252,6 +254,8 @@ class Runtime:
         offload = offload or OffloadConfig()
         say = progress or (lambda _msg: None)
         check_device(config.device)
+        check_builder(config.builder)              # the names an EngineConfig leaves to their registries
+        check_verifier(config.verifier)
         t_path = resolve_model_path(model)
         t_args = read_args(t_path)
         self_spec = _self_spec(draft, config, offload)
@@ -356,7 +360,7 @@ class Runtime:
         return _kv_cache_summary(self.engine)
 
     def stats(self) -> dict:
-        """Summary of the last generate_ids() call (see GenerationStats.summary)."""
+        """Summary of the last generate_ids() call (see specexec.generation.GenerationStats.summary)."""
         budget = (("auto" if self.config.auto_budget else self.config.budget)
                   if self.engine.builder is not None else 0)
         out = self.engine.stats.summary(budget, self.builder_name)    # with budget_trace: what auto picked
@@ -376,58 +380,3 @@ def _kv_cache_summary(engine: Engine) -> dict:
     if caches is not None:
         out["streamed_layers"] = len(caches[0].streamed_layers)
     return out
-
-
-class Detokenizer:
-    """Text of generated ids. They are decoded after the last few prompt tokens, so tokenizers that drop a
-    word's leading space at the start of a decode (SentencePiece) keep it; special tokens are skipped."""
-
-    CONTEXT = 4
-
-    def __init__(self, tokenizer, prompt_ids: Sequence[int]) -> None:
-        self.tokenizer = tokenizer
-        self.prefix = list(prompt_ids[-self.CONTEXT:])
-        self.prefix_text = self._decode(self.prefix)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def text(self, ids: Sequence[int]) -> str:
-        full = self._decode(self.prefix + list(ids))
-        if full.startswith(self.prefix_text):
-            return full[len(self.prefix_text):]
-        return self._decode(list(ids))
-
-    def stable_text(self, ids: Sequence[int]) -> str:
-        """text(ids) without a trailing replacement character (an incomplete multi-byte character)."""
-        return self.text(ids).rstrip("\ufffd")
-
-
-class StopWatcher:
-    """Engine.generate's should_stop callback for stop strings: on the first stop string in the decoded text,
-    keep the tokens whose text ends before it (a token that holds part of the stop string is dropped)."""
-
-    def __init__(self, detok: Detokenizer, stops: Sequence[str]) -> None:
-        self.detok, self.stops = detok, list(stops)
-        self.longest = max(len(s) for s in self.stops)
-        self.keep: int | None = None
-
-    def __call__(self, ids: list[int]) -> int | None:
-        text = self.detok.text(ids)
-        hits = [text.find(s) for s in self.stops if s in text]
-        if not hits:
-            return None
-        self.keep = self._tokens_within(ids, min(hits), 0)
-        return self.keep
-
-    def safe_count(self, ids: list[int], start: int) -> int:
-        """How many leading tokens cannot be part of a stop string that the next tokens may complete."""
-        boundary = len(self.detok.text(ids)) - (self.longest - 1)
-        return self._tokens_within(ids, boundary, start)
-
-    def _tokens_within(self, ids: list[int], n_chars: int, start: int) -> int:
-        """The largest k >= start with len(text(ids[:k])) <= n_chars (k = start when none is)."""
-        k = start
-        while k < len(ids) and len(self.detok.text(ids[:k + 1])) <= n_chars:
-            k += 1
-        return k

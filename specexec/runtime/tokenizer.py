@@ -26,9 +26,9 @@ GGUF_TOKENIZER_CACHE_VERSION = 1
 
 
 def load_tokenizer(path: Path):
-    """AutoTokenizer from a local directory (or a .gguf file's metadata), offline; one clear error when it is
-    missing or unreadable."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """AutoTokenizer from a local directory (or a .gguf file's metadata), offline (local_files_only: nothing
+    process-wide is switched, so a later Hub name in the same process still downloads); one clear error when
+    it is missing or unreadable."""
     if is_gguf(path):
         return _gguf_tokenizer(Path(path))
     from transformers import AutoTokenizer

@@ -11,9 +11,9 @@ send are accepted: unknown ones are ignored, known ones asking for something thi
 node (specexec.sampling); repetition_penalty (HF's, over the whole context) is accepted too.
 Omitted sampling fields take the server's defaults (its --temperature etc.), not OpenAI's temperature 1.
 
-Responses: `chat_response` / `completion_response` (non-streamed) and `chat_chunk` / `completion_chunk` /
-`usage_chunk` (streamed, framed by `sse`, ended by SSE_DONE), each with `usage` and a `specexec` extension
-holding the engine's step statistics.
+Responses: `chat_response` / `completion_response` (non-streamed) and `chunk` (either kind) / `usage_chunk`
+(streamed, framed by `sse`, ended by SSE_DONE), each with `usage` and a `specexec` extension holding the
+engine's step statistics.
 
 Does not know: HTTP, sockets, the ASGI framework, threads and queues (specexec/serving/queue.py and
 cli/serve/app.py do), how a token is generated (specexec.runtime.assembly).
@@ -360,22 +360,23 @@ def completion_response(job: Job, choices: Sequence[Choice], queue_ms: float) ->
             "specexec": extension(choices, queue_ms)}
 
 
-def chat_chunk(job: Job, index: int, delta: dict, finish_reason: str | None = None,
-               stats: dict | None = None) -> dict:
-    """One chat.completion.chunk for one choice (`usage` null, as OpenAI sends when usage is requested)."""
-    out = {**_head(job, "chat.completion.chunk"),
-           "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-    if job.include_usage:
-        out["usage"] = None
-    if stats is not None:
-        out["specexec"] = stats
-    return out
+def _chunk_object(job: Job) -> str:
+    return "chat.completion.chunk" if job.kind == "chat" else "text_completion"
 
 
-def completion_chunk(job: Job, index: int, text: str, finish_reason: str | None = None,
-                     stats: dict | None = None) -> dict:
-    out = {**_head(job, "text_completion"),
-           "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+def chunk(job: Job, index: int, text: str | None = None, finish_reason: str | None = None,
+          stats: dict | None = None, opening: bool = False) -> dict:
+    """One stream chunk for one choice, of the job's kind: new `text`, or (text None) the choice's end with
+    its finish_reason and step stats; opening: a chat stream's first chunk (the assistant role, no text).
+    A chat chunk carries a `delta`, a completion chunk `text`; `usage` is null when usage is requested, as
+    OpenAI sends it."""
+    if job.kind == "chat":
+        piece = {"delta": {"role": "assistant", "content": ""} if opening else
+                 ({"content": text} if text is not None else {})}
+    else:
+        piece = {"text": text or ""}
+    out = {**_head(job, _chunk_object(job)),
+           "choices": [{"index": index, **piece, "logprobs": None, "finish_reason": finish_reason}]}
     if job.include_usage:
         out["usage"] = None
     if stats is not None:
@@ -385,8 +386,8 @@ def completion_chunk(job: Job, index: int, text: str, finish_reason: str | None 
 
 def usage_chunk(job: Job, choices: Sequence[Choice], queue_ms: float) -> dict:
     """The last chunk of a stream with stream_options.include_usage: no choices, the usage and the totals."""
-    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-    return {**_head(job, obj), "choices": [], "usage": usage(choices, job), "specexec": extension(choices, queue_ms)}
+    return {**_head(job, _chunk_object(job)), "choices": [], "usage": usage(choices, job),
+            "specexec": extension(choices, queue_ms)}
 
 
 def sse(obj: dict) -> bytes:

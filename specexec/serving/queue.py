@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from specexec.serving.openai_api import Job
-from specexec.runtime.assembly import Detokenizer, Runtime
+from specexec.runtime.assembly import Runtime
+from specexec.runtime.detokenizer import Detokenizer
 
 
 class QueueFull(RuntimeError):

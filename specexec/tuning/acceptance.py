@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from specexec.model import LOGIT_CHUNK, Transformer
 from specexec.options import ConfigError
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
+from specexec.tuning.store import read_json, store_path, write_json
 from specexec.verify import accept_rrs_without_replacement
 
 POSITIONS = 16           # length of a measured vector (children per node the static shape may use)
@@ -51,9 +51,8 @@ def pair_fingerprint(target_path: str | Path, draft_path: str | Path, target_arg
 
 
 def default_path(fingerprint: str) -> Path:
-    root = os.environ.get("SPECEXEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specexec")
-    return Path(root) / "acceptance" / f"{fingerprint}.json"
+    """The pair's cached vectors: <cache root>/acceptance/<fingerprint>.json (specexec/tuning/store.py)."""
+    return store_path("acceptance", fingerprint)
 
 
 @torch.no_grad()
@@ -118,19 +117,12 @@ def save(path: Path, temperature: float, vector: list[float], **meta: object) ->
     data = read(path) or {}
     vectors = dict(data.get("vectors", {}))
     vectors[f"{float(temperature):g}"] = {"acceptance": list(vector), **meta}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"vectors": vectors}, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    write_json(path, {"vectors": vectors}, indent=1)
 
 
 def read(path: Path) -> dict | None:
     """The pair's file, or None when absent or unreadable (a damaged cache is re-measured, never trusted)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json(path)
 
 
 def load_table(path: str | Path) -> dict[float, tuple[float, ...]]:

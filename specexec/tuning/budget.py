@@ -21,13 +21,14 @@ seconds in).
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from specexec.tuning.store import read_json, write_json
 
 
 @dataclass
@@ -102,19 +103,13 @@ class CostModel:
         return cls(curve(data.get("target", {})), curve(data.get("draft", {}), origin=True))
 
     def save(self, path: Path, fingerprint: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"fingerprint": fingerprint, **self.to_json()}))
-        tmp.replace(path)
+        write_json(path, {"fingerprint": fingerprint, **self.to_json()})
 
     @classmethod
     def load(cls, path: Path, fingerprint: str) -> "CostModel | None":
         """The saved model if it was measured for this fingerprint; None when absent, stale or unreadable."""
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(data, dict) or data.get("fingerprint") != fingerprint:
+        data = read_json(path)
+        if data is None or data.get("fingerprint") != fingerprint:
             return None
         try:
             return cls.from_json(data)

@@ -1,5 +1,5 @@
 """Where `--budget auto`'s target pass costs are kept between runs: one JSON file per target fingerprint
-(model shapes, dtype, device, offload plan, CPU threads) under $SPECEXEC_CACHE (default ~/.cache/specexec).
+(model shapes, dtype, device, offload plan, CPU threads) under <cache root>/costs/ (specexec/tuning/store.py).
 
 The runtime calls this module: `tuner_for` gives a new engine a BudgetTuner holding the saved costs (the
 engine then skips its calibration passes), and `save_target_costs` keeps what an engine measured (the
@@ -10,38 +10,47 @@ Does not know: how passes are timed (the engine measures), the tuner's policy (s
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from specexec.abilities import has
+from specexec.model import Transformer
 from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit
+from specexec.tuning.store import store_path
 
 
-def cost_fingerprint(target: torch.nn.Module) -> str:
+@runtime_checkable
+class PlannedLayers(Protocol):
+    """A target whose layers live where a memory plan put them (an offloaded target: load_target sets it):
+    `plan_fingerprint` names the tiers, slots and streamed KV, which its pass time depends on."""
+
+    plan_fingerprint: str
+
+
+def cost_fingerprint(target: Transformer) -> str:
     """What the target's pass time depends on: its shapes, dtype, device and (if offloaded) the plan."""
     p = next(target.parameters())
-    args = getattr(target, "args", None)
-    parts = [type(target).__name__, repr(args), str(p.dtype), str(p.device),
-             str(getattr(target, "plan_fingerprint", "")), str(torch.get_num_threads())]
+    plan = target.plan_fingerprint if has(target, PlannedLayers) else ""
+    parts = [type(target).__name__, repr(target.args), str(p.dtype), str(p.device), str(plan),
+             str(torch.get_num_threads())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
 def default_cost_path(fingerprint: str) -> Path:
     """The cost file for one fingerprint."""
-    root = os.environ.get("SPECEXEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specexec")
-    return Path(root) / "costs" / f"{fingerprint}.json"
+    return store_path("costs", fingerprint)
 
 
-def saved_target_costs(target: torch.nn.Module) -> CurveFit | None:
+def saved_target_costs(target: Transformer) -> CurveFit | None:
     """The target pass costs measured earlier for this target on this machine (None: not yet, or stale)."""
     fingerprint = cost_fingerprint(target)
     saved = CostModel.load(default_cost_path(fingerprint), fingerprint)
     return saved.target if saved is not None else None
 
 
-def save_target_costs(target: torch.nn.Module, curve: CurveFit) -> Path:
+def save_target_costs(target: Transformer, curve: CurveFit) -> Path:
     """Keep measured target pass costs for the next run (written atomically); returns the file."""
     fingerprint = cost_fingerprint(target)
     path = default_cost_path(fingerprint)
@@ -49,7 +58,7 @@ def save_target_costs(target: torch.nn.Module, curve: CurveFit) -> Path:
     return path
 
 
-def tuner_for(max_budget: int, target: torch.nn.Module) -> BudgetTuner:
+def tuner_for(max_budget: int, target: Transformer) -> BudgetTuner:
     """A budget tuner up to max_budget, holding this target's saved pass costs when there are some."""
     tuner = BudgetTuner(max_budget)
     saved = saved_target_costs(target)

@@ -9,23 +9,23 @@ and verifier keeps working unchanged, tokens outside the set are never drafted, 
 
 The kept set: token counts measured from target samples (`measure_counts`: target-distributed samples on a
 prompt set, drawn through any Engine - speculative sampling is exact, so a draft may speed it up; cached as
-JSON by `load_or_measure_counts`), or from any token list for tests (`counts_from_tokens`). `select_vocab`
-ranks by count (ties: lower id, i.e. the earlier BPE merge) and always keeps `always` (EOS, chat tokens).
-`auto_size` picks N when the user says `--draft-vocab auto`.
+JSON under the cache root by `load_or_measure_counts`, specexec/tuning/store.py), or from any token list for
+tests (`counts_from_tokens`). `select_vocab` ranks by count (ties: lower id, i.e. the earlier BPE merge) and
+always keeps `always` (EOS, chat tokens). `auto_size` picks N when the user says `--draft-vocab auto`.
 
 Does not know: tokenizers and prompts beyond the ids it is handed, builders, verification.
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specexec.tuning.store import read_json, store_path, write_json
 
 AUTO_MIN = 8192          # --draft-vocab auto: at least this many tokens (or the whole vocabulary)
 
@@ -50,6 +50,12 @@ class TrimmedDraft(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.model(*args, **kwargs)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(tokens)
+
+    def decode(self, *args, **kwargs) -> torch.Tensor:
+        return self.model.decode(*args, **kwargs)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., D] -> fp32 logits [R, V]: the kept rows' scores, -inf for every other token."""
@@ -92,25 +98,24 @@ def measure_counts(generate: Callable[[list[int]], list[int]], prompts: Sequence
 
 
 def cache_path(key: str) -> Path:
-    """Where counts for `key` (target, prompts and settings) are cached: $SPECEXEC_CACHE or ~/.cache/specexec."""
-    root = Path(os.environ.get("SPECEXEC_CACHE") or Path.home() / ".cache" / "specexec")
-    return root / "vocab" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    """Where counts for `key` (target, prompts and settings) are cached: <cache root>/vocab/ (tuning/store.py)."""
+    return store_path("vocab", hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
 def load_or_measure_counts(key: str, vocab_size: int, measure: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Cached counts for `key`, else measure() them and write the cache (atomically)."""
+    """Cached counts for `key`, else measure() them and write the cache (atomically; a damaged or foreign
+    file is measured again)."""
     path = cache_path(key)
-    if path.is_file():
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("key") == key and data.get("vocab_size") == vocab_size:
+    data = read_json(path)
+    if data is not None and data.get("key") == key and data.get("vocab_size") == vocab_size:
+        try:
             counts = torch.zeros(vocab_size, dtype=torch.float64)
             for token, c in data["counts"].items():
                 counts[int(token)] = float(c)
             return counts
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+            pass
     counts = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
     sparse = {str(i): float(counts[i]) for i in torch.nonzero(counts).flatten().tolist()}
-    tmp.write_text(json.dumps({"key": key, "vocab_size": vocab_size, "counts": sparse}), encoding="utf-8")
-    tmp.replace(path)
+    write_json(path, {"key": key, "vocab_size": vocab_size, "counts": sparse})
     return counts

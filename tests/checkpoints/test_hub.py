@@ -1,5 +1,5 @@
-"""Models by Hub name (specexec.checkpoints.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on 127.0.0.1
-(tests/hub_server.py, reached through HF_ENDPOINT): only what loads is fetched (never pickles), a dropped
+"""Models by Hub name (specexec.checkpoints.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on
+127.0.0.1 (tests/hub_server.py, reached through HF_ENDPOINT): only what loads is fetched (never pickles), a dropped
 connection resumes with a Range request, an interrupted process resumes from its .part file, a corrupted part
 is caught by the checksum, 401/403/404 and offline-without-cache each end as one line (exit 2 from the CLI),
 the free-disk check counts the layer cache the plan will build, and GGUF repos need --gguf-file."""
@@ -162,6 +162,17 @@ def test_a_corrupt_part_file_is_caught_by_the_checksum_and_removed(online: Local
         fetch(REPO, HubOptions())
     assert not part.exists()
     assert _sha(fetch(REPO, HubOptions()) / "model.safetensors") == sha
+
+
+def test_a_second_hub_name_resolves_after_a_tokenizer_loads(online: LocalHub) -> None:
+    """Loading a tokenizer (offline by local_files_only) leaves the process online: the next Hub name in the
+    same process (`bench --drafts A,ORG/NAME`, a server loading a second model) still downloads."""
+    from specexec.runtime.tokenizer import load_tokenizer
+
+    first = resolve_model_path(REPO, HubOptions())
+    assert load_tokenizer(first).get_vocab()
+    second = resolve_model_path("tiny-org/sharded", HubOptions())
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"} <= _files(second)
 
 
 # ------------------------------------------------------------------------------------------ access + offline

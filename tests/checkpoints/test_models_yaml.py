@@ -42,7 +42,10 @@ def test_shipped_catalogue_has_the_recommended_pairs() -> None:
     assert pairs["qwen2.5-coder-1.5b-instruct"] == ("qwen2.5-coder-0.5b-instruct",)
     assert cat.get("Qwen/Qwen2.5-72B-Instruct").name == "qwen2.5-72b-instruct"     # a Hub id finds it too
     assert cat.get("LLAMA-3.1-70B-INSTRUCT") is not None                          # names are case-blind
-    assert {e.family for e in cat} == {"llama", "qwen2", "qwen3", "mistral"}
+    assert {e.family for e in cat} == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss"}
+    assert pairs["qwen3-30b-a3b"] == ("qwen3-0.6b",)                             # a dense draft for an MoE target
+    assert pairs["gpt-oss-120b"] == ("gpt-oss-20b",)
+    assert pairs["mixtral-8x7b-instruct-v0.1"] == ("mistral-7b-instruct-v0.2",)
     assert all(e.quant == "nf4" for e in cat if e.params in ("70B", "72B"))
 
 
@@ -54,6 +57,8 @@ BAD = {
     "budget zero": ("budget: 16", "budget: 0", "budget"),
     "budget type": ("budget: 16", "budget: many", "budget must be a int"),
     "missing draft": ("drafts: [tiny-draft]", "drafts: [nobody]", "'nobody', which is not an entry"),
+    "draft of another tokenizer": ("family: llama\n    params: 0.5M", "family: llama\n    tokenizer: other\n    params: 0.5M",
+                                   "cannot draft with 'tiny-draft' (tokenizer other vs llama)"),
     "missing hub": ("    hub: test-org/Tiny-Target\n", "", "missing key 'hub'"),
     "bad version": ("version: 1", "version: 2", "version must be 1"),
     "not yaml": ("models:", "models: [", "not valid YAML"),

@@ -9,13 +9,16 @@ import socket
 
 import pytest
 
-from cli.main import main
-from cli.serve.app import ServeSettings, build_app
-from specexec.config import EngineConfig, SamplingParams
-from specexec.serving.openai_api import ServerDefaults
-from specexec.prompts import load_prompts
-from specexec.runtime.assembly import Runtime
-from tests.serving.test_serve import running
+pytest.importorskip("uvicorn")                     # the serve extra: absent (e.g. on a lent GPU image), skip
+pytest.importorskip("starlette")
+
+from cli.main import main  # noqa: E402
+from cli.serve.app import ServeSettings, build_app  # noqa: E402
+from specexec.config import EngineConfig, SamplingParams  # noqa: E402
+from specexec.serving.openai_api import ServerDefaults  # noqa: E402
+from specexec.prompts import load_prompts  # noqa: E402
+from specexec.runtime.assembly import Runtime  # noqa: E402
+from tests.serving.live_server import running  # noqa: E402
 
 MODEL, KEY, LIMIT, MAX_NEW = "tiny-pair", "sekret", 3, 8
 
@@ -49,7 +52,7 @@ def test_endpoint_rows_count_what_the_server_generated(capsys, url) -> None:
     (row,) = json.loads(out)["rows"]
     assert row["config"] == f"endpoint {MODEL} @ {url}/v1"                  # found through GET /v1/models
     assert row["tok_s"] > 0 and row["ttft_s"] > 0 and row["tokens_per_pass"] is None
-    import openai
+    openai = pytest.importorskip("openai")
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     expected = 0

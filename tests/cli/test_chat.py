@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 from cli.chat import ChatSession, read_message, repl
 from cli.main import main
 from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.tokenizer import encode_messages
+from tests.cli.screen import Screen
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
@@ -27,22 +27,6 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "
 @pytest.fixture(scope="module")
 def runtime(tiny_pair, tiny_perturbed_draft) -> Runtime:
     return Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), EngineConfig(budget=8, dtype="float32"))
-
-
-class Screen:
-    """What a session shows: answer text (write) and everything else (console)."""
-
-    def __init__(self) -> None:
-        self.out: list[str] = []
-        self.err = io.StringIO()
-        self.console = Console(file=self.err, width=200, no_color=True)
-
-    def write(self, text: str) -> None:
-        self.out.append(text)
-
-    @property
-    def answer_text(self) -> str:
-        return "".join(self.out)
 
 
 def _session(runtime: Runtime, max_new: int = 12, system: str | None = None) -> tuple[ChatSession, Screen]:

@@ -15,7 +15,8 @@ import torch
 from cli.main import main
 from specexec.config import EngineConfig, SamplingParams
 from specexec.options import ConfigError
-from specexec.runtime.assembly import Detokenizer, Runtime
+from specexec.runtime.assembly import Runtime
+from specexec.runtime.detokenizer import Detokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 STATS_KEYS = {"steps", "tokens_per_step", "prefill_tok_s", "decode_tok_s", "draft_ms", "target_ms", "tree_size",
@@ -200,6 +201,26 @@ def test_help_exits_zero(capsys) -> None:
     assert "--no-draft" in capsys.readouterr().out
 
 
+def _options(command: str) -> dict[str, str]:
+    """--flag -> its help text in `command`'s parser."""
+    from cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.choices and command in a.choices).choices[command]
+    return {o: a.help for a in sub._actions for o in a.option_strings}
+
+
+def test_plan_and_generate_share_each_flag_and_its_help() -> None:
+    """`specexec plan` declares none of generate's flags again: each shared one comes from cli/args.py with
+    its one text (plan may say another default: it applies no models.yaml defaults)."""
+    from cli.args import _flags
+
+    plan, generate, shared = _options("plan"), _options("generate"), _flags()
+    common = set(plan) & set(shared)
+    assert len(common) >= 12 and common <= set(generate)
+    for flag in common - {"--model"}:                       # plan's --model reads config.json only
+        assert plan[flag].startswith(shared[flag].text) and generate[flag].startswith(shared[flag].text), flag
+
+
 # ------------------------------------------------------------------------------------------ subprocesses
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
@@ -231,6 +252,7 @@ def test_demo_runs_and_caches(capsys, tmp_path, monkeypatch) -> None:
     from cli.demo import cache_dir, ensure_models
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECEXEC_CACHE")                          # the cache root falls back to XDG's
     assert main(["demo", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
     for needle in ("built demo models", "tok/pass", "budget 8", "target only", "meaningless",

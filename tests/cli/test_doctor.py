@@ -42,6 +42,25 @@ def test_text_report_and_a_mismatch_fails(capsys, tmp_path: Path, monkeypatch) -
     assert "some checks FAILED" in text and "read" in text and "GB/s" in text
 
 
+def test_on_cuda_a_missing_bitsandbytes_fails_the_doctor(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--quant auto means NF4 (bitsandbytes' kernels) on CUDA: a CUDA machine without bitsandbytes must not pass
+    (it did: a missing package read as 'not applicable'). Without CUDA it stays not applicable."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)              # `import bitsandbytes` raises
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
+    assert doctor.bnb_report()["cuda_kernels"] is None                  # no CUDA here: not applicable
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    b = doctor.bnb_report()
+    assert b["version"] is None and b["cuda_kernels"] is False and "pip install bitsandbytes" in b["hint"]
+    fine = {"ok": True}
+    monkeypatch.setattr(doctor, "cuda_report", lambda mb: {"torch": "x", "python": "3", "cuda_available": False})
+    monkeypatch.setattr(doctor, "disk_report", lambda d, mb: fine)
+    monkeypatch.setattr(doctor, "ram_report", lambda: {})
+    monkeypatch.setattr(doctor, "tiny_model_report", lambda: fine)
+    assert doctor.collect(Path("."), 1, 1)["ok"] is False
+
+
 def test_bad_flags_are_one_line(capsys, tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     assert main(["doctor", "--io-mb", "0"]) == 2

@@ -1,7 +1,11 @@
 """CUDA graphs of the draft forward (builders/draft_graphs.py). On the CPU: the span forward a graph captures
-(fixed key span, mask built on the device from L0) equals the dense forward, and graphs stay off. On a GPU:
-replays are bitwise equal to the eager span forward at every padded batch size, interleaved, across a span
-boundary and after the cache grows; and greedy decoding with graphs on equals target-only decoding.
+(fixed key span, mask built on the device from L0) equals the dense forward; graphs stay off; the runner's
+bookkeeping (first use eager, capture on the second, replays, outgrown spans, a reallocated cache) with the
+CUDA part faked; the capture is thread-local and never synchronizes the device or empties the allocator (a
+loader thread's CUDA calls during it stay legal); the embedding runs outside the captured body; a dropped
+draft cache is garbage-collected with its runner; spans grow with the context. On a GPU: replays are bitwise
+equal to the eager span forward at every padded batch size, interleaved, across a span boundary and after the
+cache grows; and greedy decoding with graphs on equals target-only decoding.
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ def test_span_forward_equals_the_eager_forward_on_cpu(tiny_pair: tuple[Path, Pat
         tokens, positions, tree_mask, slots = _pass_inputs(state, b, K, seed=b)
         eager = state.forward(tokens, positions, tree_mask, slots)
         S = draft_graphs.key_span(state.cache.length, K, state.cache.capacity)
-        assert S >= state.cache.length + K and S % draft_graphs.SPAN == 0
+        assert S >= state.cache.length + K and (S % draft_graphs.SPAN == 0 or S == state.cache.capacity)
         L0 = torch.full((1,), state.cache.length, dtype=torch.long)
         span = draft_graphs.span_forward(model, state.cache, tokens, positions, tree_mask, slots, L0, S)
         # one softmax over the span vs the split one
@@ -87,8 +91,9 @@ class CpuGraphs(draft_graphs.DraftGraphs):
 @torch.inference_mode()
 def test_runner_bookkeeping_on_cpu(tiny_pair: tuple[Path, Path]) -> None:
     model = load_model(tiny_pair[1])
-    state = _state(model, "cpu", capacity=1500)
+    state = _state(model, "cpu", capacity=5000)
     runner = CpuGraphs(model, state.cache)
+    first = draft_graphs.key_span(state.cache.length, 100, 5000)
 
     def check(b: int, K: int, seed: int) -> None:
         tokens, positions, tree_mask, slots = _pass_inputs(state, b, K, seed)
@@ -101,17 +106,165 @@ def test_runner_bookkeeping_on_cpu(tiny_pair: tuple[Path, Path]) -> None:
     check(4, 100, 0)
     assert not runner.graphs                              # first use: eager
     check(4, 100, 1)
-    assert list(runner.graphs) == [(4, 100, 512)]         # second use: captured
+    assert list(runner.graphs) == [(4, 100, first)] and first == draft_graphs.SPAN    # second use: captured
     for seed in range(2, 5):                              # new inputs through the static buffers
         check(4, 100, seed)
-    assert runner.graphs[(4, 100, 512)].graph.replays == 3
+    assert runner.graphs[(4, 100, first)].graph.replays == 3
     state.cache.advance(draft_graphs.SPAN)                # L0 + K crosses a span: a new shape, then captured
     check(4, 100, 5)
     check(4, 100, 6)
-    assert list(runner.graphs) == [(4, 100, 1024)]        # the outgrown span's graph is dropped
-    state.cache.grow(3000)                                # reallocated: every graph points at freed memory
+    assert list(runner.graphs) == [(4, 100, 2 * first)]   # the outgrown span's graph is dropped
+    state.cache.grow(6000)                                # reallocated: every graph points at freed memory
     check(4, 100, 7)
     assert not runner.graphs
+
+
+@torch.inference_mode()
+def test_the_captured_body_never_syncs_or_uploads(tiny_pair: tuple[Path, Path]) -> None:
+    """What a graph captures (span_hidden: the draft's layers over a fixed key span, the mask built on the
+    device from L0) makes no host synchronisation, no data-dependent shape and no upload of host data: each is
+    illegal inside a CUDA capture (counted on the CPU by tests/sync_count.py)."""
+    from tests.sync_count import SyncCounter
+
+    model = load_model(tiny_pair[1])
+    state = _state(model, "cpu", capacity=5000)
+    for b, K in ((1, 9), (12, 257)):
+        tokens, positions, tree_mask, slots = _pass_inputs(state, b, K, seed=b)
+        L0 = torch.full((1,), state.cache.length, dtype=torch.long)
+        x = model.embed(tokens[None])
+        S = draft_graphs.key_span(state.cache.length, K, state.cache.capacity)
+        with SyncCounter() as c:
+            draft_graphs.span_hidden(model, state.cache, x, positions, tree_mask, slots, L0, S)
+        assert c.total == 0 and c.uploads == 0, (dict(c.ops), c.uploads)
+
+
+def test_spans_grow_with_the_context_so_a_long_chat_recaptures_rarely() -> None:
+    """Every span covers the pass (S >= L0 + K, a multiple of SPAN), hides fewer keys than max(SPAN, a quarter
+    of the visible ones), and a chat growing to 64k tokens crosses few spans (each crossing recaptures)."""
+    spans = set()
+    for n in range(1, 65537, 97):
+        S = draft_graphs.key_span(n - 1, 1, 1 << 20)
+        assert S >= n and S % draft_graphs.SPAN == 0 and S - n < max(draft_graphs.SPAN, n / 4), (n, S)
+        spans.add(S)
+    assert len(spans) <= 20, sorted(spans)                # 512-token spans were 128 captures per shape
+    assert draft_graphs.key_span(5000, 300, 4096) == 4096  # never past the capacity
+
+
+class _CapturingGraph:
+    """torch.cuda.CUDAGraph's capture calls on the CPU. While a capture is open, a 'loader thread' makes the
+    kind of call the pager's reader makes (an event wait): illegal in CUDA when ANOTHER thread captures in the
+    global mode, legal under a thread-local capture."""
+
+    modes: list[str] = []
+    loader_errors: list[str] = []
+
+    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
+        import threading
+
+        _CapturingGraph.modes.append(capture_error_mode)
+
+        def loader() -> None:
+            if capture_error_mode == "global":
+                _CapturingGraph.loader_errors.append("cudaEventSynchronize during a global capture")
+        t = threading.Thread(target=loader)
+        t.start()
+        t.join()
+
+    def capture_end(self) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def test_capture_is_thread_local_and_never_synchronizes_the_device(tiny_pair: tuple[Path, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.graph synchronizes the device, may collect garbage and empties the allocator's cache on entry,
+    and captures in the global mode (the pager's reader thread, waiting on an event meanwhile, then breaks the
+    capture and the next streamed pass). The runner captures on a side stream, thread-locally, touching none."""
+    import contextlib
+    import gc
+    from types import SimpleNamespace
+
+    def forbidden(name: str):
+        def call(*_a, **_k):
+            raise AssertionError(f"{name} during a draft capture")
+        return call
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, forbidden(f"torch.cuda.{name}"))
+    monkeypatch.setattr(gc, "collect", forbidden("gc.collect"))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _CapturingGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(_CapturingGraph, "modes", [])
+    monkeypatch.setattr(_CapturingGraph, "loader_errors", [])
+    model = load_model(tiny_pair[1])
+    state = _state(model, "cpu")
+    runner = draft_graphs.DraftGraphs(model, state.cache)
+    for seed in range(3):
+        tokens, positions, tree_mask, slots = _pass_inputs(state, 4, 40, seed)
+        runner.run(tokens, positions, tree_mask, slots)
+        if seed == 1:
+            assert len(runner.graphs) == 1 and not runner.failed       # the second use captured
+            break
+    assert _CapturingGraph.modes == ["thread_local"] and _CapturingGraph.loader_errors == []
+
+
+class _EmbedWatch(CpuGraphs):
+    """Marks the captured body's runs so a test can see what runs inside a graph."""
+
+    inside = False
+
+    def _record(self, body, device):
+        def watched():
+            _EmbedWatch.inside = True
+            try:
+                return body()
+            finally:
+                _EmbedWatch.inside = False
+        return super()._record(watched, device)
+
+
+@torch.inference_mode()
+def test_the_embedding_runs_outside_the_captured_graph(tiny_pair: tuple[Path, Path]) -> None:
+    """A self-draft's embedding may be a HostEmbedding (ids copied to the host, rows gathered there): no graph
+    can hold it. The runner embeds eagerly before each replay; the graph starts at the first layer."""
+    model = load_model(tiny_pair[1])
+    state = _state(model, "cpu")
+    runner = _EmbedWatch(model, state.cache)
+    calls = {"inside": 0, "outside": 0}
+
+    def count(*_args) -> None:
+        calls["inside" if _EmbedWatch.inside else "outside"] += 1
+    model.embed_tokens.register_forward_pre_hook(count)
+    for seed in range(4):
+        tokens, positions, tree_mask, slots = _pass_inputs(state, 4, 40, seed)
+        runner.run(tokens, positions, tree_mask, slots)
+    assert runner.graphs and calls == {"inside": 0, "outside": 4}, calls
+
+
+def test_a_dropped_draft_cache_is_collected_with_its_graphs(tiny_pair: tuple[Path, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runners' table is weakly keyed by the draft cache; a runner holding its cache strongly kept every
+    cache (and its graphs' memory) alive forever: one per /budget change, bench row or calibration run."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(draft_graphs, "enabled", lambda flag, device: True)
+    model = load_model(tiny_pair[1])
+    state = _state(model, "cpu")
+    r = draft_graphs.runner(model, state.cache, True)
+    assert r is not None and draft_graphs.runner(model, state.cache, True) is r        # kept while the cache lives
+    alive = weakref.ref(state.cache)
+    runner_alive = weakref.ref(r)
+    del state, r
+    gc.collect()
+    assert alive() is None and runner_alive() is None
 
 
 def test_graphs_are_off_on_cpu_and_behind_a_switch(monkeypatch) -> None:
@@ -126,7 +279,7 @@ def test_graphs_are_off_on_cpu_and_behind_a_switch(monkeypatch) -> None:
 @torch.inference_mode()
 def test_graph_replays_equal_the_eager_pass_at_every_padded_size(tiny_pair: tuple[Path, Path]) -> None:
     model = load_model(tiny_pair[1], "cuda", "float32")
-    state = _state(model, "cuda")
+    state = _state(model, "cuda", capacity=5000)
     runner = draft_graphs.DraftGraphs(model, state.cache)
     K = 257
     sizes = sorted({padded(b) for b in range(1, 129)})
@@ -167,3 +320,36 @@ def test_greedy_with_graphs_equals_target_only_on_gpu(tiny_pair: tuple[Path, Pat
     assert got == want and again == want
     runner = draft_graphs.runner(draft, engine._caches[1], None)
     assert runner is not None and runner.graphs and not runner.failed
+
+
+@pytest.mark.gpu
+def test_graphs_stay_on_while_the_pagers_reader_waits_on_events(tiny_pair: tuple[Path, Path],
+                                                                tiny_perturbed_draft: Path, tmp_path: Path) -> None:
+    """An SSD-tier target with a slow reader reads ahead while the draft grows its tree, so its reader thread
+    records and waits on events while draft graphs are captured (and, to be sure, a thread does so during every
+    capture: tests/graph_watch.py). A global-mode capture made those calls illegal: the capture was refused,
+    graphs went off and the next streamed pass failed. Thread-local: graphs stay on, output stays exact."""
+    import time
+
+    from specexec.config import OffloadConfig
+    from specexec.runtime.assembly import Runtime
+    from tests.graph_watch import ReaderDuringCapture
+
+    config = EngineConfig(device="cuda", dtype="float32", budget=32, max_new_tokens=32)
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config, offload=OffloadConfig(
+        offload="ssd", quant="none", cache_dir=str(tmp_path)))
+    try:
+        pager = rt.engine.target.pager
+        read = pager.ssd.read_layer
+        pager.ssd.read_layer = lambda i, out: (time.sleep(0.02), read(i, out))[1]
+        ids = prompt(6)
+        with ReaderDuringCapture(pager.copy_stream) as watch:
+            got = [t for s in rt.generate_ids(ids, 32) for t in s]
+            again = [t for s in rt.generate_ids(ids, 32) for t in s]
+        want = [t for s in rt.variant(config, use_draft=False).generate_ids(ids, 32) for t in s]
+        runner = draft_graphs.runner(rt.engine.draft, rt.engine._caches[1], None)
+        assert got == want == again
+        assert watch.captures > 0 and watch.replays > 0 and watch.errors == []
+        assert runner is not None and not runner.failed and pager.collect(wait=True).bytes["ssd"] > 0
+    finally:
+        rt.engine.close()

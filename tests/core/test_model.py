@@ -13,36 +13,10 @@ import torch
 
 from specexec.kv.cache import KVCache
 from specexec.checkpoints.loading import load_model
-from specexec.model import Transformer, TreeMask, prefix_tree_mask
+from specexec.model import TreeMask, prefix_tree_mask
 from specexec.tree import TokenTree
+from tests.model_reference import TOL, TREE_PARENTS, hf_model, new_cache, prefill
 from tests.tiny_models import write_tiny_model
-
-TOL = 1e-4
-
-
-def hf_model(path: Path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def new_cache(model: Transformer, capacity: int = 128) -> KVCache:
-    a = model.args
-    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, "cpu")
-
-
-def causal(T: int) -> torch.Tensor:
-    return torch.ones(T, T, dtype=torch.bool).tril()
-
-
-def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, dense: bool = False) -> torch.Tensor:
-    T = ids.numel()
-    pos = torch.arange(cache.length, cache.length + T)
-    mask = (prefix_tree_mask(cache.length, causal(T), model.args.sliding_window, pos) if dense
-            else TreeMask(cache.length))
-    hidden = model(ids[None], pos[None], mask, cache)
-    cache.advance(T)
-    return model.logits(hidden)
-
 
 @torch.inference_mode()
 def test_prefill_and_decode_match_transformers(tiny_model: Path) -> None:
@@ -55,9 +29,6 @@ def test_prefill_and_decode_match_transformers(tiny_model: Path) -> None:
     assert (got_prefill - want[:-1]).abs().max() < TOL
     assert (got_decode - want[-1:]).abs().max() < TOL
     assert (ours.logits(ours(ids[None], torch.arange(24)[None])) - want).abs().max() < TOL   # no-cache path
-
-
-TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 6]
 
 
 @torch.inference_mode()

@@ -9,6 +9,7 @@ expert computation equals a per-row reference; quantized experts streamed equal 
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from specexec.moe import GatedMLP, Routing, RoutingLog, SparseMLP
 from specexec.runtime.assembly import Runtime
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
-from tests.core.test_model import TOL, TREE_PARENTS, hf_model, new_cache, prefill
+from tests.model_reference import TOL, TREE_PARENTS, hf_model, new_cache, prefill
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 
 PROMPT = "The quick brown fox"
@@ -199,14 +200,14 @@ def test_quantized_experts_streamed_equal_the_same_quantization_resident(tiny_mo
     """Experts are nn.Linear inside the layer, so swap_linears/QuantLinear quantize them like any MLP (the router
     stays unquantized); a whole MoE layer streams as one packed layer through the RAM and SSD tiers."""
     from offload.quant.linear import QuantLinear
-    from tests.runtime.test_offloaded import offloaded, reference
+    from tests.runtime.offloaded_models import offloaded, reference
 
     want = tree_pass(reference(tiny_moe, fmt))
     tiers = ["ssd", "ram", "ssd"][:load_model(tiny_moe).args.n_layers]
     model = offloaded(tiny_moe, fmt, tiers, cache_root)
     try:
         assert torch.equal(tree_pass(model), want)
-        layer = next(model.layer_modules())[1]
+        layer = next(block for _, block in model.layer_modules() if isinstance(block.mlp, SparseMLP))
         assert isinstance(layer.mlp.experts[0].up_proj, QuantLinear)
         assert isinstance(layer.mlp.router.weight, torch.nn.Parameter)
     finally:
@@ -262,3 +263,46 @@ def test_mxfp4_gpt_oss_equals_transformers(tiny_gpt_oss_mxfp4: Path, cache_root:
     ids, want, _ = runtime_ids(tiny_gpt_oss_mxfp4, None, "none", cache_root)
     assert want == hf_greedy(tiny_gpt_oss_mxfp4, ids, N_NEW)
     assert runtime_ids(tiny_gpt_oss_mxfp4, None, "ssd", cache_root)[1] == want
+
+
+# Published config.json files (tests/configs, as the Hub serves them) and their parameter counts as published.
+REAL_MOE = {"mixtral-8x7b-instruct-v0.1": ("mixtral", 8, 2, 46.7e9), "gpt-oss-120b": ("gpt_oss", 128, 4, 116.8e9),
+            "qwen3-235b-a22b": ("qwen3_moe", 128, 8, 235e9), "qwen3-30b-a3b": ("qwen3_moe", 128, 8, 30.5e9)}
+
+
+@pytest.mark.parametrize("name", list(REAL_MOE))
+def test_published_moe_configs_read_as_their_family(name: str) -> None:
+    import json
+
+    from specexec.families import model_args
+    from specexec.planning.sizes import weight_bytes
+
+    family, experts, top_k, params = REAL_MOE[name]
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "configs" / name / "config.json").read_text())
+    args = model_args(cfg)
+    assert (args.family, args.moe.n_experts, args.moe.top_k) == (family, experts, top_k)
+    total = sum(weight_bytes(args, "none", torch.bfloat16).values()) / 2
+    assert abs(total - params) / params < 0.01, total
+
+
+def test_an_moe_draft_is_never_captured_in_a_cuda_graph() -> None:
+    """Its experts depend on each pass's routing (a host sync per sparse layer): a replay would run the captured
+    ones, so the draft runs eagerly (checked on the model's options; graphs exist on CUDA only)."""
+    from specexec.builders.draft_graphs import capturable
+
+    dense = dataclasses.replace(tiny_args(), moe=None)
+    assert capturable(Transformer(dense)) and not capturable(Transformer(tiny_args()))
+
+
+def test_the_planned_size_of_each_layer_is_what_the_cache_packs(tiny_qwen3_moe: Path, cache_root: Path) -> None:
+    """A dense layer among routed ones is planned at its own size (the ledger's per-layer sizes), equal to the
+    packed bytes the layer cache writes for it."""
+    from specexec.checkpoints.loading import read_args
+    from specexec.planning.sizes import layer_sizes
+    from tests.runtime.offloaded_models import open_cache
+
+    args = read_args(tiny_qwen3_moe)
+    cache = open_cache(tiny_qwen3_moe, "int8", cache_root)
+    planned = layer_sizes(args, "int8", torch.float32, "cpu")
+    assert list(planned) == [cache.nbytes(i) for i in range(args.n_layers)]
+    assert planned[1] != planned[0] == planned[2]                    # layer 1 is the dense one

@@ -15,6 +15,8 @@ from specexec.engine import Engine
 from specexec.builders.registry import make_builder
 from specexec.options import ConfigError
 from specexec.sampling import apply_presence_frequency, process_logits
+from tests.chi2 import chi2_pvalue
+from tests.sampling_pairs import exact_pairs, sample_pairs
 from tests.tiny_models import load_pair_models, prompt
 
 N_NEW = 40
@@ -124,39 +126,19 @@ def test_earlier_turns_reused_from_the_cache_are_not_counted(models) -> None:
     assert second != reference(models["target"], follow_up, 16, sampling, generated_from=len(ids))
 
 
-@torch.inference_mode()
-def exact_pairs(target, ids: list[int], sampling: SamplingParams) -> torch.Tensor:
-    """Exact joint distribution [V, V] of the first two sampled tokens after `ids`: the second token's
-    distribution is penalised by the first (the only generated token)."""
-    x = torch.tensor(ids)
-    T = x.numel()
-    p1 = process_logits(target.logits(target(x[None], torch.arange(T)[None]))[-1:], sampling, x[None], T).exp()[0]
-    V = p1.numel()
-    seqs = torch.cat([x.expand(V, -1), torch.arange(V)[:, None]], dim=1)
-    logits = target.logits(target(seqs, torch.arange(T + 1).expand(V, -1))).view(V, T + 1, -1)[:, -1]
-    return p1[:, None] * process_logits(logits, sampling, seqs, T).exp()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("verifier", ["sample_match", "rrs"])
 def test_sampling_with_penalties_keeps_the_target_distribution(models, verifier: str) -> None:
     """The first two tokens at T = 1 with strong presence/frequency penalties, 100 seeded runs: a chi-square
     against the exact penalised pairs passes, and against the unpenalised pairs fails (after this prompt the
     unpenalised target often repeats its first token: total variation 0.56 between the two)."""
-    pytest.importorskip("scipy")
-    from tests.core.test_sampling_e2e import chi_square_p
-
     ids, trials = [1, 40, 41, 169], 100
     sampling = SamplingParams(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0)
     engine = Engine(models["target"], models["perturbed"], EngineConfig(budget=6, verifier=verifier),
                     make_builder("specexec"))
-    V = models["target"].args.vocab_size
-    counts = torch.zeros(V, V)
-    for seed in range(trials):
-        out = run(engine, ids, 2, SamplingParams(**{**sampling.__dict__, "seed": seed}))
-        counts[out[0], out[1]] += 1
-    assert chi_square_p(counts, exact_pairs(models["target"], ids, sampling), trials) > 1e-3
-    assert chi_square_p(counts, exact_pairs(models["target"], ids, SamplingParams(temperature=1.0)), trials) < 1e-6
+    counts = sample_pairs(engine, sampling, trials, ids)
+    assert chi2_pvalue(counts, exact_pairs(models["target"], sampling, ids)) > 1e-3
+    assert chi2_pvalue(counts, exact_pairs(models["target"], SamplingParams(temperature=1.0), ids)) < 1e-6
 
 
 def test_cli_flags_and_chat_set(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path) -> None:

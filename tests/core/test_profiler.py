@@ -15,18 +15,36 @@ from specexec.profiler import PeakMemory, Profiler, Span, summary_table
 from specexec.runtime.assembly import Runtime
 
 
-def test_spans_time_regions_and_sum_by_name() -> None:
+class FakeClock:
+    """time.perf_counter for the profiler's host timestamps: it moves only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_spans_time_regions_and_sum_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specexec import profiler
+
+    clock = FakeClock()
+    monkeypatch.setattr(profiler, "time", clock)
     prof = Profiler("cpu")
     with prof.span("draft"):
-        time.sleep(0.02)
+        clock.sleep(0.02)
     span = prof.start("draft")
-    time.sleep(0.01)
+    clock.sleep(0.01)
     span.stop()
     prof.start("never-stopped")
+    clock.sleep(5.0)                                     # time passing after a stop changes nothing
     totals = prof.totals()
     assert set(totals) == {"draft"}                       # unfinished spans are not counted
     assert totals["draft"]["calls"] == 2
-    assert 28 <= totals["draft"]["ms"] < 1000
+    assert totals["draft"]["ms"] == pytest.approx(30.0)
     with pytest.raises(RuntimeError, match="not stopped"):
         Span("x", torch.device("cpu")).seconds
 
@@ -135,7 +153,7 @@ def test_steps_timed_by_spans_settle_when_their_events_complete_never_by_waiting
     (and on_timed, the tuner's feed) arrive in step order once query() says done; `steps` waits if asked."""
     from types import SimpleNamespace
 
-    from tests.offload.test_pager import LagEvent
+    from tests.offload.lag_event import LagEvent
 
     clock = SimpleNamespace(done=False, waits=0)
     prof = Profiler("cpu")

@@ -1,10 +1,14 @@
 """One registry per concept: builder names (specexec/builders/registry.py), verifier rules (verify.RULES), layer
 formats (offload.quant.weights.FORMATS), offload modes and KV placements (offload.memory_plan), KV quantization
-(specexec.kv.rows.QUANTS). Adding a name to its registry is all it takes for the flags' --help text, config
-validation and error messages to know it (options.choices reads them), and no other module lists the names."""
+(specexec.kv.quants.QUANTS). Adding a name to its registry is all it takes for the flags' --help text, config
+validation and error messages to know it (options.choices reads them; builder and verifier names are checked
+where their registries are used, so building an EngineConfig imports neither torch nor a builder), and no other
+module lists the names."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from offload.quant import weights
 from specexec import options, verify
 from specexec.builders import registry
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.kv import rows
+from specexec.kv import quants
 from specexec.options import ConfigError, choices
 from specexec.checkpoints import loading
 
@@ -54,20 +58,44 @@ def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_registered_builder_reaches_validation_help_errors_and_bench(fresh_registry, capsys) -> None:
-    assert "zzprobe" not in choices("--builder")
+    assert "zzprobe" not in registry.names()
     with pytest.raises(ConfigError, match="unknown builder 'zzprobe'"):
-        EngineConfig(builder="zzprobe")
+        registry.check_builder("zzprobe")
     registry.register(ProbeBuilder)
-    assert "zzprobe" in choices("--builder") and EngineConfig(builder="zzprobe").builder == "zzprobe"
+    assert "zzprobe" in registry.names() and EngineConfig(builder="zzprobe").builder == "zzprobe"
     assert isinstance(registry.make_builder("zzprobe"), ProbeBuilder) and not registry.builder_needs_draft("zzprobe")
     with pytest.raises(ConfigError, match="zzprobe"):                   # the error lists the registered names
-        EngineConfig(builder="nope")
+        registry.make_builder("nope")
     for command in (("generate",), ("chat",), ("plan",), ("bench", "builders")):
         assert "zzprobe" in help_text(capsys, *command), command
     assert "zzprobe" in parse_builders(None, has_draft=False)
     registry._FACTORIES.pop("zzprobe")                                   # nothing kept a copy of the names
     with pytest.raises(ConfigError, match="unknown builder"):
-        EngineConfig(builder="zzprobe")
+        registry.check_builder("zzprobe")
+
+
+def test_building_an_engine_config_imports_neither_torch_nor_a_builder() -> None:
+    """Builder and verifier names are checked where their registries are used (make_builder, the Engine,
+    Runtime.load), so a config, e.g. one a server builds per request, costs no import."""
+    code = ("import sys; from specexec.config import EngineConfig; EngineConfig(builder='chain', verifier='rrs'); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('specexec.builders')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    code = "import sys; from specexec.builders.registry import names; names(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"                        # the check above can tell the difference
+
+
+def test_an_unknown_builder_or_verifier_fails_before_anything_loads(tmp_path: Path) -> None:
+    from specexec.runtime.assembly import Runtime
+
+    missing = str(tmp_path / "no-such-model")                 # reached only after the names are checked
+    with pytest.raises(ConfigError, match="unknown builder 'nope'"):
+        Runtime.load(missing, None, EngineConfig(builder="nope"))
+    with pytest.raises(ConfigError, match="unknown verifier 'nope'"):
+        Runtime.load(missing, None, EngineConfig(verifier="nope"))
+    with pytest.raises(ConfigError, match="builder must be a name"):
+        EngineConfig(builder=3)
 
 
 def test_register_refuses_a_second_class_under_a_taken_name_or_no_name(fresh_registry) -> None:
@@ -97,22 +125,24 @@ def test_every_builder_class_in_the_package_registered_itself() -> None:
 
 
 def test_a_registered_verifier_reaches_validation_and_help(monkeypatch, capsys) -> None:
-    assert choices("--verifier") == ("auto", *verify.RULES)
+    assert verify.verifier_names() == ("auto", *verify.RULES)
+    with pytest.raises(ConfigError, match="unknown verifier 'zzrule'"):
+        verify.check_verifier("zzrule")
     monkeypatch.setitem(verify.RULES, "zzrule", verify.Rule("zzrule", verify.accept_greedy, "probe", "argmax"))
-    assert EngineConfig(verifier="zzrule").verifier == "zzrule"
+    verify.check_verifier("zzrule")
     assert "zzrule" in help_text(capsys, "generate")
-    with pytest.raises(ConfigError, match="zzrule"):
-        EngineConfig(verifier="nope")
+    with pytest.raises(ConfigError, match="zzrule"):                    # the error lists the registered rules
+        verify.check_verifier("nope")
 
 
 def test_offload_registries_reach_validation_help_and_errors(monkeypatch, capsys) -> None:
     assert choices("--quant") == ("auto", *weights.FORMATS) and choices("--draft-quant") == tuple(weights.FORMATS)
     assert choices("--offload") == memory_plan.OFFLOAD_MODES and choices("--kv-offload") == memory_plan.COMPANION_MODES
-    assert choices("--kv-quant") == tuple(rows.QUANTS)
+    assert choices("--kv-quant") == tuple(quants.QUANTS)
     monkeypatch.setattr(weights, "FORMATS", (*weights.FORMATS, "zzfmt"))
     monkeypatch.setattr(memory_plan, "OFFLOAD_MODES", (*memory_plan.OFFLOAD_MODES, "zzmode"))
     monkeypatch.setattr(memory_plan, "COMPANION_MODES", (*memory_plan.COMPANION_MODES, "zzplace"))
-    monkeypatch.setattr(rows, "QUANTS", (*rows.QUANTS, "zzkv"))
+    monkeypatch.setattr(quants, "QUANTS", (*quants.QUANTS, "zzkv"))
     cfg = OffloadConfig(quant="zzfmt", draft_quant="zzfmt", offload="zzmode", kv_offload="zzplace")
     assert (cfg.quant, cfg.offload, cfg.kv_offload) == ("zzfmt", "zzmode", "zzplace")
     assert EngineConfig(kv_quant="zzkv").kv_quant == "zzkv"

@@ -14,7 +14,8 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.options import ConfigError
 from specexec.checkpoints.loading import load_model
-from specexec.sampling import process_logits
+from tests.chi2 import chi2_pvalue
+from tests.sampling_pairs import PROMPT, exact_pairs, sample_pairs
 
 TRIALS = 800
 
@@ -25,35 +26,6 @@ def models(tiny_small_pair: tuple[Path, Path], tiny_llama: Path):
     2,400 times, and what they test (the builder, the verifier, the sampling) does not depend on depth."""
     target, perturbed = tiny_small_pair
     return load_model(target), load_model(perturbed), load_model(tiny_llama)
-
-
-PROMPT = [1, 40, 41, 42, 43, 44, 45, 46]
-
-
-@torch.inference_mode()
-def exact_pairs(target, sampling: SamplingParams) -> torch.Tensor:
-    """Exact joint target distribution [V, V] of the first two sampled tokens after PROMPT."""
-    ids = torch.tensor(PROMPT)
-    T = ids.numel()
-    p1 = process_logits(target.logits(target(ids[None], torch.arange(T)[None]))[-1:], sampling).exp()[0]
-    V = p1.numel()
-    seqs = torch.cat([ids.expand(V, -1), torch.arange(V)[:, None]], dim=1)
-    logits = target.logits(target(seqs, torch.arange(T + 1).expand(V, -1)))
-    p2 = process_logits(logits.view(V, T + 1, -1)[:, -1], sampling).exp()
-    return p1[:, None] * p2
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, trials: int) -> float:
-    """Pearson chi-square p-value, cells with expected count < 5 lumped together."""
-    from scipy.stats import chi2
-    expected = probs.flatten() * trials
-    obs = counts.flatten().double()
-    big = expected >= 5
-    e = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    o = torch.cat([obs[big], obs[~big].sum().reshape(1)])
-    keep = e > 0
-    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
-    return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
 _COUNTS: dict[tuple, torch.Tensor] = {}       # (verifier, draft_index, temperature) -> pair counts of TRIALS runs
@@ -69,34 +41,23 @@ def counts_for(models, verifier: str, draft_index: int, temperature: float) -> t
     return _COUNTS[key]
 
 
-def sample_pairs(engine: Engine, sampling: SamplingParams, trials: int) -> torch.Tensor:
-    V = engine.target.args.vocab_size
-    counts = torch.zeros(V, V)
-    for seed in range(trials):
-        out = [t for s in engine.generate(PROMPT, 2, SamplingParams(**{**sampling.__dict__, "seed": seed})) for t in s]
-        counts[out[0], out[1]] += 1
-    return counts
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("verifier,draft_index,temperature", [
     ("sample_match", 1, 1.0), ("rrs", 1, 0.6), ("rrs", 2, 1.0)])
 def test_first_two_tokens_follow_the_target_distribution(models, verifier: str, draft_index: int,
                                                          temperature: float) -> None:
-    pytest.importorskip("scipy")
     counts = counts_for(models, verifier, draft_index, temperature)
     exact = exact_pairs(models[0], SamplingParams(temperature=temperature, top_p=0.95))
-    assert chi_square_p(counts, exact, TRIALS) > 1e-3
+    assert chi2_pvalue(counts, exact) > 1e-3
 
 
 @pytest.mark.slow
 def test_the_chi_square_check_can_fail(models) -> None:
     """Negative control: the same number of samples, drawn at temperature 1.0, checked against the distribution
     at 0.6, are rejected by the same check (the samples of the first case above, when it ran in this process)."""
-    pytest.importorskip("scipy")
     counts = counts_for(models, "sample_match", 1, 1.0)
     wrong = exact_pairs(models[0], SamplingParams(temperature=0.6, top_p=0.95))
-    assert chi_square_p(counts, wrong, TRIALS) < 1e-6
+    assert chi2_pvalue(counts, wrong) < 1e-6
 
 
 def test_greedy_with_repetition_penalty_equals_target_only(models) -> None:

@@ -262,8 +262,15 @@ def test_moe_or_foreign_tensor_is_named(tmp_path: Path) -> None:
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 8, 32), np.float32))
     _finish(w)
-    with pytest.raises(CheckpointError, match=r"tensor 'blk.0.ffn_gate_exps.weight' is not part of a dense llama"):
+    with pytest.raises(CheckpointError, match=r"tensor 'blk.0.ffn_gate_exps.weight' holds experts, but the file "
+                                              r"declares no llama.expert_count"):
         GGUFCheckpoint(tmp_path / "m.gguf")
+    w = _writer(tmp_path / "f.gguf")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.add_tensor("blk.0.attn_qkv.weight", np.zeros((96, 32), np.float32))                # Phi-3's fused qkv
+    _finish(w)
+    with pytest.raises(CheckpointError, match=r"tensor 'blk.0.attn_qkv.weight' is not part of a llama decoder"):
+        GGUFCheckpoint(tmp_path / "f.gguf")
 
 
 def test_truncated_and_foreign_files(tiny_llama: Path, tmp_path: Path) -> None:
@@ -287,3 +294,60 @@ def test_missing_metadata_is_named(tmp_path: Path) -> None:
     _finish(w)
     with pytest.raises(CheckpointError, match="GGUF metadata lacks 'llama.attention.head_count'"):
         read_args(tmp_path / "m.gguf")
+
+
+# ------------------------------------------------------------------------------------------ mixtures of experts
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_mixtral"])
+def test_merged_experts_read_per_expert_match_transformers(fixture: str, tmp_path: Path,
+                                                           request: pytest.FixtureRequest) -> None:
+    """llama.cpp's merged expert tensors (blk.N.ffn_*_exps [E, out, in], router ffn_gate_inp) read as the
+    family's per-expert Hub names, one expert's slice each: a qwen3moe file (a dense layer where a layer has no
+    router) and a Mixtral 'llama' file with Q/K permuted give transformers' logits."""
+    hf = request.getfixturevalue(fixture)
+    path = write_gguf(hf, tmp_path / "moe.gguf", "F32")
+    ours = load_model(path, "cpu", "float32")
+    assert ours.args.family == read_args(hf).family and ours.args.moe == read_args(hf).moe
+    torch.testing.assert_close(_logits(ours, 320), _hf_logits(_hf(hf), 320), atol=2e-4, rtol=1e-4)
+
+
+def test_one_expert_of_a_quantized_merged_tensor_is_its_own_slice(tiny_qwen3_moe: Path, tmp_path: Path) -> None:
+    """Q8_0 blocks run along the input dimension, so expert e's bytes are a contiguous slice: reading it alone
+    equals gguf's dequantizer on the whole merged tensor, row e."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = write_gguf(tiny_qwen3_moe, tmp_path / "q8.gguf", "Q8_0")
+    src = GGUFCheckpoint(path)
+    raw = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.2.ffn_up_exps.weight")
+    whole = torch.from_numpy(dequantize(raw.data, raw.tensor_type).reshape(16, 32, 64).copy())
+    for e in (0, 7, 15):
+        assert torch.equal(src.get(f"model.layers.2.mlp.experts.{e}.up_proj.weight"), whole[e])
+    assert src.quant_type("model.layers.2.mlp.experts.7.up_proj.weight") == "Q8_0"
+
+
+def test_merged_experts_stream_through_the_layer_cache(tiny_qwen3_moe: Path, tmp_path: Path) -> None:
+    """The layer cache reads each expert's slice of a merged GGUF tensor like any other tensor: every layer on
+    the SSD tier, the same greedy ids as the resident model from the same file."""
+    from specexec.config import EngineConfig, OffloadConfig
+    from specexec.runtime.assembly import Runtime
+
+    path = write_gguf(tiny_qwen3_moe, tmp_path / "moe.gguf", "F32")
+
+    def ids(offload: str) -> list[int]:
+        rt = Runtime.load(str(path), None, EngineConfig(max_new_tokens=12),
+                          offload=OffloadConfig(offload=offload, quant="none", cache_dir=str(tmp_path / "cache")))
+        return [t for step in rt.generate_ids(rt.encode("The quick brown fox"), 12) for t in step]
+
+    assert ids("ssd") == ids("none")
+
+
+def test_old_mixtral_files_with_experts_one_by_one_map_to_the_same_names() -> None:
+    from offload.formats.gguf_names import Piece, hub_names
+
+    assert hub_names("blk.3.ffn_down.5.weight", "llama", 8) == {
+        "model.layers.3.block_sparse_moe.experts.5.w2.weight": Piece("blk.3.ffn_down.5.weight")}
+    assert hub_names("blk.3.ffn_down.5.weight", "llama", 0) is None           # no expert_count: not a Mixtral
+    assert hub_names("blk.3.ffn_down.5.weight", "qwen3moe", 8) is None
+    merged = hub_names("blk.1.ffn_gate_exps.weight", "llama", 8)
+    assert list(merged)[7] == "model.layers.1.block_sparse_moe.experts.7.w1.weight" and merged[list(merged)[7]].expert == 7

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from offload.formats.checkpoint import CheckpointError
 from offload.formats.mxfp4 import MXFP4Checkpoint, dequantize_mxfp4
 from offload.formats.sources import detect_format, open_source
-from tests.reliability.conftest import copy_checkpoint
+from tests.reliability.checks import copy_checkpoint
 
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
 

@@ -19,6 +19,7 @@ from offload.streaming.storage import ALIGN
 from offload.streaming import tiers
 from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, fill, host_buffer, probe_copy, probe_read, split
 from offload.streaming.timing import stream_summary
+from tests.offload.lag_event import LagEvent
 
 SIZES = [3 * ALIGN, 2 * ALIGN, 5 * ALIGN, ALIGN, 4 * ALIGN, 2 * ALIGN]
 
@@ -124,6 +125,41 @@ def test_read_ahead_fills_every_buffer_before_the_next_pass(layers, n_slots: int
         assert reader.reads == order * 2 and pager.stats.bytes["ssd"] == 2 * sum(SIZES)
 
 
+@pytest.mark.timeout(60)
+def test_interleaved_resident_layers_keep_the_link_busy() -> None:
+    """The planner's CUDA tiers (offload.planner.interleave) against resident layers all first, in a pager whose
+    reader is slow: counted at each resident layer, how often the link has nothing to do although the pass still
+    has layers to load (every slot full, filled while the 'draft' ran). All first: every resident layer idles
+    the link; spread: none does (the layer before it freed a slot that is being refilled)."""
+    from offload.memory_plan import Needs
+    from offload.planner import plan
+
+    n, size = 12, 2 * ALIGN
+    p = plan(Needs((size,) * n, (("draft", 0),), 2, 2), "cuda", ram_budget=10**9, gpu_budget=6 * size)
+    spread = tuple("ssd" if t != "resident" else t for t in p.tiers)
+    k = spread.count("resident")
+    assert 0 < k < n - 2
+    data = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+            for i in range(n)]
+
+    def idle_resident_layers(tiers: tuple[str, ...]) -> int:
+        idle = 0
+        with build_pager(list(tiers), MemoryReader(data, delay=0.02), "cpu", n_slots=2) as pager:
+            pager.prefetch_start()
+            assert pager.wait_idle(10)                         # the slots filled while the draft grew its tree
+            served = 0
+            for i, buf in pager.layers():
+                assert torch.equal(buf[:size], data[i])
+                if tiers[i] != "resident":
+                    served += 1
+                elif served + len(pager.slots) < n - k and all(b.full for b in pager.slots):
+                    idle += 1                                  # work left, yet nothing to copy into
+        return idle
+
+    assert idle_resident_layers(("resident",) * k + ("ssd",) * (n - k)) == k
+    assert idle_resident_layers(spread) == 0
+
+
 def test_close_stops_both_loader_threads_and_they_restart_on_demand(layers) -> None:
     def pager_threads() -> set[threading.Thread]:
         return {t for t in threading.enumerate() if t.name == "layer-pager" and t.is_alive()}
@@ -197,18 +233,23 @@ def test_a_job_interrupted_before_it_was_queued_does_not_hang_the_next_pass(laye
         assert orphan.cancelled and orphan.done and not orphan.started
 
 
-@pytest.mark.parametrize("stage", ["copy", "read"])
+@pytest.mark.parametrize("stage", ["copy", "read", "read-late"])
 def test_a_loader_thread_that_dies_outside_a_job_stops_the_pass_instead_of_hanging_it(
         layers, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in a loader's own loop (here: taking its next job raises) is raised by the waiting pass, and
-    close() leaves a pager whose new threads serve again. The pass runs in a thread joined with a deadline, so
-    a hang fails this test instead of stalling the suite."""
+    close() leaves a pager whose new threads serve again. "read-late": the reader dies only after the copier
+    took the job (the job then waits for two stages, one of them dead: cancelling it hung, a race that a busy
+    machine lost). The pass runs in a thread joined with a deadline, so a hang fails this test instead of
+    stalling the suite."""
     from offload.streaming.loaders import Loaders
 
     take = Loaders._next
 
     def broken(self, which: str):
-        if which == stage:
+        if which == stage.removesuffix("-late"):
+            if stage.endswith("-late"):
+                with self._cv:
+                    self._cv.wait_for(lambda: self._job is not None and self._job.started, 10)
             raise AssertionError(f"bug in the {which} loop")
         return take(self, which)
 
@@ -227,7 +268,8 @@ def test_a_loader_thread_that_dies_outside_a_job_stops_the_pass_instead_of_hangi
         t.join(20)
         assert not t.is_alive(), "the pass hung on a dead loader thread"
         assert len(raised) == 1 and isinstance(raised[0], RuntimeError)
-        assert f"layer pager's {stage} thread stopped" in str(raised[0]) and "bug in the" in str(raised[0])
+        assert f"layer pager's {stage.removesuffix('-late')} thread stopped" in str(raised[0])
+        assert "bug in the" in str(raised[0])
         monkeypatch.setattr(Loaders, "_next", take)
         pager.close()
         check_pass(pager, layers)
@@ -244,30 +286,33 @@ def test_a_read_error_reaches_the_consumer_and_the_pager_recovers(layers, staged
 
 
 class StartedReader(MemoryReader):
-    """A MemoryReader that also signals when the read of each layer starts."""
+    """A MemoryReader that also signals when the read of each layer starts and when it is done."""
 
     def __init__(self, buffers: list[torch.Tensor], delay: float = 0.0) -> None:
         super().__init__(buffers, delay)
         self.started = [threading.Event() for _ in buffers]
+        self.finished = [threading.Event() for _ in buffers]
 
     def read_layer(self, i: int, out: torch.Tensor) -> None:
         self.started[i].set()
         super().read_layer(i, out)
+        self.finished[i].set()
 
 
 def test_read_ahead_overlaps_a_slow_reader_with_compute(layers) -> None:
-    delay, n = 0.04, 6
+    """While layer i is in use, layer i + 1 is read from start to end (events, no clock): the consumer never
+    waits for a read but the first. A serial pager reads i + 1 only when asked for it: the waits time out."""
+    delay, n = 0.02, 6
     reader = StartedReader(layers, delay=delay)
     with build_pager(["ssd"] * n, reader, "cpu", n_slots=2) as pager:
         ahead = []
-        for i, _ in pager.layers():
-            if i + 1 < n:                                         # a serial pager reads i + 1 only when asked
-                ahead.append(reader.started[i + 1].wait(10))      # for it: the wait would time out
-            time.sleep(delay)                                     # "compute" as long as one read
-        assert ahead == [True] * (n - 1)                          # every next read began while layer i was in use
-        s = pager.stats
-        assert s.stall_s < 0.5 * s.compute_s                      # serial stalls about as long as it computes
-        assert s.compute_s >= n * delay * 0.9 and s.copy_s["ssd"] >= n * delay * 0.9
+        for i, buf in pager.layers():
+            assert torch.equal(buf, layers[i])
+            if i + 1 < n:
+                ahead.append(reader.started[i + 1].wait(10) and reader.finished[i + 1].wait(10))
+        assert ahead == [True] * (n - 1)                          # every next read ran while layer i was in use
+        assert reader.reads == list(range(n))
+        assert pager.stats.copy_s["ssd"] >= 0.9 * n * delay       # each read took at least its sleep
 
 
 def test_stall_time_counts_waiting_for_a_slow_tier(layers) -> None:
@@ -303,22 +348,6 @@ def test_bind_turns_buffers_into_views(layers) -> None:
         got = list(pager.layers())
     assert got == [(i, (i, int(layers[i][0]))) for i in range(6)]
     assert calls == [(0, -1), (1, 0), (2, 1), (3, 0), (4, 1), (5, -1)]
-
-
-class LagEvent(HostEvent):
-    """A host-clock event that reports itself complete only once `clock.done` (a device running behind);
-    synchronize() counts the waits and completes it."""
-
-    def __init__(self, clock: SimpleNamespace) -> None:
-        super().__init__()
-        self.clock, self.forced = clock, False
-
-    def query(self) -> bool:
-        return self.t is not None and (self.clock.done or self.forced)
-
-    def synchronize(self) -> None:
-        self.clock.waits += 1
-        self.forced = True
 
 
 def test_timings_fold_only_once_their_events_completed(layers) -> None:
@@ -410,6 +439,77 @@ def test_without_cuda_host_register_the_ram_tier_is_pinned_by_torch_in_few_block
     assert bounce.numel() == 3 * ALIGN and blocks[-1] == 3 * ALIGN
 
 
+class FakeCudart:
+    """cudaHostRegister / cudaHostUnregister on the CPU: which host ranges are page-locked now."""
+
+    def __init__(self) -> None:
+        self.locked: dict[int, int] = {}
+        self.registered = self.unregistered = 0
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.locked[ptr] = nbytes
+        self.registered += 1
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered += 1
+        return 0 if self.locked.pop(ptr, None) is not None else 712      # cudaErrorHostMemoryNotRegistered
+
+
+def test_a_registered_region_is_unregistered_when_its_last_view_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned host memory stays locked while any view of it lives and is unlocked (before it is freed) when the
+    last one goes: a RAM tier dropped with its model, and KV rows regrown every 256 slots, leave no locked RAM
+    behind (before, every region stayed registered until the process ended)."""
+    import gc
+
+    from specexec.kv.rows import Rows
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buf = host_buffer(3 * ALIGN + 5, pin=True)
+    assert buf.numel() == 3 * ALIGN + 5 and buf.data_ptr() % ALIGN == 0 and len(cudart.locked) == 1
+    view = buf[ALIGN:].view(torch.int8)
+    del buf
+    gc.collect()
+    assert len(cudart.locked) == 1                       # a view keeps it alive and locked
+    del view
+    gc.collect()
+    assert cudart.locked == {} and cudart.unregistered == 1
+    tier = RamTier({0: ALIGN, 1: 2 * ALIGN}, pin=True)
+    assert len(cudart.locked) == 1
+    del tier
+    gc.collect()
+    assert cudart.locked == {}
+    alloc = lambda n: host_buffer(n, pin=True)           # noqa: E731 -- how StreamedKV allocates its host rows
+    rows = Rows.empty(2, 256, 1, 2, 16, torch.bfloat16, "none", "cpu", alloc)
+    for k in range(2, 12):                               # a long chat: the rows regrow by 256 slots ten times
+        rows = rows.grown(256 * k, 256 * (k - 1), alloc)
+        gc.collect()
+        assert sum(cudart.locked.values()) <= rows.nbytes + 2 * ALIGN, (k, cudart.locked)
+    assert cudart.registered == 13 and cudart.unregistered == 12
+
+
+def test_discard_and_close_wait_for_the_copies_already_queued(layers) -> None:
+    """After discard() (or close()) the caller may free what the loaders copied from (a companion's host rows:
+    freeing unregisters them) or into: the latest fill's copy-end event is waited for, once, if still pending."""
+    class Pending:
+        def __init__(self) -> None:
+            self.waits = 0
+
+        def query(self) -> bool:
+            return self.waits > 0
+
+        def synchronize(self) -> None:
+            self.waits += 1
+    with build_pager(["ram"] * 3, MemoryReader(layers[:3]), "cpu", n_slots=2) as pager:
+        pager.last_copy = ev = Pending()                  # as the copier leaves it on CUDA
+        pager.discard()
+        pager.discard()
+        assert ev.waits == 1
+        pager.last_copy = ev = Pending()
+    assert ev.waits == 1                                  # close() too
+
+
 def test_pin_groups_reserve_little() -> None:
     for sizes in ([3 * ALIGN] * 10, [5 * ALIGN] * 40, [7 * ALIGN, ALIGN], [ALIGN] * 1000, [ALIGN * 9] * 81):
         groups = tiers.pin_groups(sizes)
@@ -480,7 +580,7 @@ def test_cuda_pinning_falls_back_when_registration_fails(monkeypatch: pytest.Mon
     """cudaHostRegister refusing (here: a region registered twice) leaves CUDA's last error set; the fallback
     drains it (else torch's next kernel-launch check would raise it) and pins through torch's allocator."""
     first = host_buffer(4 * ALIGN, pin=True)                  # registered
-    monkeypatch.setattr(tiers, "_aligned", lambda n: first)   # the next registration is of the same memory
+    monkeypatch.setattr(tiers, "_lockable", lambda n: (first, None))   # the next registration: the same memory
     monkeypatch.setattr(tiers, "_WARNED", set())
     with pytest.warns(tiers.PinFallbackWarning, match="failed"):
         buf = host_buffer(4 * ALIGN, pin=True)
@@ -490,24 +590,52 @@ def test_cuda_pinning_falls_back_when_registration_fails(monkeypatch: pytest.Mon
     assert torch.equal(buf[:ALIGN].to("cuda", non_blocking=True).cpu(), layers[3][:ALIGN])
 
 
+def _matmul_seconds(a: torch.Tensor, reps: int = 20) -> float:
+    """GPU seconds of one a @ a (CUDA events, after a warm-up)."""
+    a @ a
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ a
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / reps
+
+
 @pytest.mark.gpu
 def test_cuda_copies_overlap_compute() -> None:
-    """With big RAM-tier layers and a matmul per layer, a pass takes well under copy + compute time."""
+    """Big RAM-tier layers, and per layer a matmul load sized on THIS GPU so its compute takes about as long as
+    the layer's copy (both measured first): a pass takes well under copy + compute time. Serial, a pass is the
+    sum; overlapped, about (n + 1) / 2n of it when the two are equal (0.56 for 8 layers), under 0.72 while
+    either is up to twice the other. A fixed load (the old test) made compute dwarf the copies on a fast GPU,
+    where no overlap can bring the pass under 0.9 of the sum."""
     n, size = 8, 64 * 2**20
     bufs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(2)]
     reader = MemoryReader([bufs[i % 2] for i in range(n)])
-    a = torch.randn(4096, 4096, device="cuda")
     with build_pager(["ram"] * n, reader, "cuda", n_slots=2) as pager:
-        for _ in pager.layers():                                   # warm-up
-            a @ a
+        for _ in range(2):                                          # warm-up; the second pass times the copies
+            before = pager.collect(wait=True).totals()
+            for _ in pager.layers():
+                pass
+        copy_s = (pager.collect(wait=True).totals()["ram_copy_s"] - before["ram_copy_s"]) / n
+        dim = 4096
+        while True:                                                 # a matmul of at most half a layer's copy
+            a = torch.randn(dim, dim, device="cuda")
+            mm = _matmul_seconds(a)
+            if mm <= copy_s / 2 or dim <= 256:
+                break
+            dim //= 2
+        reps = max(1, round(copy_s / mm))
         before = pager.collect(wait=True).totals()
         for _, buf in pager.layers():
-            for _ in range(4):
+            for _ in range(reps):
                 a @ a
             buf[:16].sum()
         after = pager.collect(wait=True).totals()
     d = {k: after[k] - before[k] for k in after}
-    assert d["pass_s"] < 0.9 * (d["ram_copy_s"] + d["compute_s"]), d
+    copy, compute = d["ram_copy_s"], d["compute_s"]
+    assert 0.5 <= compute / copy <= 2, (reps, d)                   # the balance the bound assumes
+    assert d["pass_s"] < 0.8 * (copy + compute), (reps, d)
 
 
 def pinned_gbps(srcs: list[torch.Tensor], dst: torch.Tensor) -> float:
@@ -574,10 +702,30 @@ def test_bench_stream_json_rows(capsys, tmp_path: Path, offload: str) -> None:
     for r in out["rows"]:
         assert r["tier"] == offload and r["seconds_per_pass"] > 0 and 0 <= r["stall_fraction"] <= 1
         assert r["bytes_per_pass"] == 2 * out["layer_bytes"]
-        assert r["effective_gbps"] == pytest.approx(r["bytes_per_pass"] / r["seconds_per_pass"] / 1e9, rel=0.01)
+        assert r["effective_gbps"] == pytest.approx(r["bytes_per_pass"] / r["seconds_per_pass"] / 1e9, rel=0.01,
+                                                    abs=1e-3)     # rounded to 3 decimals (a slow machine: 0.03)
         assert r["tier_peak_gbps"] > 0
     assert f"{offload.upper() if offload == 'ssd' else 'RAM'} tier" in captured.err
     assert list(tmp_path.iterdir()) == []                          # the SSD file is removed afterwards
+
+
+def test_bench_stream_streams_with_the_planned_read_ahead(tmp_path: Path) -> None:
+    """The planner deepens the SSD read-ahead into the RAM left over (slots on a CPU); the bench's pager must
+    stream with that depth, as a real run's does (it used the minimum, 2, whatever the plan said)."""
+    import argparse
+
+    from cli.bench.stream import StreamBench, layer_layout, make_plan, synthetic_args
+
+    args = synthetic_args("1b", 6)
+    size = layer_layout(args, "int4", torch.float32).nbytes
+    ns = argparse.Namespace(gpu_budget=None, ram_budget="4GB", quant="int4", offload="ssd")
+    the_plan = make_plan(ns, args, size, torch.device("cpu"), torch.float32, 4)
+    assert the_plan.n_slots > 2                              # deepened: the budget holds more than the minimum
+    bench = StreamBench(args, the_plan, "int4", torch.device("cpu"), torch.float32, 1, str(tmp_path))
+    try:
+        assert len(bench.model.pager.slots) == the_plan.n_slots and bench.model.pager.depth == the_plan.read_ahead
+    finally:
+        bench.close()
 
 
 def test_bench_stream_rejects_bad_flags(capsys) -> None:

@@ -34,9 +34,26 @@ def test_cuda_everything_fits_stays_resident_without_slots() -> None:
 def test_cuda_budgets_fill_gpu_then_ram_then_ssd() -> None:
     # GPU: 300 fixed + 200 slots + 3 layers = 800 <= 850; RAM: 2 bounce (200) + 4 layers (400) <= 650; rest SSD.
     p = plan(needs(), "cuda", ram_budget=650 * MB, gpu_budget=850 * MB)
-    assert p.tiers == ("resident",) * 3 + ("ram",) * 4 + ("ssd",) * 3
+    assert counts(p) == (3, 4, 3)
+    assert [t for t in p.tiers if t != "resident"] == ["ram"] * 4 + ["ssd"] * 3
     assert p.device_bytes == 800 * MB and p.host_bytes == 600 * MB
     assert p.slot_bytes == 100 * MB and p.n_bounce == 2
+
+
+def test_cuda_resident_layers_are_spread_among_the_streamed_ones() -> None:
+    """A pass computes its layers in order: resident layers first would compute while every slot is full and the
+    link idles. They are spread instead (none first, gaps even), the streamed ones in their order, streamed KV
+    companions with their layers; every budget holds the same bytes. Uneven layers keep the planner's prefix."""
+    n = Needs((100 * MB,) * 20, (("draft", 50 * MB),), 2, 2, companion_bytes=(10 * MB,) * 20)
+    p = plan(n, "cuda", ram_budget=10 * GB, gpu_budget=1000 * MB)
+    res = p.layers_in("resident")
+    assert 0 < len(res) < 20 and res[0] > 0, p.tiers
+    gaps = [b - a for a, b in zip(res, res[1:])]
+    assert max(gaps) - min(gaps) <= 1, res
+    assert p.device_bytes <= 1000 * MB and p.tier_bytes("resident") == len(res) * 100 * MB
+    assert all(not p.streamed_companions[i] for i in res)
+    uneven = Needs((50 * MB, 300 * MB, 100 * MB, 100 * MB, 150 * MB), (("draft", 0),), 2, 2)
+    assert plan(uneven, "cuda", ram_budget=10 * GB, gpu_budget=650 * MB).tiers[0] == "resident"
 
 
 def test_cuda_no_bounce_buffers_when_ram_holds_every_streamed_layer() -> None:
@@ -130,7 +147,7 @@ def test_describe_and_summary() -> None:
     p = plan(needs(), "cuda", ram_budget=650 * MB, gpu_budget=850 * MB)
     text = p.describe()
     assert "resident (GPU)" in text and "RAM tier (pinned)" in text and "SSD tier" in text
-    assert "[0..2]" in text and "[3..6]" in text and "[7..9]" in text and "s per pass" in text
+    assert "3 layers [1,5,8]" in text and "[0,2..4]" in text and "[6..7,9]" in text and "s per pass" in text
     s = p.summary()
     assert (s["resident_layers"], s["ram_layers"], s["ssd_layers"]) == (3, 4, 3)
     assert s["ssd_bytes"] == 300 * MB and s["device_bytes"] == 800 * MB
@@ -240,13 +257,14 @@ def test_short_of_device_memory_the_companions_of_streamed_layers_go_to_ram() ->
     plain = plan(kv_needs(companion=20 * MB, residue=0, mode="device"), "cuda", ram_budget=10 * GB,
                  gpu_budget=1390 * MB, bandwidths=Bandwidths(ram=1e9))
     assert counts(plain) == (6, 4, 0) and plain.companions_streamed == []
-    assert counts(p) == (7, 3, 0) and p.companions_streamed == [7, 8, 9]
+    assert counts(p) == (7, 3, 0) and p.companions_streamed == [i for i, t in enumerate(p.tiers) if t != "resident"]
     assert p.expected_s == pytest.approx((300 + 60) * MB / 1e9) and plain.expected_s == pytest.approx(0.4)
     assert p.companion_bytes(True) == 60 * MB == p.ledger()["host"]["KV (streamed)"]
     assert p.ledger()["device"]["KV stages"] == 2 * 20 * MB == p.stage_bytes
     assert p.ledger()["device"]["KV"] == 7 * 20 * MB and p.device_bytes == 1380 * MB
     assert p.host_bytes == 300 * MB + 60 * MB
-    assert "KV streamed with 3 layers [7..9]" in p.describe() and "KV (streamed)" in p.describe()
+    assert f"KV streamed with 3 layers [{','.join(map(str, p.companions_streamed))}]" in p.describe()
+    assert "KV (streamed)" in p.describe()
 
 
 def test_the_residue_of_a_streamed_companion_stays_on_the_device() -> None:

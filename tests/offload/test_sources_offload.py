@@ -12,7 +12,7 @@ import torch
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
 from tests.gguf_writer import write_gguf
-from tests.offload.test_awq_gptq import VARIANTS, write_packed
+from tests.awq_gptq_writer import VARIANTS, write_packed
 
 pytest.importorskip("gguf")
 

@@ -1,5 +1,5 @@
-"""Shared fixtures of the reliability tests: the CLI run in-process with an isolated layer-cache root, and the
-one-line-error assertion every user mistake must satisfy.
+"""Shared fixtures of the reliability tests: the CLI run in-process with an isolated layer-cache root (the
+one-line-error assertion every user mistake must satisfy is tests/reliability/checks.py).
 
 No fixture here is autouse: a test module opts in (`pytestmark = pytest.mark.usefixtures(...)` or by naming
 the fixture), so tests in this folder that do not want them are unaffected. The session fixtures of
@@ -7,21 +7,13 @@ tests/conftest.py (tiny checkpoints) apply here too.
 """
 from __future__ import annotations
 
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from cli.main import main
-
-
-@dataclass
-class CliResult:
-    code: int
-    out: str
-    err: str
+from tests.reliability.checks import CliResult
 
 
 @pytest.fixture
@@ -52,33 +44,3 @@ def cli(capsys: pytest.CaptureFixture, one_thread):
         captured = capsys.readouterr()
         return CliResult(code, captured.out, captured.err)
     return run
-
-
-def assert_one_line_error(result: CliResult, *needles: str, code: int = 2) -> str:
-    """Exit `code` (a user error: 2), nothing on stdout, stderr exactly one line `error: ...` without a
-    traceback or raw control characters, containing each needle (case-insensitive). Returns the line."""
-    err = result.err
-    assert result.code == code, (result.code, err)
-    assert "Traceback" not in err, err
-    assert err.endswith("\n") and err.count("\n") == 1, repr(err)
-    line = err.rstrip("\n")
-    assert line.startswith("error: "), line
-    assert not any(ord(c) < 32 or ord(c) == 127 for c in line), repr(line)
-    assert result.out == "", result.out
-    for needle in needles:
-        assert needle.lower() in line.lower(), (needle, line)
-    return line
-
-
-def assert_nothing_cached(*roots: Path) -> None:
-    """No file (not even a lock or a temporary directory) under any cache root: absent or empty."""
-    for root in roots:
-        if root.exists():
-            left = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-            assert not left, f"{root} holds {left}"
-
-
-def copy_checkpoint(src: Path, dest: Path) -> Path:
-    """A private copy of a session checkpoint that a test may break."""
-    shutil.copytree(src, dest)
-    return dest

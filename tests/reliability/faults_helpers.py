@@ -32,7 +32,7 @@ from offload.cache.store import LayerCache
 from specexec.config import OffloadConfig, SamplingParams
 from specexec.checkpoints.loading import read_args
 from specexec.checkpoints.naming import layer_names
-from tests.cli.test_chat import Screen
+from tests.cli.screen import Screen
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",

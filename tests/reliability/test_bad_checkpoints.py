@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error, copy_checkpoint
+from tests.reliability.checks import assert_nothing_cached, assert_one_line_error, checkpoint_argv, copy_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,16 +186,6 @@ CASES: dict[str, tuple[Callable[[Path], Path], tuple[str, ...], tuple[str, ...]]
 }
 
 
-def _argv(mode: str, model: Path, cache: Path) -> list[str]:
-    if mode == "convert":
-        return ["convert", "--model", str(model), "--quant", "nf4", "--out", str(cache), "--no-progress"]
-    argv = ["generate", "--model", str(model), "--no-draft", "--prompt", "Hello", "--max-new-tokens", "2",
-            "--cache-dir", str(cache)]
-    if mode == "ram-budget":                     # nf4 layers in the RAM tier, under an explicit budget
-        return argv + ["--quant", "nf4", "--offload", "ram", "--ram-budget", "256MB"]
-    return argv + (["--quant", "none", "--offload", "ssd"] if mode == "offload" else [])
-
-
 @pytest.mark.parametrize("mode", ALL)
 @pytest.mark.parametrize("case", list(CASES))
 def test_broken_checkpoint_is_one_line_and_caches_nothing(case, mode, cli, cache_root, tiny_llama, tmp_path):
@@ -203,7 +193,7 @@ def test_broken_checkpoint_is_one_line_and_caches_nothing(case, mode, cli, cache
     if mode not in modes:
         pytest.skip(f"{case} is not an error for {mode}")
     model = breaker(copy_checkpoint(tiny_llama, tmp_path / "ckpt"))
-    result = cli(*_argv(mode, model, cache_root))
+    result = cli(*checkpoint_argv(mode, model, cache_root))
     assert_one_line_error(result, *needles)
     assert_nothing_cached(cache_root, tmp_path / "xdg-cache")
 
@@ -221,17 +211,17 @@ def test_broken_draft_caches_nothing_for_the_target(cli, cache_root, tiny_pair, 
 def test_the_cache_flags_do_write_there(cli, cache_root, tiny_llama):
     """The control: the same command lines on an intact checkpoint succeed and DO write under the root, so the
     'nothing cached' checks above are not vacuous."""
-    assert cli(*_argv("offload", tiny_llama, cache_root)).code == 0
+    assert cli(*checkpoint_argv("offload", tiny_llama, cache_root)).code == 0
     assert any(cache_root.glob("*/manifest.json"))
     other = cache_root.parent / "converted"
-    result = cli(*_argv("convert", tiny_llama, other))
+    result = cli(*checkpoint_argv("convert", tiny_llama, other))
     assert result.code == 0, result.err
     assert any(other.glob("*/manifest.json"))
 
 
 def test_tokenizer_is_not_needed_to_convert(cli, cache_root, tiny_llama, tmp_path):
     model = missing_tokenizer(copy_checkpoint(tiny_llama, tmp_path / "ckpt"))
-    result = cli(*_argv("convert", model, cache_root))
+    result = cli(*checkpoint_argv("convert", model, cache_root))
     assert result.code == 0, result.err
 
 
@@ -239,7 +229,7 @@ def test_half_precision_weights_are_cast_not_refused(cli, cache_root, tiny_llama
     model = copy_checkpoint(tiny_llama, tmp_path / "ckpt")
     _rewrite(model, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
     for mode in ("generate", "offload"):
-        result = cli(*_argv(mode, model, cache_root))
+        result = cli(*checkpoint_argv(mode, model, cache_root))
         assert result.code == 0, result.err
 
 
@@ -267,7 +257,7 @@ def _evil_checkpoint(tiny: Path, dest: Path, marker: Path, keep_safetensors: boo
 def test_pickle_is_refused_and_never_unpickled(mode, cli, cache_root, tiny_llama, tmp_path):
     marker = tmp_path / "PWNED"
     model = _evil_checkpoint(tiny_llama, tmp_path / "ckpt", marker)
-    assert_one_line_error(cli(*_argv(mode, model, cache_root)), "pickle")
+    assert_one_line_error(cli(*checkpoint_argv(mode, model, cache_root)), "pickle")
     assert not marker.exists(), "the pickle was unpickled"
     assert_nothing_cached(cache_root)
 
@@ -276,7 +266,7 @@ def test_allow_pickle_still_runs_no_code(cli, cache_root, tiny_llama, tmp_path):
     """--allow-pickle reads with torch.load(weights_only=True): the payload is refused, not run."""
     marker = tmp_path / "PWNED"
     model = _evil_checkpoint(tiny_llama, tmp_path / "ckpt", marker)
-    assert_one_line_error(cli(*_argv("generate", model, cache_root), "--allow-pickle"), "plain tensors")
+    assert_one_line_error(cli(*checkpoint_argv("generate", model, cache_root), "--allow-pickle"), "plain tensors")
     assert not marker.exists()
     assert_nothing_cached(cache_root)
 
@@ -286,6 +276,6 @@ def test_pickle_beside_safetensors_is_ignored_unopened(mode, cli, cache_root, ti
     """A stray pytorch_model.bin next to model.safetensors: the safetensors are used, the pickle never opened."""
     marker = tmp_path / "PWNED"
     model = _evil_checkpoint(tiny_llama, tmp_path / "ckpt", marker, keep_safetensors=True)
-    result = cli(*_argv(mode, model, cache_root))
+    result = cli(*checkpoint_argv(mode, model, cache_root))
     assert result.code == 0, result.err
     assert not marker.exists()

@@ -18,10 +18,11 @@ import psutil
 import pytest
 import torch
 
+from specexec.builders.registry import check_builder
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.options import (ConfigError, budget_options, check_budget_fits, check_device, parse_draft_layers,
                               parse_draft_vocab, parse_size)
-from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error
+from tests.reliability.checks import assert_nothing_cached, assert_one_line_error
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,7 +66,7 @@ CASES = {
     "max-new-tokens 10**9": (["--max-new-tokens", str(10**9)], lambda: EngineConfig(max_new_tokens=10**9)),
     "device tpu": (["--device", "tpu"], lambda: EngineConfig(device="tpu")),
     "dtype int3": (["--dtype", "int3"], lambda: EngineConfig(dtype="int3")),
-    "builder magic": (["--builder", "magic"], lambda: EngineConfig(builder="magic")),
+    "builder magic": (["--builder", "magic"], lambda: check_builder("magic")),
     "quant nf5": (["--quant", "nf5"], lambda: OffloadConfig(quant="nf5")),
     "offload cloud": (["--offload", "cloud"], lambda: OffloadConfig(offload="cloud")),
     "cache-dir blank": (["--cache-dir", " "], lambda: OffloadConfig(cache_dir=" ")),

@@ -4,7 +4,7 @@ written under the layer-cache root, on the resident, the streamed (`--offload ss
 
 Cases: an expert missing (Qwen3-MoE's per-expert tensors, Mixtral's w1/w2/w3), an expert too many, a router
 of the wrong shape, a fused gpt-oss expert tensor holding another number of experts, an MXFP4 pair with a half
-missing, and a GGUF file whose merged expert tensors (llama.cpp's ffn_*_exps) are a layout we do not read.
+missing, and GGUF files whose merged expert tensors (llama.cpp's ffn_*_exps) are a layout we do not read.
 """
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error, copy_checkpoint
-from tests.reliability.test_bad_checkpoints import _argv
+from tests.reliability.checks import assert_nothing_cached, assert_one_line_error, checkpoint_argv, copy_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,18 +55,22 @@ CASES: dict[str, tuple[str, Callable[[Path], Path], tuple[str, ...]]] = {
 def test_broken_moe_checkpoint_is_one_line_and_caches_nothing(case, mode, cli, cache_root, tmp_path, request):
     fixture, breaker, needles = CASES[case]
     model = breaker(copy_checkpoint(request.getfixturevalue(fixture), tmp_path / "ckpt"))
-    assert_one_line_error(cli(*_argv(mode, model, cache_root)), *needles)
+    assert_one_line_error(cli(*checkpoint_argv(mode, model, cache_root)), *needles)
     assert_nothing_cached(cache_root, tmp_path / "xdg-cache")
 
 
-def test_gguf_with_merged_experts_we_do_not_read(cli, cache_root, tiny_llama, tmp_path):
-    """llama.cpp stores a Mixtral's experts merged (blk.N.ffn_gate_exps [E, I, D]) in a 'llama' file: refused
-    with the tensor named, before anything is cached."""
+@pytest.mark.parametrize("fixture,tensor", [("tiny_qwen3_moe", "blk.0.ffn_gate_up_exps.weight"),
+                                            ("tiny_llama", "blk.0.ffn_gate_exps.weight")],
+                         ids=["fused-gate-up-experts", "experts-without-expert_count"])
+def test_gguf_with_merged_experts_we_do_not_read(fixture, tensor, cli, cache_root, tmp_path, request):
+    """Merged experts in a layout we do not read: gate and up fused in one merged tensor (a qwen3moe file), or
+    merged experts in a 'llama' file that declares no expert_count: refused with the tensor named, before
+    anything is cached."""
     pytest.importorskip("gguf")
     from tests.gguf_writer import write_gguf
 
-    path = write_gguf(tiny_llama, tmp_path / "merged.gguf",
-                      extra={"blk.0.ffn_gate_exps.weight": np.zeros((4, 128, 64), dtype=np.float32)})
+    path = write_gguf(request.getfixturevalue(fixture), tmp_path / "merged.gguf",
+                      extra={tensor: np.zeros((4, 128, 64), dtype=np.float32)})
     for mode in ("generate", "convert"):
-        assert_one_line_error(cli(*_argv(mode, path, cache_root)), "blk.0.ffn_gate_exps.weight")
+        assert_one_line_error(cli(*checkpoint_argv(mode, path, cache_root)), tensor)
     assert_nothing_cached(cache_root, tmp_path / "xdg-cache")

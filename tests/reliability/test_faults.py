@@ -23,7 +23,7 @@ from offload.cache import store as C
 from offload.cache.manifest import LAYERS_FILE
 from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
-from tests.cli.test_chat import Screen
+from tests.cli.screen import Screen
 from tests.reliability.faults_helpers import (
     Forked, ScriptedTerminal, cache_dir, entries, error_lines, fork_cli, fresh_answer, layer_digests, lock_is_free,
     pager_threads, streamed_runtime)

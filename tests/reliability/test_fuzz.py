@@ -13,14 +13,17 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from specexec.config import SamplingParams
-from specexec.kv.cache import KVCache
-from specexec.sampling import process_logits
-from specexec.tree import TokenTree
-from specexec.verify import RULES, Accepted
+pytest.importorskip("hypothesis")                  # the test extra's; a machine without it skips this file
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from specexec.config import SamplingParams  # noqa: E402
+from specexec.kv.cache import KVCache  # noqa: E402
+from specexec.sampling import process_logits  # noqa: E402
+from specexec.tree import TokenTree  # noqa: E402
+from specexec.verify import RULES, Accepted  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from specexec.checkpoints.demo_models import CHAT_TOKENS, SPECIAL_TOKENS
-from tests.reliability.conftest import assert_nothing_cached, assert_one_line_error
+from tests.reliability.checks import assert_nothing_cached, assert_one_line_error
 from tests.tiny_models import VOCAB_SIZE
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import pytest
 from cli.chat import ChatSession
 from specexec.config import SamplingParams
 from specexec.runtime.assembly import Runtime
-from tests.cli.test_chat import Screen
+from tests.cli.screen import Screen
 from tests.reliability.faults_helpers import open_fds, pager_threads, rss_bytes, streamed_runtime
 
 BUILDERS = ("specexec", "chain", "dynamic", "rsd", "recycling")

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from cli.main import main
-from offload.cache.store import LayerCache
-from offload.quant.linear import QuantLinear, quantize_module
+from offload.quant.linear import QuantLinear
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.engine import Engine
@@ -23,14 +22,13 @@ from specexec.kv.cache import KVCache
 from specexec.options import ConfigError
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.model import prefix_tree_mask
-from specexec.checkpoints.naming import layer_names
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
 from specexec.builders.registry import make_builder, names as builder_names
 from specexec.runtime.assembly import Runtime
+from tests.runtime.offloaded_models import CPU, offloaded, open_cache, reference
 from tests.tiny_models import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-CPU = torch.device("cpu")
 MIXES = {
     "resident": ["resident"] * 4,
     "ram": ["ram"] * 4,
@@ -42,23 +40,6 @@ MIXES = {
 @pytest.fixture(scope="module")
 def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("layer-cache")
-
-
-def open_cache(path: Path, fmt: str, root: Path) -> LayerCache:
-    return LayerCache.open_or_build(path, layer_names(path, read_args(path)), fmt, torch.float32, cache_root=root,
-                                    progress=False)
-
-
-def reference(path: Path, fmt: str) -> torch.nn.Module:
-    """The resident model with every decoder layer quantized the same way (QuantLinear owning its weights)."""
-    model = load_model(path)
-    for block in model.layers:
-        quantize_module(block, fmt, torch.float32)
-    return model
-
-
-def offloaded(path: Path, fmt: str, tiers: list[str], root: Path) -> OffloadedTransformer:
-    return build_offloaded(path, read_args(path), open_cache(path, fmt, root), tiers, CPU, torch.float32)
 
 
 def cached_forward(model, n_prefix: int = 9, n_tree: int = 6) -> torch.Tensor:

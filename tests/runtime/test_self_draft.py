@@ -6,8 +6,8 @@ does not fit. The model: its embed/norm/head and resident layers ARE the target'
 own layer count, copies come from (and go into) the layer cache of their format. Exactness: fp32 greedy output
 equals the target alone at full and at skipped depth, streamed and resident; a self-draft with every layer in
 the target's own format is the target, so a chain draft is accepted whole; sampling keeps the target's
-distribution (chi-square, the harness of test_sampling_e2e). The CLI: plan, generate, chat's default, bench's
-self row, models.yaml, one-line errors.
+distribution (chi-square: tests/chi2.py over tests/sampling_pairs.py). The CLI: plan, generate, chat's default,
+bench's self row, models.yaml, one-line errors.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from specexec.planning.target import target_formats
 from specexec.runtime.offloaded import HostEmbedding
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
-from tests.core.test_sampling_e2e import chi_square_p, exact_pairs, sample_pairs
+from tests.chi2 import chi2_pvalue
+from tests.sampling_pairs import exact_pairs, sample_pairs
 from tests.tiny_models import prompt
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -183,6 +184,49 @@ def test_shares_the_targets_tensors_and_sizes_its_own_cache(tiny_pair, tmp_path)
         rt.engine.close()
 
 
+def _over_a_host_embedding(path: Path, root: Path, device: str) -> tuple[list[int], list[int], list[int], Engine]:
+    """A self-draft (every layer, unquantized copies) over a streamed target whose embedding table stays in host
+    RAM: (its greedy tokens, again, the target alone's, the engine)."""
+    from offload.cache.store import LayerCache
+    from specexec.checkpoints.naming import layer_names
+    from specexec.runtime.offloaded import build_offloaded
+
+    args, dev = read_args(path), torch.device(device)
+    names = layer_names(path, args)
+    cache = LayerCache.open_or_build(path, names, "none", torch.float32, cache_root=root, progress=False)
+    target = build_offloaded(path, args, cache, ["ssd"] * args.n_layers, dev, torch.float32, embed_on_host=True)
+    draft = build_self_draft(target, tuple(range(args.n_layers)), "none", path, names, root)
+    assert isinstance(draft.embed_tokens, HostEmbedding)
+    engine = Engine(target, draft, EngineConfig(budget=16, device=device), SpecExecBuilder())
+    alone = Engine(target, None, EngineConfig(budget=1, device=device), None)
+    ids = prompt(4)
+    got = [t for s in engine.generate(ids, 24) for t in s]
+    again = [t for s in engine.generate(ids, 24) for t in s]
+    return got, again, [t for s in alone.generate(ids, 24) for t in s], engine
+
+
+def test_a_draft_over_a_host_embedding_equals_the_target(tiny_pair, tmp_path) -> None:
+    got, again, want, engine = _over_a_host_embedding(tiny_pair[0], tmp_path, "cpu")
+    engine.close()
+    assert got == again == want
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_draft_over_a_host_embedding_runs_in_graphs(tiny_pair, tmp_path) -> None:
+    """The host embedding copies the ids to the host: no graph can hold it. The draft's graphs start after it,
+    so they capture and replay (before, its .cpu() inside the capture turned graphs off), and fp32 greedy
+    output equals the target alone's."""
+    from specexec.builders import draft_graphs
+
+    got, again, want, engine = _over_a_host_embedding(tiny_pair[0], tmp_path, "cuda")
+    try:
+        runner = draft_graphs.runner(engine.draft, engine._caches[1], None)
+        assert got == again == want
+        assert runner is not None and runner.graphs and not runner.failed
+    finally:
+        engine.close()
+
+
 def test_resident_layers_are_the_targets_own_blocks(tiny_pair, tmp_path) -> None:
     target = load_model(tiny_pair[0])
     draft = build_self_draft(target, (0, 3), "int4")
@@ -244,14 +288,13 @@ def test_every_layer_in_the_targets_format_is_the_target(tiny_pair, tmp_path) ->
 @pytest.mark.parametrize("verifier,temperature,layers", [("sample_match", 1.0, (0, 3)), ("rrs", 0.6, (0, 2, 3))])
 def test_sampling_keeps_the_target_distribution(tiny_pair, verifier: str, temperature: float,
                                                 layers: tuple[int, ...]) -> None:
-    pytest.importorskip("scipy")
     target = load_model(tiny_pair[0])
     draft = build_self_draft(target, layers, "none")
     sampling = SamplingParams(temperature=temperature, top_p=0.95)
     engine = Engine(target, draft, EngineConfig(budget=4, verifier=verifier), SpecExecBuilder())
     trials = 320
     counts = sample_pairs(engine, sampling, trials)
-    assert chi_square_p(counts, exact_pairs(target, sampling), trials) > 1e-3
+    assert chi2_pvalue(counts, exact_pairs(target, sampling)) > 1e-3
 
 
 @pytest.mark.gpu

@@ -22,13 +22,16 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import pytest
-import uvicorn
 
-from cli.main import main
-from cli.serve.app import ServeSettings, build_app
-from specexec.config import EngineConfig, SamplingParams
-from specexec.serving.openai_api import ServerDefaults
-from specexec.runtime.assembly import Runtime
+pytest.importorskip("uvicorn")           # the serve extra: absent (e.g. on a lent GPU image), skip
+pytest.importorskip("starlette")
+
+from cli.main import main  # noqa: E402
+from cli.serve.app import ServeSettings, build_app  # noqa: E402
+from tests.serving.live_server import running  # noqa: E402
+from specexec.config import EngineConfig, SamplingParams  # noqa: E402
+from specexec.serving.openai_api import ServerDefaults  # noqa: E402
+from specexec.runtime.assembly import Runtime  # noqa: E402
 
 if TYPE_CHECKING:
     import openai          # imported by the tests that use it: collecting this file stays cheap
@@ -37,28 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-pair"
 BUDGET, MAX_TOKENS = 8, 32
 MAX_BODY = 64 * 1024
-
-
-@contextlib.contextmanager
-def running(app) -> Iterator[str]:
-    """Serve `app` on 127.0.0.1:<free port> in a background thread; yields the base URL; stops it after."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
-        assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +57,7 @@ def url(runtime) -> Iterator[str]:
 
 @pytest.fixture
 def client(url) -> openai.OpenAI:
-    import openai
+    openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -129,7 +110,7 @@ def cli_generate(capsys, tiny_pair, draft, *argv: str) -> dict:
 # ------------------------------------------------------------------------------------------ endpoints
 
 def test_models_health_and_metrics(client, url) -> None:
-    import openai
+    openai = pytest.importorskip("openai")
     assert [m.id for m in client.models.list().data] == [MODEL]
     other = client.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert other.model == MODEL                                   # any name is accepted; the served one answers
@@ -267,7 +248,7 @@ def test_second_turn_reuses_the_kv_prefix(client) -> None:
 # ------------------------------------------------------------------------------------------ the queue
 
 def test_concurrent_clients_are_served_fifo_and_unmixed(client, url) -> None:
-    import openai
+    openai = pytest.importorskip("openai")
     prompts = ["Hello", "The quick brown fox", "Once upon a time", "What is the capital", "def main():",
                "A draft model"]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16).choices[0].text
@@ -296,8 +277,48 @@ def test_concurrent_clients_are_served_fifo_and_unmixed(client, url) -> None:
     assert finished == prompts
 
 
+class Hold:
+    """Once armed, every generation pauses after its first step until some client gives up (a ticket is
+    cancelled: a disconnect, or a waiting request leaving): a job then outlasts any client timeout and the
+    cancel reaches it mid-job, however fast the machine; nothing waits on a clock."""
+
+    def __init__(self) -> None:
+        self.armed, self.gave_up = False, threading.Event()
+
+    def arm(self) -> None:
+        self.gave_up.clear()
+        self.armed = True
+
+
+@pytest.fixture
+def hold(runtime, monkeypatch: pytest.MonkeyPatch) -> Hold:
+    from specexec.serving import queue
+
+    h, cancel, generate = Hold(), queue.Ticket.cancel, runtime.generate_ids
+
+    def cancel_and_tell(ticket) -> None:
+        cancel(ticket)
+        if h.armed:
+            h.gave_up.set()
+
+    def held(*args, **kwargs):
+        steps = generate(*args, **kwargs)
+        try:
+            for k, step in enumerate(steps):
+                yield step
+                if k == 0 and h.armed and not h.gave_up.wait(60):
+                    raise AssertionError("a held job waited 60 s and no client gave up")
+        finally:
+            steps.close()
+
+    monkeypatch.setattr(queue.Ticket, "cancel", cancel_and_tell)
+    monkeypatch.setattr(runtime, "generate_ids", held)
+    return h
+
+
 def _long_job(max_tokens: int = 64) -> dict:
-    """A request that keeps the worker busy for seconds whatever EOS does: 16 greedy choices."""
+    """A request that keeps the worker busy for 16 greedy choices (held by `hold` where a test needs it
+    to outlast a client)."""
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": max_tokens, "n": 16}
 
 
@@ -308,6 +329,13 @@ def _let_go(client, url: str, tokens_before: int, one: int) -> None:
     assert health(url)["queue_depth"] == 0
     r = chat(client, "Hello", max_tokens=4)
     assert r.choices[0].message.content is not None
+
+
+def _wait_submitted(url: str, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while metrics(url)["jobs_submitted"] < count:
+        assert time.monotonic() < deadline, "the request was not submitted"
+        time.sleep(0.005)
 
 
 def _wait_cancelled(url: str, before: int) -> None:
@@ -327,10 +355,11 @@ def _give_up_after(url: str, seconds: float) -> None:
         conn.close()
 
 
-def test_stream_disconnect_frees_the_queue(client, url) -> None:
+def test_stream_disconnect_frees_the_queue(client, url, hold: Hold) -> None:
     one = chat(client, "Hello", max_tokens=64).usage.completion_tokens   # one choice; the long job has 16
     snap = metrics(url)
     before, tokens = snap["jobs_cancelled"], snap["generated_tokens"]
+    hold.arm()                                              # the job pauses after its first step until we go
     conn = connect(url)
     try:
         resp = send(conn, "POST", "/v1/chat/completions", {**_long_job(), "stream": True})
@@ -347,18 +376,20 @@ def test_stream_disconnect_frees_the_queue(client, url) -> None:
     assert health(url)["queue_depth"] == 0
 
 
-def test_non_streamed_disconnect_frees_the_queue(client, url) -> None:
+def test_non_streamed_disconnect_frees_the_queue(client, url, hold: Hold) -> None:
     one = chat(client, "Hello", max_tokens=64).usage.completion_tokens
     snap = metrics(url)
     before, tokens = snap["jobs_cancelled"], snap["generated_tokens"]
+    hold.arm()                                      # no answer can come before the client gives up
     _give_up_after(url, 0.5)
     _wait_cancelled(url, before)
     _let_go(client, url, tokens, one)
 
 
-def test_waiting_request_that_disconnects_leaves_the_queue(client, url) -> None:
-    before = metrics(url)["jobs_cancelled"]
+def test_waiting_request_that_disconnects_leaves_the_queue(client, url, hold: Hold) -> None:
+    before, started = metrics(url)["jobs_submitted"], metrics(url)["jobs_cancelled"]
     done = threading.Event()
+    hold.arm()                                      # `long` runs until the waiting request has given up
 
     def long() -> None:
         status, body = raw(url, "POST", "/v1/chat/completions", _long_job(24), timeout=60)
@@ -367,9 +398,9 @@ def test_waiting_request_that_disconnects_leaves_the_queue(client, url) -> None:
 
     holder = threading.Thread(target=long)
     holder.start()
-    time.sleep(0.2)
+    _wait_submitted(url, before + 1)
     _give_up_after(url, 0.3)                        # queued behind `long`, gives up while waiting
-    _wait_cancelled(url, before)
+    _wait_cancelled(url, started)
     assert health(url)["queue_depth"] == 0
     holder.join(60)
     assert done.is_set()
@@ -437,7 +468,7 @@ def test_malformed_requests_get_openai_error_bodies(url) -> None:
 
 
 def test_oversized_and_misrouted_requests(url, client) -> None:
-    import openai
+    openai = pytest.importorskip("openai")
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 80         # > 512 tokens of context
     code, reply = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": long_prompt})
     assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
@@ -456,7 +487,7 @@ def test_oversized_and_misrouted_requests(url, client) -> None:
 
 
 def test_api_key(runtime) -> None:
-    import openai
+    openai = pytest.importorskip("openai")
     app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), 8), ServeSettings(api_key="s3cret"))
     with running(app) as base:
         for key in ("wrong", None):
@@ -470,21 +501,19 @@ def test_api_key(runtime) -> None:
         assert raw(base, "GET", "/health")[0] == 200                              # health stays open
 
 
-def test_a_full_queue_answers_429(runtime) -> None:
+def test_a_full_queue_answers_429(runtime, hold: Hold) -> None:
     app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), 8), ServeSettings(max_queue=1))
+    hold.arm()                                     # the running job pauses until a holder hangs up
     with running(app) as base:
-        def hold() -> None:                        # a long job that hangs up after 3 s (cancelled then)
+        def holder() -> None:                      # a long job that hangs up after 3 s (cancelled then)
             with contextlib.suppress(TimeoutError):
                 raw(base, "POST", "/v1/chat/completions", _long_job(), timeout=3)
 
         holders = []
         for expected in (1, 2):                    # one running, one waiting: the queue of 1 is full
-            holders.append(threading.Thread(target=hold))
+            holders.append(threading.Thread(target=holder))
             holders[-1].start()
-            deadline = time.monotonic() + 10
-            while metrics(base)["jobs_submitted"] < expected:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+            _wait_submitted(base, expected)
         code, reply = raw(base, "POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
         assert code == 429 and reply["error"]["code"] == "queue_full", reply
         for t in holders:
@@ -499,7 +528,7 @@ def _env() -> dict:
 
 @pytest.mark.slow
 def test_serve_command_end_to_end(tiny_pair, tiny_perturbed_draft) -> None:
-    import openai
+    openai = pytest.importorskip("openai")
     cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_pair[0]), "--draft",
            str(tiny_perturbed_draft), "--budget", "8", "--port", "0", "--api-key", "k3y", "--max-new-tokens", "8"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,7 +1,8 @@
-"""What one generate() call did, for the engine's callers: prefill progress (PrefillProgress, heard after each
-prefill pass) and the call's statistics (GenerationStats, read from the profiler's step records: one ledger).
+"""What one generate() call reports: GenerationStats (filled in as the call runs; its steps are the profiler's
+step records, read here, never kept twice) and PrefillProgress (how far a long prefill got, for a progress
+bar: Engine.on_prefill hears it after every pass).
 
-Does not know: how steps run (specexec/engine.py), models, trees.
+Does not know: how a step runs (specexec/engine.py), how the records are timed (specexec/profiler.py), the CLI.
 """
 from __future__ import annotations
 

@@ -1,0 +1,82 @@
+"""The prompt-set benchmarks' report: the JSON rows of `specexec bench` (and `bench --endpoint`, whose servers
+are rows of the same shape), the comparison table drawn from them, the baselines a row's speed-up is taken
+against, and the one cell formatter every bench table uses ("–" for a figure that does not apply).
+
+Does not know: how a row was measured (cli/bench/main.py runs our runtime and the transformers baselines,
+cli/bench/endpoint.py a server), the runtime.
+"""
+from __future__ import annotations
+
+from rich.table import Table
+
+from cli.bench.common import Result, first_mismatch
+from specexec.profiler import budget_trace
+
+BASELINES = ("no-draft", "hf-offload", "hf-assisted")     # the rows every other row's speed-up is against
+
+
+def cell(x: float | int | None, fmt: str) -> str:
+    """One table cell: x formatted by `fmt`, or "–" when the figure does not apply."""
+    return "–" if x is None else format(x, fmt)
+
+
+def _gb(n: int | None) -> float | None:
+    return None if n is None else round(n / 1e9, 3)
+
+
+def _round(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def per_step(r: Result, seconds: float) -> float | None:
+    """Milliseconds per step of our rows (None for the transformers rows, which the profiler does not see)."""
+    return None if r.config.startswith("hf-") or not r.passes else round(1000 * seconds / r.passes, 1)
+
+
+def make_rows(results: list[Result], greedy: bool) -> list[dict]:
+    """The JSON rows: one per configuration, with the identical-output check and speed-ups vs each baseline."""
+    base = next((r for r in results if r.config == "no-draft"), None)
+    baseline_tok_s = {r.config: r.tok_s for r in results if r.config in BASELINES}
+    rows = []
+    for r in results:
+        same = mismatch = None
+        if greedy and base is not None:
+            same = sum(a == b for a, b in zip(r.outputs, base.outputs))
+            mismatch = [first_mismatch(a, b) for a, b in zip(r.outputs, base.outputs)]
+        if r.lossy:                                  # an int8 cache: outside every exactness claim
+            same = None
+        rows.append({
+            "config": r.config, "tok_s": _round(r.tok_s, 3),
+            "tokens_per_pass": _round(r.new_tokens / r.passes if r.passes else None, 3),
+            "ttft_s": _round(sum(r.ttfts) / len(r.ttfts) if r.ttfts else None, 4),
+            "identical_to_baseline": None if same is None else same == len(base.outputs),
+            "identical_prompts": None if same is None else f"{same}/{len(base.outputs)}",
+            "first_mismatch": mismatch,
+            "peak_ram_gb": _gb(r.peak_ram), "peak_vram_gb": _gb(r.peak_vram),
+            "new_tokens": r.new_tokens, "passes": r.passes, "decode_s": _round(r.decode_s, 4),
+            "draft_ms_per_step": per_step(r, r.draft_s), "target_ms_per_step": per_step(r, r.target_s),
+            "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
+            "budget": r.budget, "builder": r.builder, "draft": r.draft, "note": r.note or None, "lossy": r.lossy,
+            "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
+        })
+    return rows
+
+
+def make_table(rows: list[dict], title: str) -> Table:
+    """The comparison table of make_rows' rows: one column of speed-up per baseline present."""
+    baselines = [b for b in BASELINES if any(r["config"] == b for r in rows)]
+    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("config", "tok/s", "tok/pass", "TTFT s", "peak RAM GB", "peak VRAM GB", "identical (T=0)",
+                *[f"× {b}" for b in baselines]):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        ident = "–" if r["identical_prompts"] is None else \
+            f"{'yes' if r['identical_to_baseline'] else 'NO'} {r['identical_prompts']}"
+        at = sorted(i for i in r["first_mismatch"] or () if i is not None)
+        ident += f" (from token {', '.join(map(str, at))})" if at else ""
+        if r.get("lossy"):
+            ident = "LOSSY: " + (f"diverges at token {', '.join(map(str, at))}" if at else "same tokens here")
+        t.add_row(r["config"], cell(r["tok_s"], ".2f"), cell(r["tokens_per_pass"], ".2f"),
+                  cell(r["ttft_s"], ".3f"), cell(r["peak_ram_gb"], ".2f"), cell(r["peak_vram_gb"], ".2f"), ident,
+                  *[cell(r["speedup"].get(b), ".2f") for b in baselines])
+    return t

@@ -1,0 +1,158 @@
+"""What a run needs, line by line, from config.json alone: the planner's Needs (offload.memory_plan) of a
+run's shape with the target's layers in one format, i.e. the lines of the memory ledger, each sized by
+sizes.py for the shapes, formats, tree budget and context of the run; and how many tokens one streamed
+prefill pass can take.
+
+Ledger lines (device side: the GPU on CUDA, RAM on CPU):
+- target embed / target norm/head: the target's resident embedding table, final norm and LM head. The
+  embedding table of a STREAMED, untied target may instead live in host RAM (line "target embed (host RAM)"):
+  its rows for the T tokens of a pass are gathered on the CPU and copied over (exact: a gather), and the
+  GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
+- draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
+  A self-draft (--draft self: the target's own layers, `with_self_draft`) counts only its copies of the layers
+  it runs that the target streams; its embed/norm/head and the resident layers it runs are the target's. The
+  plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
+  picks the most layers that fit.
+- target KV cache / draft KV cache: each sized for its own user (kv.cache.kv_slots_for): the target for the
+  context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
+  target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
+  streamed layer when the device runs short, in (pinned) RAM travelling with the layer ("target KV cache
+  (streamed)", its bytes in the pass time) through "target KV cache stages" (one per slot, plus the tree rows
+  each such layer keeps on the device until they are committed). When nothing fits with the draft's cache in
+  the run dtype, the draft's cache is planned in int8 (exact: the draft only proposes). --kv-quant int8
+  sizes both caches in int8 (LOSSY) and adds one layer's dequantized K/V to the activations.
+- activations: the largest transient of any pass that runs (sizes.attention_bytes has the attention formula):
+  the target's tree pass, a streamed prefill chunk of ledger.PREFILL_RESERVE tokens (dropped when it does not fit),
+  the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
+- resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
+
+Does not know: budgets, tiers or which plan is best (ledger.py and offload/planner.py decide), checkpoints.
+"""
+from __future__ import annotations
+
+import torch
+
+from offload.memory_plan import GB, Needs
+
+from specexec.config import PREFILL_CHUNK
+from specexec.model import LOGIT_CHUNK
+from specexec.planning.experts import expert_parts
+from specexec.planning.run_shape import RunShape, self_layer_ids
+from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes, weight_bytes
+
+DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
+
+
+def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]:
+    """(bytes, what they are for) of the activations line: the largest of the passes that run."""
+    t_slots, d_slots = shape.slots
+    dev, elem = shape.device, shape.elem
+    tq, dq = shape.kv_quant, shape.draft_quant_kv
+    passes = {f"tree {shape.budget + 1}": forward_bytes(shape.target, shape.budget + 1, t_slots, elem, fmt, dev,
+                                                        LOGIT_CHUNK, tq)}
+    if prefill:
+        passes[f"prefill {prefill}"] = forward_bytes(shape.target, prefill, t_slots, elem, fmt, dev, 0, tq)
+    if shape.draft is not None:
+        rows = min(shape.budget + 1, DRAFT_ROWS)
+        growth = (shape.draft_scratch or 0) ** 2                        # the builder's ancestor matrix (bool)
+        passes[f"draft {rows} rows"] = forward_bytes(shape.draft, rows, d_slots or shape.context, elem,
+                                                     shape.draft_fmt, dev, rows, dq) + growth
+        chunk = min(PREFILL_CHUNK, shape.context)
+        passes[f"draft prefill {chunk}"] = forward_bytes(shape.draft, chunk, d_slots or shape.context, elem,
+                                                         shape.draft_fmt, dev, 0, dq)
+    top = max(passes, key=passes.get)
+    return passes[top], f"largest: {top} tokens (" + ", ".join(f"{k} {gb_text(v)}" for k, v in passes.items()) + ")"
+
+
+def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: int = 0,
+              shared: frozenset[int] = frozenset()) -> Needs:
+    """The planner's Needs of this run with target layers in `fmt`: every fixed line named (see the module
+    docstring), the embedding table on the host side when embed_on_host (CUDA) and activations that also
+    cover a streamed prefill of `prefill` tokens. A self-draft's weights are copies of the layers it runs
+    except `shared` (layers the plan keeps resident: the draft uses the target's own)."""
+    t, elem = shape.target, shape.elem
+    tw = weight_bytes(t, fmt, shape.dtype, shape.device)
+    t_slots, d_slots = shape.slots
+    act, act_note = activation_lines(shape, fmt, prefill)
+    device: list[tuple[str, int]] = []
+    host: list[tuple[str, int]] = []
+    lossy = ", int8: LOSSY" if shape.kv_quant == "int8" else ""
+    notes = {"activations": act_note, "target KV cache": f"{t_slots} slots ({shape.context} context + "
+             f"{shape.budget + 1} tree{lossy})", "target norm/head": "tied: the embedding is the head"
+             if t.tie_word_embeddings else "",
+             "target KV cache stages": "one per streaming slot, and the tree rows of streamed layers",
+             "target KV cache (streamed)": "pinned: committed rows travel with their layer"
+             if shape.device == "cuda" else "committed rows travel with their layer"}
+    if embed_on_host:
+        (host if shape.device == "cuda" else device).append(("target embed (host RAM)", tw["embed"]))
+        notes["target embed (host RAM)"] = "rows gathered on the CPU for each pass"
+    else:
+        device.append(("target embed", tw["embed"]))
+    device.append(("target norm/head", tw["head"] + tw["norm"]))
+    if shape.draft is not None:
+        draft_bytes, notes["draft weights"] = draft_weights(shape, shared)
+        device.append(("draft weights", draft_bytes))
+        device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv)))
+        notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
+            "none: the builder drafts without it"
+    device.append(("activations", act))
+    sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
+    kv = kv_layer_bytes(t, t_slots, elem, shape.kv_quant)
+    tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
+    return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
+                 companion_bytes=(kv,) * t.n_layers, companion_residue=(tail,) * t.n_layers,
+                 companion_name="target KV cache", companions=shape.kv_offload, parts=expert_parts(shape, fmt))
+
+
+def _draft_kv_note(shape: RunShape) -> str:
+    if shape.draft_quant_kv != "int8":
+        return ""
+    if shape.kv_quant == "int8":
+        return ", int8 (--kv-quant)"
+    return ", int8: the draft's own cache, to fit (the target verifies: output unchanged)"
+
+
+def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tuple[int, str]:
+    """(bytes, note) of the draft weights line: a model draft counted once in its format; a self-draft only
+    its copies of the layers it runs that are not `shared` (resident in the target): embed/norm/head and
+    shared layers are the target's, counted on their own lines."""
+    sd = shape.self_draft
+    if sd is None:
+        dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype, shape.device)
+        return sum(dw.values()), (f"{shape.draft.n_layers} layers {fmt_name(shape.draft_fmt)}, embed/head "
+                                  f"{dtype_name(shape.dtype)}")
+    ids = self_layer_ids(shape)
+    copies = [i for i in ids if i not in shared]
+    n = shape.target.n_layers
+    note = (f"self: {len(ids)} of {n} target layers{' (auto)' if sd.auto else ''}, {len(ids) - len(copies)} "
+            f"shared, {len(copies)} {fmt_name(sd.fmt)} copies; embed/norm/head shared")
+    return sum(layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device, i) for i in copies), note
+
+
+def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
+    """The most tokens (<= context) one prefill pass of the target can take within `room` bytes of
+    activation memory (the activations line plus what the plan left over)."""
+    t_slots = shape.slots[0]
+
+    def fits(c: int) -> bool:
+        return forward_bytes(shape.target, c, t_slots, shape.elem, fmt, shape.device, 0, shape.kv_quant) <= room
+
+    lo, hi = 1, shape.context
+    if fits(hi):
+        return hi
+    while lo < hi:                                 # largest c with fits(c); fits(1) assumed (the tree fits)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def gb_text(n: float) -> str:
+    return f"{n / GB:.2f} GB" if abs(n) >= 0.01 * GB else f"{n / 1e6:.1f} MB"
+
+
+def fmt_name(fmt: str) -> str:
+    return "unquantized" if fmt == "none" else fmt
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,41 @@
+"""Running our resident model the way the tests compare it with transformers (a helper of tests/core/
+test_model.py and test_moe.py): the reference model, a cache, a prefill with either mask kind, the tolerance
+and a tree shape.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specexec.kv.cache import KVCache
+from specexec.model import Transformer, TreeMask, prefix_tree_mask
+
+TOL = 1e-4
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def new_cache(model: Transformer, capacity: int = 128) -> KVCache:
+    a = model.args
+    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, "cpu")
+
+
+def causal(T: int) -> torch.Tensor:
+    return torch.ones(T, T, dtype=torch.bool).tril()
+
+
+def prefill(model: Transformer, cache: KVCache, ids: torch.Tensor, dense: bool = False) -> torch.Tensor:
+    T = ids.numel()
+    pos = torch.arange(cache.length, cache.length + T)
+    mask = (prefix_tree_mask(cache.length, causal(T), model.args.sliding_window, pos) if dense
+            else TreeMask(cache.length))
+    hidden = model(ids[None], pos[None], mask, cache)
+    cache.advance(T)
+    return model.logits(hidden)
+
+
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 6]                 # a small tree: parents in BFS order

@@ -1,0 +1,34 @@
+"""The offloaded target as the tests build it (a helper of tests/runtime/test_offloaded.py and tests/core/
+test_moe.py): the layer cache of a tiny checkpoint, the resident model quantized alike, and the same model
+assembled over given tiers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from offload.cache.store import LayerCache
+from offload.quant.linear import quantize_module
+from specexec.checkpoints.loading import load_model, read_args
+from specexec.checkpoints.naming import layer_names
+from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
+
+CPU = torch.device("cpu")
+
+
+def open_cache(path: Path, fmt: str, root: Path) -> LayerCache:
+    return LayerCache.open_or_build(path, layer_names(path, read_args(path)), fmt, torch.float32, cache_root=root,
+                                    progress=False)
+
+
+def reference(path: Path, fmt: str) -> torch.nn.Module:
+    """The resident model with every decoder layer quantized the same way (QuantLinear owning its weights)."""
+    model = load_model(path)
+    for block in model.layers:
+        quantize_module(block, fmt, torch.float32)
+    return model
+
+
+def offloaded(path: Path, fmt: str, tiers: list[str], root: Path) -> OffloadedTransformer:
+    return build_offloaded(path, read_args(path), open_cache(path, fmt, root), tiers, CPU, torch.float32)
