@@ -28,10 +28,9 @@ from specexec.config import ModelArgs
 from specexec.moe import RoutingLog
 from specexec.profiler import Profiler
 from specexec.tree import TokenTree
-from specexec.tuning.expert_trim import TreeCost, node_budget, score_values, select
+from specexec.tuning.expert_trim import TRIM_MODES, TreeCost, node_budget, score_values, select
 from specexec.tuning.routing import RoutingStats, union_sizes
 
-TRIM_MODES = ("experts", "nodes", "off")
 SCALE_DECAY = 0.9          # the union and acceptance calibrations follow the last ~10 passes
 CALIBRATION_PRIOR = 4.0    # the acceptance calibration's prior (1) is worth this many predicted nodes
 

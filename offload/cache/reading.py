@@ -36,8 +36,8 @@ class LayerFile:
                  on_corrupt: Callable[[str], None] | None = None,
                  regions: Sequence[Sequence[tuple[int, int]]] = (), region_sums: Sequence[Sequence[str]] = ()
                  ) -> None:
-        """regions[i]: (offset inside the layer, nbytes) of layer i's named sub-regions; region_sums[i] their
-        sha256 sums (a region read alone is checked against its own)."""
+        """regions[i]: (offset inside the layer, nbytes) of layer i's parts read alone (its dense part, then its
+        named sub-regions); region_sums[i] their sha256 sums (a part read alone is checked against its own)."""
         self.file, self.offsets, self.sizes, self.sums = Path(file), list(offsets), list(sizes), list(sums)
         self.regions, self.region_sums = [list(r) for r in regions], [list(s) for s in region_sums]
         self.on_corrupt = on_corrupt
@@ -91,7 +91,7 @@ class LayerFile:
         want = self.region_sums[i][k] if i < len(self.region_sums) and k < len(self.region_sums[i]) else None
         got = hashlib.sha256(buf.numpy()).hexdigest()
         if want is None or got != want:
-            why = (f"layer {i} region {k} fails its checksum (sha256 {got[:12]}…, manifest says "
+            why = (f"layer {i} part {k} fails its checksum (sha256 {got[:12]}…, manifest says "
                    f"{(want or 'nothing')[:12]}…)")
             if self.on_corrupt is not None:
                 self.on_corrupt(why)

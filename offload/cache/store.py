@@ -105,7 +105,8 @@ class LayerCache:
         entries = manifest["layers"]
         self._file = LayerFile(self.file, [int(e["offset"]) for e in entries], [lay.nbytes for lay in self.layouts],
                                [str(e["sha256"]) for e in entries], lambda why: mark_corrupt(self.path, why),
-                               [[(r.offset, r.nbytes) for r in lay.regions] for lay in self.layouts],
+                               [[(0, lay.dense_nbytes)] * bool(lay.regions) + [(r.offset, r.nbytes) for r in lay.regions]
+                                for lay in self.layouts],
                                [[str(h) for h in e.get("region_sha256") or ()] for e in entries])
 
     # -- opening
@@ -227,7 +228,17 @@ class LayerCache:
         k = next((j for j, r in enumerate(self.layouts[i].regions) if r.name == name), None)
         if k is None:
             raise KeyError(f"layer {i} of {self.path} has no region {name!r}")
-        return self._file.read_region(i, k, out, direct, verify)
+        return self._file.read_region(i, k + 1, out, direct, verify)        # part 0 is the dense part
+
+    def read_part(self, i: int, offset: int, out: torch.Tensor) -> None:
+        """(the SSD tier's LayerReader.read_part) Layer i's dense part (offset 0, its nbytes) or one region (its
+        offset and nbytes) into `out`, checked against its own sha256 on its first read here; ValueError for
+        any other range."""
+        lay = self.layouts[i]
+        parts = [(0, lay.dense_nbytes)] + [(r.offset, r.nbytes) for r in lay.regions] if lay.regions else []
+        if (offset, out.numel()) not in parts:
+            raise ValueError(f"bytes [{offset}, {offset + out.numel()}) of layer {i} are not one of its parts")
+        self._file.read_region(i, parts.index((offset, out.numel())), out)
 
     def verify(self, i: int, buffer: torch.Tensor | None = None) -> None:
         """Read layer i and check its sha256; CacheCorruptError on mismatch."""
@@ -361,9 +372,10 @@ def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames]
                 _write_layer(fd, buf, offset)
                 entries.append({"offset": offset, "nbytes": layout.nbytes,
                                 "sha256": hashlib.sha256(buf.numpy()).hexdigest(), "layout": layout.to_dict()})
-                if layout.regions:                    # each region checked alone when read alone
-                    entries[-1]["region_sha256"] = [hashlib.sha256(buf[r.offset:r.offset + r.nbytes].numpy())
-                                                    .hexdigest() for r in layout.regions]
+                if layout.regions:                    # the dense part and each region checked alone when read alone
+                    parts = [(0, layout.dense_nbytes)] + [(r.offset, r.nbytes) for r in layout.regions]
+                    entries[-1]["region_sha256"] = [hashlib.sha256(buf[o:o + n].numpy()).hexdigest()
+                                                    for o, n in parts]
                 offset += layout.nbytes
                 del buf
                 advance()

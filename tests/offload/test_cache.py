@@ -464,5 +464,5 @@ def test_each_expert_is_a_region_read_alone_and_checked_alone(tiny_qwen3_moe: Pa
     fresh_process()
     opened = LayerCache.open(cache.path)
     opened.read_region(2, "mlp.experts.2.")                                      # its neighbour is fine
-    with pytest.raises(CacheCorruptError, match="layer 2 region 3 fails its checksum"):
+    with pytest.raises(CacheCorruptError, match="layer 2 part 4 fails its checksum"):
         opened.read_region(2, "mlp.experts.3.")
