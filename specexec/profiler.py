@@ -350,6 +350,12 @@ def summary_table(s: Mapping[str, Any], title: str = "profile"):
         peak = f" of {_fmt(s['link_peak_gb_s'], ' GB/s', 2)} peak" if s.get("link_peak_gb_s") else ""
         table.add_row("stream", "", "", "", f"{_fmt(s['streamed_gb'], ' GB', 2)} · "
                       f"{_fmt(s['effective_gb_s'], ' GB/s', 2)} effective{peak} · stalls {_fmt(s['stall_ms'], ' ms')}")
+    moe = s.get("moe")
+    if moe:
+        hit = moe["expert_cache_hit_rate"]
+        table.add_row("experts", str(moe["passes"]), "", "", f"{moe['distinct_experts_per_layer']:.1f} distinct per "
+                      f"sparse layer · {moe['expert_bytes_per_pass'] / 1e6:.2f} of {moe['expert_bytes_all'] / 1e6:.2f}"
+                      f" MB read per pass" + (f" · cache hits {100 * hit:.0f} %" if hit is not None else ""))
     table.add_row("total", str(s["steps"]), _fmt(1000 * s["wall_s"]), "",
                   f"{s['generated']} tokens · {_fmt(s['tokens_per_step'], ' tokens/pass', 2)} · "
                   f"decode {_fmt(s['decode_tok_s'], ' tok/s', 2)} · "

@@ -76,7 +76,7 @@ class CostModel:
     """Seconds of a step as a function of the tree: target(rows) + experts(rows) + draft(nodes).
 
     `experts` is the MoE term (specexec/expert_passes.py: the expected seconds of bringing onto the device the
-    experts a pass of `rows` rows routes to, from the run's routing statistics: docs/algorithms.md §20); then
+    experts a pass of `rows` rows routes to, from the run's routing statistics: docs/algorithms.md §21); then
     the `target` curve holds the rest of the pass (measured seconds less the expert seconds the same pass was
     modelled to cost, BudgetTuner.observe). None (a dense target, or every expert resident): the target curve
     is the whole pass, flat for a streamed dense target -- the special case."""

@@ -1,5 +1,5 @@
 """Expert-aware trees: which nodes of a grown tree are worth verifying when a pass costs the experts its rows
-route to (docs/algorithms.md §20).
+route to (docs/algorithms.md §21).
 
 For a streamed mixture-of-experts target a verification pass costs about
 

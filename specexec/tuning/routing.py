@@ -1,5 +1,5 @@
 """Routing statistics of a mixture-of-experts target, and the expected expert union of a pass: how many distinct
-experts one pass over N rows reads in each sparse layer (docs/algorithms.md §20).
+experts one pass over N rows reads in each sparse layer (docs/algorithms.md §21).
 
 The union model. A row routes to k of a layer's E experts; p[e] = P(a row routes to expert e), sum_e p = k.
 For N independent rows expert e is read unless no row picks it, P(e read) = 1 - (1 - p[e])^N. The rows of one
