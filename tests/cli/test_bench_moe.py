@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from cli.bench.common import Result
 from cli.bench.moe import equal_time
 from cli.main import main
 
@@ -32,3 +33,14 @@ def test_equal_time_interpolates_between_the_node_rows_around_it() -> None:
     inside, outside = equal_time(rows)
     assert inside["node_budget_tok_s"] == 9.0 and inside["ratio"] == round(12 / 9, 3)
     assert outside["node_budget_tok_s"] is None and outside["ratio"] is None
+
+
+def test_bench_rows_weigh_each_prompts_moe_stats_by_its_passes() -> None:
+    r = Result("specexec", moe_runs=[
+        {"distinct_experts_per_layer": 4.0, "expert_bytes_per_pass": 100.0, "expert_bytes_all": 1000,
+         "expert_cache_hit_rate": None, "passes": 1},
+        {"distinct_experts_per_layer": 8.0, "expert_bytes_per_pass": 400.0, "expert_bytes_all": 1000,
+         "expert_cache_hit_rate": 0.5, "passes": 3}, None])
+    assert r.moe() == {"distinct_experts_per_layer": 7.0, "expert_bytes_per_pass": 325.0, "expert_bytes_all": 1000,
+                       "expert_cache_hit_rate": 0.5, "passes": 4}
+    assert Result("no-draft").moe() is None

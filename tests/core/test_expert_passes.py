@@ -71,3 +71,11 @@ def test_trees_verified_by_rrs_wor_are_never_trimmed(pair: tuple[Path, Path]) ->
     ep = synthetic(rt, "experts", expert_s=10.0)
     generate(rt, SamplingParams(temperature=0.8, seed=3))
     assert not rt.engine._trims and all(r["predicted_expert_s"] is None for r in ep.records)
+
+
+def test_a_bad_trim_mode_is_one_line() -> None:
+    from specexec.options import ConfigError
+
+    with pytest.raises(ConfigError, match="--expert-trim"):
+        EngineConfig(expert_trim="some")
+
