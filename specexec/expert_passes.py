@@ -28,7 +28,8 @@ from specexec.config import ModelArgs
 from specexec.moe import RoutingLog
 from specexec.profiler import Profiler
 from specexec.tree import TokenTree
-from specexec.tuning.expert_trim import TRIM_MODES, TreeCost, node_budget, score_values, select
+from specexec.tuning.expert_trim import TreeCost, node_budget, score_values, select
+from specexec.tuning.trim_modes import TRIM_MODES
 from specexec.tuning.routing import RoutingStats, union_sizes
 
 SCALE_DECAY = 0.9          # the union and acceptance calibrations follow the last ~10 passes

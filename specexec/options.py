@@ -61,7 +61,7 @@ def _quant_formats() -> tuple[str, ...]:
 
 
 def _trim_modes() -> tuple[str, ...]:
-    from specexec.tuning.expert_trim import TRIM_MODES
+    from specexec.tuning.trim_modes import TRIM_MODES      # names only: no torch
     return TRIM_MODES
 
 
@@ -82,7 +82,7 @@ _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "--draft-quant": _quant_formats,
     "--offload": lambda: memory_plan.OFFLOAD_MODES,
     "--kv-offload": lambda: memory_plan.COMPANION_MODES,   # where streamed layers' KV rows live
-    "--expert-trim": _trim_modes,                      # specexec.tuning.expert_trim.TRIM_MODES
+    "--expert-trim": _trim_modes,                      # specexec.tuning.trim_modes.TRIM_MODES
 }
 
 

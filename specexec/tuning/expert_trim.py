@@ -43,8 +43,6 @@ from torch import Tensor
 
 from specexec.tree import TokenTree
 
-TRIM_MODES = ("experts", "nodes", "off")   # --expert-trim: select, the node count of the same predicted time, none
-
 
 @dataclass(frozen=True)
 class TreeCost:
