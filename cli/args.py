@@ -90,6 +90,10 @@ def _flags() -> dict[str, Flag]:
                           "model's maximum; longer chats grow past the plan", {"type": int, "metavar": "N"}),
         "--kv-offload": Flag(f"target KV rows: {choices_help('--kv-offload')}", "auto: on the device, or in RAM "
                              "travelling with their layer when the device runs short", {"metavar": "WHERE"}),
+        "--expert-trim": Flag(f"MoE targets whose experts stream: {choices_help('--expert-trim')}", "experts: "
+                              "verify the grown tree's nodes worth the experts they pull in (lossless); nodes: as "
+                              "many best-scoring nodes as the same predicted pass time holds; off: the whole tree",
+                              {"metavar": "MODE"}),
         "--draft-layers": Flag("with --draft self: how many of the target's decoder layers the draft runs, evenly "
                                "spaced, first and last included", "auto: the most whose copies fit; half of a "
                                "wholly resident target", {"metavar": "N|auto"}),
@@ -119,7 +123,7 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") -> None:
     add_flag(p, "--max-new-tokens", max_new_default)
-    for flag in ("--budget", "--max-budget", "--builder", "--device", "--dtype", "--kv-quant"):
+    for flag in ("--budget", "--max-budget", "--builder", "--device", "--dtype", "--kv-quant", "--expert-trim"):
         add_flag(p, flag)
 
 
@@ -154,7 +158,8 @@ def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", mo
 
 def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
     """EngineConfig from the engine flags; `defaults` fill flags the user left out."""
-    given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant")}
+    given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant",
+                                                 "expert_trim")}
     budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
 

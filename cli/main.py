@@ -22,6 +22,7 @@ from cli.bench import accept as bench_accept
 from cli.bench import attention as bench_attention
 from cli.bench import builders as bench_builders
 from cli.bench import kernels as bench_kernels
+from cli.bench import moe as bench_moe
 from cli.bench import stream as bench_stream
 from cli.errors import INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, report, sigterm_raises
 
@@ -30,7 +31,7 @@ COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
 # A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench/main.py.
-BENCH_COMMANDS = (bench_builders, bench_accept, bench_stream, bench_attention, bench_kernels)
+BENCH_COMMANDS = (bench_builders, bench_accept, bench_stream, bench_attention, bench_kernels, bench_moe)
 
 
 class Parser(argparse.ArgumentParser):

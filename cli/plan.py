@@ -7,7 +7,9 @@ item each tier holds and its bytes), the layers per tier and the predicted secon
 When nothing fits: one line saying what falls short and what would fit, exit 2. `--json` prints one line:
 {"resident_layers", "streamed_layers": {"ram", "ssd"}, "ledger": {item: bytes}, "predicted_seconds_per_pass",
 "link_gbps", "kv": {where the target's KV rows live, int8 flagged "lossy"}, ...} (plus the ledger by tier, formats,
-budgets, prefill tokens, read-ahead depth).
+budgets, prefill tokens, read-ahead depth; for an MoE target "moe": its experts, the expert cache and the
+predicted seconds per pass at tree budgets 0 / 16 / 64 / 256 from the expected expert union,
+specexec/planning/experts.py).
 
 Does not know: how the ledger is sized (specexec/planning/ledger.py) or how layers are placed (offload/planner.py).
 """
@@ -185,7 +187,7 @@ def run(ns: argparse.Namespace) -> int:
         out.write(f"  GPU budget from {source}\n")
     p = memory.plan
     kv = p.companion_bytes(True)
-    moved = f"{(p.tier_bytes('ram') + p.tier_bytes('ssd')) / GB:.2f} GB" + (
+    moved = f"{(p.pass_bytes('ram') + p.pass_bytes('ssd')) / GB:.2f} GB" + (
         f" of weights and {kv / GB:.2f} GB of KV cache ({len(p.companions_streamed)} layers)" if kv else "")
     out.write(f"predicted {p.expected_s:.3f} s per target pass ({len(p.layers_in('resident'))} of {len(p.tiers)} "
               f"layers resident; streaming {moved} per pass, compute assumed hidden behind the copies)\n")

@@ -1,7 +1,8 @@
 """What a memory plan is: its inputs (Needs: the sizes of what a run holds; Bandwidths: how fast each tier
-streams) and its result (Plan: each decoder layer's tier, what every budget holds, the predicted seconds per
-pass, and the ledger and text `specexec plan` prints). The names the --offload and --kv-offload flags accept
-are registered here.
+streams; Parts: layers made of a dense region and sub-regions a pass reads only some of) and its result (Plan:
+each decoder layer's tier, what every budget holds, how many sub-regions per layer a device cache keeps, the
+predicted seconds per pass, and the ledger and text `specexec plan` prints). The names the --offload and
+--kv-offload flags accept are registered here.
 
 Does not know: how a plan is decided (planner.py), models, tokens, or how bytes move (streaming/).
 """
@@ -40,6 +41,29 @@ class Bandwidths:
 
 
 @dataclass(frozen=True)
+class Parts:
+    """Layers whose packed bytes are a dense region plus `count` sub-regions of `each` bytes (e.g. a mixture of
+    experts' experts: storage.Region), of which one streamed pass reads only some. reads[c]: the sub-regions a
+    pass is expected to read from one such layer when a device cache holds its c most often read ones (the
+    caller's estimate; len count + 1, non-increasing, reads[count] = 0). `name` words the ledger ("expert")."""
+
+    layers: tuple[int, ...]
+    each: int
+    count: int
+    reads: tuple[float, ...]
+    name: str = "part"
+
+    def __post_init__(self) -> None:
+        if len(self.reads) != self.count + 1:
+            raise ValueError(f"Parts.reads needs {self.count + 1} entries (0 .. {self.count} cached), got "
+                             f"{len(self.reads)}")
+
+    def saved(self, cached: int) -> float:
+        """Bytes one layer's pass does not read: the sub-regions it skips plus those the cache serves."""
+        return (self.count - self.reads[min(cached, self.count)]) * self.each
+
+
+@dataclass(frozen=True)
 class Needs:
     """Sizes in bytes of what one run holds.
 
@@ -52,6 +76,9 @@ class Needs:
         kept in RAM); on CPU everything is in `fixed_bytes`.
     notes: name -> a short detail printed beside that ledger line (sizes in slots, formats, ...).
     max_read_ahead: cap of the read-ahead depth.
+    parts: layers whose passes read only some of their sub-regions (Parts), None when none do: a streamed
+        one costs its dense region plus the sub-regions read, and device memory left over becomes a cache of
+        the most often read sub-regions of each streamed one (Plan.cached_parts).
     companion_bytes: per layer, the bytes of its companion (empty: none); companion_residue: per layer, the
         device bytes a streamed companion still keeps there; companion_name names them in the ledger;
         companions: "auto" (the planner decides), "device" (never streamed) or "stream" (every streamed
@@ -68,6 +95,7 @@ class Needs:
     companion_residue: tuple[int, ...] = ()
     companion_name: str = "companions"
     companions: str = "auto"
+    parts: Parts | None = None
 
     def companion(self, i: int) -> int:
         return self.companion_bytes[i] if self.companion_bytes else 0
@@ -103,6 +131,8 @@ class Plan:
     slots: int = 0                               # device slots (0: the Needs' minimum)
     bounce: int = 0                              # SSD bounce buffers on CUDA (0: the Needs' minimum)
     streamed_companions: tuple[bool, ...] = ()   # per layer: its companion lives in RAM and streams with it
+    cached_parts: int = 0                        # sub-regions (Needs.parts) the device cache keeps per streamed
+                                                 # layer that has them
 
     def layers_in(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -126,6 +156,27 @@ class Plan:
 
     def tier_bytes(self, tier: str) -> int:
         return sum(b for b, t in zip(self.needs.layer_bytes, self.tiers) if t == tier)
+
+    def pass_bytes(self, tier: str) -> float:
+        """Bytes one pass reads from a streaming tier: its layers' bytes, less (Needs.parts) the sub-regions a
+        pass does not read or the device cache serves (expected)."""
+        parts = self.needs.parts
+        total = float(self.tier_bytes(tier))
+        if parts is not None:
+            total -= sum(1 for i in parts.layers if self.tiers[i] == tier) * parts.saved(self.cached_parts)
+        return total
+
+    @property
+    def parts_streamed(self) -> int:
+        """Streamed layers that have sub-regions (Needs.parts)."""
+        parts = self.needs.parts
+        return 0 if parts is None else sum(1 for i in parts.layers if self.tiers[i] != "resident")
+
+    @property
+    def part_cache_bytes(self) -> int:
+        """Device bytes of the sub-region cache: cached_parts of each streamed layer that has them."""
+        parts = self.needs.parts
+        return 0 if parts is None else self.cached_parts * parts.each * self.parts_streamed
 
     @property
     def streams(self) -> bool:
@@ -155,7 +206,7 @@ class Plan:
     def device_bytes(self) -> int:
         """Held on the device (GPU; on CPU: everything in memory except the RAM tier's region)."""
         return (self.needs.fixed + self.tier_bytes("resident") + self.n_slots * self.slot_bytes
-                + self.companion_bytes(False) + self.stage_bytes)
+                + self.companion_bytes(False) + self.stage_bytes + self.part_cache_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -174,6 +225,8 @@ class Plan:
         device = {name: b for name, b in self.needs.fixed_bytes}
         device["resident target layers"] = self.tier_bytes("resident")
         device["streaming slots"] = self.n_slots * self.slot_bytes
+        if self.part_cache_bytes:
+            device[f"{self.needs.parts.name} cache"] = self.part_cache_bytes
         host = {name: b for name, b in self.needs.host_fixed}
         if self.needs.companion_bytes:
             device[self.needs.companion_name] = self.companion_bytes(False)
@@ -189,9 +242,10 @@ class Plan:
     @property
     def expected_s(self) -> float:
         """Seconds one pass spends streaming weights and streamed companions (compute assumed hidden behind
-        the copies; a companion's bytes are counted whole: its most, at the planned size)."""
-        return ((self.tier_bytes("ram") + self.companion_bytes(True)) / self.bandwidths.ram
-                + self.tier_bytes("ssd") / self.bandwidths.ssd)
+        the copies; a companion's bytes are counted whole: its most, at the planned size; a layer with
+        sub-regions (Needs.parts) only the ones a pass is expected to read)."""
+        return ((self.pass_bytes("ram") + self.companion_bytes(True)) / self.bandwidths.ram
+                + self.pass_bytes("ssd") / self.bandwidths.ssd)
 
     def summary(self) -> dict:
         """JSON-able counts and sizes (for stats lines and benchmarks)."""
@@ -202,6 +256,7 @@ class Plan:
                 "slots": self.n_slots, "bounce_buffers": self.n_bounce,
                 "streamed_companions": len(self.companions_streamed),
                 "streamed_companion_bytes": self.companion_bytes(True),
+                "cached_parts": self.cached_parts, "part_cache_bytes": self.part_cache_bytes,
                 "expected_s_per_pass": round(self.expected_s, 4)}
 
     def describe(self) -> str:
@@ -224,6 +279,10 @@ class Plan:
                          f"{self.companion_bytes(True) / GB:.2f} GB in RAM; on the device for "
                          f"{len(self.tiers) - len(streamed)} layers")
         notes.setdefault("streaming slots", f"{self.n_slots} x {gb_text(self.slot_bytes)}" if self.streams else "")
+        if self.part_cache_bytes:
+            p = self.needs.parts
+            notes.setdefault(f"{p.name} cache", f"the {self.cached_parts} most used of {p.count} {p.name}s of each "
+                             f"of {self.parts_streamed} streamed layers ({gb_text(p.each)} each)")
         notes.setdefault("SSD bounce buffers", f"{self.n_bounce} x {gb_text(self.slot_bytes)}, read-ahead "
                          f"{self.read_ahead} layers")
         if self.device == "cpu" and "ssd" in self.tiers:
@@ -242,6 +301,10 @@ class Plan:
             lines.append(f"  SSD holds {gb_text(self.tier_bytes('ssd'))} (read every pass)")
         if self.streams:
             what = f"weights and {self.needs.companion_name}" if streamed else "weights"
+            if self.parts_streamed:
+                p = self.needs.parts
+                what += (f" (of each streamed layer's {p.count} {p.name}s, {p.reads[min(self.cached_parts, p.count)]:.1f}"
+                         f" expected to be read per pass)")
             lines.append(f"  expected {self.expected_s:.3f} s per pass streaming {what} (at RAM "
                          f"{self.bandwidths.ram / GB:.1f} GB/s, SSD {self.bandwidths.ssd / GB:.1f} GB/s)")
         lines += [f"  warning: {w}" for w in self.warnings]

@@ -36,6 +36,13 @@ layer kept resident (or in the RAM tier) saves its read on every pass, a deeper 
 that fit in the drafting time, so a layer is always worth at least as much as a buffer of its size. With
 --offload ssd (nothing else competes for RAM) the read-ahead is as deep as the cap allows.
 
+Sub-regions (Needs.parts: e.g. the experts of a mixture of experts): a streamed layer with them costs its dense
+region plus the sub-regions a pass is expected to read (the caller's estimate, Parts.reads), and the device
+memory left once every layer has its tier becomes a cache of the most often read sub-regions of each streamed
+one (`_with_part_cache`: as many per layer as fit, the same number for each; not in modes ram and ssd). On CUDA the choice of how many
+layers stay resident counts the cache each candidate leaves room for (a resident layer against the sub-regions
+its bytes would cache elsewhere); on a CPU the cache takes what the resident layers leave, before read-ahead.
+
 `Plan.ledger()` names every byte each budget holds (the device side, the host side, the disk); `describe()`
 prints it with the predicted seconds per pass.
 
@@ -80,7 +87,18 @@ def plan(needs: Needs, device: str, ram_budget: int, gpu_budget: int | None = No
         tiers, companions = _assign_cpu(needs, ram_budget, mode)
     base = Plan(device, tiers, needs, gpu_budget, ram_budget, bandwidths, warnings, mode,
                 streamed_companions=companions)
-    return _deepen_read_ahead(base)
+    return _deepen_read_ahead(_with_part_cache(base))
+
+
+def _with_part_cache(p: Plan) -> Plan:
+    """The plan with a device cache of sub-regions (Needs.parts) in the device budget left over: the same
+    number for each streamed layer that has them, at most all of them (unchanged without parts, and in modes
+    ram and ssd, which stream every layer whole as asked, as they keep none resident)."""
+    parts = p.needs.parts
+    if parts is None or not p.parts_streamed or not parts.each or p.mode not in ("auto", "none"):
+        return p
+    left = p.device_budget - p.device_bytes - (p.host_bytes if p.device == "cpu" else 0)
+    return replace(p, cached_parts=int(max(min(parts.count, left // (parts.each * p.parts_streamed)), 0)))
 
 
 def interleave(tiers: tuple[str, ...], companions: tuple[bool, ...], needs: Needs
@@ -134,6 +152,9 @@ def _assign_cuda(needs: Needs, gpu: int, ram: int, mode: str, bw: Bandwidths
         except PlanError as e:
             error = (error or e) if k else e                  # k = 0 needs the least GPU: its error says most
             continue
+        if needs.parts is not None:                           # seconds with the cache this candidate leaves room for
+            trial = _with_part_cache(Plan("cuda", cand[0], needs, gpu, ram, bw, streamed_companions=cand[1]))
+            cand = (cand[0], cand[1], trial.expected_s)
         if best is None or cand[2] < best[2] - 1e-12:         # a tie keeps more resident layers
             best = cand
         if not any(cand[1]) and (plain is None or cand[2] < plain[2] - 1e-12):

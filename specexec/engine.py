@@ -28,6 +28,7 @@ from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
 from specexec import longrope
 from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
+from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
@@ -75,13 +76,15 @@ class Engine:
     def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
                  builder: TreeBuilder | None, eos_ids: tuple[int, ...] = (),
                  profiler: Profiler | None = None, context: int | None = None,
-                 draft_kv_quant: str | None = None, tuner: BudgetTuner | None = None) -> None:
+                 draft_kv_quant: str | None = None, tuner: BudgetTuner | None = None,
+                 experts: ExpertPasses | None = None) -> None:
         """context: the tokens (prompt + answer) a memory plan reserved KV cache for; the caches are then
         allocated for it at the first generate() (None: sized for each call's need, growing as it grows).
         draft_kv_quant: the draft cache's format when the plan chose one (None: config.kv_quant's).
         tuner: --budget auto's tuner, e.g. holding saved target costs (None: a fresh one; only used with
-        config.auto_budget and a builder). The builder's and the models' optional abilities are checked here,
-        once."""
+        config.auto_budget and a builder). experts: an MoE target's ExpertPasses (its costs and trim mode; None:
+        one that learns and counts with every expert held). The builder's and the models' optional abilities
+        are checked here, once."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         check_verifier(config.verifier)
@@ -106,6 +109,12 @@ class Engine:
         self.target_closes = has(target, Closes)
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
+        self.experts = experts or (ExpertPasses(target.args, device=self.device) if target.args.moe else None)
+        if self.experts is not None:
+            self.experts.attach(target)
+            if self.tuner is not None:               # the one cost model gains the MoE term
+                self.tuner.costs.experts = self.experts.expected_seconds
+        self._trims = False                  # this call's trees are trimmed to their experts' worth (generate)
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
         """Caches with room for `total` committed tokens plus what each model writes beyond them
@@ -179,6 +188,8 @@ class Engine:
         self.profiler.begin()
         self.stats = stats = GenerationStats(ledger=self.profiler)
         rule = self.rule_for(sampling)
+        self._trims = (self.experts is not None and self.builder is not None and not rule.needs_draft
+                       and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
             generated: list[int] = []
@@ -269,10 +280,13 @@ class Engine:
         longrope.rerun_past_switch([(self.target, cache, "target")] + ([(draft.model, draft.cache, "draft")] if draft
                                    else []), self._context, self.prefill)
         drafted = self._draft(draft, root, sampling, rng, longrope.budget_cap(self.target, cache))
+        counts = self.target.expert_counters() if isinstance(self.target, CountsExperts) else None
         with self.profiler.span("target") as target_span:
             acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng)
             self._commit(drafted.tree, acc, cache, draft)
             self._observe(drafted.tree, acc, hidden)
+            if self.experts is not None:
+                self.experts.observe(drafted.tree, acc.nodes, self.target, self.profiler, counts)
         self._account(drafted, acc, target_span)
         return acc
 
@@ -290,6 +304,8 @@ class Engine:
         budget = budget if cap is None else min(budget, cap)
         before = draft.passes if draft is not None else 0
         tree = self.builder.build(draft, root, budget, sampling, rng)
+        if self._trims:                              # the nodes worth the experts they pull in
+            tree = self.experts.trim(tree, self.target)
         span.stop()
         return Drafted(tree, budget, draft.passes - before if draft is not None else 0, span)
 
@@ -315,10 +331,13 @@ class Engine:
         times are known (CUDA: events, never waited for here) the tuner and a cost-following builder hear
         them (r = target pass s / draft pass s)."""
         tree, passes = drafted.tree, drafted.passes
+        expert_s = self.experts.last_expert_s if self.experts is not None else 0.0
 
         def timed(draft_s: float, target_s: float) -> None:
             if self.tuner is not None:
-                self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s)
+                self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s, expert_s)
+            if self.experts is not None:
+                self.experts.observe_times(draft_s)
             if self.follows_costs and passes:
                 self.builder.observe_costs(draft_s, target_s, passes)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specexec.profiler import Profiler, StepStat, budget_trace
+from specexec.profiler import Profiler, StepStat, budget_trace, moe_stats
 
 
 @dataclass
@@ -64,4 +64,9 @@ class GenerationStats:
             "budget": budget,
             "budget_trace": budget_trace(s.budget for s in steps),     # what --budget auto picked, per step
             "builder": builder,
+            **({"moe": moe} if (moe := self.moe()) is not None else {}),
         }
+
+    def moe(self) -> dict | None:
+        """stats.moe of an MoE target (profiler.moe_stats over this call's passes), else None."""
+        return moe_stats(self.ledger.counters, self.ledger.gauges) if self.ledger is not None else None

@@ -60,6 +60,11 @@ def _quant_formats() -> tuple[str, ...]:
     return tuple(FORMATS)
 
 
+def _trim_modes() -> tuple[str, ...]:
+    from specexec.tuning.trim_modes import TRIM_MODES      # names only: no torch
+    return TRIM_MODES
+
+
 def _kv_quants() -> tuple[str, ...]:
     from specexec.kv.quants import QUANTS              # names only: no torch
     return tuple(QUANTS)
@@ -77,6 +82,7 @@ _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "--draft-quant": _quant_formats,
     "--offload": lambda: memory_plan.OFFLOAD_MODES,
     "--kv-offload": lambda: memory_plan.COMPANION_MODES,   # where streamed layers' KV rows live
+    "--expert-trim": _trim_modes,                      # specexec.tuning.trim_modes.TRIM_MODES
 }
 
 

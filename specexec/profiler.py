@@ -10,7 +10,9 @@ in step order as they settle. Counters add up
 numbers (prompt tokens, generated tokens). Sources are callables that return cumulative counters (an offload
 pager's bytes streamed, copy and stall seconds); every step records how much they grew during that step, so
 the pager only has to keep running totals. `begin()` starts a new generation: spans, counters and steps are
-cleared and the clock for time-to-first-token starts.
+cleared and the clock for time-to-first-token starts. For a mixture-of-experts target the engine counts, per
+verification pass, its distinct experts per sparse layer and what the target's experts cost it (moe_* counters,
+specexec/expert_passes.py); `moe_stats` turns them into stats.moe (means over passes).
 
 Also here: `PeakMemory`, which samples the process RSS on a thread and reads torch's CUDA peak, for benchmarks.
 
@@ -286,7 +288,23 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
         "stall_ms": _r(1000 * streamed["stall_s"], 2) if "stall_s" in streamed else None,
         "spans": dict(totals),
         "counters": {k: v for k, v in counters.items()},
+        "moe": moe_stats(counters, gauges),
     }
+
+
+def moe_stats(counters: Mapping[str, float], gauges: Mapping[str, float]) -> dict | None:
+    """stats.moe from the profiler's counters (means over passes): distinct_experts_per_layer,
+    expert_bytes_per_pass, expert_bytes_all, expert_cache_hit_rate (None without lookups); None when no MoE
+    pass was counted."""
+    n = counters.get("moe_passes", 0.0)
+    if not n:
+        return None
+    lookups = counters.get("moe_expert_lookups", 0.0)
+    return {"distinct_experts_per_layer": round(counters.get("moe_distinct", 0.0) / n, 3),
+            "expert_bytes_per_pass": round(counters.get("moe_expert_bytes", 0.0) / n, 1),
+            "expert_bytes_all": int(gauges.get("moe_expert_bytes_all", 0)),
+            "expert_cache_hit_rate": round(counters.get("moe_expert_hits", 0.0) / lookups, 4) if lookups else None,
+            "passes": int(n)}
 
 
 def budget_trace(budgets: Iterable[int | None], limit: int = 12) -> str | None:
@@ -332,6 +350,12 @@ def summary_table(s: Mapping[str, Any], title: str = "profile"):
         peak = f" of {_fmt(s['link_peak_gb_s'], ' GB/s', 2)} peak" if s.get("link_peak_gb_s") else ""
         table.add_row("stream", "", "", "", f"{_fmt(s['streamed_gb'], ' GB', 2)} · "
                       f"{_fmt(s['effective_gb_s'], ' GB/s', 2)} effective{peak} · stalls {_fmt(s['stall_ms'], ' ms')}")
+    moe = s.get("moe")
+    if moe:
+        hit = moe["expert_cache_hit_rate"]
+        table.add_row("experts", str(moe["passes"]), "", "", f"{moe['distinct_experts_per_layer']:.1f} distinct per "
+                      f"sparse layer · {moe['expert_bytes_per_pass'] / 1e6:.2f} of {moe['expert_bytes_all'] / 1e6:.2f}"
+                      f" MB read per pass" + (f" · cache hits {100 * hit:.0f} %" if hit is not None else ""))
     table.add_row("total", str(s["steps"]), _fmt(1000 * s["wall_s"]), "",
                   f"{s['generated']} tokens · {_fmt(s['tokens_per_step'], ' tokens/pass', 2)} · "
                   f"decode {_fmt(s['decode_tok_s'], ' tok/s', 2)} · "

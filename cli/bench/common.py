@@ -56,6 +56,19 @@ class Result:
     budgets: list[int] = field(default_factory=list)      # the tree budget each step asked for (--budget auto)
     lossy: bool = False           # ran with an int8 KV cache (--kv-quant int8): never in an exactness claim
     draft: str | None = None      # the draft of a specexec row (a path, a name or self[:FMT])
+    moe_runs: list[dict] = field(default_factory=list)    # stats.moe of each prompt (an MoE target)
+
+    def moe(self) -> dict | None:
+        """stats.moe over every prompt (means over all passes, weighted by each prompt's passes)."""
+        runs = [m for m in self.moe_runs if m]
+        n = sum(m["passes"] for m in runs)
+        if not n:
+            return None
+        mean = {k: round(sum(m[k] * m["passes"] for m in runs) / n, 3)
+                for k in ("distinct_experts_per_layer", "expert_bytes_per_pass")}
+        rates = [(m["expert_cache_hit_rate"], m["passes"]) for m in runs if m["expert_cache_hit_rate"] is not None]
+        hit = round(sum(r * p for r, p in rates) / sum(p for _, p in rates), 4) if rates else None
+        return {**mean, "expert_bytes_all": runs[0]["expert_bytes_all"], "expert_cache_hit_rate": hit, "passes": n}
 
     def add(self, ids: list[int], passes: int, decode_s: float, ttft_s: float | None, draft_s: float = 0.0,
             target_s: float = 0.0) -> None:
@@ -119,6 +132,7 @@ def run_variant(name: str, rt: Runtime, budget: int | str | None, plan: Plan, pr
             res.add(out, s["steps"], s["decode_s"] or 0.0, s["ttft_s"], sum(x.draft_ms for x in steps) / 1000,
                     sum(x.target_ms for x in steps) / 1000)
             res.budgets += [x.budget for x in steps if x.budget is not None]
+            res.moe_runs.append(s["moe"])
     res.peak_ram, res.peak_vram = mem.ram_bytes, mem.vram_bytes
     return res
 

@@ -61,6 +61,7 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
             "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
             "budget": r.budget, "builder": r.builder, "draft": r.draft, "note": r.note or None, "lossy": r.lossy,
             "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
+            **({"moe": moe} if (moe := r.moe()) is not None else {}),
         })
     return rows
 

@@ -31,16 +31,22 @@ class LayerNames:
     """Where one layer's tensors come from: packed name (as the runtime binds it, e.g. 'mlp.up_proj.weight')
     -> checkpoint tensor name ('model.layers.3.mlp.up_proj.weight') or a TensorRef (a piece of a stored
     tensor: one expert of a fused one, offload/formats/refs.py), in packing order; `linear` holds the packed
-    names of the 2-D nn.Linear weights to quantize (every other tensor is cast to the dtype)."""
+    names of the 2-D nn.Linear weights to quantize (every other tensor is cast to the dtype); `regions`: packed
+    name prefixes, each one a separately aligned sub-region of the packed layer (offload/streaming/storage.py;
+    e.g. one expert each), so it can be read or copied alone (empty: the layer is one region)."""
     tensors: Mapping[str, str | TensorRef]
     linear: frozenset[str]
+    regions: tuple[str, ...] = ()
 
     def refs(self) -> dict[str, TensorRef]:
         """packed name -> TensorRef (a bare name as the whole stored tensor)."""
         return {p: as_ref(c) for p, c in self.tensors.items()}
 
     def to_dict(self) -> dict:
-        return {"tensors": {p: r.to_json() for p, r in self.refs().items()}, "linear": sorted(self.linear)}
+        out = {"tensors": {p: r.to_json() for p, r in self.refs().items()}, "linear": sorted(self.linear)}
+        if self.regions:                     # absent without regions: a dense layer's naming hashes as before
+            out["regions"] = list(self.regions)
+        return out
 
 
 def human_bytes(n: float) -> str:

@@ -33,8 +33,13 @@ class LayerFile:
     """layers.bin of one cache: layer i is sizes[i] bytes at offsets[i] with sha256 sums[i]."""
 
     def __init__(self, file: Path, offsets: Sequence[int], sizes: Sequence[int], sums: Sequence[str],
-                 on_corrupt: Callable[[str], None] | None = None) -> None:
+                 on_corrupt: Callable[[str], None] | None = None,
+                 regions: Sequence[Sequence[tuple[int, int]]] = (), region_sums: Sequence[Sequence[str]] = ()
+                 ) -> None:
+        """regions[i]: (offset inside the layer, nbytes) of layer i's parts read alone (its dense part, then its
+        named sub-regions); region_sums[i] their sha256 sums (a part read alone is checked against its own)."""
         self.file, self.offsets, self.sizes, self.sums = Path(file), list(offsets), list(sizes), list(sums)
+        self.regions, self.region_sums = [list(r) for r in regions], [list(s) for s in region_sums]
         self.on_corrupt = on_corrupt
         self._fd = facilities.open_read(self.file)
         self._direct_fd: int | None = facilities.open_unbuffered(self.file)
@@ -49,21 +54,49 @@ class LayerFile:
         """Layer i into `out` (see LayerCache.read_layer); verify None = only on its first read here."""
         n = self.sizes[i]
         buf = aligned_empty(n) if out is None else _check_out(out, n)[:n]
+        self._read_at(buf, self.offsets[i], direct)
+        if verify or (verify is None and self.key + (i,) not in _VERIFIED):
+            self.check(i, buf)
+        return buf
+
+    def _read_at(self, buf: torch.Tensor, offset: int, direct: bool | None) -> None:
+        """Fill buf from the file at `offset`: O_DIRECT where it may (see _pick_fd), falling back to a buffered
+        read whose pages are dropped when the file system refuses O_DIRECT on read (some FUSE/network ones)."""
         fd = self._pick_fd(buf, direct)
         try:
-            _pread_full(fd, buf, self.offsets[i], self.file)
-        except OSError as e:            # O_DIRECT opened but refused on read (some FUSE/network file systems)
+            _pread_full(fd, buf, offset, self.file)
+        except OSError as e:
             if fd != self._direct_fd or e.errno != errno.EINVAL or direct:
                 raise
             os.close(self._direct_fd)
             self._direct_fd = None
             fd = self._fd
-            _pread_full(fd, buf, self.offsets[i], self.file)
+            _pread_full(fd, buf, offset, self.file)
         if fd != self._direct_fd:
-            facilities.drop_cached(fd, self.offsets[i], n)
-        if verify or (verify is None and self.key + (i,) not in _VERIFIED):
-            self.check(i, buf)
+            facilities.drop_cached(fd, offset, buf.numel())
+
+    def read_region(self, i: int, k: int, out: torch.Tensor | None = None, direct: bool | None = None,
+                    verify: bool | None = None) -> torch.Tensor:
+        """Region k of layer i alone (see LayerCache.read_region); checked against its own sha256 unless the
+        whole layer was checked here before."""
+        start, n = self.regions[i][k]
+        buf = aligned_empty(n) if out is None else _check_out(out, n)[:n]
+        self._read_at(buf, self.offsets[i] + start, direct)
+        known = self.key + (i,) in _VERIFIED or self.key + (i, k) in _VERIFIED
+        if verify or (verify is None and not known):
+            self._check_region(i, k, buf)
         return buf
+
+    def _check_region(self, i: int, k: int, buf: torch.Tensor) -> None:
+        want = self.region_sums[i][k] if i < len(self.region_sums) and k < len(self.region_sums[i]) else None
+        got = hashlib.sha256(buf.numpy()).hexdigest()
+        if want is None or got != want:
+            why = (f"layer {i} part {k} fails its checksum (sha256 {got[:12]}…, manifest says "
+                   f"{(want or 'nothing')[:12]}…)")
+            if self.on_corrupt is not None:
+                self.on_corrupt(why)
+            raise CacheCorruptError(f"{self.file}: {why}; the cache is corrupt (the next run rebuilds it)")
+        _VERIFIED.add(self.key + (i, k))
 
     def _pick_fd(self, buf: torch.Tensor, direct: bool | None) -> int:
         aligned = buf.data_ptr() % ALIGN == 0

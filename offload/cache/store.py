@@ -6,6 +6,8 @@ One directory per (checkpoint path, format, dtype, double quant, packing, layer 
                  it can be read with O_DIRECT straight into aligned (pinned) buffers
   manifest.json  version, source fingerprint (name, size, mtime and header hash of config.json, the index and
                  every safetensors file), format, dtype, and per layer: offset, nbytes, sha256, packed layout
+                 (with its named regions: a sub-region, e.g. one expert, starts 4 KiB-aligned at file offset
+                 + region offset and can be read with O_DIRECT alone)
 
 Building (LayerCache.open_or_build): under an exclusive lock on "<dir>.lock" (offload/cache/locking.py: flock or the
 platform's stand-in; a lock left by a dead process never blocks), quantize layer by layer from the checkpoint
@@ -32,8 +34,9 @@ CONTRACT (used by specexec/runtime/offloaded.py, offload/streaming/tiers.py's SS
 
     @dataclass(frozen=True)
     class LayerNames:
-        tensors: Mapping[str, str]       # packed name (module-local, e.g. "mlp.up_proj.weight") -> checkpoint name
+        tensors: Mapping[str, str | TensorRef]   # packed name (module-local, e.g. "mlp.up_proj.weight") -> source
         linear: frozenset[str]           # packed names of the nn.Linear weights to quantize
+        regions: tuple[str, ...] = ()    # packed-name prefixes each packed as its own aligned region (experts)
 
     class LayerCache:
         @classmethod
@@ -102,7 +105,10 @@ class LayerCache:
         self.layouts = [LayerLayout.from_dict(e["layout"]) for e in manifest["layers"]]
         entries = manifest["layers"]
         self._file = LayerFile(self.file, [int(e["offset"]) for e in entries], [lay.nbytes for lay in self.layouts],
-                               [str(e["sha256"]) for e in entries], lambda why: mark_corrupt(self.path, why))
+                               [str(e["sha256"]) for e in entries], lambda why: mark_corrupt(self.path, why),
+                               [[(0, lay.dense_nbytes)] * bool(lay.regions) + [(r.offset, r.nbytes) for r in lay.regions]
+                                for lay in self.layouts],
+                               [[str(h) for h in e.get("region_sha256") or ()] for e in entries])
 
     # -- opening
 
@@ -215,6 +221,26 @@ class LayerCache:
         marked for rebuilding): None = on this process's first read of layer i, True = always, False = never."""
         return self._file.read(i, out, direct, verify)
 
+    def read_region(self, i: int, name: str, out: torch.Tensor | None = None, direct: bool | None = None,
+                    verify: bool | None = None) -> torch.Tensor:
+        """Region `name` of layer i alone (storage.Region: e.g. one expert), uint8 [its nbytes], into `out` as
+        read_layer (O_DIRECT when `out` is 4 KiB-aligned: the region starts and ends on 4 KiB); verify checks
+        the region's own sha256, on this process's first read of it by default."""
+        k = next((j for j, r in enumerate(self.layouts[i].regions) if r.name == name), None)
+        if k is None:
+            raise KeyError(f"layer {i} of {self.path} has no region {name!r}")
+        return self._file.read_region(i, k + 1, out, direct, verify)        # part 0 is the dense part
+
+    def read_part(self, i: int, offset: int, out: torch.Tensor) -> None:
+        """(the SSD tier's LayerReader.read_part) Layer i's dense part (offset 0, its nbytes) or one region (its
+        offset and nbytes) into `out`, checked against its own sha256 on its first read here; ValueError for
+        any other range."""
+        lay = self.layouts[i]
+        parts = [(0, lay.dense_nbytes)] + [(r.offset, r.nbytes) for r in lay.regions] if lay.regions else []
+        if (offset, out.numel()) not in parts:
+            raise ValueError(f"bytes [{offset}, {offset + out.numel()}) of layer {i} are not one of its parts")
+        self._file.read_region(i, parts.index((offset, out.numel())), out)
+
     def verify(self, i: int, buffer: torch.Tensor | None = None) -> None:
         """Read layer i and check its sha256; CacheCorruptError on mismatch."""
         self.read_layer(i, buffer, verify=True)
@@ -274,7 +300,7 @@ def plan(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: to
         except CheckpointError as e:
             raise CacheError(f"{checkpoint_dir}: {e}") from None
         specs, meta = layer_specs(shapes, fmt, dtype, s.linear, double_quant, device or "cpu")
-        layouts.append(plan_layout(specs, meta))
+        layouts.append(plan_layout(specs, meta, s.regions))
     return layouts
 
 
@@ -347,6 +373,10 @@ def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames]
                 _write_layer(fd, buf, offset)
                 entries.append({"offset": offset, "nbytes": layout.nbytes,
                                 "sha256": hashlib.sha256(buf.numpy()).hexdigest(), "layout": layout.to_dict()})
+                if layout.regions:                    # the dense part and each region checked alone when read alone
+                    parts = [(0, layout.dense_nbytes)] + [(r.offset, r.nbytes) for r in layout.regions]
+                    entries[-1]["region_sha256"] = [hashlib.sha256(buf[o:o + n].numpy()).hexdigest()
+                                                    for o, n in parts]
                 offset += layout.nbytes
                 del buf
                 advance()
@@ -363,7 +393,7 @@ def _quantize_layer(ckpt: CheckpointSource, source: LayerNames, fmt: str, dtype:
     """One layer read from the checkpoint, quantized (on `device`, default CPU) and packed: (uint8 [nbytes], layout)."""
     tensors = {packed: read_ref(ckpt, ref).to(device or "cpu") for packed, ref in source.refs().items()}
     qtensors, meta = quantize_tensors(tensors, fmt, dtype, source.linear, double_quant)
-    return pack_layer(qtensors, meta)
+    return pack_layer(qtensors, meta, source.regions)
 
 
 def _write_layer(fd: int, buf: torch.Tensor, offset: int) -> None:

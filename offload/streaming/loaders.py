@@ -8,7 +8,9 @@
 Both take Jobs from their queue and wait on the pager's condition variable, checking for cancellation every
 WAIT_TICK seconds; a failure is handed to the Job, and the consumer raises it.
 
-`Loaders` is the loader half of LayerPager (a mixin): it uses the pager's slots, bounce, tiers, sizes, ram,
+Each moves a layer's head (pager `heads`: the whole layer unless the pager streams it in parts, parts.py).
+
+`Loaders` is the loader half of LayerPager (a mixin): it uses the pager's slots, bounce, tiers, sizes, heads, ram,
 ssd, copy_stream, companion, stats, last_copy, _cv, _queues, _waiting, _threads, _stats_lock and _event,
 all set or defined by LayerPager.
 
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from offload.streaming.parts import read_head
 from offload.streaming.timing import LayerTiming
 
 WAIT_TICK = 0.05                                    # seconds between checks for cancellation while waiting
@@ -167,11 +170,11 @@ class Loaders:
     def _fill(self, i: int, slot_index: int, bounce: Buffer | None, job: Job) -> LayerTiming:
         """Move layer i into the slot (from the RAM tier, the bounce buffer, or the disk on CPU), then its
         companion's bytes; its timing."""
-        tier, n, slot = self.tiers[i], self.sizes[i], self.slots[slot_index]
+        tier, n, slot = self.tiers[i], self.heads[i], self.slots[slot_index]
         dst = slot.buf[:n]
         if tier == "ssd" and bounce is None:                      # CPU: the disk read fills the slot
             lt = LayerTiming("ssd", copy_start=self._event())
-            self.ssd.read_layer(i, dst)
+            read_head(self.ssd, i, n, self.sizes[i], slot.buf)
             lt.companion_bytes = self._companion(i, slot_index, job)
             lt.copy_end = self._event()
             return lt
@@ -220,7 +223,7 @@ class Loaders:
                 if b.used is not None:
                     b.used.synchronize()                          # the copy out of it finished (this thread waits)
                 t0 = time.perf_counter()
-                self.ssd.read_layer(i, b.buf[:self.sizes[i]])
+                read_head(self.ssd, i, self.heads[i], self.sizes[i], b.buf)
             except BaseException as e:          # noqa: BLE001 -- handed to the consumer, which raises it
                 self._fail(job, i, e)
                 return

@@ -26,6 +26,10 @@ Timing is on the device's clock (timing.py): per layer, copy start/end events on
 compute start/end events on the compute stream; a pass is folded into `stats` once all its events completed
 (`collect()` never waits unless asked). On CPU the same records hold host timestamps.
 
+Parts (parts.py): with `heads`, the read-ahead moves only each layer's first heads[i] bytes (e.g. an MoE
+layer's dense part); the consumer fills more of the layer it holds with `fill_ranges(i, slot, ranges)` when it
+knows which ranges it needs (the experts its rows were routed to), and those bytes count too.
+
 Does not know: what the bytes mean (the caller's `bind` turns a buffer into views or a module; a companion
 moves its own buffers), which layer goes in which tier (planner.py), models or tokens.
 """
@@ -40,6 +44,7 @@ import torch
 
 from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold
 from offload.streaming.loaders import WAIT_TICK, Buffer, Job, Loaders
+from offload.streaming.parts import RangeFiller, check_heads
 from offload.streaming.tiers import LayerReader, RamTier, ResidentTier, fill, host_buffer
 
 Bind = Callable[[int, int, torch.Tensor], Any]      # (layer, slot or -1 when resident, uint8 buffer) -> view
@@ -55,9 +60,11 @@ class LayerPager(Loaders):
 
     def __init__(self, sizes: Sequence[int], device: torch.device | str, resident: ResidentTier | None = None,
                  ram: RamTier | None = None, ssd: LayerReader | None = None, ssd_ids: Sequence[int] = (),
-                 n_slots: int = 2, n_bounce: int = 2, bind: Bind | None = None, staged: bool | None = None) -> None:
+                 n_slots: int = 2, n_bounce: int = 2, bind: Bind | None = None, staged: bool | None = None,
+                 heads: Sequence[int] | None = None) -> None:
         self.device = torch.device(device)
         self.sizes = list(sizes)
+        self.heads = check_heads(heads, self.sizes) if heads is not None else list(self.sizes)
         self.resident, self.ram, self.ssd = resident, ram, ssd
         self.tiers = [self._tier(i, set(ssd_ids)) for i in range(len(self.sizes))]
         self.bind: Bind = bind or (lambda i, slot, buf: buf)
@@ -84,6 +91,7 @@ class LayerPager(Loaders):
         self._job: Job | None = None
         self._last_ids: list[int] = list(range(len(self.sizes)))
         self.last_copy: Any = None                              # copy-end event of the latest fill (CUDA)
+        self.parts = RangeFiller(self)                          # the consumer's fills of more of a layer
 
     def _tier(self, i: int, ssd_ids: set[int]) -> str:
         if self.resident is not None and i in self.resident.buffers:
@@ -134,7 +142,7 @@ class LayerPager(Loaders):
                 slot_index = k % len(self.slots)
                 slot = self.slots[slot_index]
                 timing.layers.append(lt := self._acquire(slot, job, i))
-                self.stats.bytes[self.tiers[i]] += self.sizes[i]
+                self.stats.bytes[self.tiers[i]] += self.heads[i]
                 self.stats.companion_bytes += lt.companion_bytes
                 try:
                     yield from self._serve(i, slot_index, slot.buf[:self.sizes[i]], lt)
@@ -177,6 +185,15 @@ class LayerPager(Loaders):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_event(lt.copy_end)
         return lt
+
+    def fill_ranges(self, i: int, slot: int, ranges: Sequence[tuple[int, int]]) -> int:
+        """(consumer, while it holds layer i in slot `slot`) Copy more of layer i into the slot: byte ranges
+        (offset, nbytes) from its tier to the same offsets, now (parts.py). Returns the bytes moved (0 for a
+        resident layer), which count in the tier's streamed bytes."""
+        moved = self.parts.fill(i, slot, ranges)
+        if moved:
+            self.stats.bytes[self.tiers[i]] += moved
+        return moved
 
     def _release(self, slot: Buffer, lt: LayerTiming) -> None:
         with self._cv:
@@ -327,10 +344,12 @@ class LayerPager(Loaders):
 
 
 def build_pager(tiers: Sequence[str], reader: LayerReader, device: torch.device | str, n_slots: int = 2,
-                n_bounce: int = 2, bind: Bind | None = None, staged: bool | None = None) -> LayerPager:
+                n_bounce: int = 2, bind: Bind | None = None, staged: bool | None = None,
+                heads: Sequence[int] | None = None) -> LayerPager:
     """A pager for layers 0..len(tiers)-1 with layer i in tiers[i] ("resident" | "ram" | "ssd"): the resident
     and RAM tiers are allocated (one region each; RAM pinned on CUDA) and filled from `reader` now (a layer
-    cache checks each layer's checksum as it is read); the SSD tier reads from `reader` on demand."""
+    cache checks each layer's checksum as it is read); the SSD tier reads from `reader` on demand. heads: what
+    the read-ahead moves of each layer (see the module docstring; default the whole layer)."""
     device = torch.device(device)
     bad = sorted(set(tiers) - {"resident", "ram", "ssd"})
     if bad:
@@ -343,4 +362,4 @@ def build_pager(tiers: Sequence[str], reader: LayerReader, device: torch.device 
         if tier is not None:
             fill(tier.buffers, reader)
     ssd_ids = [i for i, t in enumerate(tiers) if t == "ssd"]
-    return LayerPager(sizes, device, resident, ram, reader, ssd_ids, n_slots, n_bounce, bind, staged)
+    return LayerPager(sizes, device, resident, ram, reader, ssd_ids, n_slots, n_bounce, bind, staged, heads)

@@ -39,7 +39,9 @@ READ_CHUNK = 64 * 2**20           # bytes per read syscall: large and sequential
 
 class LayerReader(Protocol):
     """Packed layers readable by index (the SSD tier): `nbytes(i)` multiple of ALIGN; `read_layer(i, out)`
-    fills out[:nbytes(i)] (uint8, CPU, ALIGN-aligned start) with layer i's packed bytes."""
+    fills out[:nbytes(i)] (uint8, CPU, ALIGN-aligned start) with layer i's packed bytes. A layer streamed in
+    parts (parts.py) is also read by `read_part(i, offset, out)`: out.numel() bytes from `offset` (both
+    multiples of ALIGN)."""
 
     def nbytes(self, i: int) -> int: ...
 
@@ -302,6 +304,11 @@ class PackedFile:
 
     def read_layer(self, i: int, out: torch.Tensor) -> None:
         read_exact(self.fd, out[:self.sizes[i]], self.offsets[i], fadvise_drop=not self.direct)
+
+    def read_part(self, i: int, offset: int, out: torch.Tensor) -> None:
+        if offset % ALIGN or offset + out.numel() > self.sizes[i]:
+            raise ValueError(f"part [{offset}, {offset + out.numel()}) of layer {i} is unaligned or past its end")
+        read_exact(self.fd, out, self.offsets[i] + offset, fadvise_drop=not self.direct)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -27,6 +27,7 @@ from specexec.families.weights import checkpoint_refs
 from specexec.model import Block, on_meta
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+EXPERT_PREFIX = "mlp.experts."         # + "{e}.": one routed expert's tensors (specexec/moe.py)
 
 
 def sparse_layer(args: ModelArgs, layer: int) -> bool:
@@ -52,6 +53,15 @@ def kind_specs(args: ModelArgs, sparse: bool) -> tuple[tuple[tuple[str, tuple[in
     return shapes, linear
 
 
+def expert_regions(args: ModelArgs, layer: int = 0) -> tuple[str, ...]:
+    """The packed-name prefixes of decoder layer `layer`'s routed experts ("mlp.experts.{e}.", e = 0 .. E-1):
+    each is its own aligned region of the packed layer (offload/streaming/storage.py), so a streamed pass can
+    read or copy one expert alone; () for a dense layer. The router and a shared expert stay in the dense part."""
+    if not sparse_layer(args, layer):
+        return ()
+    return tuple(f"{EXPERT_PREFIX}{e}." for e in range(args.moe.n_experts))
+
+
 def block_tensor_names(args: ModelArgs, layer: int = 0) -> tuple[list[str], frozenset[str]]:
     """(every tensor name of decoder layer `layer`'s Block in state_dict order, the names of its nn.Linear
     weights); a sparse (MoE) layer's experts are `mlp.experts.{e}.*`, one expert's tensors adjacent."""
@@ -62,14 +72,15 @@ def block_tensor_names(args: ModelArgs, layer: int = 0) -> tuple[list[str], froz
 def layer_names(path: Path, args: ModelArgs) -> list[LayerNames]:
     """For the layer cache: per decoder layer, packed name (as the Block binds it) -> its source in the
     checkpoint (a bare name for a whole stored tensor, else a TensorRef), and which of them are Linear
-    weights. CheckpointError unless the checkpoint holds exactly what `args` implies (check_tensors: the
+    weights; a sparse layer's experts each a region (expert_regions). CheckpointError unless the checkpoint holds exactly what `args` implies (check_tensors: the
     planner and `convert` call this before anything is cached)."""
     refs = check_tensors(path, open_source(path), args)   # before planning or caching: a bad one caches nothing
     out = []
     for i in range(args.n_layers):
         names, linear = block_tensor_names(args, i)
         tensors = {n: refs[f"layers.{i}.{n}"] for n in names}
-        out.append(LayerNames({n: r.name if r.plain else r for n, r in tensors.items()}, linear))
+        out.append(LayerNames({n: r.name if r.plain else r for n, r in tensors.items()}, linear,
+                              expert_regions(args, i)))
     return out
 
 

@@ -23,6 +23,7 @@ from offload.memory_plan import GB, Bandwidths, Needs, Plan, PlanError
 from offload.planner import plan
 
 from specexec.config import PREFILL_CHUNK
+from specexec.planning.experts import describe_moe, moe_summary
 from specexec.planning.needs import dtype_name, fmt_name, needs_for, prefill_tokens
 from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
 from specexec.planning.sizes import layer_bytes
@@ -69,7 +70,12 @@ class MemoryPlan:
                 + f", {dtype_name(s.dtype)}, budget {s.budget} tokens, context {s.context} tokens"
                 + (", KV int8 (LOSSY: no exactness claim)" if s.kv_quant == "int8" else ""))
         streamed = "" if not self.plan.streams else f"; prefill: up to {self.prefill_tokens} tokens per pass"
-        return head + streamed + "\n" + self.plan.describe()
+        moe = self.moe_json()
+        return head + streamed + "\n" + self.plan.describe() + ("\n" + describe_moe(moe) if moe else "")
+
+    def moe_json(self) -> dict | None:
+        """An MoE target's experts, expert cache and per-budget pass prices (planning/experts.py); else None."""
+        return moe_summary(self.plan, self.shape, self.fmt)
 
     def _draft_text(self) -> str:
         s = self.shape
@@ -103,7 +109,7 @@ class MemoryPlan:
                 "prefill_tokens": self.prefill_tokens, "read_ahead": p.read_ahead, "slots": p.n_slots,
                 "budget": self.shape.budget, "context": self.shape.context,
                 "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget, "warnings": list(p.warnings),
-                "kv": self.kv_json(), "self_draft": self.self_json()}
+                "kv": self.kv_json(), "self_draft": self.self_json(), "moe": self.moe_json()}
 
     def kv_json(self) -> dict:
         """Where the target's KV rows live and in what format: per layer on the device or streamed with it,

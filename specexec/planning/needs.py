@@ -36,6 +36,7 @@ from offload.memory_plan import GB, Needs
 
 from specexec.config import PREFILL_CHUNK
 from specexec.model import LOGIT_CHUNK
+from specexec.planning.experts import expert_parts
 from specexec.planning.run_shape import RunShape, self_layer_ids
 from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes, weight_bytes
 
@@ -100,7 +101,7 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
     return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
                  companion_bytes=(kv,) * t.n_layers, companion_residue=(tail,) * t.n_layers,
-                 companion_name="target KV cache", companions=shape.kv_offload)
+                 companion_name="target KV cache", companions=shape.kv_offload, parts=expert_parts(shape, fmt))
 
 
 def _draft_kv_note(shape: RunShape) -> str:

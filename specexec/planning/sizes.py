@@ -19,9 +19,9 @@ from torch import nn
 
 from offload.quant.linear import kernel_for
 from offload.quant.weights import head_format, layer_specs
-from offload.streaming.storage import plan_layout
+from offload.streaming.storage import LayerLayout, plan_layout
 
-from specexec.checkpoints.naming import kind_specs, sparse_layer
+from specexec.checkpoints.naming import expert_regions, kind_specs, sparse_layer
 from specexec.config import ModelArgs
 from specexec.kv.rows import row_bytes
 from specexec.model import LOGIT_CHUNK
@@ -39,9 +39,25 @@ def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cp
 
 @functools.cache
 def _layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, sparse: bool) -> int:
+    return _layout(args, fmt, dtype, device, sparse).nbytes
+
+
+@functools.cache
+def _layout(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, sparse: bool) -> LayerLayout:
+    """The packed layout of a dense or a routed layer of `args` (a routed one: one region per expert)."""
     shapes, linear = kind_specs(args, sparse)
+    regions = expert_regions(args, next(i for i in range(args.n_layers) if sparse_layer(args, i))) if sparse else ()
     specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
-    return plan_layout(specs, meta).nbytes
+    return plan_layout(specs, meta, regions)
+
+
+def expert_split(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu", layer: int = 0
+                 ) -> tuple[int, int]:
+    """(bytes of the dense part, bytes of one routed expert) of decoder layer `layer` packed in `fmt`: the part
+    a streamed pass always copies (norms, attention, router, a shared expert) and each expert's region (all of
+    one size); (layer_bytes, 0) for a dense layer. dense + n_experts x expert = layer_bytes."""
+    lay = _layout(args, fmt, dtype, device, sparse_layer(args, layer))
+    return lay.dense_nbytes, (lay.regions[0].nbytes if lay.regions else 0)
 
 
 def layer_sizes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> tuple[int, ...]:

@@ -49,11 +49,13 @@ from specexec.builders.base import TreeBuilder
 from specexec.builders.registry import check_builder, make_builder
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig, SamplingParams
 from specexec.engine import Engine
+from specexec.expert_passes import ExpertPasses
 from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
                                       resolve_model_path)
 from specexec.model import Streams, Transformer
 from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.planning.target import TargetPlan, plan_target
+from specexec.runtime.expert_stream import expert_passes
 from specexec.runtime.offloaded import load_target, quantize_head, quantize_layers
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
 from specexec.runtime.detokenizer import Detokenizer, StopWatcher
@@ -179,6 +181,16 @@ def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: Off
     return model, ModelInfo(path, args, params, name, config.device, time.perf_counter() - t0)
 
 
+def _expert_passes(target: Transformer, plan: TargetPlan | None, mode: str) -> ExpertPasses | None:
+    """An MoE target's ExpertPasses priced by its plan's tiers and bandwidths, trimming trees by `mode` (None
+    for a dense target)."""
+    if plan is None or not plan.offloaded:
+        return expert_passes(target, mode=mode)
+    p = plan.plan
+    return expert_passes(target, p.tiers, p.bandwidths.ram, p.bandwidths.ssd, next(target.parameters()).device,
+                         mode)
+
+
 def _make_engine(target: Transformer, draft: Transformer | None, config: EngineConfig,
                  eos: tuple[int, ...], context: int | None = None, plan: TargetPlan | None = None) -> Engine:
     """The configured builder; none (target-only decoding) when it needs a draft and there is none. context:
@@ -189,7 +201,8 @@ def _make_engine(target: Transformer, draft: Transformer | None, config: EngineC
         builder = None
     draft_kv = "int8" if plan is not None and plan.memory.shape.draft_kv_quant == "int8" else None
     tuner = tuner_for(config.budget, target) if config.auto_budget and builder is not None else None
-    engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv, tuner=tuner)
+    engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv, tuner=tuner,
+                    experts=_expert_passes(target, plan, config.expert_trim))
     if tuner is not None:                 # --budget auto: what the engine measures is kept for the next run
         engine.on_calibrated = lambda curve: save_target_costs(target, curve)
     if has(target, Streams):              # offloaded target: per step, the profiler records what streaming cost

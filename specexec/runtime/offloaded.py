@@ -39,6 +39,7 @@ from specexec.kv.cache import KVCache
 from specexec.model import Block, Transformer, on_meta
 from specexec.options import ConfigError
 from specexec.planning.target import TargetPlan
+from specexec.runtime.expert_stream import ExpertCache, ExpertStream
 
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
 
@@ -87,6 +88,7 @@ class OffloadedTransformer(Transformer):
         self.prefetch = prefetch
         self._slot_blocks: dict[object, Block] = {}
         self._resident_blocks: dict[int, Block] = {}
+        self.current: tuple = (-1, -1, None, None)     # (layer, slot or -1, Block, buffer) the pager handed out last
         self.pager: LayerPager = pager_factory(self._bind)
         self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
         self._kv: KVCache | None = None               # the cache whose streamed rows the pager stages now
@@ -102,6 +104,7 @@ class OffloadedTransformer(Transformer):
         """The Block for layer i held in `buf`: the slot's Block (one per slot and layer kind: an MoE model's
         dense and sparse layers differ) re-pointed at it, or layer i's resident Block."""
         if slot < 0 and i in self._resident_blocks:
+            self.current = (i, -1, self._resident_blocks[i], buf)
             return self._resident_blocks[i]
         blocks = self._resident_blocks if slot < 0 else self._slot_blocks
         key = i if slot < 0 else (slot, sparse_layer(self.args, i))
@@ -109,7 +112,29 @@ class OffloadedTransformer(Transformer):
             blocks[key] = self._new_block(i)
         layout = self.layouts[i]
         bind_module(blocks[key], unpack_layer(buf, layout), layout.meta)
+        self.current = (i, slot, blocks[key], buf)    # an MoE layer's experts come next (expert_stream.py)
         return blocks[key]
+
+    def expert_counters(self) -> dict[str, float]:
+        """(CountsExperts) Cumulative bytes of experts brought onto the device, routed experts looked up in
+        streamed layers and found in the expert cache (zeros when no sparse layer streams)."""
+        stream = self.routing if isinstance(self.routing, ExpertStream) else None
+        return dict(stream.counters) if stream is not None else {"expert_bytes": 0.0, "expert_hits": 0.0,
+                                                                 "expert_lookups": 0.0}
+
+    def experts_held(self) -> torch.Tensor:
+        """(CountsExperts) [L, E] bool over the sparse layers in order: every expert of a resident layer, the
+        cached ones of a streamed layer."""
+        m = self.args.moe
+        rows = []
+        for i in (j for j in range(self.args.n_layers) if sparse_layer(self.args, j)):
+            row = torch.zeros(m.n_experts, dtype=torch.bool)
+            if self.pager.tier_of(i) == "resident":
+                row[:] = True
+            elif isinstance(self.routing, ExpertStream):
+                row[list(self.routing.cache.held(i))] = True
+            rows.append(row)
+        return torch.stack(rows)
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
         """A KV cache whose `kv_streamed` layers keep their rows in host RAM (pinned on CUDA) and travel with
@@ -155,21 +180,29 @@ class OffloadedTransformer(Transformer):
 
 def build_offloaded(path: Path, args: ModelArgs, cache: LayerCache, tiers: Sequence[str], device: torch.device,
                     dtype: torch.dtype, n_slots: int = 2, n_bounce: int = 2,
-                    embed_on_host: bool = False) -> OffloadedTransformer:
+                    embed_on_host: bool = False, expert_cache: int = 0) -> OffloadedTransformer:
     """The target at `path` with layer i in tiers[i] ("resident" | "ram" | "ssd"), its packed layers read from
     `cache` (built for the same checkpoint, format and dtype); the embedding table in host RAM when
-    embed_on_host."""
+    embed_on_host. A streamed sparse (MoE) layer streams in two phases (expert_stream.py): its dense part
+    ahead, then the experts its rows route to, `expert_cache` of each such layer's hottest kept on the device."""
     if cache.n_layers != args.n_layers or cache.dtype != str(dtype).removeprefix("torch."):
         raise ValueError(f"layer cache {cache.path} holds {cache.n_layers} layers in {cache.dtype}; the model "
                          f"needs {args.n_layers} in {dtype}")
     host = frozenset({"embed_tokens.weight"} if embed_on_host else ())
     resident = read_resident(path, args, dtype, device, host)
 
-    def factory(bind) -> LayerPager:
-        return build_pager(tiers, cache, device, n_slots=n_slots, n_bounce=n_bounce, bind=bind)
+    layouts = [cache.layout(i) for i in range(args.n_layers)]
+    parted = {i: lay for i, lay in enumerate(layouts) if lay.regions and tiers[i] != "resident"}
+    heads = [parted[i].dense_nbytes if i in parted else lay.nbytes for i, lay in enumerate(layouts)]
 
-    return OffloadedTransformer(args, resident, [cache.layout(i) for i in range(args.n_layers)], cache.fmt, factory,
-                                embed_on_host=embed_on_host)
+    def factory(bind) -> LayerPager:
+        return build_pager(tiers, cache, device, n_slots=n_slots, n_bounce=n_bounce, bind=bind,
+                           heads=heads if parted else None)
+
+    model = OffloadedTransformer(args, resident, layouts, cache.fmt, factory, embed_on_host=embed_on_host)
+    if parted:
+        model.routing = ExpertStream(model, ExpertCache(parted, args.moe.n_experts, expert_cache, device))
+    return model
 
 
 def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: OffloadConfig,
@@ -180,7 +213,7 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
                                      log=log, quantize_device=quantize_on)
     p = target_plan.plan
     model = build_offloaded(path, args, cache, p.tiers, device, dtype, p.n_slots or N_SLOTS, p.n_bounce or N_BOUNCE,
-                            embed_on_host=target_plan.memory.embed_on_host)
+                            embed_on_host=target_plan.memory.embed_on_host, expert_cache=p.cached_parts)
     if p.streams:                                  # one prefill pass streams every layer: as long as planned
         model.prefill_tokens = target_plan.memory.prefill_tokens
     model.kv_streamed = tuple(p.companions_streamed)   # their KV rows travel with them (KVCache streamed layers)

@@ -6,7 +6,8 @@ tokens/s(n) = E[tokens per step | budget n] / (draft_s(n) + target_s(n)).
 - CostModel: target pass seconds and draft seconds per step as functions of the tree size, each a monotone
   piecewise-linear fit of measured (size, seconds) points (calibration passes plus every real step); it can
   be saved/loaded as JSON keyed by a fingerprint of the model/device/quantization/plan (where, and when:
-  specexec/tuning/calibration.py, called by the runtime).
+  specexec/tuning/calibration.py, called by the runtime). For a streamed MoE target one more term: the
+  expected seconds of the experts a pass routes to (the expected expert union, learned online).
 - AcceptanceModel: how many tree nodes of each score rank the target accepted. Builders keep the best-scoring
   nodes, so a budget-n tree holds the nodes of rank < n and E[tokens | n] = 1 + sum_{r<n} P(rank r accepted).
   Ranks beyond the largest tree seen are extrapolated with a log-linear tail. Exponential forgetting lets it
@@ -21,6 +22,7 @@ seconds in).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,11 +73,24 @@ def _monotone(ys: list[float]) -> list[float]:
 
 @dataclass
 class CostModel:
+    """Seconds of a step as a function of the tree: target(rows) + experts(rows) + draft(nodes).
+
+    `experts` is the MoE term (specexec/expert_passes.py: the expected seconds of bringing onto the device the
+    experts a pass of `rows` rows routes to, from the run's routing statistics: docs/algorithms.md §22); then
+    the `target` curve holds the rest of the pass (measured seconds less the expert seconds the same pass was
+    modelled to cost, BudgetTuner.observe). None (a dense target, or every expert resident): the target curve
+    is the whole pass, flat for a streamed dense target -- the special case."""
+
     target: CurveFit = field(default_factory=CurveFit)
     draft: CurveFit = field(default_factory=lambda: CurveFit(origin=True))      # no tree, no drafting
+    experts: Callable[[int], float] | None = field(default=None, compare=False)
+
+    def target_seconds(self, rows: int) -> float:
+        """One verification pass over `rows` rows (the tree and its root)."""
+        return self.target(rows) + (self.experts(rows) if self.experts is not None else 0.0)
 
     def step_seconds(self, budget: int) -> float:
-        return self.target(budget + 1) + self.draft(budget)
+        return self.target_seconds(budget + 1) + self.draft(budget)
 
     def to_json(self) -> dict:
         return {"target": {str(k): v for k, v in self.target.points.items()},
@@ -213,8 +228,10 @@ class BudgetTuner:
         return max(self.grid, key=self.rate)
 
     def observe(self, tree_size: int, scores: torch.Tensor, accepted_nodes: list[int],
-                draft_s: float, target_s: float) -> None:
-        self.costs.target.add(tree_size + 1, target_s)
+                draft_s: float, target_s: float, expert_s: float = 0.0) -> None:
+        """A finished step; expert_s: what the cost model's MoE term says that pass's experts cost (the target
+        curve learns the rest)."""
+        self.costs.target.add(tree_size + 1, max(target_s - expert_s, 0.0))
         self.costs.draft.add(max(tree_size, 1), draft_s)
         self.acceptance.observe(scores, accepted_nodes)
 

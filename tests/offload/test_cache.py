@@ -445,3 +445,25 @@ def test_convert_errors_are_one_line(model: Path, tmp_path: Path, capsys: pytest
     assert main(["convert", "--model", str(model), "--quant", "nf4", "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: not enough disk space") and err.count("\n") == 1
+
+
+def test_each_expert_is_a_region_read_alone_and_checked_alone(tiny_qwen3_moe: Path, tmp_path: Path) -> None:
+    """A sparse layer's experts are separate 4 KiB-aligned regions: one is read alone (O_DIRECT-able offsets),
+    equals its bytes in the whole layer, and a corrupt expert fails its own checksum on its first read."""
+    model = Path(shutil.copytree(tiny_qwen3_moe, tmp_path / "moe"))
+    args = read_args(model)
+    cache = LayerCache.open_or_build(model, layer_names(model, args), "int8", torch.float32, cache_root=tmp_path,
+                                     progress=False)
+    lay = cache.layout(0)
+    assert len(lay.regions) == args.moe.n_experts and cache.layout(1).regions == ()     # layer 1 is dense
+    assert all(r.offset % ALIGN == 0 and r.nbytes % ALIGN == 0 for r in lay.regions)
+    whole = cache.read_layer(0).clone()
+    r = lay.region("mlp.experts.5.")
+    assert torch.equal(cache.read_region(0, r.name, verify=True), whole[r.offset:r.offset + r.nbytes])
+    cache.close()
+    flip_byte(cache.file, cache.offset(2) + lay.region("mlp.experts.3.").offset + 10)
+    fresh_process()
+    opened = LayerCache.open(cache.path)
+    opened.read_region(2, "mlp.experts.2.")                                      # its neighbour is fine
+    with pytest.raises(CacheCorruptError, match="layer 2 part 4 fails its checksum"):
+        opened.read_region(2, "mlp.experts.3.")

@@ -736,3 +736,47 @@ def test_bench_stream_rejects_bad_flags(capsys) -> None:
     assert main(["bench", "stream", "--synthetic", "3b"]) == 2
     assert main(["bench", "stream", "--synthetic", "1b", "--ram-budget", "1MB", "--device", "cpu"]) == 2
     assert "error: --ram-budget" in capsys.readouterr().err
+
+
+class PartReader(MemoryReader):
+    """A MemoryReader that also reads parts (offset, out.numel()) and logs them."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        super().__init__(buffers)
+        self.parts: list[tuple[int, int, int]] = []
+
+    def read_part(self, i: int, offset: int, out: torch.Tensor) -> None:
+        out.copy_(self.buffers[i][offset:offset + out.numel()])
+        self.parts.append((i, offset, out.numel()))
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize("mix", ["ram", "ssd", "mixed"])
+def test_layers_in_parts_move_their_heads_then_what_the_consumer_asks(layers, mix: str, staged: bool) -> None:
+    """With heads, the read-ahead moves only each layer's head; fill_ranges brings the asked ranges of the layer
+    the consumer holds to their offsets in the slot (the rest stays unread); every byte moved is counted."""
+    tiers = MIXES[mix]
+    heads = [ALIGN] * len(SIZES)
+    reader = PartReader(layers)
+    with build_pager(tiers, reader, "cpu", n_slots=2, staged=staged, heads=heads) as pager:
+        for _ in range(2):
+            for i, buf in pager.layers():
+                assert torch.equal(buf[:ALIGN], layers[i][:ALIGN])
+                if SIZES[i] > 2 * ALIGN and tiers[i] != "resident":
+                    slot = next(k for k, s in enumerate(pager.slots) if s.buf.data_ptr() == buf.data_ptr())
+                    rng = [(2 * ALIGN, ALIGN)]
+                    assert pager.fill_ranges(i, slot, rng) == ALIGN
+                    assert torch.equal(buf[2 * ALIGN:3 * ALIGN], layers[i][2 * ALIGN:3 * ALIGN])
+        asked = {t: sum(ALIGN for i, ti in enumerate(tiers) if ti == t and SIZES[i] > 2 * ALIGN) for t in ("ram", "ssd")}
+        heads_moved = {t: sum(ALIGN for ti in tiers if ti == t) for t in ("ram", "ssd")}
+        assert pager.stats.bytes == {t: 2 * (heads_moved[t] + asked[t]) for t in ("ram", "ssd")}
+    ssd_parts = [p for p in reader.parts if p[1] != 0]
+    assert all(n == ALIGN for _, _, n in reader.parts) and len(ssd_parts) == 2 * sum(
+        1 for i, t in enumerate(tiers) if t == "ssd" and SIZES[i] > 2 * ALIGN)
+
+
+def test_heads_must_fit_their_layers(layers) -> None:
+    with pytest.raises(ValueError, match="multiples of"):
+        build_pager(["ssd"] * 6, PartReader(layers), "cpu", heads=[ALIGN + 1] * 6)
+    with pytest.raises(ValueError, match="at most its"):
+        build_pager(["ssd"] * 6, PartReader(layers), "cpu", heads=[2 * ALIGN] * 6)          # layer 3 is 1 page

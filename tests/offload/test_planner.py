@@ -335,3 +335,57 @@ def test_an_80_layer_plan_reads_each_companion_a_few_times(monkeypatch: pytest.M
     p = plan(needs, "cuda", 20 * GB, 22 * GB)
     assert 0 < len(p.layers_in("resident")) < 80 and p.layers_in("ram") and p.layers_in("ssd")
     assert len(reads) <= 8 * 80, len(reads)
+
+
+# ------------------------------------------------------------------------------------------------ sub-regions
+
+def moe_needs(reads: tuple[float, ...] | None = None, n: int = 10) -> Needs:
+    """10 layers of 100 MB: a 20 MB dense region and 8 sub-regions of 10 MB; a pass reads 4 of 8 uncached ones,
+    fewer as the cache holds more (the caller's estimate)."""
+    from offload.memory_plan import Parts
+
+    reads = reads or (4.0, 3.5, 3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0)
+    return Needs((100 * MB,) * n, needs().fixed_bytes, parts=Parts(tuple(range(n)), 10 * MB, 8, reads, "expert"))
+
+
+def test_a_streamed_layer_costs_its_dense_region_and_the_parts_read() -> None:
+    p = plan(moe_needs(), "cuda", ram_budget=10 * GB, gpu_budget=500 * MB, bandwidths=Bandwidths(ram=10e9, ssd=1e9))
+    assert counts(p) == (0, 10, 0) and p.cached_parts == 0             # 300 fixed + 2 slots: nothing left over
+    assert p.expected_s == pytest.approx(10 * (20 + 4 * 10) * MB / 10e9)    # not 10 x 100 MB
+    assert p.pass_bytes("ram") == pytest.approx(600 * MB) and p.tier_bytes("ram") == 1000 * MB
+
+
+def test_device_memory_left_over_caches_the_most_read_parts_of_each_streamed_layer() -> None:
+    # 300 fixed + 200 slots + 1 resident layer = 600 of 690: 90 MB left, one 10 MB part of each of the 9
+    # streamed layers (a second resident layer does not fit; one saves more than the cache its bytes would buy)
+    p = plan(moe_needs(), "cuda", ram_budget=10 * GB, gpu_budget=690 * MB, bandwidths=Bandwidths(ram=10e9, ssd=1e9))
+    assert counts(p) == (1, 9, 0) and p.cached_parts == 1 and p.parts_streamed == 9
+    ledger_sums_match(p)
+    assert p.device_bytes == 690 * MB and p.part_cache_bytes == 90 * MB
+    assert p.ledger()["device"]["expert cache"] == 90 * MB and "expert cache" in p.describe()
+    assert p.expected_s == pytest.approx(9 * (20 + 3.5 * 10) * MB / 10e9)
+    assert plan(moe_needs(), "cuda", ram_budget=10 * GB, gpu_budget=650 * MB).cached_parts == 0
+
+
+def test_the_cache_competes_with_resident_layers_for_the_fastest_pass() -> None:
+    """With reads that barely fall as the cache grows, resident layers win; with reads that fall fast (hot
+    parts), the same memory goes to the cache. Either way the plan is the cheapest of the candidates."""
+    flat = plan(moe_needs((4.0,) * 8 + (0.0,)), "cuda", ram_budget=10 * GB, gpu_budget=900 * MB)
+    steep = plan(moe_needs((4.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01, 0.0)), "cuda", ram_budget=10 * GB,
+                 gpu_budget=900 * MB)
+    assert len(flat.layers_in("resident")) > len(steep.layers_in("resident"))
+    assert steep.cached_parts >= 1 and steep.expected_s < flat.expected_s
+
+
+def test_cpu_parts_cache_takes_what_the_resident_layers_leave() -> None:
+    p = plan(moe_needs(), "cpu", ram_budget=300 * MB + 200 * MB + 2 * 100 * MB + 90 * MB)
+    assert counts(p) == (2, 0, 8) and p.cached_parts == 1                # 90 MB left: 8 streamed x 10 MB
+    assert p.device_bytes <= p.ram_budget
+    assert p.expected_s == pytest.approx(8 * (20 + 3.5 * 10) * MB / p.bandwidths.ssd)
+
+
+def test_parts_need_one_read_figure_per_cache_size() -> None:
+    from offload.memory_plan import Parts
+
+    with pytest.raises(ValueError, match="9 entries"):
+        Parts((0,), 10, 8, (1.0, 0.0))

@@ -87,3 +87,66 @@ def test_bad_buffers_and_layouts_fail_loudly() -> None:
 def test_small_layers_still_take_one_aligned_block() -> None:
     _, layout = pack_layer({"x": torch.zeros(1)})
     assert layout.nbytes == storage.ALIGN
+
+
+def expert_layer() -> dict[str, torch.Tensor]:
+    """A layer with a dense part (interleaved with the experts in the given order) and three experts."""
+    g = torch.Generator().manual_seed(3)
+    out = {"norm": torch.randn(7, generator=g)}
+    for e in range(3):
+        out[f"x.{e}.w"] = torch.randn(5 + e, 9, generator=g)
+        out[f"x.{e}.w.absmax"] = torch.randn(3, generator=g)
+    out["router"] = torch.randn(3, 9, generator=g)
+    return out
+
+
+def test_regions_start_and_end_aligned_each_holding_its_prefix() -> None:
+    tensors = expert_layer()
+    regions = ("x.0.", "x.1.", "x.2.")
+    buf, layout = pack_layer(tensors, {}, regions)
+    assert [r.name for r in layout.regions] == list(regions)
+    assert layout.dense_nbytes == layout.regions[0].offset == ALIGN              # norm and router first
+    assert [e.name for e in layout.entries[:2]] == ["norm", "router"]
+    end = layout.dense_nbytes
+    for r in layout.regions:
+        assert r.offset == end and r.offset % ALIGN == 0 and r.nbytes % ALIGN == 0      # back to back, aligned
+        assert {e.name for e in layout.region_entries(r.name)} == {n for n in tensors if n.startswith(r.name)}
+        end = r.offset + r.nbytes
+    assert end == layout.nbytes
+    out = unpack_layer(buf, layout)
+    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+    assert LayerLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+
+
+def test_one_region_alone_unpacks_from_its_own_bytes() -> None:
+    tensors = expert_layer()
+    buf, layout = pack_layer(tensors, {}, ("x.0.", "x.1.", "x.2."))
+    r = layout.region("x.1.")
+    alone = buf[r.offset:r.offset + r.nbytes].clone()                            # e.g. a slot of an expert cache
+    views = storage.unpack_region(alone, layout, "x.1.")
+    assert sorted(views) == ["x.1.w", "x.1.w.absmax"]
+    assert all(torch.equal(v, tensors[n]) and v.untyped_storage().data_ptr() == alone.untyped_storage().data_ptr()
+               for n, v in views.items())
+
+
+def test_a_layer_without_regions_packs_as_before() -> None:
+    tensors = expert_layer()
+    _, plain = pack_layer(tensors, {})
+    assert plain.regions == () and plain.dense_nbytes == plain.nbytes
+    assert [e.name for e in plain.entries] == list(tensors)                        # the given order
+    assert "regions" not in plain.to_dict()                                        # its manifest reads as before
+
+
+@pytest.mark.parametrize("regions, why", [(("x.0.", "x.0."), "distinct"), (("x.0.", "y."), "holds no tensor")])
+def test_bad_regions_are_refused(regions: tuple[str, ...], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        plan_layout({n: (t.dtype, tuple(t.shape)) for n, t in expert_layer().items()}, {}, regions)
+
+
+def test_a_region_holding_another_prefix_fails_the_check() -> None:
+    _, layout = pack_layer(expert_layer(), {}, ("x.0.", "x.1.", "x.2."))
+    d = layout.to_dict()
+    d["regions"][0]["offset"] = 0                                                  # now it starts on "norm"
+    d["regions"][0]["nbytes"] = d["regions"][1]["offset"]
+    with pytest.raises(ValueError, match="another region"):
+        LayerLayout.from_dict(d)

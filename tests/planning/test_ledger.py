@@ -205,6 +205,21 @@ def test_config_only_sizes_equal_the_real_objects(tiny_pair, fmt: str) -> None:
     assert kv_bytes(a, 77, 4) == KVCache(a.n_layers, a.n_kv_heads, a.head_dim, 77, torch.float32, "cpu").nbytes
 
 
+@pytest.mark.parametrize("fmt", ["none", "int8"])
+def test_moe_sizes_equal_the_layer_cache_layouts(tiny_qwen3_moe, fmt: str) -> None:
+    """An MoE target's per-layer bytes and its dense / per-expert split (planning, from config.json) are the
+    layer cache's layouts from the checkpoint's headers: each expert a region of one size."""
+    from specexec.planning.sizes import expert_split, layer_sizes
+
+    args = read_args(tiny_qwen3_moe)
+    layouts = cache_plan(tiny_qwen3_moe, layer_names(tiny_qwen3_moe, args), fmt, torch.float32, False)
+    assert [lay.nbytes for lay in layouts] == list(layer_sizes(args, fmt, torch.float32))
+    for i, lay in enumerate(layouts):
+        dense, expert = expert_split(args, fmt, torch.float32, "cpu", i)
+        assert dense == lay.dense_nbytes and {r.nbytes for r in lay.regions} == ({expert} if expert else set())
+        assert dense + args.moe.n_experts * expert == lay.nbytes if expert else dense == lay.nbytes
+
+
 def test_runtime_plans_before_loading_and_counts_the_draft_once(tiny_pair, tmp_path, monkeypatch) -> None:
     """The plan is made (and shown) before any weight loads; its draft line equals the loaded draft's bytes."""
     import specexec.runtime.assembly as runtime_mod
@@ -283,3 +298,29 @@ def test_kv_quant_int8_is_lossy_and_counts_its_smaller_bytes(capsys) -> None:
     assert lossy["predicted_seconds_per_pass"] < exact["predicted_seconds_per_pass"]
     code, text, _ = plan_cli(capsys, *LONG, "--context", "32768", "--kv-quant", "int8")
     assert code == 0 and "LOSSY" in text
+
+
+def test_a_streamed_moe_target_is_priced_by_its_expected_expert_union(capsys, tiny_qwen3_moe) -> None:
+    """`specexec plan` for an MoE target: a streamed sparse layer costs its dense part plus the experts a pass
+    is expected to read (uniform prior), more at larger budgets but never all; the ledger's expert cache (when
+    any) fits the budget; the text says so."""
+    from specexec.planning.sizes import expert_split, layer_sizes
+
+    args = read_args(tiny_qwen3_moe)
+    dense, expert = expert_split(args, "int8", torch.float32, "cpu", 0)
+    out = plan_json(capsys, "--model", str(tiny_qwen3_moe), "--device", "cpu", "--quant", "int8",
+                    "--offload", "ssd", "--ram-budget", "64MB")
+    moe = out["moe"]
+    assert moe["experts"] == 16 and moe["top_k"] == 4 and moe["sparse_layers"] == 2      # layer 1 is dense
+    assert moe["dense_bytes_per_layer"] == dense and moe["expert_bytes"] == expert
+    by = moe["by_budget"]
+    reads = [by[b]["experts_read_per_layer"] for b in ("0", "16", "64", "256")]
+    seconds = [by[b]["seconds_per_pass"] for b in ("0", "16", "64", "256")]
+    assert reads[0] == pytest.approx(4.0, abs=0.01) and reads == sorted(reads) and reads[1] < 16
+    assert seconds == sorted(seconds) and seconds[0] < seconds[-1]
+    every = sum(layer_sizes(args, "int8", torch.float32)) / 1.5e9          # what reading whole layers would cost
+    at64 = out["predicted_seconds_per_pass"]
+    assert at64 == pytest.approx(by["64"]["seconds_per_pass"], abs=1e-4) and at64 < every
+    code, text, _ = plan_cli(capsys, "--model", str(tiny_qwen3_moe), "--device", "cpu", "--quant", "int8",
+                             "--offload", "ssd", "--ram-budget", "64MB")
+    assert code == 0 and "MoE: 16 experts, top-4" in text and "budget   16:" in text

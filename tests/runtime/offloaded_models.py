@@ -30,5 +30,7 @@ def reference(path: Path, fmt: str) -> torch.nn.Module:
     return model
 
 
-def offloaded(path: Path, fmt: str, tiers: list[str], root: Path) -> OffloadedTransformer:
-    return build_offloaded(path, read_args(path), open_cache(path, fmt, root), tiers, CPU, torch.float32)
+def offloaded(path: Path, fmt: str, tiers: list[str], root: Path, expert_cache: int = 0) -> OffloadedTransformer:
+    """expert_cache: experts of each streamed MoE layer the device cache keeps (specexec/runtime/expert_stream)."""
+    return build_offloaded(path, read_args(path), open_cache(path, fmt, root), tiers, CPU, torch.float32,
+                           expert_cache=expert_cache)

@@ -1,0 +1,155 @@
+"""A streamed mixture-of-experts layer in two phases, and the device cache of hot experts.
+
+The layer cache packs a sparse layer as its dense part (norms, attention, router, a shared expert) and then each
+routed expert as its own region (specexec/checkpoints/naming.expert_regions). The pager's read-ahead moves only
+the dense part (offload/streaming/parts.py: the layer's head) into the slot; the layer runs its attention and
+router, and the Block hands the routing of every row of the pass (every node of the tree) to the model's
+RoutingLog before any expert runs (specexec/model.py). `ExpertStream` is that log: at `record` it finds the
+pass's distinct experts (the layer's one host sync: the union over every row is exact, not predicted), binds
+the ones the device expert cache holds to their cache copies (no copy), and asks the pager for the others'
+regions (`fill_ranges`: from the RAM tier or, per expert, from the SSD tier), which land at their offsets in
+the slot where the Block's experts are already bound. Then the experts run. Bytes are the same as a resident
+layer's, so the output is the resident model's, bit for bit.
+
+`ExpertCache`: per streamed sparse layer, room for `per_layer` experts on the device (the plan's expert cache:
+offload Plan.cached_parts), kept for the most often routed-to experts of that layer (decayed counts of the
+passes that routed to each): an expert fetched into a slot whose count ranks it among the hottest is also copied
+into the cache (a device copy), evicting a colder one. Counters (what stats.moe reports): bytes of experts
+moved into slots, routed experts looked up in streamed layers and found in the cache.
+
+On a CPU the "device" is the CPU: the same mechanism runs (the cache saves a RAM-tier memcpy or a disk read).
+
+Does not know: trees, tokens, how bytes move (the pager's), the engine.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from offload.quant.linear import bind_module
+from offload.streaming.storage import LayerLayout, unpack_region
+
+from specexec.checkpoints.naming import EXPERT_PREFIX
+from specexec.expert_passes import ExpertPasses
+from specexec.moe import RoutingLog, Routing
+
+COUNT_DECAY = 0.95          # an expert's routing count halves in ~14 passes without it
+
+
+def bind_expert(block: nn.Module, e: int, views: dict[str, Tensor], meta: dict) -> None:
+    """Point expert e of a sparse Block at views of its own region (full packed names, e.g. those of
+    unpack_region); no copy."""
+    prefix = f"{EXPERT_PREFIX}{e}."
+    rel = {k[len(prefix):]: v for k, v in views.items() if k.startswith(prefix)}
+    weights = {k[len(prefix):]: w for k, w in meta["weights"].items() if k.startswith(prefix)}
+    bind_module(block.mlp.experts[e], rel, {**meta, "weights": weights})
+
+
+class ExpertCache:
+    """Device copies of the hottest experts of each streamed sparse layer (see the module docstring)."""
+
+    def __init__(self, layouts: dict[int, LayerLayout], n_experts: int, per_layer: int, device: torch.device) -> None:
+        self.layouts, self.n_experts, self.per_layer = layouts, n_experts, per_layer
+        self.counts = {i: torch.zeros(n_experts, dtype=torch.float64) for i in layouts}
+        self.where: dict[int, dict[int, int]] = {i: {} for i in layouts}         # layer -> expert -> entry
+        self.views: dict[tuple[int, int], dict[str, Tensor]] = {}
+        self.buffers = {i: torch.empty(per_layer, lay.regions[0].nbytes, dtype=torch.uint8, device=device)
+                        for i, lay in layouts.items()} if per_layer else {}
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers.values())
+
+    def held(self, i: int) -> set[int]:
+        return set(self.where.get(i, {}))
+
+    def observe(self, i: int, experts: Sequence[int]) -> None:
+        """The pass routed rows of layer i to `experts`: decayed counts."""
+        c = self.counts[i]
+        c.mul_(COUNT_DECAY)
+        c[list(experts)] += 1.0
+
+    def lookup(self, i: int, e: int) -> dict[str, Tensor] | None:
+        """Views of expert e of layer i in the cache (full packed names), or None."""
+        entry = self.where[i].get(e)
+        return None if entry is None else self.views[(i, entry)]
+
+    def offer(self, i: int, experts: Sequence[int], slot: Tensor) -> None:
+        """Experts of layer i just brought into `slot` (the layer's packed bytes): keep the hottest of them, each
+        in a free entry or in place of a colder cached one."""
+        if not self.per_layer:
+            return
+        counts, where, lay = self.counts[i], self.where[i], self.layouts[i]
+        for e in sorted(experts, key=lambda x: -float(counts[x])):
+            if len(where) < self.per_layer:
+                entry = len(where)
+            else:
+                coldest = min(where, key=lambda x: float(counts[x]))
+                if float(counts[coldest]) >= float(counts[e]):
+                    continue
+                entry = where.pop(coldest)
+            r = lay.region(f"{EXPERT_PREFIX}{e}.")
+            buf = self.buffers[i][entry]
+            buf.copy_(slot[r.offset:r.offset + r.nbytes])
+            where[e] = entry
+            self.views[(i, entry)] = unpack_region(buf, lay, r.name)
+
+
+class ExpertStream(RoutingLog):
+    """The RoutingLog of an offloaded MoE target: brings each streamed sparse layer's routed experts onto the
+    device as the layer routes (see the module docstring). `model` is the OffloadedTransformer; its `current`
+    says which layer, slot and Block the pager handed out last."""
+
+    def __init__(self, model: nn.Module, cache: ExpertCache) -> None:
+        super().__init__()
+        self.model, self.cache = model, cache
+        self.counters = {"expert_bytes": 0.0, "expert_hits": 0.0, "expert_lookups": 0.0}
+
+    def record(self, layer: int, routing: Routing) -> None:
+        super().record(layer, routing)
+        i, slot, block, buf = self.model.current
+        if i != layer or slot < 0:                    # a resident layer holds every expert
+            return
+        experts = routing.experts()                   # the layer's one host sync
+        lay = self.model.layouts[i]
+        meta = lay.meta
+        need = []
+        for e in experts:
+            views = self.cache.lookup(i, e)
+            if views is not None:
+                bind_expert(block, e, views, meta)
+            else:
+                need.append(e)
+        ranges = [(r.offset, r.nbytes) for r in (lay.region(f"{EXPERT_PREFIX}{e}.") for e in need)]
+        moved = self.model.pager.fill_ranges(i, slot, ranges)
+        self.counters["expert_bytes"] += moved
+        self.counters["expert_hits"] += len(experts) - len(need)
+        self.counters["expert_lookups"] += len(experts)
+        self.cache.observe(i, experts)
+        self.cache.offer(i, need, buf)
+
+
+def expert_passes(target: nn.Module, tiers: Sequence[str] | None = None, ram_bps: float = 0.0,
+                  ssd_bps: float = 0.0, device: torch.device | str = "cpu", mode: str = "experts"
+                  ) -> ExpertPasses | None:
+    """The engine's MoE companion for this target (None for a dense one), with the cost of a pass the plan
+    implies: per sparse layer, seconds to bring one expert onto the device from its tier (its region's bytes
+    over the tier's bandwidth; 0 when resident), and as the rest of a pass the dense parts' bytes of the
+    streamed layers over theirs (flat in the rows: compute assumed hidden behind the copies, as the plan
+    assumes). tiers None: a resident target (every expert held: nothing to price, stats only)."""
+    args = target.args
+    if args.moe is None:
+        return None
+    sparse = [i for i in range(args.n_layers) if args.moe.sparse(i)]
+    layouts = getattr(target, "layouts", None)
+    if layouts is None or tiers is None:
+        expert = target.layers[sparse[0]].mlp.experts[0]
+        nbytes = sum(p.numel() * p.element_size() for p in expert.parameters())
+        return ExpertPasses(args, expert_bytes=nbytes, mode=mode, device=device)
+    rate = {"ram": ram_bps, "ssd": ssd_bps}
+    nbytes = layouts[sparse[0]].regions[0].nbytes if layouts[sparse[0]].regions else 0
+    seconds = [0.0 if tiers[i] == "resident" or not rate[tiers[i]] else nbytes / rate[tiers[i]] for i in sparse]
+    base = sum(layouts[i].dense_nbytes / rate[t] for i, t in enumerate(tiers) if t != "resident" and rate[t])
+    return ExpertPasses(args, torch.tensor(seconds, dtype=torch.float64), nbytes, base=lambda rows: base,
+                        mode=mode, device=device)
