@@ -19,11 +19,11 @@ from cli.serve import command as serve
 from cli.bench import main as bench
 from cli import catalog as models_cmd
 from cli.bench import accept as bench_accept
-from cli.bench import attention as bench_attention
+from cli.bench.components import attention as bench_attention
 from cli.bench import builders as bench_builders
-from cli.bench import kernels as bench_kernels
-from cli.bench import moe as bench_moe
-from cli.bench import stream as bench_stream
+from cli.bench.components import kernels as bench_kernels
+from cli.bench.components import moe as bench_moe
+from cli.bench.components import stream as bench_stream
 from cli.errors import INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, report, sigterm_raises
 
 COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)

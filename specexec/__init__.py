@@ -15,7 +15,7 @@ Public API (exactly `specexec.__all__`; each name is imported on first use, so `
 - `ConfigError`: every invalid setting raises it, with one line saying what to change.
 - `TreeBuilder`: what a tree builder is (specexec/builders/base.py).
 - `make_builder`: a builder by name ("specexec", "chain", "static", "dynamic", ...), with its options.
-- `Transformer`: the resident Llama-family network (specexec/model.py).
+- `Transformer`: the resident Llama-family network (specexec/network/model.py).
 - `load_model`: a checkpoint directory -> a resident `Transformer` in eval mode.
 - `read_args`: a checkpoint directory -> its `ModelArgs`.
 - `resolve_model_path`: a path, a catalogue name or a hub id -> a local checkpoint directory.
@@ -55,7 +55,7 @@ _WHERE = {
     "ConfigError": "specexec.options",
     "TreeBuilder": "specexec.builders.base",
     "make_builder": "specexec.runtime.assembly",
-    "Transformer": "specexec.model",
+    "Transformer": "specexec.network.model",
     "load_model": "specexec.checkpoints.loading",
     "read_args": "specexec.checkpoints.loading",
     "resolve_model_path": "specexec.checkpoints.loading",

@@ -25,7 +25,7 @@ EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 @dataclass(frozen=True)
 class MoEArgs:
     """The sparse feed-forward of a mixture-of-experts decoder (None in ModelArgs for a dense one); the maths is
-    specexec/moe.py.
+    specexec/network/moe.py.
 
     Each token's router (a [n_experts, dim] linear, with a bias when `router_bias`) scores every expert and
     keeps the `top_k` best; `router` says how scores become weights: "softmax" (softmax over all experts, then

@@ -9,7 +9,7 @@
              once its times are known the budget tuner and a cost-following builder hear them.
 
 With no builder the same loop is plain autoregressive decoding (the baseline). Optional abilities of the
-builder and the models (specexec/builders/base.py, specexec/model.py Protocols) are checked once, when the
+builder and the models (specexec/builders/base.py, specexec/network/model.py Protocols) are checked once, when the
 engine is built. `--budget auto` calibration: the engine measures target passes when its tuner has no costs
 and hands them to `on_calibrated`; saving and loading them is the runtime's (specexec/tuning/calibration.py).
 
@@ -26,11 +26,11 @@ import torch
 
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
-from specexec import longrope
+from specexec.network import longrope
 from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
 from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.kv.cache import KVCache, kv_slots_for
-from specexec.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
+from specexec.network.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
 from specexec.profiler import Profiler, Span
 from specexec.generation import GenerationStats, PrefillProgress
@@ -295,7 +295,7 @@ class Engine:
         """Stage 1: the builder grows a tree under `root` (the tuner, which first hears the steps whose times
         have settled, picks its budget); with no builder a root-only tree. The span stops on the host and
         CUDA events, never with a host sync."""
-        if self.builder is None or cap == 0:         # nothing drafted (cap: specexec/longrope.py): span empty
+        if self.builder is None or cap == 0:         # nothing drafted (cap: specexec/network/longrope.py): span empty
             tree = TokenTree.root_only(root, self.device)
             return Drafted(tree, None, 0, self.profiler.start("draft").stop())
         span = self.profiler.start("draft")

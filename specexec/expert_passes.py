@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from specexec.config import ModelArgs
-from specexec.moe import RoutingLog
+from specexec.network.moe import RoutingLog
 from specexec.profiler import Profiler
 from specexec.tree import TokenTree
 from specexec.tuning.expert_trim import TreeCost, node_budget, score_values, select

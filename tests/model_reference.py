@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specexec.kv.cache import KVCache
-from specexec.model import Transformer, TreeMask, prefix_tree_mask
+from specexec.network.model import Transformer, TreeMask, prefix_tree_mask
 
 TOL = 1e-4
 

@@ -35,6 +35,6 @@ def test_the_torch_floor_has_every_api_the_code_calls() -> None:
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     floor = next(tuple(int(x) for x in m.groups()) for d in deps if (m := re.fullmatch(r"torch>=(\d+)\.(\d+)", d)))
-    calls = re.findall(r"SDPAParams\(([^()]*)\)", (ROOT / "specexec/attention.py").read_text())
+    calls = re.findall(r"SDPAParams\(([^()]*)\)", (ROOT / "specexec/network/attention.py").read_text())
     assert calls and all(len(c.split(",")) == 7 for c in calls)
     assert floor >= (2, 5), floor

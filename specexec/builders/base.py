@@ -16,7 +16,7 @@ import torch
 
 from specexec.config import SamplingParams
 from specexec.kv.cache import KVCache
-from specexec.model import Transformer, TreeMask
+from specexec.network.model import Transformer, TreeMask
 from specexec.tree import TokenTree
 from specexec.builders import draft_graphs
 

@@ -29,7 +29,7 @@ from specexec.families import model_args
 from specexec.families.weights import checkpoint_refs, unused_tensors
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.checkpoints.hub import HubOptions
-from specexec.model import Transformer, on_meta
+from specexec.network.model import Transformer, on_meta
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}   # options names the choices

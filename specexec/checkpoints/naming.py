@@ -24,10 +24,10 @@ from offload.formats.sources import open_source
 from specexec.checkpoints.loading import check_tensors, expected_shapes
 from specexec.config import ModelArgs
 from specexec.families.weights import checkpoint_refs
-from specexec.model import Block, on_meta
+from specexec.network.model import Block, on_meta
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
-EXPERT_PREFIX = "mlp.experts."         # + "{e}.": one routed expert's tensors (specexec/moe.py)
+EXPERT_PREFIX = "mlp.experts."         # + "{e}.": one routed expert's tensors (specexec/network/moe.py)
 
 
 def sparse_layer(args: ModelArgs, layer: int) -> bool:

@@ -3,7 +3,7 @@ named maths options of ModelArgs (specexec/config.py).
 
 Every difference between families (q/k norms, biases, sliding windows, soft-capping, fused projections,
 mixture-of-experts routing, ...) is a named option of ModelArgs that one family module reads from config.json;
-the network (specexec/model.py) branches on those options, never on a family's name. `registry.py` holds the
+the network (specexec/network/model.py) branches on those options, never on a family's name. `registry.py` holds the
 one table of architectures; `model_args(cfg)` is the entry point; weights.py maps a family's checkpoint
 tensor names onto the network's.
 """

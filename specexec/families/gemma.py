@@ -16,7 +16,7 @@ checkpoints, the head beside it as language_model.lm_head) or model.language_mod
 the head at the top level): STORED_PREFIXES for specexec/families/weights.py, which reads both; UNUSED names the
 vision tower and projector.
 
-Does not know: the network (specexec/model.py), tensors' data.
+Does not know: the network (specexec/network/model.py), tensors' data.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ columns interleaved: gate = 0::2, up = 1::2), gate_up_proj_bias [E, 2I], down_pr
 gate_up_proj/down_proj as _blocks/_scales pairs, which offload/formats/mxfp4.py reads as these same dense
 tensors.
 
-Does not know: the network (specexec/model.py, specexec/moe.py, specexec/attention.py), how tensors are read.
+Does not know: the network (specexec/network/model.py, specexec/network/moe.py, specexec/network/attention.py), how tensors are read.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 biases) and Qwen3 (q/k RMSNorm), all one pre-norm SwiGLU decoder. With use_sliding_window, Mistral slides in
 every layer, Qwen in the layers its layer_types say (default: from max_window_layers on, as transformers).
 
-Does not know: the network (specexec/model.py), checkpoints.
+Does not know: the network (specexec/network/model.py), checkpoints.
 """
 from __future__ import annotations
 

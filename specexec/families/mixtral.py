@@ -3,7 +3,7 @@ softmax router, top `num_experts_per_tok`, the kept weights always renormalised.
 on its own as block_sparse_moe.experts.N.{w1 (gate), w3 (up), w2 (down)} and the router as
 block_sparse_moe.gate.
 
-Does not know: the network (specexec/model.py, specexec/moe.py), how tensors are read.
+Does not know: the network (specexec/network/model.py, specexec/network/moe.py), how tensors are read.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ with q, k and v optionally clamped to +-clip_qkv after them, and a routed feed-f
 of intermediate_size: softmax router, top `num_experts_per_tok`, `norm_topk_prob` (default off). Checkpoints
 store every expert on its own (mlp.experts.N.{gate,up,down}_proj), the router as mlp.gate.
 
-Does not know: the network (specexec/model.py, specexec/moe.py), how tensors are read.
+Does not know: the network (specexec/network/model.py, specexec/network/moe.py), how tensors are read.
 """
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ RoPE: partial rotary where the config says so (partial_rotary_factor: Phi-4-mini
 and LongRoPE ("longrope", older configs "su"): per-frequency short and long factors, cos/sin scaled by the
 attention factor (sqrt(1 + ln(max_position_embeddings / original) / ln(original)) unless given). Which
 factors apply follows transformers: the long ones once the sequence exceeds original_max_position_embeddings
-(specexec/rope.py; the engine re-runs the context when a generation crosses that length, as transformers'
+(specexec/network/rope.py; the engine re-runs the context when a generation crosses that length, as transformers'
 generate does). A sliding window, where the config has one (Phi-3-mini-4k: 2047), applies to every layer.
 
-Does not know: the network (specexec/model.py), checkpoints' tensors.
+Does not know: the network (specexec/network/model.py), checkpoints' tensors.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ scaled by sigmoid of a [1, D] gate). Both route with a softmax over `num_experts
 or `decoder_sparse_step` say. Checkpoints store every expert on its own (mlp.experts.N.{gate,up,down}_proj),
 the router as mlp.gate, the shared expert as mlp.shared_expert(_gate).
 
-Does not know: the network (specexec/model.py, specexec/moe.py), how tensors are read.
+Does not know: the network (specexec/network/model.py, specexec/network/moe.py), how tensors are read.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checkpoint tensor names -> the network's parameter names: the one mapping every reader uses.
 
-The network's names are the Hub checkpoints' names without the leading "model." (specexec/model.py; the MoE
-names in specexec/moe.py). Where a family's checkpoint names a tensor otherwise, or stores several of ours in
+The network's names are the Hub checkpoints' names without the leading "model." (specexec/network/model.py; the MoE
+names in specexec/network/moe.py). Where a family's checkpoint names a tensor otherwise, or stores several of ours in
 one tensor, its module lists WEIGHT_RULES: each Rule (specexec/families/rules.py) matches our name inside a
 decoder layer (a regex over e.g. "mlp.experts.3.gate_proj.weight") and names the stored tensor inside the same
 layer (a template with the regex's groups), with the piece to take (offload/formats/refs.TensorRef: one expert

@@ -17,7 +17,7 @@ is used and rows committed since are missing, they are topped up (on the compute
 copy of the last commit's rows when that covers them (no host round trip), else from the host rows.
 Truncation lowers what every stage counts as valid.
 
-A sliding-window layer (window W) attends only to the committed rows [L - W + 1, L) (specexec/attention.py drops
+A sliding-window layer (window W) attends only to the committed rows [L - W + 1, L) (specexec/network/attention.py drops
 the older ones from its plan), so only those are staged and topped up: its bytes in per pass are at most W - 1
 rows, whatever the context. A stage records the rows [lo, valid) it holds; rows below lo are never read.
 

@@ -35,7 +35,7 @@ import torch
 from offload.memory_plan import GB, Needs
 
 from specexec.config import PREFILL_CHUNK
-from specexec.model import LOGIT_CHUNK
+from specexec.network.model import LOGIT_CHUNK
 from specexec.planning.experts import expert_parts
 from specexec.planning.run_shape import RunShape, self_layer_ids
 from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes, weight_bytes

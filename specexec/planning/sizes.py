@@ -24,7 +24,7 @@ from offload.streaming.storage import LayerLayout, plan_layout
 from specexec.checkpoints.naming import expert_regions, kind_specs, sparse_layer
 from specexec.config import ModelArgs
 from specexec.kv.rows import row_bytes
-from specexec.model import LOGIT_CHUNK
+from specexec.network.model import LOGIT_CHUNK
 
 PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
 MATH_COPIES = 3               # fp32 score tensors plain-maths attention holds at once (scores, capped, probs)
@@ -122,7 +122,7 @@ def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: st
     outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
     up and product, the attention (attention_bytes), one dequantized weight (when the format's kernel on
     `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy;
-    with an int8 cache, one layer's dequantized K/V. An MoE layer (specexec/moe.py) counts its widest MLP (the
+    with an int8 cache, one layer's dequantized K/V. An MoE layer (specexec/network/moe.py) counts its widest MLP (the
     dense one, an expert's over all T rows, the shared expert's), the router's fp32 scores, the top-k pairs
     sorted by expert and the output it accumulates."""
     T, D, I = tokens, args.dim, args.intermediate_size

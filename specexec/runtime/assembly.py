@@ -52,7 +52,7 @@ from specexec.engine import Engine
 from specexec.expert_passes import ExpertPasses
 from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
                                       resolve_model_path)
-from specexec.model import Streams, Transformer
+from specexec.network.model import Streams, Transformer
 from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.planning.target import TargetPlan, plan_target
 from specexec.runtime.expert_stream import expert_passes

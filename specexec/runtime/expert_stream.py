@@ -4,7 +4,7 @@ The layer cache packs a sparse layer as its dense part (norms, attention, router
 routed expert as its own region (specexec/checkpoints/naming.expert_regions). The pager's read-ahead moves only
 the dense part (offload/streaming/parts.py: the layer's head) into the slot; the layer runs its attention and
 router, and the Block hands the routing of every row of the pass (every node of the tree) to the model's
-RoutingLog before any expert runs (specexec/model.py). `ExpertStream` is that log: at `record` it finds the
+RoutingLog before any expert runs (specexec/network/model.py). `ExpertStream` is that log: at `record` it finds the
 pass's distinct experts (the layer's one host sync: the union over every row is exact, not predicted), binds
 the ones the device expert cache holds to their cache copies (no copy), and asks the pager for the others'
 regions (`fill_ranges`: from the RAM tier or, per expert, from the SSD tier), which land at their offsets in
@@ -33,7 +33,7 @@ from offload.streaming.storage import LayerLayout, unpack_region
 
 from specexec.checkpoints.naming import EXPERT_PREFIX
 from specexec.expert_passes import ExpertPasses
-from specexec.moe import RoutingLog, Routing
+from specexec.network.moe import RoutingLog, Routing
 
 COUNT_DECAY = 0.95          # an expert's routing count halves in ~14 passes without it
 

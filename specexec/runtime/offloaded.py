@@ -36,7 +36,7 @@ from offload.streaming.storage import LayerLayout, unpack_layer
 from specexec.checkpoints.naming import read_resident, sparse_layer
 from specexec.config import ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
-from specexec.model import Block, Transformer, on_meta
+from specexec.network.model import Block, Transformer, on_meta
 from specexec.options import ConfigError
 from specexec.planning.target import TargetPlan
 from specexec.runtime.expert_stream import ExpertCache, ExpertStream

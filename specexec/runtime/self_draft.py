@@ -38,7 +38,7 @@ from offload.streaming.tiers import ResidentTier, fill, host_buffer
 from specexec.config import ModelArgs
 from specexec.options import SELF_DRAFT, ConfigError
 from specexec.planning.run_shape import SelfDraftShape
-from specexec.model import Block, Transformer, on_meta
+from specexec.network.model import Block, Transformer, on_meta
 
 SELF = SELF_DRAFT
 Say = Callable[[str], None]

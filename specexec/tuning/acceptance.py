@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from specexec.config import SamplingParams
-from specexec.model import LOGIT_CHUNK, Transformer
+from specexec.network.model import LOGIT_CHUNK, Transformer
 from specexec.options import ConfigError
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specexec.abilities import has
-from specexec.model import Transformer
+from specexec.network.model import Transformer
 from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit
 from specexec.tuning.store import store_path
 

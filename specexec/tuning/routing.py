@@ -142,7 +142,7 @@ class RoutingStats:
 
     def observe(self, tokens: Tensor, routing: Mapping[int, Tensor]) -> None:
         """One target pass: tokens [T] of its rows and, per sparse layer, their routing index [T, k]
-        (specexec.moe.RoutingLog.layers). One host read (the pass's unions and repeat rate)."""
+        (specexec.network.moe.RoutingLog.layers). One host read (the pass's unions and repeat rate)."""
         index = torch.stack([routing[i].reshape(-1, self.top_k) for i in self.layers], dim=1).to(self.device)
         T = index.shape[0]                                                          # index [T, L, k]
         p_before = self.frequencies()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specexec.model import soft_cap
+from specexec.network.model import soft_cap
 from specexec.tuning.store import read_json, store_path, write_json
 
 AUTO_MIN = 8192          # --draft-vocab auto: at least this many tokens (or the whole vocabulary)

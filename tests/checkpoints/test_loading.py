@@ -188,7 +188,7 @@ def test_missing_or_invalid_config(tiny_llama: Path, tmp_path: Path) -> None:
 def test_on_meta_builds_without_init_and_restores_it() -> None:
     from torch import nn
 
-    from specexec.model import on_meta
+    from specexec.network.model import on_meta
 
     calls = []
     saved = nn.init.normal_

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cli.bench.attention import parse_contexts
+from cli.bench.components.attention import parse_contexts
 from cli.main import main
 from specexec.options import ConfigError
 

@@ -1,4 +1,4 @@
-"""`specexec bench kernels` (cli/bench/kernels.py): every candidate kernel runs at the table's shapes, the table
+"""`specexec bench kernels` (cli/bench/components/kernels.py): every candidate kernel runs at the table's shapes, the table
 and JSON rows, and bad input as one line."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from cli.bench import kernels
+from cli.bench.components import kernels
 from cli.main import main
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cli.bench.common import Result
-from cli.bench.moe import equal_time
+from cli.bench.components.moe import equal_time
 from cli.main import main
 
 

@@ -1,4 +1,4 @@
-"""Split attention (specexec/attention.py) against the dense-mask path, and what it builds per forward.
+"""Split attention (specexec/network/attention.py) against the dense-mask path, and what it builds per forward.
 
 The committed prefix is attended without a mask, the new tokens' own keys with the small tree/causal mask,
 and the parts are merged by log-sum-exp. Checked here, all in fp32 on tiny models:
@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specexec import attention
-from specexec.attention import TreeMask, attend, build_plan
+from specexec.network import attention
+from specexec.network.attention import TreeMask, attend, build_plan
 from specexec.builders.base import DraftState
 from specexec.kv.cache import KVCache
 from specexec.checkpoints.loading import load_model
-from specexec.model import Transformer, prefix_tree_mask
+from specexec.network.model import Transformer, prefix_tree_mask
 from specexec.tree import TokenTree
 from tests.tiny_models import write_tiny_model
 
@@ -240,7 +240,7 @@ def test_the_mask_is_built_once_per_forward_never_per_layer_never_over_the_prefi
     G, P, T = a.n_heads // a.n_kv_heads, 1000, 24
     assert G > 1 and T != a.head_dim
     calls = []
-    monkeypatch.setattr("specexec.model.build_plan", lambda *x, **k: calls.append(1) or build_plan(*x, **k))
+    monkeypatch.setattr("specexec.network.model.build_plan", lambda *x, **k: calls.append(1) or build_plan(*x, **k))
     log = logged_forward(model, P, T, dense=False)
     assert len(calls) == 1                                          # one plan per forward, 8 layers
     masks = [o for o in log.outputs if o[1][-2:] == (T, T) and o[2].is_floating_point]

@@ -14,7 +14,7 @@ from specexec.abilities import has
 from specexec.builders.base import FollowsCosts, KeepsDraftProbs, LearnsFromTarget
 from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.model import Closes, MakesCache, PlansPrefill
+from specexec.network.model import Closes, MakesCache, PlansPrefill
 from specexec.options import ConfigError
 from specexec.runtime.assembly import make_builder
 from tests.tiny_models import load_pair_models, prompt

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specexec.attention import TreeMask, attend, build_plan
+from specexec.network.attention import TreeMask, attend, build_plan
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.kv.cache import KVCache
 from specexec.runtime.assembly import Runtime
-from specexec.rope import long_switch
+from specexec.network.rope import long_switch
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
 from tests.model_reference import TOL, hf_model, new_cache, prefill

@@ -28,7 +28,7 @@ from specexec.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.kv.rows import row_bytes
 from specexec.checkpoints.loading import load_model, read_args
-from specexec.model import TreeMask
+from specexec.network.model import TreeMask
 from specexec.checkpoints.naming import layer_names
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
 from specexec.runtime.assembly import Runtime

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specexec.attention import build_plan
+from specexec.network.attention import build_plan
 from specexec.config import LayerKind
-from specexec.model import TreeMask
+from specexec.network.model import TreeMask
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
 from tests.model_reference import TOL, hf_model, new_cache, prefill
@@ -45,7 +45,7 @@ def test_alternating_windows_match_transformers(alternating: Path, monkeypatch: 
     ids = torch.randint(7, ours.args.vocab_size, (23,), generator=torch.Generator().manual_seed(3))
     want = ref(ids[None]).logits[0]
     calls: list[int | None] = []
-    monkeypatch.setattr("specexec.model.build_plan", lambda *a, **k: calls.append(a[3]) or build_plan(*a, **k))
+    monkeypatch.setattr("specexec.network.model.build_plan", lambda *a, **k: calls.append(a[3]) or build_plan(*a, **k))
     cache = new_cache(ours)
     got = torch.cat([prefill(ours, cache, ids[a:b]) for a, b in [(0, 9), (9, 16), (16, 17), (17, 23)]])
     assert (got - want).abs().max() < TOL

@@ -1,4 +1,4 @@
-"""specexec.model against transformers' own implementation of the same tiny checkpoints (fp32).
+"""specexec.network.model against transformers' own implementation of the same tiny checkpoints (fp32).
 
 Covers a prefill, a cached one-token decode step and a tree forward (each node's logits equal the reference
 run on its root-to-node path), for every family fixture, plus a Mistral sliding window, with the engine's
@@ -13,7 +13,7 @@ import torch
 
 from specexec.kv.cache import KVCache
 from specexec.checkpoints.loading import load_model
-from specexec.model import TreeMask, prefix_tree_mask
+from specexec.network.model import TreeMask, prefix_tree_mask
 from specexec.tree import TokenTree
 from tests.model_reference import TOL, TREE_PARENTS, hf_model, new_cache, prefill
 from tests.tiny_models import write_tiny_model

@@ -4,7 +4,7 @@ Per MoE family (tests/conftest.py MOE_MODELS): logits of a prefill, a cached dec
 a tree forward whose every node equals transformers on its root-to-node path, with the split prefix/tree
 attention and with a dense mask; and greedy ids equal to transformers' `generate` through the whole runtime,
 without a draft and with one, resident and with every layer streamed from the SSD tier. Also the block's own
-contract for streaming (specexec/moe.py): routing first, recorded per sparse layer, then experts; the grouped
+contract for streaming (specexec/network/moe.py): routing first, recorded per sparse layer, then experts; the grouped
 expert computation equals a per-row reference; quantized experts streamed equal the same quantization resident.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from specexec.config import EngineConfig, ModelArgs, MoEArgs, OffloadConfig
-from specexec.model import Block, Transformer, TreeMask
-from specexec.moe import GatedMLP, Routing, RoutingLog, SparseMLP
+from specexec.network.model import Block, Transformer, TreeMask
+from specexec.network.moe import GatedMLP, Routing, RoutingLog, SparseMLP
 from specexec.runtime.assembly import Runtime
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
@@ -43,7 +43,7 @@ def test_logits_match_transformers(tiny_moe: Path) -> None:
 @torch.inference_mode()
 @pytest.mark.parametrize("dense", [False, True], ids=["split", "dense"])
 def test_tree_forward_equals_each_path(tiny_moe: Path, dense: bool) -> None:
-    from specexec.model import prefix_tree_mask
+    from specexec.network.model import prefix_tree_mask
 
     ours, ref = load_model(tiny_moe), hf_model(tiny_moe)
     if dense and len({k.window for k in ours.args.layer_kinds}) > 1:
@@ -234,7 +234,7 @@ def sink_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torc
 def test_sinks_enter_the_split_attention_once(window: int | None, kernel: str) -> None:
     """Prefix part(s) and tree part attended apart and merged with the sink in the denominator equal one
     softmax over every key plus the sink; also a one-part plan (a one-token decode) and a prefill chunk."""
-    from specexec.attention import TreeMask, attend, build_plan
+    from specexec.network.attention import TreeMask, attend, build_plan
 
     g = torch.Generator().manual_seed(3)
     H, Hkv, D, P = 4, 2, 16, 20

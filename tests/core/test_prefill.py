@@ -25,7 +25,7 @@ from specexec.config import PREFILL_CHUNK, EngineConfig, OffloadConfig
 from specexec.engine import KV_GROW_QUANTUM, Engine
 from specexec.generation import PrefillProgress
 from specexec.checkpoints.loading import load_model, read_args
-from specexec.model import prefix_tree_mask
+from specexec.network.model import prefix_tree_mask
 from specexec.checkpoints.naming import layer_names
 from specexec.runtime.offloaded import HostEmbedding, build_offloaded
 from specexec.runtime.assembly import Runtime

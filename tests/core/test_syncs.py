@@ -13,7 +13,7 @@ from specexec.builders.growth import padded
 from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.kv.cache import KVCache
-from specexec.attention import TreeMask
+from specexec.network.attention import TreeMask
 from specexec.builders.registry import make_builder
 from specexec.tree import TokenTree, best_nodes
 from tests.sync_count import SyncCounter, count_calls

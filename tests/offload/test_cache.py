@@ -30,7 +30,7 @@ from offload.quant.linear import QuantLinear, bind_module, swap_linears
 from offload.quant.weights import quantize_tensors
 from offload.streaming.storage import ALIGN, unpack_layer
 from specexec.checkpoints.loading import read_args
-from specexec.model import Block
+from specexec.network.model import Block
 from specexec.checkpoints.naming import layer_names
 
 

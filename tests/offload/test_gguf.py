@@ -167,7 +167,7 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(factor, low, high, ori
     freqs = llama3_rope_freqs(cfg).astype(np.float64)
     got = llama3_rope_scaling(freqs, head_dim, theta, None, Path("x.gguf"))
     from specexec.config import ModelArgs
-    from specexec.rope import rope_inv_freq
+    from specexec.network.rope import rope_inv_freq
 
     def inv(scaling: dict) -> torch.Tensor:
         args = ModelArgs(family="llama", vocab_size=8, dim=head_dim, n_layers=1, n_heads=1, n_kv_heads=1,

@@ -659,7 +659,7 @@ def test_cuda_streamed_pass_runs_at_the_pinned_link_rate(arch: str, fmt: str) ->
     """Real layer sizes (Llama-3 8B/70B, bf16 and NF4) streamed from pinned RAM: the pass's GPU time is within
     1.15x of bytes / the link's measured pinned bandwidth, the one copy stream is busy >= 90 % of the pass, and
     copy spans never overlap."""
-    from cli.bench.stream import layer_layout, synthetic_args
+    from cli.bench.components.stream import layer_layout, synthetic_args
 
     size = layer_layout(synthetic_args(arch, 1), fmt, torch.bfloat16).nbytes
     n = 12
@@ -714,7 +714,7 @@ def test_bench_stream_streams_with_the_planned_read_ahead(tmp_path: Path) -> Non
     stream with that depth, as a real run's does (it used the minimum, 2, whatever the plan said)."""
     import argparse
 
-    from cli.bench.stream import StreamBench, layer_layout, make_plan, synthetic_args
+    from cli.bench.components.stream import StreamBench, layer_layout, make_plan, synthetic_args
 
     args = synthetic_args("1b", 6)
     size = layer_layout(args, "int4", torch.float32).nbytes

@@ -84,7 +84,7 @@ def wrap_phase(owner: type, attr: str, name: str) -> None:
 def install() -> None:
     from cli import chat
     from offload.cache import store as cache
-    from specexec import model
+    from specexec.network import model
     from specexec.builders import registry
     from specexec.engine import Engine
 

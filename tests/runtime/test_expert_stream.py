@@ -11,7 +11,7 @@ import torch
 
 from cli.main import main
 from specexec.checkpoints.loading import load_model
-from specexec.model import TreeMask
+from specexec.network.model import TreeMask
 from specexec.tree import TokenTree
 from tests.model_reference import new_cache, prefill
 from tests.runtime.offloaded_models import offloaded

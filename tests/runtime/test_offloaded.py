@@ -22,7 +22,7 @@ from specexec.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.options import ConfigError
 from specexec.checkpoints.loading import load_model, read_args
-from specexec.model import prefix_tree_mask
+from specexec.network.model import prefix_tree_mask
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
 from specexec.builders.registry import make_builder, names as builder_names
 from specexec.runtime.assembly import Runtime

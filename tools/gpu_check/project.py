@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 
-from cli.bench.stream import StreamBench, layer_layout, make_plan, measure, synthetic_args  # noqa: F401
+from cli.bench.components.stream import StreamBench, layer_layout, make_plan, measure, synthetic_args  # noqa: F401
 from offload.streaming.storage import ALIGN  # noqa: F401
-from specexec.attention import TreeMask
+from specexec.network.attention import TreeMask
 from specexec.builders import draft_graphs  # noqa: F401
 from specexec.builders.base import DraftState  # noqa: F401
 from specexec.builders.registry import make_builder  # noqa: F401
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams  # noqa: F401
 from specexec.engine import Engine  # noqa: F401
 from specexec.kv.cache import KVCache
-from specexec.model import Transformer, on_meta
+from specexec.network.model import Transformer, on_meta
 from specexec.runtime.assembly import Runtime  # noqa: F401
 from specexec.checkpoints.demo_models import write_model, write_perturbed  # noqa: F401
 from specexec.checkpoints.loading import load_model  # noqa: F401

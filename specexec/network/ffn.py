@@ -1,7 +1,7 @@
 """The dense feed-forward of a decoder layer: a gated MLP (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU; gate and up
 fused or not), also each expert of a sparse layer.
 
-Does not know: attention, routing (specexec/moe.py builds its experts from GatedMLP), quantization (a
+Does not know: attention, routing (specexec/network/moe.py builds its experts from GatedMLP), quantization (a
 quantized Linear is swapped in from outside).
 """
 from __future__ import annotations

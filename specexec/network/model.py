@@ -7,14 +7,14 @@ positions are explicit (tree siblings share one), the mask says which cache slot
 the whole committed prefix plus a small mask over the new tokens' own slots; or a dense bool mask), and `slots`
 says where each token's K/V is written. Layers come in kinds (ModelArgs.layer_kind: a sliding window or none, the
 global or a local RoPE): per forward the mask becomes one `AttentionPlan` per window and the positions one cos/sin
-table per RoPE, and each layer attends with its kind's (specexec/attention.py: prefix and tree attended apart,
+table per RoPE, and each layer attends with its kind's (specexec/network/attention.py: prefix and tree attended apart,
 merged exactly; soft-capping inside each part, attention sinks at the merge). A layer's feed-forward is the dense
-MLP or, where ModelArgs.moe says the layer is sparse, specexec/moe.py's router-then-experts block, whose routing
+MLP or, where ModelArgs.moe says the layer is sparse, specexec/network/moe.py's router-then-experts block, whose routing
 of each pass goes to `Transformer.routing` (a RoutingLog; None records nothing). Parameter names follow the Hub
-checkpoints without the leading "model." (the MoE names are specexec/moe.py's; specexec/families/weights.py maps a
+checkpoints without the leading "model." (the MoE names are specexec/network/moe.py's; specexec/families/weights.py maps a
 checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a caller needs;
 callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made of live beside it:
-specexec/norms.py (RMSNorm), specexec/rope.py (RoPE), specexec/ffn.py (the gated MLP), specexec/moe.py (the sparse
+specexec/network/norms.py (RMSNorm), specexec/network/rope.py (RoPE), specexec/network/ffn.py (the gated MLP), specexec/network/moe.py (the sparse
 feed-forward).
 
 Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specexec.attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
+from specexec.network.attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
 from specexec.config import ModelArgs
-from specexec.ffn import MLP
+from specexec.network.ffn import MLP
 from specexec.kv.cache import KVCache
-from specexec.moe import RoutingLog, SparseMLP
-from specexec.norms import RMSNorm
-from specexec.rope import apply_rope, attention_factor, long_switch, rope_inv_freq, rope_names
+from specexec.network.moe import RoutingLog, SparseMLP
+from specexec.network.norms import RMSNorm
+from specexec.network.rope import apply_rope, attention_factor, long_switch, rope_inv_freq, rope_names
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -123,7 +123,7 @@ class Block(nn.Module):
     """One decoder layer: pre-norm attention and a feed-forward with residuals; with sandwich_norms (Gemma) the
     attention's and the feed-forward's outputs are normalised too (post_attention_layernorm then normalises the
     attention output, pre_feedforward_layernorm the MLP input: the checkpoints' own names). The feed-forward of
-    decoder layer `layer` is a SparseMLP (specexec/moe.py) when ModelArgs.moe says that layer is sparse, else
+    decoder layer `layer` is a SparseMLP (specexec/network/moe.py) when ModelArgs.moe says that layer is sparse, else
     the dense MLP."""
 
     def __init__(self, args: ModelArgs, layer: int = 0) -> None:

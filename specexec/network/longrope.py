@@ -2,7 +2,7 @@
 transformers switches, and the same for a tree pass as for target-only decoding.
 
 transformers computes the logits after a sequence of L tokens with the short factors while L <= the original
-context (ModelArgs' original_max_position_embeddings: `specexec.rope.long_switch`), and with the long ones
+context (ModelArgs' original_max_position_embeddings: `specexec.network.rope.long_switch`), and with the long ones
 beyond it; its generate() re-runs the whole context the first time a generation grows past that length (the
 cached rows were computed with the short factors). The engine does the same with three rules, all keyed on
 the KV cache's `long_rope` flag (which factors its rows were computed with; the model reads it):
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from specexec.kv.cache import KVCache
-from specexec.rope import long_switch
+from specexec.network.rope import long_switch
 
 
 def switch_of(model: nn.Module) -> int | None:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specexec.config import ModelArgs, MoEArgs
-from specexec.moe import RoutingLog
+from specexec.network.moe import RoutingLog
 from specexec.tree import TokenTree
 
 

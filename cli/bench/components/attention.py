@@ -2,7 +2,7 @@
 
 For each context C in --contexts the target's KV cache holds C committed tokens and one pass verifies a tree
 of --tree nodes (random shape, random tokens) twice: with the engine's TreeMask (the prefix attended without a
-mask, the tree with its ancestor mask, merged by log-sum-exp: specexec/attention.py) and with the dense bool
+mask, the tree with its ancestor mask, merged by log-sum-exp: specexec/network/attention.py) and with the dense bool
 mask over prefix + tree (`prefix_tree_mask`, what every layer attended with before). Rows: context, seconds
 per pass each way, their ratio, the max abs difference of the tree's logits, whether every node's greedy
 choice (argmax) is the same, and the mask bytes each way builds per forward. A whole pass is dominated by the
@@ -28,12 +28,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specexec.attention import attend, build_plan, pick_kernel
+from specexec.network.attention import attend, build_plan, pick_kernel
 from specexec.config import ModelArgs
 from specexec.kv.cache import KVCache
 from specexec.options import DTYPES, ConfigError, check_choice, check_device, check_integer
 from specexec.checkpoints.loading import load_model, resolve_dtype, resolve_model_path
-from specexec.model import Transformer, TreeMask, prefix_tree_mask
+from specexec.network.model import Transformer, TreeMask, prefix_tree_mask
 from specexec.tree import TokenTree
 
 TINY = ModelArgs(family="llama", vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

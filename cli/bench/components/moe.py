@@ -1,5 +1,5 @@
 """`specexec bench moe --synthetic WORLD`: expert-aware trees against node-count budgets on a streamed MoE whose
-passes cost the experts they read (docs/algorithms.md §22), in a synthetic world on a CPU (cli/bench/moe_world.py).
+passes cost the experts they read (docs/algorithms.md §22), in a synthetic world on a CPU (cli/bench/components/moe_world.py).
 
 Rows: the node-count budgets (`--node-budgets`, the tree as grown, what `--budget N --expert-trim off` runs)
 and the expert-aware trees (`--budgets`: grown to B nodes, then trimmed by specexec/expert_passes.py with
@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from cli.bench.moe_world import FakeTarget, World, WorldRun
+from cli.bench.components.moe_world import FakeTarget, World, WorldRun
 from cli.bench.table import cell
 from specexec.expert_passes import ExpertPasses
 from specexec.options import check_number, parse_budget_list

@@ -2,7 +2,7 @@
 YaRN, LongRoPE), the tables a model keeps (global, a sliding layers' local one, LongRoPE's long factors), and its
 application to q/k (whole heads, or the first rope_dim dimensions: partial rotary).
 
-Does not know: which layers use which RoPE (specexec/model.py picks per layer, and between LongRoPE's short and
+Does not know: which layers use which RoPE (specexec/network/model.py picks per layer, and between LongRoPE's short and
 long factors), positions' origin, caches.
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, host_buff
 from specexec.config import ModelArgs
 from specexec.options import DTYPES, ConfigError, check_choice, check_device, check_integer, choices, parse_size
 from specexec.checkpoints.loading import resolve_dtype
-from specexec.model import Block, on_meta
+from specexec.network.model import Block, on_meta
 from specexec.checkpoints.naming import block_tensor_names
 from specexec.planning.ledger import ASSUMED
 from specexec.planning.sizes import activation_bytes

@@ -1,0 +1,1 @@
+"""The component benchmarks: one part of a pass at a time (attention at long contexts, the CPU linears, layer streaming per tier, expert-aware trees on a synthetic MoE), each its own `specexec bench` subcommand."""
