@@ -5,7 +5,9 @@ nodes worth the experts they pull in, and count what the passes read (stats.moe)
   routing of the tree's rows) feeds RoutingStats; the accepted nodes against the kept nodes' path
   probabilities calibrate the acceptance values `trim` uses; the pass's distinct experts per sparse layer and, for a streamed target that counts them
   (CountsExperts), the expert bytes it read and its expert cache's hits go to the profiler's counters, the one
-  ledger stats.moe is read from (`moe_stats`).
+  ledger stats.moe is read from (`moe_stats`); then each of `listeners` hears the routing counts [L, E] (a
+  self-draft re-ranks the hot experts of its MoE copies from them, specexec/runtime/hot_experts.py, and says
+  the expert bytes it read: moe_draft_expert_bytes).
 - `trim` (after the builder grew a tree, before verification): the kept sub-tree by specexec/tuning/
   expert_trim.py. mode "experts": `select` under this target's TreeCost (seconds per expert of each streamed
   sparse layer, the experts the device holds, the predicted union calibrated by `scale`, the observed over the
@@ -34,6 +36,11 @@ from specexec.tuning.routing import RoutingStats, union_sizes
 
 SCALE_DECAY = 0.9          # the union and acceptance calibrations follow the last ~10 passes
 CALIBRATION_PRIOR = 4.0    # the acceptance calibration's prior (1) is worth this many predicted nodes
+
+
+Listener = Callable[[Tensor, tuple[int, ...]], "dict[str, float] | None"]
+"""Hears (routing counts [L, E] of the sparse layers, their layer ids) after each pass; what it returns is added
+to the profiler's counters (e.g. moe_draft_expert_bytes)."""
 
 
 @runtime_checkable
@@ -75,6 +82,7 @@ class ExpertPasses:
         self._predicted: float | None = None          # the kept rows' predicted expert seconds (scaled)
         self._held = torch.zeros(0, dtype=torch.bool)  # the experts held when the tree was trimmed
         self.records: list[dict] = []                  # per pass: rows, distinct per layer, predicted seconds
+        self.listeners: list[Listener] = []          # told the routing counts after each pass
 
     @property
     def expert_bytes_all(self) -> int:
@@ -144,6 +152,8 @@ class ExpertPasses:
         self.records.append({"rows": int(tree.tokens.numel()), "distinct": distinct.tolist(),
                              "predicted_expert_s": self._predicted, "expert_s": self.last_expert_s})
         del self.records[:-4096]
+        for listen in self.listeners:                 # e.g. a self-draft re-ranking its hot experts
+            profiler.count(**(listen(self.routing.counts, self.layers) or {}))
 
     def _calibrate(self, routing: dict[int, Tensor]) -> None:
         """scale <- decayed mean of (the experts the kept rows read, in expert-seconds) / (what their node

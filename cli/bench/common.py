@@ -64,8 +64,9 @@ class Result:
         n = sum(m["passes"] for m in runs)
         if not n:
             return None
-        mean = {k: round(sum(m[k] * m["passes"] for m in runs) / n, 3)
-                for k in ("distinct_experts_per_layer", "expert_bytes_per_pass")}
+        keys = ("distinct_experts_per_layer", "expert_bytes_per_pass", "draft_expert_bytes_per_pass")
+        mean = {k: round(sum(m.get(k, 0.0) * m["passes"] for m in runs) / n, 3)
+                for k in keys if any(k in m for m in runs)}
         rates = [(m["expert_cache_hit_rate"], m["passes"]) for m in runs if m["expert_cache_hit_rate"] is not None]
         hit = round(sum(r * p for r, p in rates) / sum(p for _, p in rates), 4) if rates else None
         return {**mean, "expert_bytes_all": runs[0]["expert_bytes_all"], "expert_cache_hit_rate": hit, "passes": n}

@@ -87,18 +87,27 @@ class Router(nn.Module):
         self.kind, self.top_k, self.norm_topk = m.router, m.top_k, m.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(m.n_experts, args.dim))
         self.bias = nn.Parameter(torch.empty(m.n_experts)) if m.router_bias else None
+        self.allowed: Tensor | None = None           # bool [E]: the experts a row may go to (None: every one)
 
     def forward(self, x: Tensor) -> Routing:
-        """x [T, D] -> Routing (index [T, k], weight [T, k] in x's dtype); scores in fp32."""
+        """x [T, D] -> Routing (index [T, k], weight [T, k] in x's dtype); scores in fp32. With `allowed` (a
+        draft's copy holding some experts only: specexec/runtime/hot_experts.py) the others score -inf before
+        the top-k, so no row goes to them; the kept weights are then normalised as the family does."""
         logits = F.linear(x, self.weight, self.bias)                               # [T, E]
         if self.kind == "topk_softmax":
-            top, index = torch.topk(logits, self.top_k, dim=-1)
+            top, index = torch.topk(self._masked(logits), self.top_k, dim=-1)
             return Routing(index, torch.softmax(top.float(), dim=-1).to(x.dtype))
         scores = torch.softmax(logits.float(), dim=-1) if self.kind == "softmax" else torch.sigmoid(logits.float())
-        top, index = torch.topk(scores, self.top_k, dim=-1)
+        top, index = torch.topk(self._masked(scores), self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         return Routing(index, top.to(x.dtype))
+
+    def _masked(self, scores: Tensor) -> Tensor:
+        """scores [T, E] with the experts `allowed` excludes at -inf (they lose every top-k)."""
+        if self.allowed is None:
+            return scores
+        return scores.masked_fill(~self.allowed.to(scores.device), float("-inf"))
 
 
 class SharedGate(nn.Module):

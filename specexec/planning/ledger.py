@@ -24,9 +24,9 @@ from offload.planner import plan
 
 from specexec.config import PREFILL_CHUNK
 from specexec.planning.experts import describe_moe, moe_summary
-from specexec.planning.needs import dtype_name, fmt_name, needs_for, prefill_tokens
+from specexec.planning.hot_experts import copy_bytes, hot_json
+from specexec.planning.needs import dtype_name, fmt_name, gb_text, needs_for, prefill_tokens
 from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
-from specexec.planning.sizes import layer_bytes
 
 PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
 CUDA_CONTEXT = 500 * 10**6    # a simulated card (--gpu-memory): what the CUDA context and libraries take
@@ -85,19 +85,22 @@ class MemoryPlan:
             return f", draft {s.draft.n_layers} layers {fmt_name(s.draft_fmt)}"
         ids, copies = self.draft_layers, self.draft_copies
         how = "--draft-layers auto picked " if s.self_draft.auto else ""
+        hot = self.self_json()
+        hot_text = (f"; {hot['hot_experts_per_layer']} hot experts per MoE layer copy, "
+                    f"{gb_text(hot['hot_expert_bytes'])}" if hot["hot_layers"] else "")
         return (f", draft self ({how}{len(ids)} of {s.target.n_layers} layers {_ids(ids)}: "
-                f"{len(ids) - len(copies)} shared, {len(copies)} {fmt_name(s.self_draft.fmt)} copies)")
+                f"{len(ids) - len(copies)} shared, {len(copies)} {fmt_name(s.self_draft.fmt)} copies{hot_text})")
 
     def self_json(self) -> dict | None:
         """The self-draft's choice, for --json (None for a model draft or none)."""
         sd = self.shape.self_draft
         if sd is None:
             return None
-        copies = self.draft_copies
+        copies, s = self.draft_copies, self.shape
         return {"format": sd.fmt, "auto": sd.auto, "layers": list(self.draft_layers),
                 "shared": [i for i in self.draft_layers if i not in copies], "copies": list(copies),
-                "copy_bytes": sum(layer_bytes(self.shape.target, sd.fmt, self.shape.dtype, self.shape.device, i)
-                                  for i in copies)}
+                "copy_bytes": sum(copy_bytes(s.target, sd.fmt, s.dtype, s.device, i) for i in copies),
+                **hot_json(s.target, sd.fmt, s.dtype, s.device, copies)}
 
     def to_json(self) -> dict:
         p = self.plan
@@ -256,7 +259,7 @@ def _self_placement(shape: RunShape, fmt: str, host: bool, reserve: int, ram: in
     this ends at the largest consistent plan (a PlanError on the way holds for it too: it needs more)."""
     ids = self_layer_ids(shape)
     shared = frozenset(ids)
-    if shape.self_draft.fmt == fmt and mode in ("auto", "none"):
+    if shape.self_draft.fmt == fmt and mode in ("auto", "none") and shape.target.moe is None:
         return _self_all_shared(shape, fmt, host, reserve, ram, gpu, mode, bw, ids)
     while True:
         needs = needs_for(shape, fmt, host, reserve, shared)
@@ -270,7 +273,8 @@ def _self_placement(shape: RunShape, fmt: str, host: bool, reserve: int, ram: in
 
 def _self_all_shared(shape: RunShape, fmt: str, host: bool, reserve: int, ram: int, gpu: int | None, mode: str,
                      bw: Bandwidths, ids: tuple[int, ...]) -> tuple[Needs, Plan]:
-    """Copies in the target's own format cost exactly what keeping those layers resident costs, and a resident
+    """Copies in a dense target's own format cost exactly what keeping those layers resident costs (an MoE
+    target's copies hold H hot experts only, far less: they take the fixed point), and a resident
     layer also spares the target its stream: every draft layer stays resident, shared (PlanError when they do
     not all fit; --draft-layers auto then tries fewer). Without this a plan short of one resident place
     would fall through the fixed point to all copies and none resident."""

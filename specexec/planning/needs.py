@@ -10,7 +10,8 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
 - draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
   A self-draft (--draft self: the target's own layers, `with_self_draft`) counts only its copies of the layers
-  it runs that the target streams; its embed/norm/head and the resident layers it runs are the target's. The
+  it runs that the target streams (of an MoE layer: its dense part and H hot experts, hot_experts.py); its
+  embed/norm/head and the resident layers it runs are the target's. The
   plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
   picks the most layers that fit.
 - target KV cache / draft KV cache: each sized for its own user (kv.cache.kv_slots_for): the target for the
@@ -37,8 +38,9 @@ from offload.memory_plan import GB, Needs
 from specexec.config import PREFILL_CHUNK
 from specexec.network.model import LOGIT_CHUNK
 from specexec.planning.experts import expert_parts
+from specexec.planning.hot_experts import copy_bytes, hot_json
 from specexec.planning.run_shape import RunShape, self_layer_ids
-from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_bytes, layer_sizes, weight_bytes
+from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_sizes, weight_bytes
 
 DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
 
@@ -124,9 +126,12 @@ def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tupl
     ids = self_layer_ids(shape)
     copies = [i for i in ids if i not in shared]
     n = shape.target.n_layers
+    hot = hot_json(shape.target, sd.fmt, shape.dtype, shape.device, copies)
+    hot_note = (f" ({hot['hot_layers']} MoE, {hot['hot_experts_per_layer']} hot experts each)"
+                if hot["hot_layers"] else "")
     note = (f"self: {len(ids)} of {n} target layers{' (auto)' if sd.auto else ''}, {len(ids) - len(copies)} "
-            f"shared, {len(copies)} {fmt_name(sd.fmt)} copies; embed/norm/head shared")
-    return sum(layer_bytes(shape.target, sd.fmt, shape.dtype, shape.device, i) for i in copies), note
+            f"shared, {len(copies)} {fmt_name(sd.fmt)} copies{hot_note}; embed/norm/head shared")
+    return sum(copy_bytes(shape.target, sd.fmt, shape.dtype, shape.device, i) for i in copies), note
 
 
 def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:

@@ -203,6 +203,8 @@ def _make_engine(target: Transformer, draft: Transformer | None, config: EngineC
     tuner = tuner_for(config.budget, target) if config.auto_budget and builder is not None else None
     engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv, tuner=tuner,
                     experts=_expert_passes(target, plan, config.expert_trim))
+    if engine.experts is not None and isinstance(draft, SelfDraft) and draft.hot is not None:
+        engine.experts.listeners.append(draft.observe_routing)      # its hot experts follow the target's routing
     if tuner is not None:                 # --budget auto: what the engine measures is kept for the next run
         engine.on_calibrated = lambda curve: save_target_costs(target, curve)
     if has(target, Streams):              # offloaded target: per step, the profiler records what streaming cost

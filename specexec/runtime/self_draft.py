@@ -10,7 +10,9 @@ Wang et al. 2025): on a machine where the target streams, those are the layers t
   run_shape.spaced_layers), and its ModelArgs say len(layer_ids) layers, so its KV cache is sized for it;
 - its token embedding (a HostEmbedding too), final norm and LM head ARE the target's modules;
 - a layer the plan keeps resident is the target's own Block (the one every target pass runs, same tensors);
-- every other layer it runs is a resident copy in FORMAT, read from that format's layer cache
+- every other layer it runs is a resident copy in FORMAT (of an MoE target's sparse layer: its dense part and
+  H hot experts only, the router masking the rest, re-ranked from the target's routing counts:
+  specexec/runtime/hot_experts.py), read from that format's layer cache
   (offload/cache/store.py: one entry per checkpoint, format, dtype and packing - the very entry a target streamed
   in that format uses, so with the device's default format nothing is quantized twice), built on first use
   with per-layer progress through the caller's callback.
@@ -35,10 +37,12 @@ from offload.quant.weights import FORMATS, auto_format, device_problem
 from offload.streaming.storage import LayerLayout, unpack_layer
 from offload.streaming.tiers import ResidentTier, fill, host_buffer
 
+from specexec.checkpoints.naming import sparse_layer
 from specexec.config import ModelArgs
 from specexec.options import SELF_DRAFT, ConfigError
 from specexec.planning.run_shape import SelfDraftShape
 from specexec.network.model import Block, Transformer, on_meta
+from specexec.runtime.hot_experts import HotExperts
 
 SELF = SELF_DRAFT
 Say = Callable[[str], None]
@@ -69,7 +73,7 @@ class SelfDraft(Transformer):
     layer_ids[j] (the target's own Block for the ids in `shared`, a resident copy in `fmt` for the others)."""
 
     def __init__(self, target: Transformer, layer_ids: Sequence[int], blocks: Sequence[nn.Module], fmt: str,
-                 shared: Sequence[int]) -> None:
+                 shared: Sequence[int], hot: HotExperts | None = None) -> None:
         if len(blocks) != len(layer_ids):
             raise ValueError(f"{len(blocks)} blocks for {len(layer_ids)} layers")
         args = target.args.subset(layer_ids)
@@ -82,6 +86,7 @@ class SelfDraft(Transformer):
             self.lm_head = target.lm_head
         self.init_rope(target.norm.weight.device, like=target)
         self.layer_ids, self.fmt, self.shared = tuple(layer_ids), fmt, tuple(shared)
+        self.hot = hot                                  # the MoE layers' copies (hot experts), if any
         self.train(False)
 
     @property
@@ -91,7 +96,14 @@ class SelfDraft(Transformer):
 
     def describe(self) -> str:
         n = len(self.layer_ids)
-        return f"self: {n} layers, {len(self.shared)} shared, {n - len(self.shared)} {_name(self.fmt)} copies"
+        hot = f", {self.hot.per_layer} hot experts per MoE copy" if self.hot is not None else ""
+        return f"self: {n} layers, {len(self.shared)} shared, {n - len(self.shared)} {_name(self.fmt)} copies{hot}"
+
+    def observe_routing(self, counts: torch.Tensor, layers: Sequence[int]) -> dict[str, float]:
+        """After a target pass: its routing counts [L, E] over its sparse layers `layers` (the hot experts of the
+        MoE copies are re-ranked from them every few passes; nothing without such copies). Returns the
+        profiler counter of the expert bytes read."""
+        return {"moe_draft_expert_bytes": self.hot.observe(counts, layers) if self.hot is not None else 0.0}
 
 
 def build_self_draft(target: Transformer, layer_ids: Sequence[int], fmt: str, path: Path | None = None,
@@ -106,11 +118,23 @@ def build_self_draft(target: Transformer, layer_ids: Sequence[int], fmt: str, pa
     blocks = {i: b for i in layer_ids if (b := _resident(target, i)) is not None}
     shared = sorted(blocks)
     copies = [i for i in layer_ids if i not in blocks]
+    hot = None
     if copies:
         if path is None or names is None:
             raise ValueError(f"layers {copies} are streamed by the target: their copies need the checkpoint")
-        blocks.update(_copies(target.args, copies, fmt, target.norm.weight, path, names, cache_root, say))
-    return SelfDraft(target, layer_ids, [blocks[i] for i in layer_ids], fmt, shared)
+        like = target.norm.weight
+        cache = _open_cache(path, names, fmt, like, cache_root, say)
+        sparse = [i for i in copies if sparse_layer(target.args, i)]
+        whole = [i for i in copies if i not in sparse]
+        if whole:
+            blocks.update(_copies(target.args, whole, fmt, like, cache, say))
+        if sparse:                              # the dense part and H hot experts of each (hot_experts.py)
+            hot = HotExperts(target.args, cache, sparse, fmt, like)      # keeps the cache open: it re-reads
+            blocks.update(hot.blocks)
+            say(f"self-draft: {_name(fmt)} copies of {len(sparse)} MoE layers, {hot.per_layer} hot experts each")
+        else:
+            cache.close()
+    return SelfDraft(target, layer_ids, [blocks[i] for i in layer_ids], fmt, shared, hot)
 
 
 def _resident(target: Transformer, i: int) -> nn.Module | None:
@@ -119,24 +143,30 @@ def _resident(target: Transformer, i: int) -> nn.Module | None:
     return get(i) if get is not None else target.layers[i]
 
 
-def _copies(args: ModelArgs, ids: Sequence[int], fmt: str, like: torch.Tensor, path: Path,
-            names: Sequence[LayerNames], cache_root: str | Path | None, say: Say) -> dict[int, Block]:
-    """Resident Blocks for layers `ids` in `fmt`, on like's device and in its dtype: the cache of that format
-    opened (built on first use: the whole checkpoint, so any --draft-layers later reuses it), the layers read
-    into one region and bound."""
-    device, dtype = like.device, like.dtype
+def _open_cache(path: Path, names: Sequence[LayerNames], fmt: str, like: torch.Tensor,
+                cache_root: str | Path | None, say: Say) -> LayerCache:
+    """The layer cache of `fmt` for like's dtype, opened (built on first use: the whole checkpoint, so any
+    --draft-layers later reuses it)."""
+    device = like.device
     on_layer = lambda done, total: say(f"self-draft: packing the target's layers {_name(fmt)} (cached) "  # noqa: E731
                                        f"{bar(done, total)} {done}/{total}")
-    with LayerCache.open_or_build(path, names, fmt, dtype, cache_root=cache_root, progress=False, log=say,
-                                  quantize_device=str(device) if device.type == "cuda" else None,
-                                  on_layer=on_layer) as cache:
-        tier = ResidentTier({i: cache.nbytes(i) for i in ids}, device)
-        bounce = host_buffer(max(cache.nbytes(i) for i in ids)) if device.type == "cuda" else None
-        out = {}
-        for j, i in enumerate(ids, 1):
-            fill({i: tier.buffer(i)}, cache, bounce)
-            out[i] = copy_block(args, cache.layout(i), tier.buffer(i), fmt, dtype, i)
-            say(f"self-draft: {_name(fmt)} copies of the streamed layers {bar(j, len(ids))} {j}/{len(ids)}")
+    return LayerCache.open_or_build(path, names, fmt, like.dtype, cache_root=cache_root, progress=False, log=say,
+                                    quantize_device=str(device) if device.type == "cuda" else None,
+                                    on_layer=on_layer)
+
+
+def _copies(args: ModelArgs, ids: Sequence[int], fmt: str, like: torch.Tensor, cache: LayerCache,
+            say: Say) -> dict[int, Block]:
+    """Resident Blocks for layers `ids` in `fmt`, on like's device and in its dtype: the layers read from
+    `cache` into one region and bound."""
+    device, dtype = like.device, like.dtype
+    tier = ResidentTier({i: cache.nbytes(i) for i in ids}, device)
+    bounce = host_buffer(max(cache.nbytes(i) for i in ids)) if device.type == "cuda" else None
+    out = {}
+    for j, i in enumerate(ids, 1):
+        fill({i: tier.buffer(i)}, cache, bounce)
+        out[i] = copy_block(args, cache.layout(i), tier.buffer(i), fmt, dtype, i)
+        say(f"self-draft: {_name(fmt)} copies of the streamed layers {bar(j, len(ids))} {j}/{len(ids)}")
     return out
 
 
