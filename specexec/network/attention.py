@@ -47,13 +47,16 @@ Does not know: trees, RoPE, the cache layout beyond "k, v [B, H_kv, S, D] for sl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from offload.quant.cpu_kernels.attend import attend_rows, slot_lists
+
 NEG_INF = float("-inf")
 CUDA_MASK_ALIGN = 16           # the efficient kernel wants the mask's row stride a multiple of 16 elements
+ROW_EXACT_T = 256              # passes up to this many tokens attend row-exactly (build_plan's row_exact)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class AttentionPlan:
     groups: int                  # query heads per KV head (G)
     scale: float | None = None   # score scale (None: D ** -0.5)
     softcap: float | None = None # scores -> softcap * tanh(scores / softcap) inside each part (plain maths)
+    rows: tuple[Tensor, Tensor] | None = None   # row-exact slot lists (idx [B|1, T, L], lens [B|1, T]) or None
 
 
 def pick_kernel(device: torch.device) -> str:
@@ -100,13 +104,34 @@ def pick_kernel(device: torch.device) -> str:
 
 def build_plan(mask: TreeMask | Tensor | None, positions: Tensor, n_new: int, window: int | None, groups: int,
                dtype: torch.dtype, kernel: str, scale: float | None = None,
-               softcap: float | None = None) -> AttentionPlan:
+               softcap: float | None = None, row_exact: bool = False) -> AttentionPlan:
     """The per-forward attention plan. mask: a TreeMask, a dense bool [B, 1, T, S] over slots [0, S), or None
     (no cache: causal over the T new tokens). positions [B, T]; window: the layers' sliding window or None;
     scale: the score scale (None: D ** -0.5); softcap: attention-logit soft-capping (plain maths only: no fused
-    kernel caps scores, so the plan's kernel becomes "math")."""
+    kernel caps scores, so the plan's kernel becomes "math"); row_exact: on CPU, a pass of at most ROW_EXACT_T
+    tokens without window or cap attends row by row (`row_slots`), bitwise as each token's one-token decode."""
     if softcap is not None:
         kernel = "math"
+    plan = _split_plan(mask, positions, n_new, window, groups, dtype, kernel, scale, softcap)
+    if row_exact and kernel == "cpu" and window is None and softcap is None and n_new <= ROW_EXACT_T:
+        return replace(plan, rows=row_slots(mask, n_new))
+    return plan
+
+
+def row_slots(mask: TreeMask | Tensor | None, n_new: int) -> tuple[Tensor, Tensor]:
+    """The slots each new token sees, as cpu_kernels.attend's lists (idx [B|1, T, L], lens [B|1, T]): every
+    committed slot, then its tree keys (the TreeMask's tree, causal without one) or the dense mask's row."""
+    if isinstance(mask, Tensor):
+        return slot_lists(mask[:, 0].cpu())
+    tm = mask if mask is not None else TreeMask(0)
+    tree = tm.tree.cpu() if tm.tree is not None else torch.ones(n_new, n_new, dtype=torch.bool).tril()
+    seen = torch.cat([torch.ones(n_new, tm.prefix, dtype=torch.bool), tree], dim=1)
+    return slot_lists(seen[None])
+
+
+def _split_plan(mask: TreeMask | Tensor | None, positions: Tensor, n_new: int, window: int | None, groups: int,
+                dtype: torch.dtype, kernel: str, scale: float | None, softcap: float | None) -> AttentionPlan:
+    """The plan of parts merged by their log-sum-exps (the module docstring)."""
     if isinstance(mask, Tensor):
         S = mask.shape[-1]
         return AttentionPlan((Part(0, S, _layout(_additive(mask, dtype), groups, kernel)),), S, kernel, groups,
@@ -182,6 +207,9 @@ def _layout(bias: Tensor, groups: int, kernel: str) -> Tensor:
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, sinks: Tensor | None = None) -> Tensor:
     """q [B, H, T, D]; k, v [B, H_kv, S >= plan.n_slots, D] (the cache's slots [0, S)) -> out [B, H, T, D].
     sinks [H]: attention-sink logits (see the module docstring), or None."""
+    if plan.rows is not None and sinks is None:
+        D = q.shape[-1]
+        return attend_rows(q, k, v, *plan.rows, D ** -0.5 if plan.scale is None else plan.scale)
     outs, lses = [], []
     for part in plan.parts:
         kp, vp = k[:, :, part.start:part.stop], v[:, :, part.start:part.stop]

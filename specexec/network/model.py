@@ -160,7 +160,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Embedding, decoder blocks, final norm and LM head. See the module docstring for the call contract."""
+    """Embedding, decoder blocks, final norm and LM head. See the module docstring for the call contract.
+    row_exact_attention: set where the layers' linears are row-exact (int4/int8 CPU kernels): CPU attention
+    then runs row by row too (attention.build_plan's row_exact), so a tree pass gives each token's one-token bits."""
+
+    row_exact_attention = False
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -275,7 +279,8 @@ class Transformer(nn.Module):
         if isinstance(mask, torch.Tensor) and len(windows) > 1:
             raise ValueError(f"layers with sliding windows {windows} need a TreeMask, not one dense mask")
         return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // a.n_kv_heads, dtype,
-                              pick_kernel(positions.device), a.attn_scale, a.attn_softcap) for w in windows}
+                              pick_kernel(positions.device), a.attn_scale, a.attn_softcap,
+                              self.row_exact_attention) for w in windows}
 
     def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                        dtype: torch.dtype) -> AttentionPlan:

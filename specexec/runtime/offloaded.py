@@ -200,6 +200,7 @@ def build_offloaded(path: Path, args: ModelArgs, cache: LayerCache, tiers: Seque
                            heads=heads if parted else None)
 
     model = OffloadedTransformer(args, resident, layouts, cache.fmt, factory, embed_on_host=embed_on_host)
+    model.row_exact_attention = head_format(cache.fmt, device) == "int8"     # the CPU integer kernels' layers
     if parted:
         model.routing = ExpertStream(model, ExpertCache(parted, args.moe.n_experts, expert_cache, device))
     return model
@@ -247,3 +248,4 @@ def quantize_layers(model: Transformer, fmt: str, row_exact: bool = True) -> Non
         raise ConfigError(f"{fmt} layers: {problem}")
     for block in model.layers:
         quantize_module(block, fmt, dtype, row_exact=row_exact)
+    model.row_exact_attention = row_exact and head_format(fmt, model.embed_tokens.weight.device) == "int8"

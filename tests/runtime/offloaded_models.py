@@ -10,6 +10,7 @@ import torch
 
 from offload.cache.store import LayerCache
 from offload.quant.linear import quantize_module
+from offload.quant.weights import head_format
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.checkpoints.naming import layer_names
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
@@ -27,6 +28,7 @@ def reference(path: Path, fmt: str) -> torch.nn.Module:
     model = load_model(path)
     for block in model.layers:
         quantize_module(block, fmt, torch.float32)
+    model.row_exact_attention = head_format(fmt, "cpu") == "int8"        # as build_offloaded's
     return model
 
 

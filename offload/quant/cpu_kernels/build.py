@@ -33,6 +33,8 @@ SIGNATURES = {      # name -> (restype, argtypes), as kernels.c declares them
     "sx_q4_linear": (_int, [_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int, _ptr, _int, _ptr, _int, _int]),
     "sx_q8_linear": (_int, [_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int, _ptr, _int, _int]),
     "sx_read": (ctypes.c_uint64, [_ptr, _i64, _int]),
+    "sx_attend_rows": (_int, [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
+                              _ptr, _i64, _i64, ctypes.c_float, _int]),
 }
 
 

@@ -529,3 +529,97 @@ uint64_t sx_read(const uint8_t *p, int64_t nbytes, int threads) {
     }
     return total;
 }
+
+/* ------------------------------------------------------------------------------------------ attention rows */
+
+/* Scratch of an OpenMP worker for one attention row: the scores, the fp32 query and the output accumulator. */
+static __thread float *attn_buf;
+static __thread size_t attn_cap;
+
+static float *attn_scratch(size_t n) {
+    if (n > attn_cap) {
+        free(attn_buf);
+        attn_buf = aligned_alloc(64, (n * 4 + 63) / 64 * 64);
+        attn_cap = attn_buf ? n : 0;
+    }
+    return attn_buf;
+}
+
+/* 8 consecutive values of a row (fp32 or bf16) as fp32. */
+#if SX_AVX2
+static inline __m256 load8(const void *p, int bf16, int64_t i) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static inline float at(const void *p, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* q[D] (fp32) . key[D] in one order fixed by D alone: 8-lane fused sums, a pairwise fold, then the tail. */
+static float attn_dot(const float *q, const void *key, int bf16, int64_t D) {
+    int64_t d = 0;
+    float s = 0.0f;
+#if SX_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(key, bf16, d), acc);
+    s = hsum256(acc);
+#endif
+    for (; d < D; d++) s = fmaf(q[d], at(key, bf16, d), s);
+    return s;
+}
+
+/* acc[D] += p * val[D]. */
+static void attn_axpy(float *acc, float p, const void *val, int bf16, int64_t D) {
+    int64_t d = 0;
+#if SX_AVX2
+    __m256 pv = _mm256_set1_ps(p);
+    for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(val, bf16, d), _mm256_loadu_ps(acc + d)));
+#endif
+    for (; d < D; d++) acc[d] = fmaf(p, at(val, bf16, d), acc[d]);
+}
+
+/* out [B, H, T, D] (contiguous, q's dtype) = softmax over the listed cache slots of scale * (q . k), times v:
+ * row (b, h, t) reads the slots idx[b', t, 0 .. len[b', t]) (b' = b, or 0 when the list is shared: nb == 1) in
+ * their listed order, query head h reading KV head h / (H / Hkv). q, k, v: fp32 or bf16 (one flag), the last
+ * dimension contiguous, the others at the given element strides (qs: b, h, t; ks, vs: b, h, slot). Every row is
+ * two passes over its slots in that order (max, then exp, sum and the weighted values), sequential, so a row's
+ * bits depend only on its query and the keys and values it sees, never on the other rows or on masked slots. */
+int sx_attend_rows(const void *q, const void *k, const void *v, void *out, int bf16, int64_t B, int64_t H,
+                   int64_t Hkv, int64_t T, int64_t D, const int64_t *qs, const int64_t *ks, const int64_t *vs,
+                   const int32_t *idx, const int32_t *len, int64_t nb, int64_t L, float scale, int threads) {
+    if (B < 0 || H <= 0 || Hkv <= 0 || H % Hkv || T < 0 || D <= 0 || L < 0) return -2;
+    int64_t G = H / Hkv, rows = B * H * T;
+    int failed = 0;
+    size_t es = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : failed)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t b = r / (H * T), h = r / T % H, t = r % T, hk = h / G;
+        const int32_t *sl = idx + ((nb == 1 ? 0 : b) * T + t) * L;
+        int32_t n = len[(nb == 1 ? 0 : b) * T + t];
+        float *buf = attn_scratch((size_t)(n + 2 * D));
+        if (!buf) { failed = 1; continue; }
+        float *sc = buf, *qf = buf + n, *acc = buf + n + D;
+        const char *qrow = (const char *)q + (b * qs[0] + h * qs[1] + t * qs[2]) * es;
+        for (int64_t d = 0; d < D; d++) qf[d] = at(qrow, bf16, d);
+        const char *kb = (const char *)k + (b * ks[0] + hk * ks[1]) * es;
+        const char *vb = (const char *)v + (b * vs[0] + hk * vs[1]) * es;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int32_t j = 0; j < n; j++) {
+            sc[j] = attn_dot(qf, kb + (int64_t)sl[j] * ks[2] * es, bf16, D) * scale;
+            mx = fmaxf(mx, sc[j]);
+        }
+        memset(acc, 0, (size_t)D * 4);
+        for (int32_t j = 0; j < n; j++) {
+            float p = expf(sc[j] - mx);
+            sum += p;
+            attn_axpy(acc, p, vb + (int64_t)sl[j] * vs[2] * es, bf16, D);
+        }
+        float inv = n > 0 ? 1.0f / sum : 0.0f;
+        for (int64_t d = 0; d < D; d++) store(out, bf16, r * D + d, acc[d] * inv);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,84 @@
+"""Batch-invariant CPU attention (offload/quant/cpu_kernels/attend.py): the compiled kernel and its pure-torch
+twin agree with an fp64 softmax over each row's slots; each of them gives a row the same bits whatever the other
+rows (a tree pass against one-token passes over the same slots); fp32 and bf16, GQA, strided caches.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.quant.cpu_kernels import attend, build
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "kernel":
+        if build.library() is None:
+            pytest.skip(build.status())
+    else:
+        monkeypatch.setattr(attend, "library", lambda: None)
+    return request.param
+
+
+def _case(T: int, P: int, H: int = 4, Hkv: int = 2, D: int = 24, seed: int = 0):
+    """q [1, H, T, D]; k, v [1, Hkv, S, D] views of a longer cache (strided); a random tree's slot lists."""
+    g = torch.Generator().manual_seed(seed)
+    S = P + T
+    q = torch.randn(1, T, H, D, generator=g).transpose(1, 2)                     # strided like the model's
+    k, v = (torch.randn(1, Hkv, S + 7, D, generator=g)[:, :, :S] for _ in range(2))
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
+    tree = torch.zeros(T, T, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        tree[i, i] = True
+        if p >= 0:
+            tree[i] |= tree[p]
+    seen = torch.cat([torch.ones(T, P, dtype=torch.bool), tree], dim=1)[None]
+    return q, k, v, seen
+
+
+def _fp64(q, k, v, seen, scale):
+    Hkv, G = k.shape[1], q.shape[1] // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(G, dim=1) for t in (k, v))
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    s = s.masked_fill(~seen[:, None], float("-inf"))
+    return torch.softmax(s, -1) @ vv
+
+
+@pytest.mark.parametrize("T,P", [(1, 5), (7, 0), (16, 33), (9, 130)])
+def test_agrees_with_an_fp64_softmax(impl, T: int, P: int) -> None:
+    q, k, v, seen = _case(T, P)
+    idx, lens = attend.slot_lists(seen)
+    got = attend.attend_rows(q, k, v, idx, lens, 0.3)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _fp64(q, k, v, seen, 0.3), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_has_the_bits_of_its_one_token_pass(impl, dtype: torch.dtype) -> None:
+    """Row t of a tree pass == a one-token pass whose cache holds just the slots row t sees, in order."""
+    T, P = 12, 20
+    q, k, v, seen = (t.to(dtype) if t.is_floating_point() else t for t in _case(T, P, seed=3))
+    idx, lens = attend.slot_lists(seen)
+    full = attend.attend_rows(q, k, v, idx, lens, 0.25)
+    assert full.dtype == dtype
+    for t in range(T):
+        sl = seen[0, t].nonzero().flatten()
+        one_seen = torch.ones(1, 1, len(sl), dtype=torch.bool)
+        one = attend.attend_rows(q[:, :, t:t + 1], k[:, :, sl], v[:, :, sl], *attend.slot_lists(one_seen), 0.25)
+        assert torch.equal(one[:, :, 0], full[:, :, t]), t
+
+
+def test_the_kernel_and_the_torch_twin_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    if build.library() is None:
+        pytest.skip(build.status())
+    q, k, v, seen = _case(10, 40, H=6, Hkv=3, D=64, seed=5)
+    idx, lens = attend.slot_lists(seen)
+    compiled = attend.attend_rows(q, k, v, idx, lens, 0.125)
+    monkeypatch.setattr(attend, "library", lambda: None)
+    torch.testing.assert_close(attend.attend_rows(q, k, v, idx, lens, 0.125), compiled, rtol=0, atol=1e-6)
+
+
+def test_slot_lists_keep_each_rows_slots_in_order() -> None:
+    seen = torch.tensor([[[True, False, True, True], [False, True, False, False]]])
+    idx, lens = attend.slot_lists(seen)
+    assert lens.tolist() == [[3, 1]] and idx[0, 0].tolist() == [0, 2, 3] and idx[0, 1, 0] == 1
