@@ -9,9 +9,10 @@ its top-k among the held ones; an expert it does not hold is a module on the met
 The draft is an approximation of the target: the target verifies every node, so the output stays the target's.
 
 Which experts: the hottest H of each layer by the target's routing counts (tuning/routing.RoutingStats, which the
-engine's ExpertPasses feeds after every verification pass). `HotExperts.observe` is called after each pass; every
-RERANK_PASSES passes it re-ranks and replaces the copies of experts that fell out of the top H by the ones that
-came in (reads from the layer cache, binds; the others stay). Before any pass: experts 0 .. H-1.
+engine's ExpertPasses feeds after every verification pass). `HotExperts.observe` is called after each pass; after
+the first (the prompt's prefill: many rows, so a fair first ranking) and then every RERANK_PASSES passes it
+re-ranks and replaces the copies of experts that fell out of the top H by the ones that came in (reads from the
+layer cache, binds; the others stay). Before any pass: experts 0 .. H-1.
 
 Counters: bytes read into copies (the initial load included), experts replaced, re-rankings.
 
@@ -37,8 +38,13 @@ from specexec.network.model import Block, on_meta
 from specexec.planning.hot_experts import hot_per_layer
 from specexec.runtime.expert_stream import bind_expert
 
-RERANK_PASSES = 4         # target passes between two re-rankings of the hot experts
+RERANK_PASSES = 4         # target passes between two re-rankings of the hot experts (after the first)
 Say = Callable[[str], None]
+
+
+def reranks_after(passes: int) -> bool:
+    """Whether the copies re-rank after target pass number `passes` (1-based): the first, then every RERANK_PASSES."""
+    return passes == 1 or passes % RERANK_PASSES == 0
 
 
 def dense_views(buf: Tensor, layout: LayerLayout) -> dict[str, Tensor]:
@@ -132,10 +138,10 @@ class HotExperts:
 
     def observe(self, counts: Tensor, layers: Sequence[int]) -> float:
         """After a target pass: counts [L, E] (routing counts of the target's sparse layers `layers`, in that
-        order). Every RERANK_PASSES passes each copy takes its layer's H hottest experts. Returns the expert
-        bytes read (0: no re-ranking, or nothing changed)."""
+        order). After the first pass and every RERANK_PASSES passes each copy takes its layer's H hottest experts.
+        Returns the expert bytes read (0: no re-ranking, or nothing changed)."""
         self.passes += 1
-        if self.passes % RERANK_PASSES:
+        if not reranks_after(self.passes):
             return 0.0
         before = self.counters["hot_expert_bytes_read"]
         row = {layer: j for j, layer in enumerate(layers)}

@@ -27,7 +27,7 @@ from specexec.planning.run_shape import RunShape, with_self_draft
 from specexec.planning.sizes import expert_split, layer_bytes
 from specexec.planning.target import target_formats
 from specexec.runtime.assembly import Runtime
-from specexec.runtime.hot_experts import RERANK_PASSES
+from specexec.runtime.hot_experts import RERANK_PASSES, reranks_after
 from tests.tiny_models import prompt, write_tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -126,20 +126,18 @@ def test_copies_hold_their_hot_experts_and_the_draft_routes_only_to_them(tiny_qw
 
 
 def test_reranking_follows_the_routing_counts(tiny_qwen3_moe: Path, cache_root: Path) -> None:
-    """Counts that make experts 8..15 the hottest: nothing changes before RERANK_PASSES passes; then each copy
-    holds exactly those, the experts that left are unbound, and the bytes read are the newcomers' alone.
-    Counts that keep the held ones hottest replace nothing."""
+    """The first pass re-ranks: counts that make experts 8..15 the hottest put exactly those in each copy, the
+    experts that left are unbound, and the bytes read are the newcomers' alone. Then nothing changes before
+    pass RERANK_PASSES, which follows counts that make 0..7 the hottest again; counts that keep the held ones
+    hottest replace nothing."""
     rt = _load(tiny_qwen3_moe, "self", "ram", cache_root)
     try:
         hot = rt.engine.draft.hot
         layers = (0, 2)
-        before = {i: list(held) for i, held in hot.held.items()}
-        assert all(sorted(h) == list(range(8)) for h in before.values())        # before any pass: 0 .. H-1
-        counts = torch.arange(16, dtype=torch.float64).repeat(2, 1)             # expert e counted e times
+        assert all(sorted(h) == list(range(8)) for h in hot.held.values())     # before any pass: 0 .. H-1
+        up = torch.arange(16, dtype=torch.float64).repeat(2, 1)                 # expert e counted e times
         read0 = hot.counters["hot_expert_bytes_read"]
-        for k in range(1, RERANK_PASSES):
-            assert not hot.observe(counts, layers) and hot.held == before
-        assert hot.observe(counts, layers)
+        assert hot.observe(up, layers)                                          # pass 1 re-ranks
         each = hot.cache.layout(0).regions[0].nbytes
         for i in layers:
             assert sorted(hot.held[i]) == list(range(8, 16))
@@ -147,16 +145,24 @@ def test_reranking_follows_the_routing_counts(tiny_qwen3_moe: Path, cache_root: 
             assert hot.blocks[i].mlp.router.allowed.tolist() == [False] * 8 + [True] * 8
         assert hot.counters["hot_experts_replaced"] == 16
         assert hot.counters["hot_expert_bytes_read"] - read0 == 16 * each
+        after_first = {i: list(h) for i, h in hot.held.items()}
+        down = up.flip(-1)                                                      # now 0..7 are the hottest
+        for k in range(2, RERANK_PASSES):
+            assert not hot.observe(down, layers) and hot.held == after_first
+        assert hot.observe(down, layers)                                        # pass RERANK_PASSES
+        assert all(sorted(hot.held[i]) == list(range(8)) for i in layers)
+        assert hot.counters["hot_experts_replaced"] == 32
         entries = {i: list(h) for i, h in hot.held.items()}
         for _ in range(RERANK_PASSES):
-            hot.observe(counts, layers)
-        assert hot.held == entries and hot.counters["hot_experts_replaced"] == 16
+            hot.observe(down, layers)
+        assert hot.held == entries and hot.counters["hot_experts_replaced"] == 32
     finally:
         rt.engine.close()
 
 
 def test_a_run_reranks_from_the_targets_routing(tiny_qwen3_moe: Path, cache_root: Path) -> None:
-    """In a run the engine's routing statistics reach the draft after every target pass: passes // 4 re-rankings,
+    """In a run the engine's routing statistics reach the draft after every target pass: a re-ranking after the
+    first pass and every RERANK_PASSES after it,
     after the last each copy holds the hottest experts of the target's counts then, and stats.moe says the
     expert bytes the re-rankings read per pass."""
     rt = _load(tiny_qwen3_moe, "self", "ram", cache_root)
@@ -165,7 +171,7 @@ def test_a_run_reranks_from_the_targets_routing(tiny_qwen3_moe: Path, cache_root
         held_then = {}
 
         def snapshot(counts: torch.Tensor, layers: tuple[int, ...]) -> None:      # runs after the draft's
-            if hot.passes % RERANK_PASSES == 0:
+            if reranks_after(hot.passes):
                 seen["counts"] = counts.clone()
                 held_then.update({i: sorted(h) for i, h in hot.held.items()})
 
@@ -173,7 +179,7 @@ def test_a_run_reranks_from_the_targets_routing(tiny_qwen3_moe: Path, cache_root
         loaded = hot.counters["hot_expert_bytes_read"]
         list(rt.generate_ids(prompt(3), 24))
         passes = rt.engine.experts.routing.passes
-        assert passes > RERANK_PASSES and hot.counters["hot_reranks"] == passes // RERANK_PASSES
+        assert passes > RERANK_PASSES and hot.counters["hot_reranks"] == 1 + passes // RERANK_PASSES
         moe = rt.stats()["moe"]                  # stats.moe: the re-reads per pass (the first load is not one)
         assert moe["passes"] == passes
         assert moe["draft_expert_bytes_per_pass"] == round((hot.counters["hot_expert_bytes_read"] - loaded) / passes, 1)
