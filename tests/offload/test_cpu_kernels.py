@@ -96,6 +96,20 @@ def test_q4_equals_the_reference_and_rows_do_not_depend_on_the_batch(use, n, k, 
         assert torch.equal(ops.q4_linear(x[m:m + 2], codes, sz, group, bias), full[m:m + 2])
 
 
+@pytest.mark.parametrize("n,k,group", [(34, 256, 64), (17, 160, 32), (33, 384, 128), (16, 96, 32)])
+def test_q4_every_row_count_gives_each_row_its_one_row_bits(use, n, k, group) -> None:
+    """The kernels' register tiles (AVX2: 2 weight rows x 4 activation rows, then the rows left; N the tile does
+    not divide): any row count gives each row the bits of its own one-row call, and matches the reference."""
+    codes, sz = _q4(n, k, group, seed=3)
+    bias = torch.randn(n)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(4))
+    single = torch.cat([ops.q4_linear(x[i:i + 1], codes, sz, group, bias) for i in range(17)])
+    assert_fp32_close(single, ops.q4_reference(x, codes, sz, group, bias))
+    for m in (1, 2, 3, 5, 7, 8, 16, 17):
+        assert torch.equal(ops.q4_linear(x[:m], codes, sz, group, bias), single[:m])
+        assert torch.equal(ops.q4_linear(x[17 - m:], codes, sz, group, bias), single[17 - m:])
+
+
 @pytest.mark.parametrize("k", [7, 32, 33, 64, 100, 130])
 def test_q8_equals_the_reference_and_rows_do_not_depend_on_the_batch(use, k) -> None:
     codes, scale = _q8(21, k)
