@@ -20,6 +20,7 @@ from offload.quant.cpu_kernels import ops
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # variant -> (extra compiler flags, the ISA it reports, a /proc/cpuinfo flag it needs)
 VARIANTS = {"native": ([], None, None), "avx2": (["-mno-avx512f"], "avx2", "avx2"),
+            "avx2-2x8": (["-mno-avx512f", "-DQR=2", "-DQA=8"], "avx2", "avx2"),   # the other register tiles
             "scalar": (["-march=x86-64"], "scalar", None)}
 Q4_SHAPES = [(64, 256, 64), (48, 96, 32), (40, 384, 128), (16, 160, 32), (24, 448, 64), (16, 32, 32)]
 

@@ -243,8 +243,13 @@ ALWAYS_INLINE void q4_zero_terms(const uint16_t *sz, int64_t ng, const Acts *a, 
  * lane vectors. Per (n, m) the arithmetic is one fixed sequence, the same in every tile shape: lane sums over the
  * chunks in order of cvt(dot) * (s * d), the fixed pairwise fold, plus the zero terms, plus the bias. So a row's
  * bits depend neither on R, A nor on which tile or thread it falls in. */
-#define QR 2                    /* weight rows per tile */
-#define QA 4                    /* activation rows per tile */
+#ifndef QR                      /* -DQR=.. -DQA=.. to try other shapes */
+#define QR 1                    /* weight rows per tile: 2 measured 1.3-1.5x slower at 1-4 rows on Zen 3 (AVX2,
+                                   two code streams per thread) and no faster at 16 */
+#endif
+#ifndef QA
+#define QA 4                    /* activation rows per tile (8 measured the same) */
+#endif
 
 /* The codes of chunk c of one weight row split into low and high nibbles. The last chunk of a row may be
  * partial (then only at G = 32: K/2 is a multiple of 16 bytes, a full chunk 32): its missing bytes read as 0. */
@@ -345,17 +350,14 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
     }
 }
 
-/* Weight rows n0 .. n0 + R - 1 against every activation row: tiles of QA rows, then the 1..QA-1 left. */
+/* Weight rows n0 .. n0 + R - 1 against every activation row: tiles of QA rows, then of 4, 2 and 1 for the rest. */
 ALWAYS_INLINE void q4_rows_avx2(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t n0,
                                 int64_t M, const int R, const int one) {
     int64_t m0 = 0;
     for (; m0 + QA <= M; m0 += QA) q4_tile_avx2(k, codes, sz, n0, m0, R, QA, one);
-    switch (M - m0) {
-    case 1: q4_tile_avx2(k, codes, sz, n0, m0, R, 1, one); break;
-    case 2: q4_tile_avx2(k, codes, sz, n0, m0, R, 2, one); break;
-    case 3: q4_tile_avx2(k, codes, sz, n0, m0, R, 3, one); break;
-    default: break;
-    }
+    if (QA > 4 && m0 + 4 <= M) q4_tile_avx2(k, codes, sz, n0, m0, R, QA > 4 ? 4 : QA, one), m0 += 4;
+    if (QA > 2 && m0 + 2 <= M) q4_tile_avx2(k, codes, sz, n0, m0, R, QA > 2 ? 2 : QA, one), m0 += 2;
+    if (QA > 1 && m0 < M) q4_tile_avx2(k, codes, sz, n0, m0, R, 1, one);
 }
 
 /* Tile t of weight rows (QR of them; the last tile of an N that QR does not divide goes row by row). */
