@@ -37,6 +37,7 @@
 #define LANES (CB / 4)          /* int32 lanes of a chunk's dot product */
 #define MT 8                    /* activation rows per pass over a weight row (the rest: more passes) */
 #define Q8B 64                  /* activation block of the q8 kernel */
+#define PREFETCH 2048           /* code bytes read ahead (AVX2): ~10-15 % more bandwidth at 1 row on Zen 3 */
 
 const char *sx_isa(void) {
 #if SX_AVX512
@@ -329,6 +330,7 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
         int partial = !one && c >= k->full;                /* never at G >= 64 */
         for (int r = 0; r < R; r++) {
             __m256i wl, wh;
+            _mm_prefetch((const char *)(codes + r * k->nbytes + c * CB + PREFETCH), _MM_HINT_T0);
             q4_chunk(k, codes + r * k->nbytes, c, partial, &wl, &wh);
             __m256 sv = q4_scales(k, sz + r * k->ng * 2, g0, one);
             for (int i = 0; i < A; i++) {
@@ -513,6 +515,22 @@ typedef struct {
     void *out;
 } Q8Call;
 
+#if SX_AVX2
+/* acc[i] += cvt(dot of weight chunk w with chunk c of activation row m0 + i) * d, for MTC rows: |w| times the
+ * activations with w's sign (vpmaddubsw takes unsigned times signed). */
+ALWAYS_INLINE void q8_chunk_avx2(const Acts *a, __m256i w, int64_t c, int64_t m0, __m256 *acc, const int MTC) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i wa = _mm256_abs_epi8(w);
+    for (int i = 0; i < MTC; i++) {
+        const int8_t *xq = a->q + (m0 + i) * a->kp + c * CB;
+        __m256i xs = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)xq), w);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
+        __m256 d = _mm256_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i]);
+    }
+}
+#endif
+
 ALWAYS_INLINE void q8_tile(const Q8Call *k, const int8_t *codes, int64_t n, int64_t m0, const int MTC) {
     const Acts *a = k->a;
     float res[MT];
@@ -536,25 +554,15 @@ ALWAYS_INLINE void q8_tile(const Q8Call *k, const int8_t *codes, int64_t n, int6
 #elif SX_AVX2
     __m256 acc[MT];
     for (int i = 0; i < MTC; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t c = 0; c < a->nc; c++) {
-        int64_t k0 = c * CB;
-        __m256i w;
-        if (c < k->full) {
-            w = _mm256_loadu_si256((const __m256i *)(codes + k0));
-        } else {
-            int8_t tmp[32] = {0};
-            memcpy(tmp, codes + k0, (size_t)(k->K - k0));
-            w = _mm256_loadu_si256((const __m256i *)tmp);
-        }
-        __m256i wa = _mm256_abs_epi8(w);
-        for (int i = 0; i < MTC; i++) {
-            const int8_t *xq = a->q + (m0 + i) * a->kp + k0;
-            __m256i xs = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)xq), w);
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
-            __m256 d = _mm256_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i]);
-        }
+    int64_t c = 0;
+    for (; c < k->full; c++) {
+        _mm_prefetch((const char *)(codes + c * CB + PREFETCH), _MM_HINT_T0);
+        q8_chunk_avx2(a, _mm256_loadu_si256((const __m256i *)(codes + c * CB)), c, m0, acc, MTC);
+    }
+    if (c < a->nc) {                                      /* the row's partial last chunk, zero-padded */
+        int8_t tmp[CB] = {0};
+        memcpy(tmp, codes + c * CB, (size_t)(k->K - c * CB));
+        q8_chunk_avx2(a, _mm256_loadu_si256((const __m256i *)tmp), c, m0, acc, MTC);
     }
     for (int i = 0; i < MTC; i++) res[i] = hsum256(acc[i]);
 #else
