@@ -20,6 +20,7 @@ from offload.quant.cpu_kernels import ops
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # variant -> (extra compiler flags, the ISA it reports, a /proc/cpuinfo flag it needs)
 VARIANTS = {"native": ([], None, None), "avx2": (["-mno-avx512f"], "avx2", "avx2"),
+            "avx2-2x8": (["-mno-avx512f", "-DQR=2", "-DQA=8"], "avx2", "avx2"),   # the other register tiles
             "scalar": (["-march=x86-64"], "scalar", None)}
 Q4_SHAPES = [(64, 256, 64), (48, 96, 32), (40, 384, 128), (16, 160, 32), (24, 448, 64), (16, 32, 32)]
 
@@ -94,6 +95,20 @@ def test_q4_equals_the_reference_and_rows_do_not_depend_on_the_batch(use, n, k, 
     for m in (1, 3, 4, 5):
         assert torch.equal(ops.q4_linear(x[:m], codes, sz, group, bias), full[:m])
         assert torch.equal(ops.q4_linear(x[m:m + 2], codes, sz, group, bias), full[m:m + 2])
+
+
+@pytest.mark.parametrize("n,k,group", [(34, 256, 64), (17, 160, 32), (33, 384, 128), (16, 96, 32)])
+def test_q4_every_row_count_gives_each_row_its_one_row_bits(use, n, k, group) -> None:
+    """The kernels' register tiles (AVX2: 2 weight rows x 4 activation rows, then the rows left; N the tile does
+    not divide): any row count gives each row the bits of its own one-row call, and matches the reference."""
+    codes, sz = _q4(n, k, group, seed=3)
+    bias = torch.randn(n)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(4))
+    single = torch.cat([ops.q4_linear(x[i:i + 1], codes, sz, group, bias) for i in range(17)])
+    assert_fp32_close(single, ops.q4_reference(x, codes, sz, group, bias))
+    for m in (1, 2, 3, 5, 7, 8, 16, 17):
+        assert torch.equal(ops.q4_linear(x[:m], codes, sz, group, bias), single[:m])
+        assert torch.equal(ops.q4_linear(x[17 - m:], codes, sz, group, bias), single[17 - m:])
 
 
 @pytest.mark.parametrize("k", [7, 32, 33, 64, 100, 130])

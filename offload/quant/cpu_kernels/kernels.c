@@ -37,6 +37,7 @@
 #define LANES (CB / 4)          /* int32 lanes of a chunk's dot product */
 #define MT 8                    /* activation rows per pass over a weight row (the rest: more passes) */
 #define Q8B 64                  /* activation block of the q8 kernel */
+#define PREFETCH 2048           /* code bytes read ahead (AVX2): ~10-15 % more bandwidth at 1 row on Zen 3 */
 
 const char *sx_isa(void) {
 #if SX_AVX512
@@ -212,6 +213,7 @@ typedef struct {
     const Acts *a;
     int64_t K, ng, nbytes, half, full;   /* full: chunks with all CB code bytes */
     int gpc;                            /* groups whose (s, z) a chunk reads */
+    int glog;                           /* log2(G): chunk c starts in group (c * 2 * CB) >> glog (no division) */
     const void *bias;
     int bias_bf16, out_bf16;
     void *out;
@@ -221,7 +223,7 @@ typedef struct {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-#if !SX_AVX512
+#if !SX_AVX512 && !SX_AVX2
 /* Zero terms of one weight row, plain C: sum over groups of (z - 8 s) * ds, for mt activation rows. */
 ALWAYS_INLINE void q4_zero_terms(const uint16_t *sz, int64_t ng, const Acts *a, int64_t m0, const int mt,
                                  float *zt) {
@@ -232,6 +234,153 @@ ALWAYS_INLINE void q4_zero_terms(const uint16_t *sz, int64_t ng, const Acts *a, 
     }
 }
 #endif
+
+#if SX_AVX2
+/* ---- AVX2: register tiles of QR weight rows x QA activation rows.
+ * Each weight chunk (CB code bytes = 2*CB weights) is loaded and unpacked once per tile and used by its QA
+ * activation rows; each activation chunk is read from memory once per QR weight rows (then from L1). At G >= 64
+ * a chunk lies inside one group (G = 64: it is the group), so its scale s and the activations' d are broadcasts
+ * of one value (the bf16 (s, z) pair read as one 32-bit load); at G = 32 a chunk spans two groups and both are
+ * lane vectors. Per (n, m) the arithmetic is one fixed sequence, the same in every tile shape: lane sums over the
+ * chunks in order of cvt(dot) * (s * d), the fixed pairwise fold, plus the zero terms, plus the bias. So a row's
+ * bits depend neither on R, A nor on which tile or thread it falls in. */
+#ifndef QR                      /* -DQR=.. -DQA=.. to try other shapes */
+#define QR 1                    /* weight rows per tile: 2 measured 1.3-1.5x slower at 1-4 rows on Zen 3 (AVX2,
+                                   two code streams per thread) and no faster at 16 */
+#endif
+#ifndef QA
+#define QA 4                    /* activation rows per tile (8 measured the same) */
+#endif
+
+/* The codes of chunk c of one weight row split into low and high nibbles. The last chunk of a row may be
+ * partial (then only at G = 32: K/2 is a multiple of 16 bytes, a full chunk 32): its missing bytes read as 0. */
+ALWAYS_INLINE void q4_chunk(const Q4Call *k, const uint8_t *codes, int64_t c, int partial, __m256i *wl,
+                            __m256i *wh) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    __m256i w;
+    if (!partial) {
+        w = _mm256_loadu_si256((const __m256i *)(codes + c * CB));
+    } else {                                              /* whole int32 lanes: the tail is 16 bytes */
+        __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)((k->nbytes - c * CB) / 4)), lane);
+        w = _mm256_maskload_epi32((const int *)(codes + c * CB), mask);
+    }
+    *wl = _mm256_and_si256(w, lo4);
+    *wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), lo4);
+}
+
+/* The lanes' s of one weight row for a chunk starting in group g0: that group's (one == 1: G >= 64, the bf16
+ * (s, z) pair read as one 32-bit broadcast, s being its low half) or, at G = 32, the chunk's two groups' (one
+ * at a row's partial last chunk), each lane picking its own through sel. */
+ALWAYS_INLINE __m256 q4_scales(const Q4Call *k, const uint16_t *sz, int64_t g0, const int one) {
+    if (one) {
+        int32_t pair;
+        memcpy(&pair, sz + 2 * g0, 4);
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi32(pair), 16));
+    }
+    int32_t pair;
+    __m128i prs;
+    if (k->ng - g0 >= 2) {
+        prs = _mm_loadl_epi64((const __m128i *)(sz + 2 * g0));
+    } else {
+        memcpy(&pair, sz + 2 * g0, 4);
+        prs = _mm_cvtsi32_si128(pair);
+    }
+    __m256i p32 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(prs), 16);
+    return _mm256_permutevar8x32_ps(_mm256_castsi256_ps(p32), _mm256_loadu_si256((const __m256i *)k->sel));
+}
+
+/* Zero terms of one weight row, AVX2: sum over groups of (z - 8 s) * ds for A activation rows, 8 groups per
+ * step (the (s, z) pairs as 32-bit lanes: s = low half, z = high half), the tail masked (its lanes add 0), then
+ * the fixed pairwise fold. The order depends on ng alone. */
+ALWAYS_INLINE void q4_zero_terms_avx2(const uint16_t *sz, int64_t ng, const Acts *a, int64_t m0, const int A,
+                                      float *zt) {
+    const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    __m256 acc[QA];
+    for (int i = 0; i < A; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g += 8) {
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(ng - g < 8 ? ng - g : 8)), lane);
+        __m256i p = _mm256_maskload_epi32((const int *)(sz + 2 * g), mask);
+        __m256 mz = _mm256_fnmadd_ps(eight, _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)),
+                                     _mm256_castsi256_ps(_mm256_and_si256(p, hi16)));      /* z - 8 s */
+        for (int i = 0; i < A; i++)
+            acc[i] = _mm256_fmadd_ps(mz, _mm256_maskload_ps(a->ds + (m0 + i) * a->nb + g, mask), acc[i]);
+    }
+    for (int i = 0; i < A; i++) zt[i] = hsum256(acc[i]);
+}
+
+/* y for weight rows n0 .. n0 + R - 1 (codes, sz: row n0's) and activation rows m0 .. m0 + A - 1; R, A, one are
+ * compile-time constants after inlining, so acc[][] lives in registers (2 x 4 tiles: 8 of the 16 ymm). */
+ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t n0,
+                                int64_t m0, const int R, const int A, const int one) {
+    const Acts *a = k->a;
+    const int8_t *xq[QA];
+    const float *dd[QA];
+    for (int i = 0; i < A; i++) {
+        xq[i] = a->q + (m0 + i) * a->kp;
+        dd[i] = one ? a->d + (m0 + i) * a->nb : a->dl + (m0 + i) * a->nc * LANES;
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[QR][QA];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < A; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < a->nc; c++) {                 /* acc[r][i] += cvt(dot) * (s * d), chunk by chunk */
+        int64_t g0 = (c * 2 * CB) >> k->glog;
+        int partial = !one && c >= k->full;                /* never at G >= 64 */
+        for (int r = 0; r < R; r++) {
+            __m256i wl, wh;
+            _mm_prefetch((const char *)(codes + r * k->nbytes + c * CB + PREFETCH), _MM_HINT_T0);
+            q4_chunk(k, codes + r * k->nbytes, c, partial, &wl, &wh);
+            __m256 sv = q4_scales(k, sz + r * k->ng * 2, g0, one);
+            for (int i = 0; i < A; i++) {
+                const int8_t *x = xq[i] + c * 2 * CB;
+                __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_load_si256((const __m256i *)x)),
+                                             _mm256_maddubs_epi16(wh, _mm256_load_si256((const __m256i *)(x + CB))));
+                __m256 dv = one ? _mm256_broadcast_ss(dd[i] + g0) : _mm256_loadu_ps(dd[i] + c * LANES);
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(sv, dv),
+                                            acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float zt[QA];
+        q4_zero_terms_avx2(sz + r * k->ng * 2, k->ng, a, m0, A, zt);
+        float bn = bias_at(k->bias, k->bias_bf16, n0 + r);
+        for (int i = 0; i < A; i++)
+            store(k->out, k->out_bf16, (m0 + i) * k->N + n0 + r, hsum256(acc[r][i]) + zt[i] + bn);
+    }
+}
+
+/* Weight rows n0 .. n0 + R - 1 against every activation row: tiles of QA rows, then of 4, 2 and 1 for the rest. */
+ALWAYS_INLINE void q4_rows_avx2(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t n0,
+                                int64_t M, const int R, const int one) {
+    int64_t m0 = 0;
+    for (; m0 + QA <= M; m0 += QA) q4_tile_avx2(k, codes, sz, n0, m0, R, QA, one);
+    if (QA > 4 && m0 + 4 <= M) q4_tile_avx2(k, codes, sz, n0, m0, R, QA > 4 ? 4 : QA, one), m0 += 4;
+    if (QA > 2 && m0 + 2 <= M) q4_tile_avx2(k, codes, sz, n0, m0, R, QA > 2 ? 2 : QA, one), m0 += 2;
+    if (QA > 1 && m0 < M) q4_tile_avx2(k, codes, sz, n0, m0, R, 1, one);
+}
+
+/* Tile t of weight rows (QR of them; the last tile of an N that QR does not divide goes row by row). */
+static void q4_rows_tile(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t t, int64_t M) {
+    int64_t n0 = t * QR, rows = k->N - n0 < QR ? k->N - n0 : QR;
+    const uint8_t *cr = codes + n0 * k->nbytes;
+    const uint16_t *sr = sz + n0 * k->ng * 2;
+    if (rows == QR) {
+        if (k->gpc == 1) q4_rows_avx2(k, cr, sr, n0, M, QR, 1);
+        else q4_rows_avx2(k, cr, sr, n0, M, QR, 0);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        if (k->gpc == 1) q4_rows_avx2(k, cr + r * k->nbytes, sr + r * k->ng * 2, n0 + r, M, 1, 1);
+        else q4_rows_avx2(k, cr + r * k->nbytes, sr + r * k->ng * 2, n0 + r, M, 1, 0);
+    }
+}
+#endif
+
+#if !SX_AVX2
+/* ---- AVX-512 and plain C: one weight row at a time against tiles of MT activation rows. */
 
 /* y for weight row n and activation rows m0 .. m0 + MTC - 1 (MTC a compile-time constant after inlining):
  * main terms sum over chunks and lanes of s * d * dot, then the zero terms sum over groups of (z - 8 s) * ds. */
@@ -278,39 +427,6 @@ ALWAYS_INLINE void q4_tile(const Q4Call *k, const uint8_t *codes, const uint16_t
             acc[i] = _mm512_fmadd_ps(mz, _mm512_maskz_loadu_ps(mk, a->ds + (m0 + i) * a->nb + g), acc[i]);
     }
     for (int i = 0; i < MTC; i++) zt[i] = _mm512_reduce_add_ps(acc[i]);
-#elif SX_AVX2
-    __m256 acc[MT];
-    for (int i = 0; i < MTC; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i sel = _mm256_loadu_si256((const __m256i *)k->sel), lo4 = _mm256_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t c = 0; c < a->nc; c++) {
-        int64_t b0 = c * CB, g0 = b0 / k->half;
-        __m256i w;
-        uint16_t prs[8] = {0};
-        if (c < k->full) {
-            w = _mm256_loadu_si256((const __m256i *)(codes + b0));
-            memcpy(prs, sz + 2 * g0, (size_t)(4 * k->gpc));
-        } else {
-            uint8_t tmp[32] = {0};
-            int64_t left = k->nbytes - b0, gl = k->ng - g0 < k->gpc ? k->ng - g0 : k->gpc;
-            memcpy(tmp, codes + b0, (size_t)left);
-            w = _mm256_loadu_si256((const __m256i *)tmp);
-            memcpy(prs, sz + 2 * g0, (size_t)(4 * gl));
-        }
-        __m256i wl = _mm256_and_si256(w, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), lo4);
-        __m256i p32 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)prs)), 16);
-        __m256 sv = _mm256_permutevar8x32_ps(_mm256_castsi256_ps(p32), sel);
-        for (int i = 0; i < MTC; i++) {
-            const int8_t *xq = a->q + (m0 + i) * a->kp + c * 2 * CB;
-            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_load_si256((const __m256i *)xq)),
-                                         _mm256_maddubs_epi16(wh, _mm256_load_si256((const __m256i *)(xq + CB))));
-            __m256i dot = _mm256_madd_epi16(p, ones);
-            __m256 sd = _mm256_mul_ps(sv, _mm256_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sd, acc[i]);
-        }
-    }
-    for (int i = 0; i < MTC; i++) res[i] = hsum256(acc[i]);
-    q4_zero_terms(sz, k->ng, a, m0, MTC, zt);
 #else
     float acc[MT][LANES];
     memset(acc, 0, sizeof acc);
@@ -356,6 +472,7 @@ static void q4_rows(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, i
     default: break;
     }
 }
+#endif
 
 /* y [M, N] = x [M, K] @ W.T (+ bias) for a q4 weight. x, y: fp32 or bf16 (flags); bias: fp32/bf16 or NULL. */
 int sx_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sz,
@@ -365,10 +482,15 @@ int sx_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t 
     if (quantize_acts(x, x_bf16, M, K, G, 1, &a)) return -1;
     Q4Call k = {.a = &a, .K = K, .ng = K / G, .nbytes = K / 2, .half = G / 2, .full = K / 2 / CB,
                 .gpc = CB >= G / 2 ? CB / (G / 2) : 1, .bias = bias, .bias_bf16 = bias_bf16, .out_bf16 = out_bf16,
-                .out = out, .N = N};
+                .out = out, .N = N, .glog = G == 32 ? 5 : G == 64 ? 6 : 7};
     for (int l = 0; l < 16; l++) k.sel[l] = l < LANES ? 2 * lane_block(l, G, 1) : 0;
+#if SX_AVX2
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < (N + QR - 1) / QR; t++) q4_rows_tile(&k, codes, sz, t, M);
+#else
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) q4_rows(&k, codes + n * (K / 2), sz + n * k.ng * 2, n, M);
+#endif
     return 0;
 }
 
@@ -393,6 +515,22 @@ typedef struct {
     void *out;
 } Q8Call;
 
+#if SX_AVX2
+/* acc[i] += cvt(dot of weight chunk w with chunk c of activation row m0 + i) * d, for MTC rows: |w| times the
+ * activations with w's sign (vpmaddubsw takes unsigned times signed). */
+ALWAYS_INLINE void q8_chunk_avx2(const Acts *a, __m256i w, int64_t c, int64_t m0, __m256 *acc, const int MTC) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i wa = _mm256_abs_epi8(w);
+    for (int i = 0; i < MTC; i++) {
+        const int8_t *xq = a->q + (m0 + i) * a->kp + c * CB;
+        __m256i xs = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)xq), w);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
+        __m256 d = _mm256_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i]);
+    }
+}
+#endif
+
 ALWAYS_INLINE void q8_tile(const Q8Call *k, const int8_t *codes, int64_t n, int64_t m0, const int MTC) {
     const Acts *a = k->a;
     float res[MT];
@@ -416,25 +554,15 @@ ALWAYS_INLINE void q8_tile(const Q8Call *k, const int8_t *codes, int64_t n, int6
 #elif SX_AVX2
     __m256 acc[MT];
     for (int i = 0; i < MTC; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t c = 0; c < a->nc; c++) {
-        int64_t k0 = c * CB;
-        __m256i w;
-        if (c < k->full) {
-            w = _mm256_loadu_si256((const __m256i *)(codes + k0));
-        } else {
-            int8_t tmp[32] = {0};
-            memcpy(tmp, codes + k0, (size_t)(k->K - k0));
-            w = _mm256_loadu_si256((const __m256i *)tmp);
-        }
-        __m256i wa = _mm256_abs_epi8(w);
-        for (int i = 0; i < MTC; i++) {
-            const int8_t *xq = a->q + (m0 + i) * a->kp + k0;
-            __m256i xs = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)xq), w);
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
-            __m256 d = _mm256_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i]);
-        }
+    int64_t c = 0;
+    for (; c < k->full; c++) {
+        _mm_prefetch((const char *)(codes + c * CB + PREFETCH), _MM_HINT_T0);
+        q8_chunk_avx2(a, _mm256_loadu_si256((const __m256i *)(codes + c * CB)), c, m0, acc, MTC);
+    }
+    if (c < a->nc) {                                      /* the row's partial last chunk, zero-padded */
+        int8_t tmp[CB] = {0};
+        memcpy(tmp, codes + c * CB, (size_t)(k->K - c * CB));
+        q8_chunk_avx2(a, _mm256_loadu_si256((const __m256i *)tmp), c, m0, acc, MTC);
     }
     for (int i = 0; i < MTC; i++) res[i] = hsum256(acc[i]);
 #else
