@@ -3,7 +3,7 @@ plans with), defined once (`add_flag`: the text, the default said, the argparse 
 into the frozen configs of specexec.config.
 
 Groups: model (--model --draft PATH|NAME|self[:FMT] / --no-draft --allow-pickle --offline --gguf-file), engine
-(--budget N|auto --max-budget --builder --device --dtype --kv-quant --max-new-tokens), sampling (--temperature
+(--budget N|auto --max-budget --builder --device --dtype --kv-quant --expert-trim --gate --max-new-tokens), sampling (--temperature
 --top-p --top-k --seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget
 --ram-budget --cache-dir --context --kv-offload --draft-layers). `apply_catalog_defaults` fills what a models.yaml
 name implies (the recommended draft, budget and quantization) when the user left it out, and says so;
@@ -94,6 +94,9 @@ def _flags() -> dict[str, Flag]:
                               "verify the grown tree's nodes worth the experts they pull in (lossless); nodes: as "
                               "many best-scoring nodes as the same predicted pass time holds; off: the whole tree",
                               {"metavar": "MODE"}),
+        "--gate": Flag(f"stop drafting while the target alone is measured faster, probing now and then to "
+                       f"resume: {choices_help('--gate')}", "auto: on with --budget auto, off with a fixed "
+                       "--budget N", {"metavar": "MODE"}),
         "--draft-layers": Flag("with --draft self: how many of the target's decoder layers the draft runs, evenly "
                                "spaced, first and last included", "auto: the most whose copies fit; half of a "
                                "wholly resident target", {"metavar": "N|auto"}),
@@ -123,7 +126,8 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") -> None:
     add_flag(p, "--max-new-tokens", max_new_default)
-    for flag in ("--budget", "--max-budget", "--builder", "--device", "--dtype", "--kv-quant", "--expert-trim"):
+    for flag in ("--budget", "--max-budget", "--builder", "--device", "--dtype", "--kv-quant", "--expert-trim",
+                 "--gate"):
         add_flag(p, flag)
 
 
@@ -159,7 +163,7 @@ def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", mo
 def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
     """EngineConfig from the engine flags; `defaults` fill flags the user left out."""
     given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant",
-                                                 "expert_trim")}
+                                                 "expert_trim", "gate")}
     budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
 

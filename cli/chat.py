@@ -161,6 +161,8 @@ class ChatSession:
         if answer.interrupted:
             self.console.print("[interrupted: the answer so far stays in the history]", style="yellow",
                                highlight=False, markup=False)
+        for line in (answer.profile.get("gate") or {}).get("events", ()):   # --gate: when and why it switched
+            self.console.print(line, style="dim", highlight=False, markup=False)
         self.console.print(stats_line(answer.profile), style="dim", highlight=False)
         if self.profile:
             self.console.print(summary_table(answer.profile, "profile of this answer"))

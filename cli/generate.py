@@ -198,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
             results.append({"text": text, "token_ids": ids, "stats": stats})
             if not args.json:
                 console.print(_stats_line(stats, len(ids)), highlight=False, style="dim")
+                for line in stats.get("gate", {}).get("events", ()):          # --gate: when and why it switched
+                    console.print(line, highlight=False, style="dim", markup=False)
     finally:
         runtime.engine.close()          # an offloaded target's pager thread (in-process callers: tests, scripts)
     if args.json:

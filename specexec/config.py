@@ -236,11 +236,13 @@ class EngineConfig:
     draft_vocab: int | str | None = None   # VocabTrim: the draft head keeps N target-frequent tokens, or "auto"
     kv_quant: str = "none"          # --kv-quant: "int8" stores KV rows quantized (LOSSY; never in an exactness claim)
     expert_trim: str = "experts"    # --expert-trim: a streamed MoE target verifies the nodes worth their experts
+    gate: str = "auto"              # --gate: drafting stops while the target alone is faster (auto: with auto_budget)
 
     def __post_init__(self) -> None:
         check_number("budget", self.budget, low=1, high=MAX_BUDGET)
         check_choice("--kv-quant", self.kv_quant, choices("--kv-quant"))
         check_choice("--expert-trim", self.expert_trim, choices("--expert-trim"))
+        check_choice("--gate", self.gate, choices("--gate"))
         check_draft_vocab(self.draft_vocab)
         check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
         if self.prefill_chunk is not None:

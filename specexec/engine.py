@@ -8,7 +8,8 @@
 5. account - the step goes into the one ledger (the profiler's step records, which GenerationStats reads);
              once its times are known the budget tuner and a cost-following builder hear them.
 
-With no builder the same loop is plain autoregressive decoding (the baseline). Optional abilities of the
+With no builder the same loop is plain autoregressive decoding (the baseline); the gate (--gate,
+specexec/pilot.py) makes a step such a plain one when the target alone is measured faster. Optional abilities of the
 builder and the models (specexec/builders/base.py, specexec/network/model.py Protocols) are checked once, when the
 engine is built. `--budget auto` calibration: the engine measures target passes when its tuner has no costs
 and hands them to `on_calibrated`; saving and loading them is the runtime's (specexec/tuning/calibration.py).
@@ -32,6 +33,7 @@ from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
+from specexec.pilot import Pilot
 from specexec.profiler import Profiler, Span
 from specexec.generation import GenerationStats, PrefillProgress
 from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
@@ -103,6 +105,7 @@ class Engine:
         auto = config.auto_budget and builder is not None
         self.tuner = (tuner if tuner is not None else BudgetTuner(config.budget)) if auto else None
         self.on_calibrated: Callable[[CurveFit], None] | None = None     # hears measured target pass costs
+        self.pilot = Pilot.for_engine(config, builder, self.tuner, self.profiler, self.prefill)   # --gate
         self.keeps_draft_probs = has(builder, KeepsDraftProbs)            # may be verified with rrs_wor
         self.observe_topk = int(builder.observe_topk or 0) if has(builder, LearnsFromTarget) else 0
         self.follows_costs = has(builder, FollowsCosts)                   # width follows the cost ratio
@@ -279,7 +282,8 @@ class Engine:
         cache, draft = state.cache, state.draft
         longrope.rerun_past_switch([(self.target, cache, "target")] + ([(draft.model, draft.cache, "draft")] if draft
                                    else []), self._context, self.prefill)
-        drafted = self._draft(draft, root, sampling, rng, longrope.budget_cap(self.target, cache))
+        plain = self.pilot is not None and self.pilot.plain_next(draft)      # the gate: the target alone
+        drafted = self._draft(draft, root, sampling, rng, 0 if plain else longrope.budget_cap(self.target, cache))
         counts = self.target.expert_counters() if isinstance(self.target, CountsExperts) else None
         with self.profiler.span("target") as target_span:
             acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng)
@@ -334,7 +338,9 @@ class Engine:
         expert_s = self.experts.last_expert_s if self.experts is not None else 0.0
 
         def timed(draft_s: float, target_s: float) -> None:
-            if self.tuner is not None:
+            if self.pilot is not None:
+                self.pilot.heard(tree.size, len(acc.tokens), draft_s, target_s, expert_s)
+            if self.tuner is not None and (tree.size or self.pilot is None):
                 self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s, expert_s)
             if self.experts is not None:
                 self.experts.observe_times(draft_s)

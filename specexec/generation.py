@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from specexec.profiler import Profiler, StepStat, budget_trace, moe_stats
+from specexec.tuning.gate import gate_stats
 
 
 @dataclass
@@ -65,8 +66,13 @@ class GenerationStats:
             "budget_trace": budget_trace(s.budget for s in steps),     # what --budget auto picked, per step
             "builder": builder,
             **({"moe": moe} if (moe := self.moe()) is not None else {}),
+            **({"gate": gate} if (gate := self.gate()) is not None else {}),
         }
 
     def moe(self) -> dict | None:
         """stats.moe of an MoE target (profiler.moe_stats over this call's passes), else None."""
         return moe_stats(self.ledger.counters, self.ledger.gauges) if self.ledger is not None else None
+
+    def gate(self) -> dict | None:
+        """stats.gate of a gated run (--gate: switches, plain_steps, speculative_steps, events), else None."""
+        return gate_stats(self.ledger.counters, self.ledger.notes) if self.ledger is not None else None

@@ -65,6 +65,11 @@ def _trim_modes() -> tuple[str, ...]:
     return TRIM_MODES
 
 
+def _gate_modes() -> tuple[str, ...]:
+    from specexec.tuning.gate_modes import GATE_MODES      # names only: no torch
+    return GATE_MODES
+
+
 def _kv_quants() -> tuple[str, ...]:
     from specexec.kv.quants import QUANTS              # names only: no torch
     return tuple(QUANTS)
@@ -83,6 +88,7 @@ _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "--offload": lambda: memory_plan.OFFLOAD_MODES,
     "--kv-offload": lambda: memory_plan.COMPANION_MODES,   # where streamed layers' KV rows live
     "--expert-trim": _trim_modes,                      # specexec.tuning.trim_modes.TRIM_MODES
+    "--gate": _gate_modes,                             # specexec.tuning.gate_modes.GATE_MODES
 }
 
 

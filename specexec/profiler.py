@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from specexec.tuning.gate import gate_stats
+
 Source = Callable[[], Mapping[str, float]]
 OnTimed = Callable[[float, float], None]                   # (draft seconds, target seconds) of one step
 STREAM_KEYS = ("bytes_streamed", "copy_s", "stall_s")     # the cumulative counters a stream source reports
@@ -111,6 +113,7 @@ class Profiler:
         """Start a new generation: clear spans, counters and steps; restart the clock."""
         self.spans: list[Span] = []
         self.counters: dict[str, float] = {}
+        self.notes: list[str] = []              # one-line events of this generation (the gate's switches)
         self._steps: list[StepStat] = []
         self._pending: deque[tuple[int, Span | float, Span | float, OnTimed | None]] = deque()
         self._t0 = time.perf_counter()
@@ -134,6 +137,10 @@ class Profiler:
         """Add to named counters: count(prompt_tokens=12, generated=3)."""
         for name, value in values.items():
             self.counters[name] = self.counters.get(name, 0) + value
+
+    def note(self, text: str) -> None:
+        """Keep a one-line event of this generation for people (chat and bench print them)."""
+        self.notes.append(text)
 
     def watch(self, source: Source) -> None:
         """Register a callable returning cumulative counters (see STREAM_KEYS); polled at each step."""
@@ -223,7 +230,7 @@ class Profiler:
     def summary(self) -> dict[str, Any]:
         """Everything about this generation as plain numbers (see summarize())."""
         return summarize(self.totals(), self.counters, self.steps, self.streamed(), self.gauges,
-                         self.ttft_s, self.wall_s)
+                         self.ttft_s, self.wall_s, self.notes)
 
     def json_line(self, steps: bool = False) -> str:
         """summary() as one compact JSON line; steps=True adds the per-step records."""
@@ -255,7 +262,7 @@ def _per(total: float, n: float) -> float | None:
 
 def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, float], steps: list[StepStat],
               streamed: Mapping[str, float], gauges: Mapping[str, float], ttft_s: float | None,
-              wall_s: float) -> dict[str, Any]:
+              wall_s: float, notes: Iterable[str] = ()) -> dict[str, Any]:
     """The profile as one flat dict: token counts, rates, per-step averages, streaming totals and spans.
     decode_s is the wall time after prefill (what a user waits for once the prompt is in); streamed_gb counts
     the prefill too, effective_gb_s only the steps' bytes over the steps' target time."""
@@ -289,6 +296,7 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
         "spans": dict(totals),
         "counters": {k: v for k, v in counters.items()},
         "moe": moe_stats(counters, gauges),
+        "gate": gate_stats(counters, notes),
     }
 
 

@@ -57,6 +57,15 @@ class Result:
     lossy: bool = False           # ran with an int8 KV cache (--kv-quant int8): never in an exactness claim
     draft: str | None = None      # the draft of a specexec row (a path, a name or self[:FMT])
     moe_runs: list[dict] = field(default_factory=list)    # stats.moe of each prompt (an MoE target)
+    gate_runs: list[dict | None] = field(default_factory=list)   # stats.gate of each prompt (a gated row)
+
+    def gate(self) -> dict | None:
+        """stats.gate summed over the prompts, its events prefixed with their prompt (None: not gated)."""
+        runs = [(i, g) for i, g in enumerate(self.gate_runs, 1) if g]
+        if not runs:
+            return None
+        total = {k: sum(g[k] for _, g in runs) for k in ("switches", "plain_steps", "speculative_steps")}
+        return {**total, "events": [f"prompt {i}: {e}" for i, g in runs for e in g["events"]]}
 
     def moe(self) -> dict | None:
         """stats.moe over every prompt (means over all passes, weighted by each prompt's passes)."""
@@ -134,6 +143,7 @@ def run_variant(name: str, rt: Runtime, budget: int | str | None, plan: Plan, pr
                     sum(x.target_ms for x in steps) / 1000)
             res.budgets += [x.budget for x in steps if x.budget is not None]
             res.moe_runs.append(s["moe"])
+            res.gate_runs.append(s["gate"])
     res.peak_ram, res.peak_vram = mem.ram_bytes, mem.vram_bytes
     return res
 

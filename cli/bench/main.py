@@ -55,7 +55,7 @@ from cli.bench import plot
 from cli.bench.common import Plan, Result, config_name, encode_prompts, run_variant, wide
 from cli.bench.context import context_rows, context_table, parse_contexts, run_contexts
 from cli.bench.hf import run_hf
-from cli.bench.table import BASELINES, EXTERNAL, make_rows, make_table, per_step
+from cli.bench.table import BASELINES, EXTERNAL, gate_lines, make_rows, make_table, per_step
 from specexec.config import EngineConfig
 from specexec.options import ConfigError, budget_options, check_number, is_self_draft, parse_budget_list
 from specexec.prompts import load_prompts
@@ -300,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         if r["budget_trace"]:
             out.print(f"{r['config']}: budget per step {r['budget_trace']}", highlight=False, markup=False)
+        for line in gate_lines(r):                       # --gate: when and why drafting switched
+            out.print(line, highlight=False, markup=False)
     if figure is not None:
         plot.save(plot.bench_figure(rows, title), figure, rows, title)
         console.print(f"plot written to {figure}", style="dim", highlight=False)

@@ -62,8 +62,21 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
             "budget": r.budget, "builder": r.builder, "draft": r.draft, "note": r.note or None, "lossy": r.lossy,
             "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
             **({"moe": moe} if (moe := r.moe()) is not None else {}),
+            **({"gate": gate} if (gate := r.gate()) is not None else {}),
         })
     return rows
+
+
+def gate_lines(row: dict, most: int = 8) -> list[str]:
+    """A gated row's lines: its share of plain steps, then when and why it switched (the last `most`)."""
+    gate = row.get("gate")
+    if not gate:
+        return []
+    steps = gate["plain_steps"] + gate["speculative_steps"]
+    head = (f"{row['config']}: gate: {gate['switches']} switches, {gate['plain_steps']} of {steps} steps without "
+            f"drafting" + (f" ({len(gate['events']) - most} earlier switches not shown)" if len(gate["events"]) > most
+                           else ""))
+    return [head] + [f"{row['config']}: {e}" for e in gate["events"][-most:]]
 
 
 def make_table(rows: list[dict], title: str) -> Table:

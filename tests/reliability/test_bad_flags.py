@@ -66,6 +66,7 @@ CASES = {
     "max-new-tokens 10**9": (["--max-new-tokens", str(10**9)], lambda: EngineConfig(max_new_tokens=10**9)),
     "device tpu": (["--device", "tpu"], lambda: EngineConfig(device="tpu")),
     "dtype int3": (["--dtype", "int3"], lambda: EngineConfig(dtype="int3")),
+    "gate sometimes": (["--gate", "sometimes"], lambda: EngineConfig(gate="sometimes")),
     "builder magic": (["--builder", "magic"], lambda: check_builder("magic")),
     "quant nf5": (["--quant", "nf5"], lambda: OffloadConfig(quant="nf5")),
     "offload cloud": (["--offload", "cloud"], lambda: OffloadConfig(offload="cloud")),
@@ -85,7 +86,7 @@ def test_bad_value_is_configs_one_line(case, cli, cache_root, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["temperature nan", "top-p 1.5", "budget 0", "ram-budget lots",
-                                  "max-new-tokens 0"])
+                                  "max-new-tokens 0", "gate sometimes"])
 def test_chat_validates_the_same_way(case, cli, cache_root, tmp_path):
     """`chat` shares the flags and their checks (cli/args.py -> specexec.options): the same line."""
     flags, judge = CASES[case]

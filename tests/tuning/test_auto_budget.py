@@ -36,8 +36,10 @@ def test_auto_budget_is_exact_and_the_engine_writes_no_file(tiny_pair, tiny_pert
     assert got == want
     assert heard == [{n + 1 for n in calibration_sizes(64)}]        # the calibration passes' tree sizes
     assert not any(cache_dir.rglob("*")), list(cache_dir.rglob("*"))     # no cost file from the engine
-    sizes = {s.tree_size for s in engine.stats.steps}
-    assert all(1 <= n <= 64 for n in sizes)
+    trees = [s for s in engine.stats.steps if s.budget is not None]     # the gate's plain steps have no tree
+    assert all(1 <= s.tree_size <= 64 for s in trees)
+    gate = engine.stats.summary("auto", "specexec")["gate"]             # --budget auto gates (--gate auto)
+    assert len(engine.stats.steps) - len(trees) == gate["plain_steps"]
     list(engine.generate(ids, 8))
     assert len(heard) == 1                                          # measured once per engine
 
@@ -70,9 +72,11 @@ def test_profiler_shows_the_budget_each_step_asked_for(tiny_pair, tiny_perturbed
     target, draft = load_model(tiny_pair[0]), load_model(tiny_perturbed_draft)
     engine = Engine(target, draft, EngineConfig(**budget_options("auto", 64)), SpecExecBuilder())
     list(engine.generate([1, 30, 31, 32, 33, 34], 40))
-    asked = [s.budget for s in engine.profiler.steps]
-    assert all(b is not None and 1 <= b <= 64 for b in asked)
-    assert all(s.tree_size <= s.budget for s in engine.profiler.steps)
+    trees = [s for s in engine.profiler.steps if s.budget is not None]   # the gate's plain steps have no tree
+    assert len(engine.profiler.steps) - len(trees) == engine.profiler.counters.get("gate_plain_steps", 0)
+    asked = [s.budget for s in trees]
+    assert all(1 <= b <= 64 for b in asked)
+    assert all(s.tree_size <= s.budget for s in trees)
     summary = engine.profiler.summary()
     trace = summary["budget_trace"]
     cut = trace.startswith("… ")                   # more than 12 runs (likelier when timings are noisy): the tail

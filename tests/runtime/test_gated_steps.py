@@ -1,0 +1,89 @@
+"""The gate in the decoding loop (specexec/pilot.py): whatever it switches to, the output is the target's --
+greedy ids equal the target alone's, sampled tokens follow the target's distribution -- with a scripted gate
+that flips between plain and speculative steps; a gated run reports its steps in stats.gate; a fixed budget
+gates nothing unless --gate on."""
+from __future__ import annotations
+
+from itertools import cycle
+from pathlib import Path
+
+import pytest
+
+from specexec.builders.specexec import SpecExecBuilder
+from specexec.checkpoints.loading import load_model
+from specexec.config import EngineConfig, SamplingParams
+from specexec.engine import Engine
+from specexec.tuning.gate import Switch
+from tests.chi2 import chi2_pvalue
+from tests.sampling_pairs import PROMPT, exact_pairs, sample_pairs
+from tests.tiny_models import load_pair_models, prompt
+
+PATTERN = [False, False, True, True, True, False, True, False, False, False, True]   # True = a plain step
+
+
+class Flipper:
+    """A gate that follows PATTERN (cycled) and reports a switch whenever the kind changes."""
+
+    def __init__(self, pattern: list[bool] = PATTERN) -> None:
+        self.kinds, self.last = cycle(pattern), None
+        self.heard: list[bool] = []
+
+    def next_plain(self) -> bool:
+        return next(self.kinds)
+
+    def observe(self, speculative: bool, tokens: int, seconds: float) -> Switch | None:
+        self.heard.append(speculative)
+        changed = self.last is not None and self.last != speculative
+        self.last = speculative
+        return Switch(speculative, 10.0, 9.0, 4) if changed else None
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path):
+    return load_pair_models(tiny_pair, tiny_perturbed_draft)
+
+
+def run(engine: Engine, ids: list[int], n: int, sampling: SamplingParams = SamplingParams()) -> list[int]:
+    return [t for step in engine.generate(ids, n, sampling) for t in step]
+
+
+@pytest.mark.parametrize("config", [EngineConfig(budget=8, gate="on"), EngineConfig(budget=64, auto_budget=True)])
+def test_greedy_ids_equal_the_target_alone_however_the_gate_switches(models, config: EngineConfig) -> None:
+    alone = Engine(models["target"], None, EngineConfig(), None)
+    for seed in (0, 1):
+        ids = prompt(seed)
+        want = run(alone, ids, 48)
+        engine = Engine(models["target"], models["perturbed"], config, SpecExecBuilder())
+        flipper = engine.pilot.gate = Flipper()
+        assert run(engine, ids, 48) == want, f"seed {seed}"
+        gate = engine.stats.summary(8, "specexec")["gate"]
+        assert gate["plain_steps"] > 2 and gate["speculative_steps"] > 2 and gate["switches"] >= 3
+        assert len(gate["events"]) == gate["switches"] and gate["events"][0].startswith("drafting ")
+        assert flipper.heard.count(False) == gate["plain_steps"]
+        assert sum(s.tree_size == 0 for s in engine.stats.steps) >= gate["plain_steps"]
+
+
+def test_a_fixed_budget_gates_nothing_unless_asked(models) -> None:
+    assert Engine(models["target"], models["perturbed"], EngineConfig(budget=8), SpecExecBuilder()).pilot is None
+    assert Engine(models["target"], models["perturbed"], EngineConfig(budget=8, gate="off", auto_budget=True),
+                  SpecExecBuilder()).pilot is None
+    assert Engine(models["target"], None, EngineConfig(budget=8, gate="on"), None).pilot is None
+    engine = Engine(models["target"], models["perturbed"], EngineConfig(budget=8), SpecExecBuilder())
+    run(engine, prompt(0), 16)
+    assert "gate" not in engine.stats.summary(8, "specexec")
+
+
+@pytest.fixture(scope="module")
+def small(tiny_small_pair: tuple[Path, Path]):
+    target, perturbed = tiny_small_pair
+    return load_model(target), load_model(perturbed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", [[True, False], [False, True, True]])
+def test_sampled_tokens_follow_the_target_across_switches(small, pattern: list[bool]) -> None:
+    sampling = SamplingParams(temperature=1.0, top_p=0.95)
+    engine = Engine(small[0], small[1], EngineConfig(budget=6, gate="on"), SpecExecBuilder())
+    engine.pilot.gate = Flipper(pattern)
+    counts = sample_pairs(engine, sampling, 600)
+    assert chi2_pvalue(counts, exact_pairs(small[0], sampling, PROMPT)) > 1e-3

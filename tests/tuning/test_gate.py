@@ -1,0 +1,87 @@
+"""The gate's decision on scripted timings (specexec/tuning/gate.py): it turns drafting off when the target alone
+is clearly faster, back on when speculating becomes faster, holds within the margin, and its probes and
+refreshes stay within their share of the steps. No models: the steps are (tokens, seconds) made up here."""
+from __future__ import annotations
+
+import pytest
+
+from specexec.config import EngineConfig
+from specexec.options import ConfigError
+from specexec.tuning.gate import Gate, gate_stats
+from specexec.tuning.gate_modes import gates
+
+
+def drive(gate: Gate, steps: int, spec: tuple[int, float], plain_s: float) -> list[bool]:
+    """Run `steps` steps: a speculative one emits spec[0] tokens in spec[1] s, a plain one 1 token in plain_s.
+    -> the kind of each step (True = plain)."""
+    kinds = []
+    for _ in range(steps):
+        plain = gate.next_plain()
+        kinds.append(plain)
+        gate.observe(not plain, 1 if plain else spec[0], plain_s if plain else spec[1])
+    return kinds
+
+
+def test_drafting_stays_on_while_speculating_is_faster() -> None:
+    gate = Gate()
+    kinds = drive(gate, 200, spec=(3, 0.2), plain_s=0.1)          # 15 tok/s vs 10 tok/s
+    assert gate.drafting
+    assert sum(kinds) <= 200 / gate.refresh_every + 2               # the refreshes: a bounded share
+
+
+def test_drafting_turns_off_when_the_target_alone_is_faster_and_probes_stay_bounded() -> None:
+    gate = Gate()
+    kinds = drive(gate, 40, spec=(1.5, 0.25), plain_s=0.1)        # 6 tok/s vs 10 tok/s
+    assert not gate.drafting
+    after = drive(gate, 1000, spec=(1.5, 0.25), plain_s=0.1)
+    assert not gate.drafting
+    assert sum(not k for k in after) <= gate.probe_share * len(after)
+    assert not all(after)                                           # it did probe
+
+
+def test_drafting_comes_back_when_speculating_becomes_faster() -> None:
+    gate = Gate()
+    drive(gate, 60, spec=(1, 0.2), plain_s=0.1)
+    assert not gate.drafting
+    kinds = drive(gate, 2 * gate.first_gap + 2 * gate.burst, spec=(4, 0.2), plain_s=0.1)   # 20 tok/s vs 10
+    assert gate.drafting
+    assert sum(not k for k in kinds) >= gate.burst
+
+
+def test_rates_within_the_margin_never_switch() -> None:
+    gate = Gate(margin=0.05)
+    drive(gate, 300, spec=(1.04, 0.1), plain_s=0.1)               # speculating 4 % faster
+    assert gate.drafting
+    gate = Gate(margin=0.05)
+    drive(gate, 300, spec=(0.97, 0.1), plain_s=0.1)               # the target alone 3 % faster: within the margin
+    assert gate.drafting
+
+
+def test_a_switch_off_waits_for_measured_plain_steps_over_a_prior() -> None:
+    gate = Gate(prior=lambda: 0.01)                                 # the cost model says: target alone 100 tok/s
+    kinds = drive(gate, gate.window, spec=(2, 0.1), plain_s=0.01)
+    assert gate.drafting and not any(kinds)                         # the prior alone schedules no plain step
+    kinds = drive(gate, gate.confirm + 2, spec=(2, 0.1), plain_s=0.01)
+    assert not gate.drafting and sum(kinds) >= gate.confirm
+
+
+def test_the_switch_lines_say_why() -> None:
+    gate = Gate()
+    switches = []
+    for _ in range(60):
+        plain = gate.next_plain()
+        switch = gate.observe(not plain, 1, 0.1 if plain else 0.3)
+        switches += [switch] if switch else []
+    assert len(switches) == 1
+    line = switches[0].line()
+    assert line.startswith("drafting off: target alone 10.0 tok/s > speculative 3.3 tok/s (last 16 steps)")
+
+
+def test_gate_modes_and_stats() -> None:
+    assert gates("auto", True) and not gates("auto", False) and gates("on", False) and not gates("off", True)
+    assert EngineConfig().gate == "auto"
+    with pytest.raises(ConfigError, match="unknown --gate 'sometimes'; choose one of: auto, on, off"):
+        EngineConfig(gate="sometimes")
+    assert gate_stats({}, []) is None
+    assert gate_stats({"gate_plain_steps": 3.0, "gate_speculative_steps": 5.0, "gate_switches": 1.0}, ["x"]) == \
+        {"switches": 1, "plain_steps": 3, "speculative_steps": 5, "events": ["x"]}
