@@ -7,7 +7,8 @@ the experts a pass routed to, and counts them, before any expert weight is read)
     out = mlp.combine(h, routing)     # the weighted sum of those experts' outputs (+ the shared expert)
 
 `SparseMLP.forward(h)` is the two in a row. Block (specexec/network/model.py) makes the calls itself and hands each
-layer's Routing to the model's `routing` log (a RoutingLog; None records nothing) between them.
+layer's Routing to the model's `routing` log (a RoutingLog; None records nothing) between them, and lets the
+log compute the combination (`RoutingLog.combine`: by default `mlp.combine`).
 
 Parameter names, inside a decoder layer (the contract the weight-name mapping, specexec/families/weights.py,
 and the layer cache use; the checkpoint's own names are mapped onto these):
@@ -76,6 +77,11 @@ class RoutingLog:
     def experts(self, layer: int) -> list[int]:
         """The distinct experts layer `layer` routed to in the latest forward (a host sync)."""
         return torch.unique(self.layers[layer]).tolist()
+
+    def combine(self, layer: int, mlp: "SparseMLP", h: Tensor, routing: Routing) -> Tensor:
+        """Layer `layer`'s feed-forward output [B, T, D] after `record`: mlp.combine here; a subclass may
+        compute the experts elsewhere (specexec/runtime/expert_stream.py: on the CPU, cpu_experts.py)."""
+        return mlp.combine(h, routing)
 
 
 class Router(nn.Module):
@@ -148,8 +154,13 @@ class SparseMLP(nn.Module):
         """h [B, T, D] and its routing -> [B, T, D]: each row's experts' outputs weighted by the routing, plus
         the shared expert. `experts[e]` computes expert e (default: this layer's own; a streaming caller may
         pass modules bound to wherever the routed experts' weights are; only routed ones are called)."""
-        experts = self.experts if experts is None else experts
         x = h.reshape(-1, h.shape[-1])
+        return self.add_shared(x, self.routed(x, routing, experts)).view_as(h)
+
+    def routed(self, x: Tensor, routing: Routing, experts: Sequence[nn.Module] | None = None) -> Tensor:
+        """x [T, D] -> [T, D]: the routed experts' weighted sum alone (on x's device: a caller computing the
+        experts elsewhere, specexec/runtime/cpu_experts.py, passes x and the routing there)."""
+        experts = self.experts if experts is None else experts
         out = torch.zeros_like(x)
         k = routing.index.shape[-1]
         flat = routing.index.reshape(-1)                                           # [T*k]
@@ -163,12 +174,16 @@ class SparseMLP(nn.Module):
                 y = experts[e](x.index_select(0, r)) * weights[start:start + n, None]
                 out.index_add_(0, r, y.to(out.dtype))
                 start += n
+        return out
+
+    def add_shared(self, x: Tensor, out: Tensor) -> Tensor:
+        """out [T, D] (the routed sum of x [T, D]'s rows) plus the shared expert, where the family has one."""
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(x)
             if hasattr(self, "shared_expert_gate"):
                 shared = self.shared_expert_gate(x) * shared
             out = out + shared
-        return out.view_as(h)
+        return out
 
     def forward(self, h: Tensor) -> Tensor:
         return self.combine(h, self.route(h))
