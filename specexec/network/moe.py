@@ -94,12 +94,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(m.n_experts, args.dim))
         self.bias = nn.Parameter(torch.empty(m.n_experts)) if m.router_bias else None
         self.allowed: Tensor | None = None           # bool [E]: the experts a row may go to (None: every one)
+        self.row_exact = False                       # set on a row-exact model (CPU integer kernels): see _logits
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, D] -> Routing (index [T, k], weight [T, k] in x's dtype); scores in fp32. With `allowed` (a
         draft's copy holding some experts only: specexec/runtime/hot_experts.py) the others score -inf before
         the top-k, so no row goes to them; the kept weights are then normalised as the family does."""
-        logits = F.linear(x, self.weight, self.bias)                               # [T, E]
+        logits = self._logits(x)                                                   # [T, E]
         if self.kind == "topk_softmax":
             top, index = torch.topk(self._masked(logits), self.top_k, dim=-1)
             return Routing(index, torch.softmax(top.float(), dim=-1).to(x.dtype))
@@ -108,6 +109,19 @@ class Router(nn.Module):
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         return Routing(index, top.to(x.dtype))
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """x [T, D] -> [T, E]. With `row_exact`, each row's scores are a product and a row sum (SharedGate's
+        way): a BLAS GEMM's rounding depends on the number of rows and a GEMV's on the weight's address, so a
+        tree pass would give a row other scores (at a near-tie, other experts) than its one-token pass, and a
+        streamed copy of the router other ones than a resident copy; a row-exact model (int4/int8 on a CPU)
+        must not."""
+        if not self.row_exact:
+            return F.linear(x, self.weight, self.bias)
+        if not x.shape[0]:
+            return x.new_zeros(0, self.weight.shape[0])
+        out = torch.stack([(row * self.weight).sum(-1) for row in x])
+        return out if self.bias is None else out + self.bias
 
     def _masked(self, scores: Tensor) -> Tensor:
         """scores [T, E] with the experts `allowed` excludes at -inf (they lose every top-k)."""
