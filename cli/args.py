@@ -3,10 +3,10 @@ plans with), defined once (`add_flag`: the text, the default said, the argparse 
 into the frozen configs of specexec.config.
 
 Groups: model (--model --draft PATH|NAME|self[:FMT] / --no-draft --allow-pickle --offline --gguf-file), engine
-(--budget N|auto --max-budget --builder --device --dtype --kv-quant --expert-trim --gate --max-new-tokens), sampling (--temperature
---top-p --top-k --seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget
---ram-budget --cache-dir --context --kv-offload --draft-layers). `apply_catalog_defaults` fills what a models.yaml
-name implies (the recommended draft, budget and quantization) when the user left it out, and says so;
+(--budget N|auto --max-budget --builder --device --dtype --kv-quant --expert-trim --gate --max-new-tokens),
+sampling (--temperature --top-p --top-k --seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget
+--ram-budget --cache-dir --context --kv-offload --draft-layers --experts). `apply_catalog_defaults` fills what a
+models.yaml name implies (the recommended draft, budget and quantization) when the user left it out, and says so;
 `check_draft(..., default_self=True)` (chat) drafts with the target itself when no draft is named or recommended.
 `load_runtime` is the one place these commands load models (the memory ledger first, then a progress spinner on stderr).
 
@@ -97,6 +97,10 @@ def _flags() -> dict[str, Flag]:
         "--gate": Flag(f"stop drafting while the target alone is measured faster, probing now and then to "
                        f"resume: {choices_help('--gate')}", "auto: on with --budget auto, off with a fixed "
                        "--budget N", {"metavar": "MODE"}),
+        "--experts": Flag("MoE targets: where the routed experts of streamed sparse layers compute: stream (copied "
+                          "to the device as routed), cpu (in RAM on the CPU, only hidden states cross the link), "
+                          "cpu:N (the last N such layers), auto (per layer, whichever the planner prices lower)",
+                          "stream", {"metavar": "stream|cpu[:N]|auto"}),
         "--draft-layers": Flag("with --draft self: how many of the target's decoder layers the draft runs, evenly "
                                "spaced, first and last included", "auto: the most whose copies fit; half of a "
                                "wholly resident target", {"metavar": "N|auto"}),
@@ -149,6 +153,7 @@ def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> 
         add_flag(p, "--context")
     add_flag(p, "--kv-offload")
     add_flag(p, "--draft-layers")
+    add_flag(p, "--experts")
 
 
 def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True,
@@ -199,7 +204,8 @@ def offload_config(args: argparse.Namespace, context: int | None = None) -> Offl
                                     cache_dir=getattr(args, "cache_dir", None),
                                     context=context if context is not None else getattr(args, "context", None),
                                     kv_offload=getattr(args, "kv_offload", None),
-                                    draft_layers=getattr(args, "draft_layers", None))
+                                    draft_layers=getattr(args, "draft_layers", None),
+                                    experts=getattr(args, "experts", None))
 
 
 def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = None) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from specexec.options import (
     DTYPES, MAX_BUDGET, ConfigError, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
-    parse_draft_layers, parse_size)
+    check_experts, parse_draft_layers, parse_size)
 
 
 ROUTERS = ("softmax", "topk_softmax", "sigmoid")
@@ -277,7 +277,9 @@ class OffloadConfig:
     or in host RAM travelling with the layer when the device runs short); device = always on the device;
     stream = every streamed layer's rows travel with it (also on a CPU, where it only costs a copy).
     draft_layers: with --draft self, how many of the target's decoder layers the draft runs (None or "auto":
-    the most the budget holds; specexec/runtime/self_draft.py)."""
+    the most the budget holds; specexec/runtime/self_draft.py).
+    experts: --experts, where the routed experts of streamed MoE layers compute (specexec/tuning/expert_modes.py:
+    stream, cpu, cpu:N, auto)."""
 
     quant: str = "auto"
     draft_quant: str = "none"
@@ -288,9 +290,11 @@ class OffloadConfig:
     context: int | None = None
     kv_offload: str = "auto"
     draft_layers: int | str | None = None        # --draft self: decoder layers the draft runs (None/auto: planned)
+    experts: str = "stream"     # --experts stream | cpu[:N] | auto: where a streamed MoE layer's experts compute
 
     def __post_init__(self) -> None:
         check_choice("--kv-offload", self.kv_offload, choices("--kv-offload"))
+        check_experts(self.experts)
         if self.context is not None:
             check_integer("--context", self.context, low=16, high=10**7)
         if self.draft_layers is not None and self.draft_layers != "auto":
@@ -309,11 +313,13 @@ class OffloadConfig:
     def from_flags(cls, quant: str | None = None, draft_quant: str | None = None, offload: str | None = None,
                    gpu_budget: str | None = None, ram_budget: str | None = None,
                    cache_dir: str | None = None, context: int | None = None,
-                   kv_offload: str | None = None, draft_layers: str | None = None) -> "OffloadConfig":
+                   kv_offload: str | None = None, draft_layers: str | None = None,
+                   experts: str | None = None) -> "OffloadConfig":
         """From command-line strings (None = default); sizes like 20GB, 512MiB."""
         kw: dict[str, Any] = {k: v for k, v in (("quant", quant), ("draft_quant", draft_quant),
                                                  ("offload", offload), ("cache_dir", cache_dir),
-                                                 ("context", context), ("kv_offload", kv_offload)) if v is not None}
+                                                 ("context", context), ("kv_offload", kv_offload),
+                                                 ("experts", experts)) if v is not None}
         if draft_layers is not None:
             kw["draft_layers"] = parse_draft_layers(draft_layers)
         if gpu_budget is not None:

@@ -70,6 +70,16 @@ def _gate_modes() -> tuple[str, ...]:
     return GATE_MODES
 
 
+def check_experts(value: Any) -> None:
+    """Raise ConfigError unless value is an --experts value (specexec.tuning.expert_modes: names only, no torch)."""
+    from specexec.tuning.expert_modes import parse_experts
+
+    try:
+        parse_experts(value)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _kv_quants() -> tuple[str, ...]:
     from specexec.kv.quants import QUANTS              # names only: no torch
     return tuple(QUANTS)

@@ -153,7 +153,7 @@ class Block(nn.Module):
             route = self.mlp.route(h)
             if routing is not None:
                 routing.record(layer, route)
-            out = self.mlp.combine(h, route)
+            out = self.mlp.combine(h, route) if routing is None else routing.combine(layer, self.mlp, h, route)
         else:
             out = self.mlp(h)
         return x + (self.post_feedforward_layernorm(out) if sandwich else out)

@@ -7,7 +7,8 @@ the experts a pass routed to, and counts them, before any expert weight is read)
     out = mlp.combine(h, routing)     # the weighted sum of those experts' outputs (+ the shared expert)
 
 `SparseMLP.forward(h)` is the two in a row. Block (specexec/network/model.py) makes the calls itself and hands each
-layer's Routing to the model's `routing` log (a RoutingLog; None records nothing) between them.
+layer's Routing to the model's `routing` log (a RoutingLog; None records nothing) between them, and lets the
+log compute the combination (`RoutingLog.combine`: by default `mlp.combine`).
 
 Parameter names, inside a decoder layer (the contract the weight-name mapping, specexec/families/weights.py,
 and the layer cache use; the checkpoint's own names are mapped onto these):
@@ -77,6 +78,11 @@ class RoutingLog:
         """The distinct experts layer `layer` routed to in the latest forward (a host sync)."""
         return torch.unique(self.layers[layer]).tolist()
 
+    def combine(self, layer: int, mlp: "SparseMLP", h: Tensor, routing: Routing) -> Tensor:
+        """Layer `layer`'s feed-forward output [B, T, D] after `record`: mlp.combine here; a subclass may
+        compute the experts elsewhere (specexec/runtime/expert_stream.py: on the CPU, cpu_experts.py)."""
+        return mlp.combine(h, routing)
+
 
 class Router(nn.Module):
     """Scores every expert for every row and keeps the top k (MoEArgs.router says how scores become weights)."""
@@ -88,12 +94,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(m.n_experts, args.dim))
         self.bias = nn.Parameter(torch.empty(m.n_experts)) if m.router_bias else None
         self.allowed: Tensor | None = None           # bool [E]: the experts a row may go to (None: every one)
+        self.row_exact = False                       # set on a row-exact model (CPU integer kernels): see _logits
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, D] -> Routing (index [T, k], weight [T, k] in x's dtype); scores in fp32. With `allowed` (a
         draft's copy holding some experts only: specexec/runtime/hot_experts.py) the others score -inf before
         the top-k, so no row goes to them; the kept weights are then normalised as the family does."""
-        logits = F.linear(x, self.weight, self.bias)                               # [T, E]
+        logits = self._logits(x)                                                   # [T, E]
         if self.kind == "topk_softmax":
             top, index = torch.topk(self._masked(logits), self.top_k, dim=-1)
             return Routing(index, torch.softmax(top.float(), dim=-1).to(x.dtype))
@@ -102,6 +109,19 @@ class Router(nn.Module):
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         return Routing(index, top.to(x.dtype))
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """x [T, D] -> [T, E]. With `row_exact`, each row's scores are a product and a row sum (SharedGate's
+        way): a BLAS GEMM's rounding depends on the number of rows and a GEMV's on the weight's address, so a
+        tree pass would give a row other scores (at a near-tie, other experts) than its one-token pass, and a
+        streamed copy of the router other ones than a resident copy; a row-exact model (int4/int8 on a CPU)
+        must not."""
+        if not self.row_exact:
+            return F.linear(x, self.weight, self.bias)
+        if not x.shape[0]:
+            return x.new_zeros(0, self.weight.shape[0])
+        out = torch.stack([(row * self.weight).sum(-1) for row in x])
+        return out if self.bias is None else out + self.bias
 
     def _masked(self, scores: Tensor) -> Tensor:
         """scores [T, E] with the experts `allowed` excludes at -inf (they lose every top-k)."""
@@ -148,8 +168,13 @@ class SparseMLP(nn.Module):
         """h [B, T, D] and its routing -> [B, T, D]: each row's experts' outputs weighted by the routing, plus
         the shared expert. `experts[e]` computes expert e (default: this layer's own; a streaming caller may
         pass modules bound to wherever the routed experts' weights are; only routed ones are called)."""
-        experts = self.experts if experts is None else experts
         x = h.reshape(-1, h.shape[-1])
+        return self.add_shared(x, self.routed(x, routing, experts)).view_as(h)
+
+    def routed(self, x: Tensor, routing: Routing, experts: Sequence[nn.Module] | None = None) -> Tensor:
+        """x [T, D] -> [T, D]: the routed experts' weighted sum alone (on x's device: a caller computing the
+        experts elsewhere, specexec/runtime/cpu_experts.py, passes x and the routing there)."""
+        experts = self.experts if experts is None else experts
         out = torch.zeros_like(x)
         k = routing.index.shape[-1]
         flat = routing.index.reshape(-1)                                           # [T*k]
@@ -163,12 +188,16 @@ class SparseMLP(nn.Module):
                 y = experts[e](x.index_select(0, r)) * weights[start:start + n, None]
                 out.index_add_(0, r, y.to(out.dtype))
                 start += n
+        return out
+
+    def add_shared(self, x: Tensor, out: Tensor) -> Tensor:
+        """out [T, D] (the routed sum of x [T, D]'s rows) plus the shared expert, where the family has one."""
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(x)
             if hasattr(self, "shared_expert_gate"):
                 shared = self.shared_expert_gate(x) * shared
             out = out + shared
-        return out.view_as(h)
+        return out
 
     def forward(self, h: Tensor) -> Tensor:
         return self.combine(h, self.route(h))

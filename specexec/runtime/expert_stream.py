@@ -19,6 +19,9 @@ moved into slots, routed experts looked up in streamed layers and found in the c
 
 On a CPU the "device" is the CPU: the same mechanism runs (the cache saves a RAM-tier memcpy or a disk read).
 
+Layers whose experts compute on the CPU (--experts cpu, `cpu`: runtime/cpu_experts.py) copy no expert: `record`
+leaves them alone and `combine` hands their feed-forward to the CPU experts.
+
 Does not know: trees, tokens, how bytes move (the pager's), the engine.
 """
 from __future__ import annotations
@@ -101,15 +104,27 @@ class ExpertStream(RoutingLog):
     device as the layer routes (see the module docstring). `model` is the OffloadedTransformer; its `current`
     says which layer, slot and Block the pager handed out last."""
 
-    def __init__(self, model: nn.Module, cache: ExpertCache) -> None:
+    def __init__(self, model: nn.Module, cache: ExpertCache, cpu=None) -> None:
+        """cpu: the layers whose experts compute on the CPU (a runtime.cpu_experts.CpuExperts, or None)."""
         super().__init__()
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.cpu = model, cache, cpu
         self.counters = {"expert_bytes": 0.0, "expert_hits": 0.0, "expert_lookups": 0.0}
+
+    def all_counters(self) -> dict[str, float]:
+        """The expert counters, with the CPU experts' (cpu_experts.py) where some layers compute there."""
+        return {**self.counters, **(self.cpu.counters if self.cpu is not None else {})}
+
+    def combine(self, layer: int, mlp: nn.Module, h: Tensor, routing: Routing) -> Tensor:
+        if self.cpu is not None and layer in self.cpu:
+            return self.cpu.combine(layer, mlp, h, routing)
+        return mlp.combine(h, routing)
 
     def record(self, layer: int, routing: Routing) -> None:
         super().record(layer, routing)
         i, slot, block, buf = self.model.current
         if i != layer or slot < 0:                    # a resident layer holds every expert
+            return
+        if self.cpu is not None and layer in self.cpu:    # its experts compute in RAM: nothing to copy
             return
         experts = routing.experts()                   # the layer's one host sync
         lay = self.model.layouts[i]

@@ -39,6 +39,7 @@ from specexec.kv.cache import KVCache
 from specexec.network.model import Block, Transformer, on_meta
 from specexec.options import ConfigError
 from specexec.planning.target import TargetPlan
+from specexec.runtime.cpu_experts import CpuExperts, check_cpu_format, cpu_experts
 from specexec.runtime.expert_stream import ExpertCache, ExpertStream
 
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
@@ -91,6 +92,7 @@ class OffloadedTransformer(Transformer):
         self.current: tuple = (-1, -1, None, None)     # (layer, slot or -1, Block, buffer) the pager handed out last
         self.pager: LayerPager = pager_factory(self._bind)
         self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
+        self.cpu_expert_layers: tuple[int, ...] = ()  # sparse layers whose experts compute on the CPU
         self._kv: KVCache | None = None               # the cache whose streamed rows the pager stages now
         self.eval().requires_grad_(False)
 
@@ -105,6 +107,7 @@ class OffloadedTransformer(Transformer):
         dense and sparse layers differ) re-pointed at it, or layer i's resident Block."""
         if slot < 0 and i in self._resident_blocks:
             self.current = (i, -1, self._resident_blocks[i], buf)
+            _mark_router(self._resident_blocks[i], self.row_exact_attention)
             return self._resident_blocks[i]
         blocks = self._resident_blocks if slot < 0 else self._slot_blocks
         key = i if slot < 0 else (slot, sparse_layer(self.args, i))
@@ -112,6 +115,7 @@ class OffloadedTransformer(Transformer):
             blocks[key] = self._new_block(i)
         layout = self.layouts[i]
         bind_module(blocks[key], unpack_layer(buf, layout), layout.meta)
+        _mark_router(blocks[key], self.row_exact_attention)
         self.current = (i, slot, blocks[key], buf)    # an MoE layer's experts come next (expert_stream.py)
         return blocks[key]
 
@@ -119,7 +123,7 @@ class OffloadedTransformer(Transformer):
         """(CountsExperts) Cumulative bytes of experts brought onto the device, routed experts looked up in
         streamed layers and found in the expert cache (zeros when no sparse layer streams)."""
         stream = self.routing if isinstance(self.routing, ExpertStream) else None
-        return dict(stream.counters) if stream is not None else {"expert_bytes": 0.0, "expert_hits": 0.0,
+        return stream.all_counters() if stream is not None else {"expert_bytes": 0.0, "expert_hits": 0.0,
                                                                  "expert_lookups": 0.0}
 
     def experts_held(self) -> torch.Tensor:
@@ -129,8 +133,8 @@ class OffloadedTransformer(Transformer):
         rows = []
         for i in (j for j in range(self.args.n_layers) if sparse_layer(self.args, j)):
             row = torch.zeros(m.n_experts, dtype=torch.bool)
-            if self.pager.tier_of(i) == "resident":
-                row[:] = True
+            if self.pager.tier_of(i) == "resident" or i in self.cpu_expert_layers:
+                row[:] = True                     # (CPU-computed experts move nothing either)
             elif isinstance(self.routing, ExpertStream):
                 row[list(self.routing.cache.held(i))] = True
             rows.append(row)
@@ -180,11 +184,13 @@ class OffloadedTransformer(Transformer):
 
 def build_offloaded(path: Path, args: ModelArgs, cache: LayerCache, tiers: Sequence[str], device: torch.device,
                     dtype: torch.dtype, n_slots: int = 2, n_bounce: int = 2,
-                    embed_on_host: bool = False, expert_cache: int = 0) -> OffloadedTransformer:
+                    embed_on_host: bool = False, expert_cache: int = 0,
+                    cpu_layers: Sequence[int] = ()) -> OffloadedTransformer:
     """The target at `path` with layer i in tiers[i] ("resident" | "ram" | "ssd"), its packed layers read from
     `cache` (built for the same checkpoint, format and dtype); the embedding table in host RAM when
     embed_on_host. A streamed sparse (MoE) layer streams in two phases (expert_stream.py): its dense part
-    ahead, then the experts its rows route to, `expert_cache` of each such layer's hottest kept on the device."""
+    ahead, then the experts its rows route to, `expert_cache` of each such layer's hottest kept on the device;
+    `cpu_layers` (RAM-tier sparse layers) compute their experts on the CPU from the RAM tier's bytes instead."""
     if cache.n_layers != args.n_layers or cache.dtype != str(dtype).removeprefix("torch."):
         raise ValueError(f"layer cache {cache.path} holds {cache.n_layers} layers in {cache.dtype}; the model "
                          f"needs {args.n_layers} in {dtype}")
@@ -202,8 +208,24 @@ def build_offloaded(path: Path, args: ModelArgs, cache: LayerCache, tiers: Seque
     model = OffloadedTransformer(args, resident, layouts, cache.fmt, factory, embed_on_host=embed_on_host)
     model.row_exact_attention = head_format(cache.fmt, device) == "int8"     # the CPU integer kernels' layers
     if parted:
-        model.routing = ExpertStream(model, ExpertCache(parted, args.moe.n_experts, expert_cache, device))
+        cpu = _cpu_experts(model, cpu_layers, cache.fmt, device, dtype)
+        cached = {i: lay for i, lay in parted.items() if i not in cpu_layers}
+        model.routing = ExpertStream(model, ExpertCache(cached, args.moe.n_experts, expert_cache, device), cpu)
     return model
+
+
+def _cpu_experts(model: OffloadedTransformer, layers: Sequence[int], fmt: str, device: torch.device,
+                 dtype: torch.dtype) -> CpuExperts | None:
+    """The CPU experts of `layers` (RAM-tier sparse layers), bound to the RAM tier's bytes; None for none."""
+    if not layers:
+        return None
+    check_cpu_format(fmt, device)
+    bad = [i for i in layers if model.pager.tier_of(i) != "ram" or not sparse_layer(model.args, i)]
+    if bad:
+        raise ValueError(f"experts computed on the CPU need sparse layers held in RAM; layers {bad} are not")
+    model.cpu_expert_layers = tuple(sorted(layers))
+    buffers = {i: model.pager.ram.buffer(i) for i in layers}
+    return cpu_experts(model.args, layers, buffers, model.layouts, fmt, dtype)
 
 
 def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: OffloadConfig,
@@ -249,3 +271,12 @@ def quantize_layers(model: Transformer, fmt: str, row_exact: bool = True) -> Non
     for block in model.layers:
         quantize_module(block, fmt, dtype, row_exact=row_exact)
     model.row_exact_attention = row_exact and head_format(fmt, model.embed_tokens.weight.device) == "int8"
+    for block in model.layers:
+        _mark_router(block, model.row_exact_attention)
+
+
+def _mark_router(block: nn.Module, row_exact: bool) -> None:
+    """A sparse Block's router scores one row at a time where the model is row-exact (moe.Router._logits)."""
+    router = getattr(block.mlp, "router", None)
+    if router is not None:
+        router.row_exact = row_exact

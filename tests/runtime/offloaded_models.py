@@ -29,6 +29,9 @@ def reference(path: Path, fmt: str) -> torch.nn.Module:
     for block in model.layers:
         quantize_module(block, fmt, torch.float32)
     model.row_exact_attention = head_format(fmt, "cpu") == "int8"        # as build_offloaded's
+    for block in model.layers:                                           # and its routers (moe.Router._logits)
+        if hasattr(block.mlp, "router"):
+            block.mlp.router.row_exact = model.row_exact_attention
     return model
 
 
