@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specexec.tuning.plan_pick import START_BUDGET, budget_grid, start_index
 from specexec.tuning.store import read_json, write_json
 
 
@@ -179,15 +180,6 @@ class AcceptanceModel:
         return last * (known - 1) * math.log((budget - 1 + 1e-9) / (known - 1))
 
 
-def budget_grid(max_budget: int, min_budget: int = 1) -> list[int]:
-    """Powers of two from min_budget up to max_budget (max_budget itself included)."""
-    grid, b = [], max(1, min_budget)
-    while b < max_budget:
-        grid.append(b)
-        b *= 2
-    return grid + [max_budget]
-
-
 @dataclass
 class BudgetTuner:
     """Chooses the next step's budget; `observe` feeds it each finished step."""
@@ -195,14 +187,14 @@ class BudgetTuner:
     max_budget: int
     costs: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    start_budget: int = 16
+    start_budget: int = START_BUDGET
     probe_every: int = 8
     leap_gain: float = 1.5          # leap across the grid for a predicted gain of at least this factor
     steps: int = 0
 
     def __post_init__(self) -> None:
         self.grid = budget_grid(self.max_budget)
-        self.index = min(range(len(self.grid)), key=lambda i: abs(self.grid[i] - self.start_budget))
+        self.index = start_index(self.grid, self.start_budget)
 
     @property
     def budget(self) -> int:
