@@ -28,6 +28,7 @@ from specexec.options import ConfigError, budget_options, check_choice, check_in
 from specexec.planning.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
                                      with_warnings)
 from specexec.planning.run_shape import RunShape, plan_context
+from specexec.tuning.plan_pick import AutoStart, auto_start
 from specexec.checkpoints.loading import read_args, resolve_model_path
 
 DEFAULT_LINK_GBPS = 25.0          # pinned host -> GPU over PCIe 4.0 x16, as measured by `specexec doctor`
@@ -173,12 +174,23 @@ def _explain(e: PlanError, ns: argparse.Namespace) -> str:
             f"{card_for(e.needed) / GB:.1f} GB")
 
 
+def _auto_start(ns: argparse.Namespace, memory: MemoryPlan) -> AutoStart | None:
+    """With a draft: what --budget auto would start at, priced by this plan (its pass seconds are flat in
+    the tree: streaming)."""
+    if not ns.draft or ns.draft == "none":
+        return None
+    return auto_start(budget_options("auto")["budget"], memory.plan.expected_s)
+
+
 def run(ns: argparse.Namespace) -> int:
     memory, source = plan_for(ns)
+    start = _auto_start(ns, memory)
     if ns.json:
         out = {**memory.to_json(), "by_tier": memory.plan.ledger(),
                "device_bytes": memory.plan.device_bytes, "host_bytes": memory.plan.host_bytes,
                "ssd_bytes": memory.plan.tier_bytes("ssd")}
+        if start is not None:
+            out["auto_budget"] = start.to_json()
         print(json.dumps(out, separators=(",", ":")), flush=True)
         return 0
     out = sys.stdout
@@ -191,5 +203,7 @@ def run(ns: argparse.Namespace) -> int:
         f" of weights and {kv / GB:.2f} GB of KV cache ({len(p.companions_streamed)} layers)" if kv else "")
     out.write(f"predicted {p.expected_s:.3f} s per target pass ({len(p.layers_in('resident'))} of {len(p.tiers)} "
               f"layers resident; streaming {moved} per pass, compute assumed hidden behind the copies)\n")
+    if start is not None:
+        out.write(start.describe() + "\n")
     out.flush()
     return 0

@@ -12,9 +12,12 @@ tokens/s(n) = E[tokens per step | budget n] / (draft_s(n) + target_s(n)).
   nodes, so a budget-n tree holds the nodes of rank < n and E[tokens | n] = 1 + sum_{r<n} P(rank r accepted).
   Ranks beyond the largest tree seen are extrapolated with a log-linear tail. Exponential forgetting lets it
   follow the text (code accepts far more than open chat).
-- BudgetTuner: each step picks, from a geometric grid, the budget maximising expected tokens/s, moving at
-  most one grid step up or down per step (bounded changes), and probes a larger size now and then so the
-  models keep seeing data beyond the current choice.
+- BudgetTuner: each step picks, from a geometric grid, the budget maximising expected tokens/s, normally
+  moving at most one grid step up or down per step (bounded changes); it leaps straight to the grid's best
+  budget when that predicts >= 1.5x the current one's tokens/s on measured costs (tokens/s(n) can have two
+  hills: a SpecExec tree's drafting cost is flat over a range of sizes, and a one-step climber stays on
+  whichever hill it reached first); and it probes a larger size now and then so the models keep seeing
+  data beyond the current choice.
 
 Does not know: models, trees beyond their scores and accepted nodes, or how passes are timed (callers pass
 seconds in).
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specexec.tuning.plan_pick import START_BUDGET, budget_grid, start_index
 from specexec.tuning.store import read_json, write_json
 
 
@@ -176,15 +180,6 @@ class AcceptanceModel:
         return last * (known - 1) * math.log((budget - 1 + 1e-9) / (known - 1))
 
 
-def budget_grid(max_budget: int, min_budget: int = 1) -> list[int]:
-    """Powers of two from min_budget up to max_budget (max_budget itself included)."""
-    grid, b = [], max(1, min_budget)
-    while b < max_budget:
-        grid.append(b)
-        b *= 2
-    return grid + [max_budget]
-
-
 @dataclass
 class BudgetTuner:
     """Chooses the next step's budget; `observe` feeds it each finished step."""
@@ -192,13 +187,14 @@ class BudgetTuner:
     max_budget: int
     costs: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    start_budget: int = 16
+    start_budget: int = START_BUDGET
     probe_every: int = 8
+    leap_gain: float = 1.5          # leap across the grid for a predicted gain of at least this factor
     steps: int = 0
 
     def __post_init__(self) -> None:
         self.grid = budget_grid(self.max_budget)
-        self.index = min(range(len(self.grid)), key=lambda i: abs(self.grid[i] - self.start_budget))
+        self.index = start_index(self.grid, self.start_budget)
 
     @property
     def budget(self) -> int:
@@ -210,18 +206,33 @@ class BudgetTuner:
         return self.acceptance.expected_tokens(budget) / seconds if seconds > 0 else 0.0
 
     def next_budget(self) -> int:
-        """The best grid budget within one grid step of the current one (moving only for a > 2 % gain),
-        with a probe one step upward every `probe_every` steps."""
+        """The next step's budget: a probe one grid step up every `probe_every` steps; else a leap to the grid's
+        best trusted budget when it predicts >= leap_gain x the current one's tokens/s (a far hill across a
+        valley); else the best budget within one grid step (moving only for a > 2 % gain)."""
         self.steps += 1
         lo, hi = max(self.index - 1, 0), min(self.index + 1, len(self.grid) - 1)
         if self.steps % self.probe_every == 0 and hi > self.index:
             self.index = hi
             return self.budget
-        current = self.rate(self.budget)
-        best = max(range(lo, hi + 1), key=lambda i: self.rate(self.grid[i]))
-        if self.rate(self.grid[best]) > 1.02 * current:
+        rates = [self.rate(b) for b in self.grid]
+        current = rates[self.index]
+        far = max((i for i, b in enumerate(self.grid) if self.trusted(b)), key=rates.__getitem__, default=None)
+        if far is not None and current > 0 and rates[far] >= self.leap_gain * current:
+            self.index = far
+            return self.budget
+        best = max(range(lo, hi + 1), key=rates.__getitem__)
+        if rates[best] > 1.02 * current:
             self.index = best
         return self.budget
+
+    def trusted(self, budget: int) -> bool:
+        """Whether rate(budget) rests on measurements enough to leap to it: the drafting cost at `budget` is
+        measured, interpolated between measured tree sizes, or extrapolated at most one doubling beyond the
+        largest (the acceptance tail that far is short too). Not below the smallest measured size: the line
+        through (0, 0) there under-prices a concave cost, so smaller unmeasured budgets are reached one grid
+        step at a time, each measured on the way. The target curve is calibrated over the whole grid."""
+        sizes = self.costs.draft.points
+        return bool(sizes) and bool(self.costs.target.points) and min(sizes) <= budget <= 2 * max(sizes)
 
     def best_budget(self) -> int:
         """The global optimum over the grid (what next_budget converges to)."""
