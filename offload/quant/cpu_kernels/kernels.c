@@ -14,6 +14,9 @@
  * y[m, n] = sum over blocks of d * s * (integer dot) + (zero terms) + bias[n], in one fixed order of fp32
  * operations per (m, n) whatever M, the thread count or the tile a row falls in: a row's result never depends
  * on the other rows (the target's tree pass gives the same bits as its one-token pass).
+ * Tiles: a weight row is read once per tile of activation rows (q4 on AVX2: QR weight rows x QA activation rows
+ * with the accumulators in registers; otherwise one weight row x MT rows), so 16 rows cost 4 reads of the
+ * weight, not 16; the code stream is prefetched PREFETCH bytes ahead (decode, 1 row, is bandwidth-bound).
  *
  * Does not know: torch, tensors, modules, files; Python hands it raw pointers (ctypes).
  */
