@@ -137,7 +137,7 @@ class Gate:
             self._want_plain = self.confirm - len(self._plain)
             return None
         self.drafting, self._plain_run, self._burst_left = False, 0, 0
-        self._gap = max(self.first_gap, self._time_gap(self.burst * sum(s for _, s in self._spec) / len(self._spec)))
+        self._gap = max(self.first_gap, self._time_gap(self.burst * statistics.median(s for _, s in self._spec)))
         self._probe = []
         return Switch(False, plain, spec, len(self._spec))
 
