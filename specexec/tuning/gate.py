@@ -5,13 +5,15 @@ decided from this run's own measured rates (docs/algorithms.md §24).
     target-alone tok/s = 1 / seconds of a plain step (the median of the last few; before any was measured,
                          `prior`: the cost model's predicted one-row target pass, when it has one)
 
-- Drafting: the gate switches off when the target alone is more than `margin` faster, judged over a full
-  window of speculative steps since drafting last (re)started, and confirmed by at least `confirm` measured plain
-  steps (it asks for them first). One plain step after every `refresh_every` speculative ones keeps the
+- Drafting: the gate switches off when the target alone is more than `margin` faster, judged over the
+  speculative steps since drafting last (re)started -- a full `window` of them for a small lead, fewer (at least
+  `least`) the larger the lead: window * margin / (lead - 1), a lead of 1.5 needs 2 margins' worth -- and confirmed by
+  at least `confirm` measured plain steps (it asks for them first). One plain step after every `refresh_every` speculative ones keeps the
   target-alone rate fresh (a bounded share: 1 / (refresh_every + 1) of the steps).
 - Not drafting: it probes. After `gap` plain steps a burst of `burst` speculative steps; when the burst ran more
   than `margin` faster than the target alone, drafting resumes, otherwise the next gap doubles (up to `max_gap`).
-  The first gap is sized so probes are at most `probe_share` of the steps.
+  Every gap is long enough that probes take at most `probe_share` of the steps and of the time (a probe's
+  measured seconds against the plain steps' over the gap).
 Both ways the margin is the hysteresis: rates within it never switch the gate.
 
 Does not know: models, trees, the engine, or how steps are timed (callers pass seconds in); no torch.
@@ -54,6 +56,7 @@ class Gate:
 
     margin: float = 0.05
     window: int = 16
+    least: int = 4
     refresh_every: int = 32
     confirm: int = 3
     burst: int = 4
@@ -124,17 +127,24 @@ class Gate:
 
     def _judge_drafting(self) -> Switch | None:
         plain_s, spec = self.plain_seconds(), self.speculative_tok_s()
-        if plain_s is None or spec is None or self._since_on < self.window:
+        if plain_s is None or spec is None or self._since_on < self.least:
             return None
         plain = 1.0 / plain_s
-        if plain <= (1 + self.margin) * spec:
+        lead = plain / spec
+        if lead <= 1 + self.margin or self._since_on < min(self.window * self.margin / (lead - 1), self.window):
             return None
         if len(self._plain) < self.confirm:          # measure the target alone before trusting it
             self._want_plain = self.confirm - len(self._plain)
             return None
-        self.drafting, self._gap, self._plain_run, self._burst_left = False, self.first_gap, 0, 0
+        self.drafting, self._plain_run, self._burst_left = False, 0, 0
+        self._gap = max(self.first_gap, self._time_gap(self.burst * statistics.median(s for _, s in self._spec)))
         self._probe = []
         return Switch(False, plain, spec, len(self._spec))
+
+    def _time_gap(self, probe_s: float) -> int:
+        """Plain steps whose time holds a probe of `probe_s` seconds at most probe_share of the whole."""
+        plain_s = self.plain_seconds()
+        return math.ceil(probe_s * (1 - self.probe_share) / self.probe_share / plain_s) if plain_s else 0
 
     def _judge_probe(self) -> Switch | None:
         probe, self._probe = self._probe, []
@@ -142,7 +152,7 @@ class Gate:
         spec = sum(t for t, _ in probe) / seconds
         plain_s = self.plain_seconds()
         if plain_s is not None and spec <= (1 + self.margin) / plain_s:
-            self._gap = min(2 * self._gap, self.max_gap)
+            self._gap = max(min(2 * self._gap, self.max_gap), self._time_gap(seconds))
             return None
         self.drafting, self._since_on, self._since_plain = True, len(probe), 0
         self._spec.clear()

@@ -87,3 +87,33 @@ def test_sampled_tokens_follow_the_target_across_switches(small, pattern: list[b
     engine.pilot.gate = Flipper(pattern)
     counts = sample_pairs(engine, sampling, 600)
     assert chi2_pvalue(counts, exact_pairs(small[0], sampling, PROMPT)) > 1e-3
+
+
+def test_generate_json_reports_stats_gate_only_when_gated(capsys, tiny_pair, tiny_perturbed_draft) -> None:
+    import json
+
+    from cli.main import main
+
+    argv = ["generate", "--model", str(tiny_pair[0]), "--draft", str(tiny_perturbed_draft), "--prompt", "The fox",
+            "--max-new-tokens", "12", "--budget", "4", "--json"]
+    assert main(argv + ["--gate", "on"]) == 0
+    gate = json.loads(capsys.readouterr().out)["stats"]["gate"]
+    assert gate["plain_steps"] + gate["speculative_steps"] >= 1 and gate["switches"] == len(gate["events"])
+    assert main(argv) == 0                                  # a fixed budget with --gate auto: not gated
+    assert "gate" not in json.loads(capsys.readouterr().out)["stats"]
+
+
+def test_chat_prints_each_switch_in_one_line() -> None:
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from cli.chat import Answer, ChatSession
+
+    out = io.StringIO()
+    line = Switch(False, 8.1, 6.9, 16).line(19)
+    session = SimpleNamespace(console=Console(file=out, width=300), profile=False)
+    ChatSession._report(session, Answer([5], "x", False, {"generated": 1, "gate": {"events": [line]}}))
+    assert out.getvalue().splitlines()[0] == \
+        "drafting off at step 19: target alone 8.1 tok/s > speculative 6.9 tok/s (last 16 steps)"

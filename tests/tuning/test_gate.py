@@ -59,7 +59,7 @@ def test_rates_within_the_margin_never_switch() -> None:
 
 def test_a_switch_off_waits_for_measured_plain_steps_over_a_prior() -> None:
     gate = Gate(prior=lambda: 0.01)                                 # the cost model says: target alone 100 tok/s
-    kinds = drive(gate, gate.window, spec=(2, 0.1), plain_s=0.01)
+    kinds = drive(gate, gate.least - 1, spec=(2, 0.1), plain_s=0.01)
     assert gate.drafting and not any(kinds)                         # the prior alone schedules no plain step
     kinds = drive(gate, gate.confirm + 2, spec=(2, 0.1), plain_s=0.01)
     assert not gate.drafting and sum(kinds) >= gate.confirm
@@ -74,7 +74,29 @@ def test_the_switch_lines_say_why() -> None:
         switches += [switch] if switch else []
     assert len(switches) == 1
     line = switches[0].line()
-    assert line.startswith("drafting off: target alone 10.0 tok/s > speculative 3.3 tok/s (last 16 steps)")
+    assert line == "drafting off: target alone 10.0 tok/s > speculative 3.3 tok/s (last 5 steps)"
+    assert switches[0].line(17).startswith("drafting off at step 17: target alone")
+
+
+def test_the_steps_a_switch_off_waits_for_shrink_as_the_lead_grows() -> None:
+    small, large = Gate(), Gate()
+    small_kinds = drive(small, 12, spec=(1, 0.106), plain_s=0.1)     # the target alone 6 % faster: 13.3 steps
+    assert small.drafting
+    drive(small, small.confirm + 4, spec=(1, 0.106), plain_s=0.1)
+    assert not small.drafting and sum(small_kinds) >= 1
+    drive(large, large.least + large.confirm + 1, spec=(1, 0.5), plain_s=0.1)     # 5 times faster: `least`
+    assert not large.drafting
+
+
+def test_probes_take_a_bounded_share_of_the_time_when_speculative_steps_are_slow() -> None:
+    gate, seconds = Gate(), {True: 0.0, False: 0.0}
+    drive(gate, 30, spec=(2, 1.0), plain_s=0.05)                 # a speculative step costs 20 plain ones
+    assert not gate.drafting
+    for _ in range(3000):
+        plain = gate.next_plain()
+        seconds[plain] += 0.05 if plain else 1.0
+        gate.observe(not plain, 1 if plain else 2, 0.05 if plain else 1.0)
+    assert not gate.drafting and 0 < seconds[False] <= gate.probe_share * (seconds[True] + seconds[False])
 
 
 def test_gate_modes_and_stats() -> None:
