@@ -111,3 +111,25 @@ def test_on_cuda_only_hidden_states_cross(tiny_qwen3_moe: Path, tmp_path: Path) 
     assert c["cpu_expert_bytes_crossed"] < 0.1 * s["expert_bytes"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     model.close(), streamed.close()
+
+
+def test_generate_experts_cpu_equals_streamed_and_counts_rows(tiny_qwen3_moe: Path, tmp_path: Path, capsys) -> None:
+    """`generate --offload ram --experts cpu` vs `--experts stream` vs the resident target: the same fp32 greedy
+    ids; stats.moe says the CPU ran each pass's rows of both sparse layers and no expert byte was copied."""
+    import json
+
+    from cli.main import main
+
+    def run(*extra: str) -> dict:
+        assert main(["generate", "--model", str(tiny_qwen3_moe), "--no-draft", "--json", "--max-new-tokens", "10",
+                     "--quant", "none", "--cache-dir", str(tmp_path), "--prompt", "The quick brown fox", *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    cpu, streamed = run("--offload", "ram", "--experts", "cpu"), run("--offload", "ram", "--experts", "stream")
+    alone = run("--offload", "none")
+    assert cpu["token_ids"] == streamed["token_ids"] == alone["token_ids"]
+    moe = cpu["stats"]["moe"]
+    assert moe["expert_bytes_per_pass"] == 0 and moe["cpu_expert_rows_per_pass"] == 2.0
+    assert moe["cpu_expert_bytes_crossed_per_pass"] == 0          # the device is the CPU
+    assert streamed["stats"]["moe"]["expert_bytes_per_pass"] > 0
+    assert streamed["stats"]["moe"]["cpu_expert_rows_per_pass"] == 0
