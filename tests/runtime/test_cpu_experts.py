@@ -58,6 +58,24 @@ def test_cpu_experts_equal_streamed_and_resident_bit_for_bit(tiny_qwen3_moe: Pat
     model.close(), streamed.close()
 
 
+@pytest.mark.parametrize("cpu", [(), (0, 2)])
+def test_int4_rows_are_batch_invariant(tiny_qwen3_moe: Path, tmp_path: Path, cpu: tuple[int, ...]) -> None:
+    """A tree's root row gets, bit for bit, the logits of a one-token pass of the root, whatever the tree's size:
+    the int4 kernel is row-exact, the CPU experts run it on each expert's gathered rows, and the router scores
+    row by row (a batched fp32 GEMM would round a row's scores by the batch's size)."""
+    model = with_cpu(tiny_qwen3_moe, "int4", tmp_path, cpu) if cpu else offloaded(tiny_qwen3_moe, "int4", RAM,
+                                                                                     tmp_path)
+    quantize_head(model, "int4")                                # as load_target does: the int8 head kernel
+    ids = torch.randint(7, 300, (8,), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(7, 300, (17,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.inference_mode():
+        one = tree_logits(model, ids, TokenTree.from_lists(tokens[:1], [-1]))[0, 0]
+        for n in (2, 5, 9, 17):
+            tree = TokenTree.from_lists(tokens[:n], [-1] + [i // 2 for i in range(n - 1)])
+            assert torch.equal(tree_logits(model, ids, tree)[0, 0], one), n
+    model.close()
+
+
 @pytest.mark.parametrize("budget", [4, 16])
 def test_speculative_greedy_equals_the_int4_target_alone(tiny_qwen3_moe: Path, tiny_root: Path, tmp_path: Path,
                                                          budget: int) -> None:
