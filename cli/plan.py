@@ -24,7 +24,9 @@ from offload.memory_plan import GB, Bandwidths, PlanError
 from offload.platform.mounts import slow_mount_warnings
 from offload.planner import default_budgets
 from cli.args import add_flag
-from specexec.options import ConfigError, budget_options, check_choice, check_integer, check_number, choices, parse_size
+from specexec.options import (ConfigError, budget_options, check_choice, check_experts, check_integer, check_number,
+                              choices, parse_size)
+from specexec.planning.expert_place import CPU_GBPS_ENV, DEFAULT_CPU_GBPS, cpu_gemv_bps
 from specexec.planning.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
                                      with_warnings)
 from specexec.planning.run_shape import RunShape, plan_context
@@ -59,8 +61,25 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    f"{ASSUMED['cpu'].ram / GB:g})")
     p.add_argument("--ssd-gbps", type=float, metavar="GB/S", help="SSD read bandwidth (default "
                    f"{ASSUMED['cuda'].ssd / GB:g} with CUDA, {ASSUMED['cpu'].ssd / GB:g} on a CPU)")
+    add_flag(p, "--experts", "stream; plan prints what each choice costs")
+    p.add_argument("--cpu-gbps", type=float, metavar="GB/S", help="with --experts: bytes per second the CPU's "
+                   f"expert GEMV streams (default ${CPU_GBPS_ENV}, else {DEFAULT_CPU_GBPS:g})")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     return p
+
+
+def _placement(ns: argparse.Namespace, memory: MemoryPlan):
+    """Where the experts compute under --experts (planning/expert_place.py; None for a dense target)."""
+    from specexec.planning.expert_place import place_experts
+
+    check_experts(ns.experts or "stream")
+    if ns.cpu_gbps is not None:
+        check_number("--cpu-gbps", ns.cpu_gbps, low=0.0, high=10_000.0, low_open=True)
+    try:
+        bps = cpu_gemv_bps(ns.cpu_gbps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return place_experts(memory.plan, memory.shape.target, ns.experts or "stream", memory.shape.budget + 1, bps)
 
 
 def _device(ns: argparse.Namespace) -> str:
@@ -185,8 +204,10 @@ def _auto_start(ns: argparse.Namespace, memory: MemoryPlan) -> AutoStart | None:
 def run(ns: argparse.Namespace) -> int:
     memory, source = plan_for(ns)
     start = _auto_start(ns, memory)
+    placement = _placement(ns, memory)
     if ns.json:
         out = {**memory.to_json(), "by_tier": memory.plan.ledger(),
+               **({"experts": placement.to_json()} if placement is not None else {}),
                "device_bytes": memory.plan.device_bytes, "host_bytes": memory.plan.host_bytes,
                "ssd_bytes": memory.plan.tier_bytes("ssd")}
         if start is not None:
@@ -195,6 +216,8 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     out = sys.stdout
     out.write(memory.describe() + "\n")
+    for line in placement.lines() if placement is not None and memory.plan.streams else ():
+        out.write(line + "\n")
     if source:
         out.write(f"  GPU budget from {source}\n")
     p = memory.plan

@@ -304,8 +304,9 @@ def summarize(totals: Mapping[str, Mapping[str, float]], counters: Mapping[str, 
 def moe_stats(counters: Mapping[str, float], gauges: Mapping[str, float]) -> dict | None:
     """stats.moe from the profiler's counters (means over passes): distinct_experts_per_layer,
     expert_bytes_per_pass, draft_expert_bytes_per_pass (experts a self-draft read into its hot copies: 0 for
-    any other draft), expert_bytes_all, expert_cache_hit_rate (None without lookups); None when no MoE pass was
-    counted."""
+    any other draft), expert_bytes_all, expert_cache_hit_rate (None without lookups), cpu_expert_rows_per_pass
+    (rows x layers whose experts ran on the CPU: --experts cpu), cpu_expert_bytes_crossed_per_pass (hidden states
+    and routing they moved across the link, 0 on a CPU); None when no MoE pass was counted."""
     n = counters.get("moe_passes", 0.0)
     if not n:
         return None
@@ -315,6 +316,8 @@ def moe_stats(counters: Mapping[str, float], gauges: Mapping[str, float]) -> dic
             "draft_expert_bytes_per_pass": round(counters.get("moe_draft_expert_bytes", 0.0) / n, 1),
             "expert_bytes_all": int(gauges.get("moe_expert_bytes_all", 0)),
             "expert_cache_hit_rate": round(counters.get("moe_expert_hits", 0.0) / lookups, 4) if lookups else None,
+            "cpu_expert_rows_per_pass": round(counters.get("moe_cpu_expert_rows", 0.0) / n, 2),
+            "cpu_expert_bytes_crossed_per_pass": round(counters.get("moe_cpu_expert_bytes_crossed", 0.0) / n, 1),
             "passes": int(n)}
 
 

@@ -73,7 +73,8 @@ class Result:
         n = sum(m["passes"] for m in runs)
         if not n:
             return None
-        keys = ("distinct_experts_per_layer", "expert_bytes_per_pass", "draft_expert_bytes_per_pass")
+        keys = ("distinct_experts_per_layer", "expert_bytes_per_pass", "draft_expert_bytes_per_pass",
+                "cpu_expert_rows_per_pass", "cpu_expert_bytes_crossed_per_pass")
         mean = {k: round(sum(m.get(k, 0.0) * m["passes"] for m in runs) / n, 3)
                 for k in keys if any(k in m for m in runs)}
         rates = [(m["expert_cache_hit_rate"], m["passes"]) for m in runs if m["expert_cache_hit_rate"] is not None]

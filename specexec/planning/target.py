@@ -23,6 +23,7 @@ from specexec.checkpoints.naming import layer_names
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.options import ConfigError, check_budget_fits
 from specexec.planning import ledger
+from specexec.planning.expert_place import ExpertPlacement, place_experts
 from specexec.planning.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
 from specexec.planning.run_shape import SelfDraftShape, run_shape
 
@@ -43,9 +44,14 @@ class TargetPlan:
     """The run's memory plan (format, tiers, ledger: ledger.MemoryPlan) and the layer naming the cache is
     built with."""
 
-    def __init__(self, memory: MemoryPlan, names: list[LayerNames]) -> None:
+    def __init__(self, memory: MemoryPlan, names: list[LayerNames], experts: ExpertPlacement | None = None) -> None:
         self.memory, self.names = memory, names
         self.fmt, self.plan = memory.fmt, memory.plan
+        self.experts = experts                    # where streamed MoE layers' experts compute (None: dense)
+
+    @property
+    def cpu_expert_layers(self) -> tuple[int, ...]:
+        return self.experts.cpu_layers if self.experts is not None else ()
 
     @property
     def offloaded(self) -> bool:
@@ -53,7 +59,8 @@ class TargetPlan:
         return self.fmt != "none" or self.plan.streams
 
     def describe(self) -> str:
-        return self.memory.describe()
+        lines = self.experts.lines() if self.experts is not None and self.plan.streams else []
+        return "\n".join([self.memory.describe(), *lines])
 
     def notice(self) -> str:
         """What to print before loading: the ledger when anything is offloaded or the run is on a GPU, else
@@ -87,7 +94,11 @@ def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: O
         raise ConfigError(str(e) + (f"; {hint}" if hint else "")) from None
     uses_cache = memory.fmt != "none" or memory.plan.streams
     root = (offload.cache_dir or layer_cache.default_cache_root()) if uses_cache else None
-    return TargetPlan(ledger.with_warnings(memory, slow_mount_warnings(path, root)), names)
+    try:
+        experts = place_experts(memory.plan, args, offload.experts, shape.budget + 1)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return TargetPlan(ledger.with_warnings(memory, slow_mount_warnings(path, root)), names, experts)
 
 
 def _check_budgets_fit(offload: OffloadConfig, device: torch.device) -> None:

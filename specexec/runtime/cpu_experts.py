@@ -1,6 +1,6 @@
 """Experts computed where they lie: the routed expert FFNs of some streamed sparse layers run on the CPU, in RAM,
 while attention, router and shared expert run on the compute device (--experts cpu[:N] / auto; docs/
-algorithms.md §24).
+algorithms.md §25).
 
 For each such layer `CpuExperts` holds the layer's experts as modules bound (quant.bind_module: views, no copy)
 to the layer's packed bytes in the pager's RAM tier, so the CPU kernels (the int4/int8 integer kernels of

@@ -236,12 +236,14 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
                                      log=log, quantize_device=quantize_on)
     p = target_plan.plan
     model = build_offloaded(path, args, cache, p.tiers, device, dtype, p.n_slots or N_SLOTS, p.n_bounce or N_BOUNCE,
-                            embed_on_host=target_plan.memory.embed_on_host, expert_cache=p.cached_parts)
+                            embed_on_host=target_plan.memory.embed_on_host, expert_cache=p.cached_parts,
+                            cpu_layers=target_plan.cpu_expert_layers)
     if p.streams:                                  # one prefill pass streams every layer: as long as planned
         model.prefill_tokens = target_plan.memory.prefill_tokens
     model.kv_streamed = tuple(p.companions_streamed)   # their KV rows travel with them (KVCache streamed layers)
     model.plan_fingerprint = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}" + (
-        f"|kv {p.companions_streamed}" if p.companions_streamed else "")
+        f"|kv {p.companions_streamed}" if p.companions_streamed else "") + (
+        f"|cpu experts {model.cpu_expert_layers}" if model.cpu_expert_layers else "")
     quantize_head(model, target_plan.fmt)
     return model
 

@@ -58,6 +58,24 @@ def test_cpu_experts_equal_streamed_and_resident_bit_for_bit(tiny_qwen3_moe: Pat
     model.close(), streamed.close()
 
 
+@pytest.mark.parametrize("cpu", [(), (0, 2)])
+def test_int4_rows_are_batch_invariant(tiny_qwen3_moe: Path, tmp_path: Path, cpu: tuple[int, ...]) -> None:
+    """A tree's root row gets, bit for bit, the logits of a one-token pass of the root, whatever the tree's size:
+    the int4 kernel is row-exact, the CPU experts run it on each expert's gathered rows, and the router scores
+    row by row (a batched fp32 GEMM would round a row's scores by the batch's size)."""
+    model = with_cpu(tiny_qwen3_moe, "int4", tmp_path, cpu) if cpu else offloaded(tiny_qwen3_moe, "int4", RAM,
+                                                                                     tmp_path)
+    quantize_head(model, "int4")                                # as load_target does: the int8 head kernel
+    ids = torch.randint(7, 300, (8,), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(7, 300, (17,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.inference_mode():
+        one = tree_logits(model, ids, TokenTree.from_lists(tokens[:1], [-1]))[0, 0]
+        for n in (2, 5, 9, 17):
+            tree = TokenTree.from_lists(tokens[:n], [-1] + [i // 2 for i in range(n - 1)])
+            assert torch.equal(tree_logits(model, ids, tree)[0, 0], one), n
+    model.close()
+
+
 @pytest.mark.parametrize("budget", [4, 16])
 def test_speculative_greedy_equals_the_int4_target_alone(tiny_qwen3_moe: Path, tiny_root: Path, tmp_path: Path,
                                                          budget: int) -> None:
@@ -111,3 +129,25 @@ def test_on_cuda_only_hidden_states_cross(tiny_qwen3_moe: Path, tmp_path: Path) 
     assert c["cpu_expert_bytes_crossed"] < 0.1 * s["expert_bytes"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     model.close(), streamed.close()
+
+
+def test_generate_experts_cpu_equals_streamed_and_counts_rows(tiny_qwen3_moe: Path, tmp_path: Path, capsys) -> None:
+    """`generate --offload ram --experts cpu` vs `--experts stream` vs the resident target: the same fp32 greedy
+    ids; stats.moe says the CPU ran each pass's rows of both sparse layers and no expert byte was copied."""
+    import json
+
+    from cli.main import main
+
+    def run(*extra: str) -> dict:
+        assert main(["generate", "--model", str(tiny_qwen3_moe), "--no-draft", "--json", "--max-new-tokens", "10",
+                     "--quant", "none", "--cache-dir", str(tmp_path), "--prompt", "The quick brown fox", *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    cpu, streamed = run("--offload", "ram", "--experts", "cpu"), run("--offload", "ram", "--experts", "stream")
+    alone = run("--offload", "none")
+    assert cpu["token_ids"] == streamed["token_ids"] == alone["token_ids"]
+    moe = cpu["stats"]["moe"]
+    assert moe["expert_bytes_per_pass"] == 0 and moe["cpu_expert_rows_per_pass"] == 2.0
+    assert moe["cpu_expert_bytes_crossed_per_pass"] == 0          # the device is the CPU
+    assert streamed["stats"]["moe"]["expert_bytes_per_pass"] > 0
+    assert streamed["stats"]["moe"]["cpu_expert_rows_per_pass"] == 0
