@@ -143,6 +143,17 @@ def test_out_buffer_is_filled_in_place(use) -> None:
         ops.q4_linear(x, codes, sz, 64, out=torch.empty(3, 32))
 
 
+def test_a_bound_linear_takes_any_leading_shape_and_refuses_a_wrong_width(use) -> None:
+    codes, sz = _q4(32, 128, 64)
+    bound = ops.BoundLinear("q4", codes, sz, 64, None)
+    x = torch.randn(2, 3, 128)
+    y = bound(x)
+    assert y.shape == (2, 3, 32) and torch.equal(y.view(6, 32), bound(x.view(6, 128), out=torch.empty(6, 32)))
+    assert torch.equal(bound(x.transpose(0, 1)), y.transpose(0, 1))              # not contiguous: copied first
+    with pytest.raises(ValueError, match="features"):
+        bound(torch.randn(2, 64))
+
+
 def test_activation_codes_are_round_half_even_of_the_block_scale() -> None:
     x = torch.tensor([[127.0, 0.5, 1.5, -2.5, 63.5, -127.0] + [0.0] * 26])
     q, d = ops.quantize_activations(x, 32)

@@ -22,6 +22,8 @@ Does not know: modules, layers, files, formats' quantizers (int4.py, int8.py cho
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -141,6 +143,17 @@ class BoundLinear:
         self.n, self.k = codes.shape[0], codes.shape[1] * (2 if kind == "q4" else 1)
         self.bias_ptr, self.bias_bf16, self.bias = _bias_arg(bias)
         self.lib = library()
+        self._run = None if self.lib is None else self._kernel_call()
+
+    def _kernel_call(self) -> Callable[[int, int, int, int, int], int]:
+        """run(x_ptr, bf16, rows, out_ptr, threads) -> rc: the kernel with every per-weight argument bound."""
+        k, cp, sp, n, b, bb = (self.k, self.codes.data_ptr(), self.scales.data_ptr(), self.n, self.bias_ptr,
+                               self.bias_bf16)
+        if self.kind == "q4":
+            fn, g = self.lib.sx_q4_linear, self.group
+            return lambda xp, bf, m, yp, th: fn(xp, bf, m, k, cp, sp, n, g, b, bb, yp, bf, th)
+        fn = self.lib.sx_q8_linear
+        return lambda xp, bf, m, yp, th: fn(xp, bf, m, k, cp, sp, n, b, bb, yp, bf, th)
 
     def reference(self, rows: torch.Tensor) -> torch.Tensor:
         if self.kind == "q4":
@@ -148,24 +161,25 @@ class BoundLinear:
         return q8_reference(rows, self.codes, self.scales, self.bias)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-1] != self.k:
+            raise ValueError(f"x has {x.shape[-1]} features, the {self.kind} weight [{self.n}, {self.k}] takes "
+                             f"{self.k}")
+        if self._run is not None and out is None and x.dtype in _FLOATS and x.is_contiguous():
+            y = torch.empty((*x.shape[:-1], self.n), dtype=x.dtype)     # the fast path: no reshape, no view
+            self._check(self._run(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // self.k, y.data_ptr(),
+                                  torch.get_num_threads()), x)
+            return y
         rows, y = _rows_out(x, self.n, out)
-        if self.lib is None:
+        if self._run is None:
             y.copy_(self.reference(rows))
-            return y.view(*x.shape[:-1], self.n)
-        bf = int(rows.dtype == torch.bfloat16)
-        threads = torch.get_num_threads()
-        if self.kind == "q4":
-            rc = self.lib.sx_q4_linear(rows.data_ptr(), bf, rows.shape[0], self.k, self.codes.data_ptr(),
-                                       self.scales.data_ptr(), self.n, self.group, self.bias_ptr, self.bias_bf16,
-                                       y.data_ptr(), bf, threads)
         else:
-            rc = self.lib.sx_q8_linear(rows.data_ptr(), bf, rows.shape[0], self.k, self.codes.data_ptr(),
-                                       self.scales.data_ptr(), self.n, self.bias_ptr, self.bias_bf16, y.data_ptr(),
-                                       bf, threads)
-        if rc:
-            raise RuntimeError(f"sx_{self.kind}_linear failed ({rc}) on x {list(rows.shape)}, W [{self.n}, "
-                               f"{self.k}]")
+            self._check(self._run(rows.data_ptr(), int(rows.dtype == torch.bfloat16), rows.shape[0], y.data_ptr(),
+                                  torch.get_num_threads()), rows)
         return y.view(*x.shape[:-1], self.n)
+
+    def _check(self, rc: int, x: torch.Tensor) -> None:
+        if rc:
+            raise RuntimeError(f"sx_{self.kind}_linear failed ({rc}) on x {list(x.shape)}, W [{self.n}, {self.k}]")
 
 
 def q4_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int,
