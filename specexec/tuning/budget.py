@@ -54,7 +54,7 @@ class CurveFit:
         if not self.points:
             return 0.0
         xs = sorted(self.points)
-        ys = _monotone([self.points[x][0] for x in xs])
+        ys = _monotone([self.points[x][0] for x in xs], [self.points[x][1] for x in xs])
         if size <= xs[0]:
             return ys[0] * max(size, 0) / xs[0] if self.origin else ys[0]
         for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
@@ -66,13 +66,17 @@ class CurveFit:
         return ys[-1] + slope * (size - xs[-1])
 
 
-def _monotone(ys: list[float]) -> list[float]:
-    """Running maximum: a bigger tree never costs less (smooths timing noise)."""
-    out, best = [], -math.inf
-    for y in ys:
-        best = max(best, y)
-        out.append(best)
-    return out
+def _monotone(ys: list[float], weights: list[int]) -> list[float]:
+    """The weighted isotonic fit (pool adjacent violators, weights = sample counts): a bigger tree never
+    costs less, and a size timed once during a slow spell is pooled with its well-measured neighbours instead
+    of lifting every larger size to its spike (a running maximum did that)."""
+    blocks: list[list[float]] = []                    # [mean, weight, sizes covered]
+    for y, w in zip(ys, weights):
+        blocks.append([y, float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, n1), (m2, w2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return [m for m, _, n in blocks for _ in range(n)]
 
 
 @dataclass

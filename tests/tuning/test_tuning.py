@@ -101,3 +101,15 @@ def test_an_unmeasured_smaller_budget_is_explored_when_drafting_cost_shrinks_wit
     feed(tuner, lambda r: 0.6 ** (r + 1), size=32)
     assert draft(4) < draft(16) and CurveFit({16: (0.024, 1)})(4) == 0.024     # flat without the origin anchor
     assert tuner.next_budget() < 16                                             # it goes and measures below
+
+
+def test_one_slow_sample_does_not_lift_every_larger_size() -> None:
+    """A size timed once during a slow spell is pooled with its well-measured neighbours (weighted isotonic
+    fit); a running maximum lifted every larger size to the spike, so the tuner fled large budgets."""
+    c = CurveFit()
+    for _ in range(20):
+        for n, s in ((4, 0.10), (16, 0.11), (64, 0.12)):
+            c.add(n, s)
+    c.add(8, 0.50)                                   # one spike, count 1
+    assert c(16) < 0.15 and c(64) < 0.15
+    assert c(4) <= c(8) <= c(16) <= c(64)            # still monotone
