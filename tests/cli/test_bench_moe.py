@@ -16,12 +16,14 @@ def test_expert_aware_trees_beat_the_node_budget_of_the_same_pass_time(capsys: p
     code = main(["bench", "moe", "--synthetic", "gpt-oss-120b", "--budgets", "16", "--node-budgets", "1,2,4",
                  "--steps", "60", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and [r["rows_kind"] for r in out["rows"]] == ["nodes"] * 3 + ["experts"]
+    assert code == 0 and [r["rows_kind"] for r in out["rows"]] == ["alone"] + ["nodes"] * 3 + ["experts"]
     nodes = [r for r in out["rows"] if r["rows_kind"] == "nodes"]
     assert [r["s_per_pass"] for r in nodes] == sorted(r["s_per_pass"] for r in nodes)    # more nodes, more experts
     (same,) = out["equal_time"]
     assert same["node_budget_tok_s"] is not None and same["ratio"] > 1.05
-    expert = out["rows"][-1]
+    expert, alone = out["rows"][-1], out["rows"][0]
+    assert alone["tokens_per_pass"] == 1.0 and alone["s_per_pass"] < nodes[0]["s_per_pass"]   # one row: fewest experts
+    assert expert["tok_s"] > 1.1 * alone["tok_s"]          # speculation on the streamed MoE pays (it hurts elsewhere)
     assert abs(expert["predicted_s_per_pass"] - expert["s_per_pass"]) < 0.25 * expert["s_per_pass"]
 
 

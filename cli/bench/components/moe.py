@@ -1,7 +1,7 @@
 """`specexec bench moe --synthetic WORLD`: expert-aware trees against node-count budgets on a streamed MoE whose
 passes cost the experts they read (docs/algorithms.md §22), in a synthetic world on a CPU (cli/bench/components/moe_world.py).
 
-Rows: the node-count budgets (`--node-budgets`, the tree as grown, what `--budget N --expert-trim off` runs)
+Rows: the target alone (one row per pass, one token: what speculation must beat), the node-count budgets (`--node-budgets`, the tree as grown, what `--budget N --expert-trim off` runs)
 and the expert-aware trees (`--budgets`: grown to B nodes, then trimmed by specexec/expert_passes.py with
 --expert-trim experts, the engine's own code). Per row: tokens/s, tokens per pass, rows verified, distinct
 experts per layer, and the predicted and realised seconds per pass (realised: the world's cost of the experts
@@ -106,6 +106,23 @@ def run_row(world: World, budget: int, mode: str, steps: int) -> dict:
             "s_per_pass": round((total["seconds"] - n * draft_s) / n, 4), "draft_s": draft_s}
 
 
+def alone_row(world: World, steps: int) -> dict:
+    """The target alone in the same world: each pass verifies one row (the root) and yields one token, so it
+    reads only that row's top-k experts per layer; no draft. The row every speculative row must beat."""
+    run = WorldRun(world)
+    seconds, distinct = 0.0, 0.0
+    for step in range(WARMUP + steps):
+        routing = run.routing(torch.tensor([run.root]))
+        run.root = int(torch.multinomial(run.token_p, 1, generator=run.g))
+        if step >= WARMUP:
+            seconds += run.pass_seconds(routing)
+            distinct += sum(torch.unique(routing[:, j]).numel() for j in range(world.layers)) / world.layers
+    s = seconds / steps
+    return {"rows_kind": "alone", "budget": 0, "tok_s": round(1 / s, 3), "tokens_per_pass": 1.0,
+            "rows_per_pass": 1.0, "distinct_experts_per_layer": round(distinct / steps, 2),
+            "predicted_s_per_pass": round(s, 4), "s_per_pass": round(s, 4), "draft_s": 0.0}
+
+
 def equal_time(rows: list[dict]) -> list[dict]:
     """Per expert-aware row: the node-count budgets' tokens/s at its realised pass time (linear between the
     two node rows around it; None outside their range) and the ratio."""
@@ -127,7 +144,8 @@ def equal_time(rows: list[dict]) -> list[dict]:
 def run(ns: argparse.Namespace) -> int:
     check_number("--steps", ns.steps, low=1, high=10**6)
     world = replace(WORLDS[ns.synthetic], seed=ns.seed)
-    rows = [run_row(world, n, "off", ns.steps) for n in parse_budget_list(ns.node_budgets, auto_supported=False)]
+    rows = [alone_row(world, ns.steps)]
+    rows += [run_row(world, n, "off", ns.steps) for n in parse_budget_list(ns.node_budgets, auto_supported=False)]
     rows += [run_row(world, b, "experts", ns.steps) for b in parse_budget_list(ns.budgets, auto_supported=False)]
     same = equal_time(rows)
     if ns.json:
@@ -139,7 +157,8 @@ def run(ns: argparse.Namespace) -> int:
     for s in same:
         console.print(f"expert-aware B{s['budget']}: {s['tok_s']:.2f} tok/s at {s['s_per_pass']:.3f} s/pass; node "
                       f"budget at the same pass time: {cell(s['node_budget_tok_s'], '.2f')} tok/s "
-                      f"(x{cell(s['ratio'], '.2f')})", highlight=False)
+                      f"(x{cell(s['ratio'], '.2f')}); x{s['tok_s'] / rows[0]['tok_s']:.2f} the target alone "
+                      f"({rows[0]['tok_s']:.2f} tok/s)", highlight=False)
     return 0
 
 
