@@ -291,7 +291,9 @@ def run(args: argparse.Namespace) -> int:
                 console.print(skip, style="yellow", highlight=False, markup=False)
             else:
                 results += llamacpp.run_llamacpp(llamacpp.gguf_for(args.model, args.gguf), plan, prompt_ids, hf[2],
-                                                 args.warmup, lambda msg: status.update(msg), _done_line(console))
+                                                 args.warmup, lambda msg: status.update(msg), _done_line(console),
+                                                 lambda line: console.print(line, style="yellow", highlight=False,
+                                                                            markup=False))
     rows = make_rows(results, plan.sampling.greedy)
     title = (f"{len(prompt_ids)} prompts · up to {plan.config.max_new_tokens} new tokens · temperature "
              f"{plan.sampling.temperature} · {plan.config.device}")

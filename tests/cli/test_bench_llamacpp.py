@@ -5,9 +5,6 @@ called identical, and the table gains a × llama.cpp column. The real package is
 from __future__ import annotations
 
 import json
-import sys
-import types
-
 import pytest
 import torch
 
@@ -15,34 +12,57 @@ from cli.bench import llamacpp
 from cli.main import main
 
 
-class FakeLlama:
-    """llama_cpp.Llama's surface the rows use; `calls` records what they passed."""
+FAKE = '''"""A stand-in for llama_cpp (written by the test): records each call as a JSON line in $FAKE_LLAMA_LOG."""
+import json, os, signal
 
-    calls: list[dict] = []
 
-    def __init__(self, **kw) -> None:
-        FakeLlama.calls.append({"init": kw})
+def _log(entry):
+    with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\\n")
 
-    def reset(self) -> None:
+
+class Llama:
+    def __init__(self, **kw):
+        _log({"init": {k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()}})
+
+    def reset(self):
         pass
 
     def generate(self, tokens, **kw):
-        FakeLlama.calls.append({"tokens": list(tokens), **kw})
+        _log({"tokens": list(tokens), **kw})
+        if os.environ.get("FAKE_LLAMA_CRASH") == "generate" and len(tokens) > 8:    # not the warm-up
+            os.kill(os.getpid(), signal.SIGSEGV)
         while True:                                   # a stream the caller stops at max tokens
             yield 7
+'''
+SPECULATIVE = """def LlamaPromptLookupDecoding(num_pred_tokens):
+    return ("lookup", num_pred_tokens)
+"""
+
+
+class FakeCalls:
+    """What the stand-in package recorded (it runs in the rows' child process, so it writes to a file)."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+
+    @property
+    def calls(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
 
 
 @pytest.fixture
-def fake_llama_cpp(monkeypatch: pytest.MonkeyPatch):
-    module, speculative = types.ModuleType("llama_cpp"), types.ModuleType("llama_cpp.llama_speculative")
-    module.Llama = FakeLlama
-    speculative.LlamaPromptLookupDecoding = lambda num_pred_tokens: ("lookup", num_pred_tokens)
-    module.llama_speculative = speculative
-    monkeypatch.setitem(sys.modules, "llama_cpp", module)
-    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+def fake_llama_cpp(monkeypatch: pytest.MonkeyPatch, tmp_path) -> FakeCalls:
+    """A llama_cpp package on disk, first on sys.path (the spawned child inherits the path and environment)."""
+    pkg = tmp_path / "fakes" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE)
+    (pkg / "llama_speculative.py").write_text(SPECULATIVE)
+    monkeypatch.syspath_prepend(str(tmp_path / "fakes"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fakes"))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "calls.jsonl"))
     monkeypatch.setattr(llamacpp, "available", lambda: True)
-    FakeLlama.calls = []
-    return FakeLlama
+    return FakeCalls(tmp_path / "calls.jsonl")
 
 
 def _bench(capsys, model, *extra: str) -> tuple[dict, str]:
@@ -80,7 +100,7 @@ def test_the_rows_get_our_prompts_tokens_and_threads(capsys, fake_llama_cpp, tin
     inits = [c["init"] for c in fake_llama_cpp.calls if "init" in c]
     assert [i["model_path"] for i in inits] == [str(gguf)] * 2
     assert all(i["n_threads"] == torch.get_num_threads() for i in inits)
-    assert inits[0]["draft_model"] is None and inits[1]["draft_model"] == ("lookup", llamacpp.LOOKUP_TOKENS)
+    assert inits[0]["draft_model"] is None and inits[1]["draft_model"] == ["lookup", llamacpp.LOOKUP_TOKENS]
     gens = [c for c in fake_llama_cpp.calls if "tokens" in c]
     assert len(gens) == 4 and all(g["temp"] == 0.0 and g["top_k"] == 1 for g in gens)      # greedy, 2 prompts each
     assert gens[0]["tokens"] == gens[2]["tokens"] and gens[1]["tokens"] == gens[3]["tokens"]
@@ -97,3 +117,16 @@ def test_a_gguf_model_is_its_own_gguf(tmp_path) -> None:
     g.write_bytes(b"GGUF")
     assert llamacpp.gguf_for(str(g), None) == g and llamacpp.gguf_for(str(tmp_path), None) is None
     assert llamacpp.gguf_for(str(g), "/x/other.gguf").name == "other.gguf"
+
+
+def test_a_crash_inside_llama_cpp_costs_its_rows_not_the_bench(capsys, fake_llama_cpp, tiny_pair, tmp_path,
+                                                              monkeypatch) -> None:
+    """llama.cpp is native code built on the user's machine: a segfault there (a build for instructions the CPU
+    lacks) ends its child process only; the bench prints its table with our rows and one line saying what died."""
+    monkeypatch.setenv("FAKE_LLAMA_CRASH", "generate")
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"GGUF")
+    out, err = _bench(capsys, tiny_pair[0], "--configs", "no-draft,llama.cpp", "--gguf", str(gguf))
+    assert [r["config"] for r in out["rows"]] == ["no-draft"] and out["rows"][0]["new_tokens"] > 0
+    lines = [line for line in err.splitlines() if "llama.cpp rows stopped" in line]
+    assert len(lines) == 1 and "SIGSEGV" in lines[0] and "GGML_NATIVE=OFF" in lines[0]
