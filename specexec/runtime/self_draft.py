@@ -87,7 +87,19 @@ class SelfDraft(Transformer):
         self.init_rope(target.norm.weight.device, like=target)
         self.layer_ids, self.fmt, self.shared = tuple(layer_ids), fmt, tuple(shared)
         self.hot = hot                                  # the MoE layers' copies (hot experts), if any
+        self._target = (target,)                        # in a tuple: out of the module tree (subset's)
         self.train(False)
+
+    def subset(self, layer_ids: Sequence[int]) -> "SelfDraft":
+        """This draft over fewer of its layers `layer_ids` (ascending, each one of self.layer_ids): the very
+        same Blocks, copies and hot experts, nothing copied or read again (a shallower depth of
+        --draft-layers auto: specexec/runtime/depth_probe.py). Its KV cache is its own, sized for its layers."""
+        at = {i: j for j, i in enumerate(self.layer_ids)}
+        missing = [i for i in layer_ids if i not in at]
+        if missing or list(layer_ids) != sorted(set(layer_ids)):
+            raise ValueError(f"layers {list(layer_ids)} are not an ascending subset of {list(self.layer_ids)}")
+        return SelfDraft(self._target[0], layer_ids, [self.layers[at[i]] for i in layer_ids], self.fmt,
+                         [i for i in self.shared if i in at and i in set(layer_ids)], self.hot)
 
     @property
     def copies(self) -> tuple[int, ...]:
