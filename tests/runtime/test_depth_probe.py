@@ -4,9 +4,12 @@ agrees with it exactly; a Runtime without --draft-layers N runs the chosen depth
 stats, stays exact, and gates when no depth pays; --draft-layers N still means N."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from cli.main import main
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig
@@ -155,3 +158,16 @@ def test_a_fixed_layer_count_is_not_probed(monkeypatch, tiny_pair, tmp_path) -> 
         assert "draft_depth" not in rt.stats() and not any("draft depth" in s for s in said)
     finally:
         rt.engine.close()
+
+
+def test_generate_json_reports_the_chosen_depth(capsys, tiny_pair, tmp_path) -> None:
+    common = ["generate", "--model", str(tiny_pair[0]), "--dtype", "float32", "--max-new-tokens", "12", "--prompt",
+              "The quick brown fox", "--json", "--offload", "ssd", "--cache-dir", str(tmp_path)]
+    assert main([*common, "--no-draft"]) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*common, "--draft", "self", "--draft-layers", "auto"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    depth = out["stats"]["draft_depth"]
+    assert out["token_ids"] == want and depth["of"] == 4 and 2 <= depth["layers"] <= 4
+    assert f"draft depth {depth['layers']} of 4: agreement" in captured.err
