@@ -17,10 +17,15 @@ Wang et al. 2025): on a machine where the target streams, those are the layers t
   in that format uses, so with the device's default format nothing is quantized twice), built on first use
   with per-layer progress through the caller's callback.
 
+Depth: `--draft-layers N` runs exactly N layers. Under auto (the default) the plan's layers (the most whose
+copies fit) are only the deepest candidate: `SelfDraft.subset` gives the draft over fewer of them, the very same
+Blocks and copies (nothing copied or read again), and specexec/runtime/depth_probe.py keeps the depth whose
+measured agreement and cost predict the most tokens/s (specexec/tuning/depth.py, docs/algorithms.md §26).
+
 Also here: `--draft self[:FORMAT]` parsing (`is_self_draft`, `self_draft_shape`).
 
-Does not know: which layers stay resident or how many the draft runs (the plan: specexec/planning/ledger.py), how
-layers stream (offload.streaming.pager), trees, builders or verification.
+Does not know: which layers stay resident or how many the draft runs (the plan: specexec/planning/ledger.py; the
+measured depth: depth_probe.py), how layers stream (offload.streaming.pager), trees, builders or verification.
 """
 from __future__ import annotations
 
