@@ -342,6 +342,8 @@ class Runtime:
             raise ConfigError(f"a variant keeps the loaded device/dtype ({self.config.device}/{self.config.dtype}); "
                               f"got {config.device}/{config.dtype}")
         draft = self.engine.draft if use_draft else None
+        if draft is not None and self.depth is not None:     # the measured depth's verdict holds for the variant
+            config = config.replace(gate=with_depth_verdict(config.gate, self.depth.loses))
         engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
                               tuple(sorted(self.engine.eos_ids)), self.engine.planned_context,
                               self.plan)

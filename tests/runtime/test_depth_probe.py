@@ -137,6 +137,8 @@ def test_when_no_depth_pays_the_gate_is_on_with_a_fixed_budget(monkeypatch, tiny
         got = [t for s in rt.generate_ids(ids, 20) for t in s]
         assert got == [t for s in rt.variant(F32, use_draft=False).generate_ids(ids, 20) for t in s]
         assert rt.stats()["gate"]["plain_steps"] >= 1
+        assert rt.variant(F32.replace(budget=4)).engine.pilot is not None        # a variant keeps the verdict
+        assert rt.variant(F32, use_draft=False).engine.pilot is None
     finally:
         rt.engine.close()
     off_gate = Runtime.load(str(tiny_pair[0]), "self", F32.replace(gate="off"), offload=off)
@@ -171,3 +173,19 @@ def test_generate_json_reports_the_chosen_depth(capsys, tiny_pair, tmp_path) -> 
     depth = out["stats"]["draft_depth"]
     assert out["token_ids"] == want and depth["of"] == 4 and 2 <= depth["layers"] <= 4
     assert f"draft depth {depth['layers']} of 4: agreement" in captured.err
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_probe_runs_on_the_gpu_and_stays_exact(tiny_pair, tmp_path) -> None:
+    """CUDA (timed with the device synchronised): the chosen depth's draft is a subset of the planned one and
+    fp32 greedy output equals the target alone."""
+    off = OffloadConfig(offload="ssd", cache_dir=str(tmp_path), draft_layers="auto")
+    config = EngineConfig(budget=8, dtype="float32", device="cuda")
+    rt = Runtime.load(str(tiny_pair[0]), "self", config, offload=off)
+    try:
+        assert rt.depth is not None and set(rt.engine.draft.layer_ids) <= set(rt.plan.memory.draft_layers)
+        ids = prompt(4)
+        got = [t for s in rt.generate_ids(ids, 16) for t in s]
+        assert got == [t for s in rt.variant(config, use_draft=False).generate_ids(ids, 16) for t in s]
+    finally:
+        rt.engine.close()
