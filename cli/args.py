@@ -102,8 +102,9 @@ def _flags() -> dict[str, Flag]:
                           "cpu:N (the last N such layers), auto (per layer, whichever the planner prices lower)",
                           "stream", {"metavar": "stream|cpu[:N]|auto"}),
         "--draft-layers": Flag("with --draft self: how many of the target's decoder layers the draft runs, evenly "
-                               "spaced, first and last included", "auto: the most whose copies fit; half of a "
-                               "wholly resident target", {"metavar": "N|auto"}),
+                               "spaced, first and last included", "auto: measured at load, the fastest of "
+                               "the most whose copies fit (half of a wholly resident target) and 3/4 to 1/4 of "
+                               "them", {"metavar": "N|auto"}),
     }
 
 

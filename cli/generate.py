@@ -122,6 +122,8 @@ def print_load_summary(console: Console, runtime: Runtime) -> None:
         line("draft ", runtime.draft_info)
         if runtime.pair_note:
             console.print(runtime.pair_note, highlight=False)
+        if runtime.depth is not None:              # --draft-layers auto: the depth the probe chose
+            console.print(runtime.depth.line(), highlight=False)
     if runtime.engine.builder is None:
         console.print("no draft: decoding with the target alone", highlight=False)
     else:

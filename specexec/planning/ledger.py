@@ -293,7 +293,7 @@ def _plan_self_auto(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: in
     a copy or KV cache), at most half of them when the target keeps half or more of its layers resident: its
     pass then costs little more than computing them, and a draft as deep would cost nearly as much (over a
     wholly resident target, all its layers would make the draft the target itself). Half: a layer-skipping
-    draft."""
+    draft. This is the depth's upper bound: the run measures it and fewer (runtime/depth_probe.py)."""
     n = shape.target.n_layers
     sd = shape.self_draft
 

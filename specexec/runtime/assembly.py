@@ -16,7 +16,9 @@ the pager's streaming figures.
 
 Self-draft (--draft self[:FORMAT], --draft-layers): the plan counts it (its copies of streamed layers only) and
 picks its layers; it is built after the target, sharing the target's embed/norm/head and resident layers
-(specexec/runtime/self_draft.py).
+(specexec/runtime/self_draft.py). Without --draft-layers N the planned layers are the deepest candidate: the
+depth is measured (specexec/runtime/depth_probe.py), stats()['draft_depth'] says what was chosen, and when no
+depth pays the run gates (--gate auto becomes on).
 
 VocabTrim (--draft-vocab, EngineConfig.draft_vocab): the draft is wrapped in vocab_trim.TrimmedDraft, keeping
 the tokens the target samples most on the built-in prompts (measured once per target, cached).
@@ -57,11 +59,14 @@ from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_s
 from specexec.planning.target import TargetPlan, plan_target
 from specexec.runtime.expert_stream import expert_passes
 from specexec.runtime.offloaded import load_target, quantize_head, quantize_layers
+from specexec.runtime.depth_probe import choose_self_depth, probe_window
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
 from specexec.runtime.detokenizer import Detokenizer, StopWatcher
 from specexec.runtime.draft_vocab import align_vocab
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from specexec.verify import check_verifier
+from specexec.tuning.depth import DepthChoice
+from specexec.tuning.gate_modes import with_depth_verdict
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
 Progress = Callable[[str], None]
@@ -147,9 +152,12 @@ def _self_spec(draft: str | None, config: EngineConfig, offload: OffloadConfig) 
 
 
 def _load_self(target: Transformer, path: Path, spec: SelfDraftShape, target_plan: TargetPlan | None,
-               offload: OffloadConfig, config: EngineConfig, say: Progress) -> tuple[SelfDraft, ModelInfo]:
+               offload: OffloadConfig, config: EngineConfig, say: Progress,
+               tokenizer=None) -> tuple[SelfDraft, ModelInfo, DepthChoice | None]:
     """The self-draft over the planned layers (unplanned, i.e. a resident pickle target: --draft-layers N, or
-    half its layers), sharing what the target holds resident, copies of the rest."""
+    half its layers), sharing what the target holds resident, copies of the rest. Unless N was given, its
+    depth is then measured (depth_probe.py: the planned layers are the deepest candidate) and the choice
+    returned (None: N given, or nothing to choose)."""
     t0 = time.perf_counter()
     n = target.args.n_layers
     if target_plan is not None:
@@ -161,10 +169,13 @@ def _load_self(target: Transformer, path: Path, spec: SelfDraftShape, target_pla
     names = target_plan.names if target_plan is not None else None
     say(f"building the self-draft ({len(ids)} of {n} layers)")
     draft = build_self_draft(target, ids, spec.fmt, path, names, offload.cache_dir, say)
+    choice = None
+    if spec.layers is None and tokenizer is not None:          # --draft-layers auto: measured
+        draft, choice = choose_self_depth(target, draft, probe_window(tokenizer), say)
     params = sum(math.prod(s) for s in expected_shapes(draft.args).values())
     dtype = str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch.")
     return draft, ModelInfo(path, draft.args, params, f"{dtype} ({draft.describe()})", config.device,
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0), choice
 
 
 def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: OffloadConfig,
@@ -263,6 +274,7 @@ class Runtime:
         self.pair: str | None = None                      # draft/target fingerprint (acceptance vectors' key)
         self.pair_note: str | None = None                 # what the tokenizer check said of the pair (or None)
         self._stream_base: dict[str, float] = {}
+        self.depth: DepthChoice | None = None             # --draft-layers auto: the measured depth (or None)
 
     @classmethod
     def load(cls, model: str, draft: str | None, config: EngineConfig, allow_pickle: bool = False,
@@ -301,8 +313,11 @@ class Runtime:
             draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant, draft=True)
         say(f"loading target {t_path}")
         target, t_info = _load_target(t_path, t_args, config, offload, plan, allow_pickle)
+        depth = None
         if self_spec is not None:               # the target itself, so it comes after the target
-            draft_model, d_info = _load_self(target, t_path, self_spec, plan, offload, config, say)
+            draft_model, d_info, depth = _load_self(target, t_path, self_spec, plan, offload, config, say, tokenizer)
+            if depth is not None:               # no depth pays: the gate decides when to draft (gate_modes.py)
+                config = config.replace(gate=with_depth_verdict(config.gate, depth.loses))
         eos = eos_ids(tokenizer, t_args.eos_token_ids)
         if config.draft_vocab is not None and draft_model is not None:       # VocabTrim (--draft-vocab)
             draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
@@ -318,6 +333,7 @@ class Runtime:
                               plan.memory.context if plan is not None else None, plan)
         runtime = cls(engine, tokenizer, t_info, d_info, config, plan)
         runtime.pair, runtime.pair_note = pair, note       # note: what check_compatible said of the pair
+        runtime.depth = depth
         return runtime
 
     def variant(self, config: EngineConfig, use_draft: bool = True) -> "Runtime":
@@ -326,12 +342,14 @@ class Runtime:
             raise ConfigError(f"a variant keeps the loaded device/dtype ({self.config.device}/{self.config.dtype}); "
                               f"got {config.device}/{config.dtype}")
         draft = self.engine.draft if use_draft else None
+        if draft is not None and self.depth is not None:     # the measured depth's verdict holds for the variant
+            config = config.replace(gate=with_depth_verdict(config.gate, self.depth.loses))
         engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
                               tuple(sorted(self.engine.eos_ids)), self.engine.planned_context,
                               self.plan)
         runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
                           self.plan)
-        runtime.pair = self.pair
+        runtime.pair, runtime.depth = self.pair, self.depth if use_draft else None
         return runtime
 
     @property
@@ -388,6 +406,8 @@ class Runtime:
                   if self.engine.builder is not None else 0)
         out = self.engine.stats.summary(budget, self.builder_name)    # with budget_trace: what auto picked
         out["kv"] = self.kv_summary()
+        if self.depth is not None:
+            out["draft_depth"] = self.depth.summary()
         target = self.engine.target
         if has(target, Streams):              # offloaded target: what streaming cost during the last call
             out.update(stream_summary(self._stream_base, target.pager.counters()))

@@ -17,10 +17,15 @@ Wang et al. 2025): on a machine where the target streams, those are the layers t
   in that format uses, so with the device's default format nothing is quantized twice), built on first use
   with per-layer progress through the caller's callback.
 
+Depth: `--draft-layers N` runs exactly N layers. Under auto (the default) the plan's layers (the most whose
+copies fit) are only the deepest candidate: `SelfDraft.subset` gives the draft over fewer of them, the very same
+Blocks and copies (nothing copied or read again), and specexec/runtime/depth_probe.py keeps the depth whose
+measured agreement and cost predict the most tokens/s (specexec/tuning/depth.py, docs/algorithms.md §26).
+
 Also here: `--draft self[:FORMAT]` parsing (`is_self_draft`, `self_draft_shape`).
 
-Does not know: which layers stay resident or how many the draft runs (the plan: specexec/planning/ledger.py), how
-layers stream (offload.streaming.pager), trees, builders or verification.
+Does not know: which layers stay resident or how many the draft runs (the plan: specexec/planning/ledger.py; the
+measured depth: depth_probe.py), how layers stream (offload.streaming.pager), trees, builders or verification.
 """
 from __future__ import annotations
 
@@ -87,7 +92,19 @@ class SelfDraft(Transformer):
         self.init_rope(target.norm.weight.device, like=target)
         self.layer_ids, self.fmt, self.shared = tuple(layer_ids), fmt, tuple(shared)
         self.hot = hot                                  # the MoE layers' copies (hot experts), if any
+        self._target = (target,)                        # in a tuple: out of the module tree (subset's)
         self.train(False)
+
+    def subset(self, layer_ids: Sequence[int]) -> "SelfDraft":
+        """This draft over fewer of its layers `layer_ids` (ascending, each one of self.layer_ids): the very
+        same Blocks, copies and hot experts, nothing copied or read again (a shallower depth of
+        --draft-layers auto: specexec/runtime/depth_probe.py). Its KV cache is its own, sized for its layers."""
+        at = {i: j for j, i in enumerate(self.layer_ids)}
+        missing = [i for i in layer_ids if i not in at]
+        if missing or list(layer_ids) != sorted(set(layer_ids)):
+            raise ValueError(f"layers {list(layer_ids)} are not an ascending subset of {list(self.layer_ids)}")
+        return SelfDraft(self._target[0], layer_ids, [self.layers[at[i]] for i in layer_ids], self.fmt,
+                         [i for i in self.shared if i in at and i in set(layer_ids)], self.hot)
 
     @property
     def copies(self) -> tuple[int, ...]:
