@@ -4,7 +4,9 @@ target verifies, i.e. the target alone), and after it `heard` gives the step's t
 specexec/tuning/gate.py's; here its bookkeeping meets the engine's:
 
 - before a speculative step that follows plain ones, the draft catches up on the tokens it has not seen (one
-  prefill of its pending tokens, span "catch-up"), so the probe's draft time is a normal step's;
+  prefill of its pending tokens, span "catch-up"), so the probe's draft time is a normal step's; the catch-up's
+  seconds are charged to the gate once known (Gate.charge: they count in the probes' share of the time, not in
+  their rate);
 - a plain step's target time is the tuner's one-row pass cost (the prior the gate reads when it has no plain
   step of its own yet), and the tuner never hears it as a tree (it would look like free drafting);
 - every step is counted (stats.gate: plain_steps, speculative_steps), every switch counted and noted in one
@@ -22,7 +24,7 @@ from specexec.builders.base import DraftState, TreeBuilder
 from specexec.config import EngineConfig
 from specexec.kv.cache import KVCache
 from specexec.network.model import Transformer
-from specexec.profiler import Profiler
+from specexec.profiler import Profiler, Span
 from specexec.tuning.budget import BudgetTuner
 from specexec.tuning.gate import PLAIN_STEPS, SPECULATIVE_STEPS, SWITCHES, Gate, Switch
 from specexec.tuning.gate_modes import gates
@@ -37,6 +39,8 @@ class StepGate(Protocol):
 
     def observe(self, speculative: bool, tokens: int, seconds: float) -> Switch | None: ...
 
+    def charge(self, seconds: float) -> None: ...
+
 
 class Pilot:
     """Chooses each step's kind through its gate and hears each step's outcome, in step order."""
@@ -45,6 +49,7 @@ class Pilot:
                  tuner: BudgetTuner | None = None) -> None:
         self.gate, self.profiler, self.prefill, self.tuner = gate, profiler, prefill, tuner
         self._kinds: deque[bool] = deque()          # scheduled steps not heard yet: True = plain
+        self._catch_ups: list[Span] = []            # catch-up spans not charged to the gate yet
 
     @classmethod
     def for_engine(cls, config: EngineConfig, builder: TreeBuilder | None, tuner: BudgetTuner | None,
@@ -61,15 +66,19 @@ class Pilot:
         self._kinds.append(plain)
         self.profiler.count(**{PLAIN_STEPS if plain else SPECULATIVE_STEPS: 1})
         if not plain and draft is not None and len(draft.pending) > 1:
-            with self.profiler.span("catch-up"):
+            with self.profiler.span("catch-up") as span:
                 self.prefill(draft.model, draft.cache, draft.pending[:-1], "draft")
             draft.pending = draft.pending[-1:]
+            self._catch_ups.append(span)
         return plain
 
     def heard(self, tree_size: int, tokens: int, draft_s: float, target_s: float, expert_s: float = 0.0) -> None:
         """A step's times settled (in step order): tokens it emitted, draft and target seconds, and what the
         cost model's MoE term said its experts cost."""
         plain = self._kinds.popleft() if self._kinds else tree_size == 0
+        for span in [s for s in self._catch_ups if s.ready]:        # CUDA: only once its events completed
+            self.gate.charge(span.seconds)
+            self._catch_ups.remove(span)
         if tree_size == 0 and self.tuner is not None:
             self.tuner.costs.target.add(1, max(target_s - expert_s, 0.0))
         switch = self.gate.observe(not plain, tokens, draft_s + target_s)

@@ -13,7 +13,9 @@ decided from this run's own measured rates (docs/algorithms.md §24).
 - Not drafting: it probes. After `gap` plain steps a burst of `burst` speculative steps; when the burst ran more
   than `margin` faster than the target alone, drafting resumes, otherwise the next gap doubles (up to `max_gap`).
   Every gap is long enough that probes take at most `probe_share` of the steps and of the time (a probe's
-  measured seconds against the plain steps' over the gap).
+  measured seconds, plus what starting it cost -- the draft catching up on the tokens it skipped, `charge` --
+  against the plain steps' over the gap). 5 %: the slowdown a gated run may show against the target alone is
+  about that share times the probes' shortfall, plus the steps before the first switch.
 Both ways the margin is the hysteresis: rates within it never switch the gate.
 
 Does not know: models, trees, the engine, or how steps are timed (callers pass seconds in); no torch.
@@ -60,7 +62,7 @@ class Gate:
     refresh_every: int = 32
     confirm: int = 3
     burst: int = 4
-    probe_share: float = 0.1
+    probe_share: float = 0.05
     max_gap: int = 512
     prior: Callable[[], float | None] | None = field(default=None, compare=False)   # predicted plain step s
 
@@ -76,6 +78,7 @@ class Gate:
         self._burst_left = 0        # probe steps still to schedule
         self._probe: list[tuple[int, float]] = []
         self._plains = 0            # plain steps scheduled so far
+        self._charged = 0.0         # seconds spent starting probes since the last probe was judged (catch-up)
 
     @property
     def first_gap(self) -> int:
@@ -109,6 +112,11 @@ class Gate:
         if self._plain_run >= self._gap:            # the step after this one starts a probe
             self._plain_run, self._burst_left = 0, self.burst
         return True
+
+    def charge(self, seconds: float) -> None:
+        """What starting a probe cost besides its steps (the draft's catch-up prefill): the next gap is sized so
+        that probes and their starts together stay within probe_share of the time."""
+        self._charged += max(seconds, 0.0)
 
     def observe(self, speculative: bool, tokens: int, seconds: float) -> Switch | None:
         """A finished step: its kind, the tokens it emitted and its draft + target seconds. Returns the switch
@@ -151,8 +159,9 @@ class Gate:
         seconds = sum(s for _, s in probe)
         spec = sum(t for t, _ in probe) / seconds
         plain_s = self.plain_seconds()
+        charged, self._charged = self._charged, 0.0
         if plain_s is not None and spec <= (1 + self.margin) / plain_s:
-            self._gap = max(min(2 * self._gap, self.max_gap), self._time_gap(seconds))
+            self._gap = max(min(2 * self._gap, self.max_gap), self._time_gap(seconds + charged))
             return None
         self.drafting, self._since_on, self._since_plain = True, len(probe), 0
         self._spec.clear()

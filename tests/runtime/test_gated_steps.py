@@ -37,6 +37,9 @@ class Flipper:
         self.last = speculative
         return Switch(speculative, 10.0, 9.0, 4) if changed else None
 
+    def charge(self, seconds: float) -> None:
+        self.charged = getattr(self, "charged", 0.0) + seconds
+
 
 @pytest.fixture(scope="module")
 def models(tiny_pair: tuple[Path, Path], tiny_perturbed_draft: Path):
