@@ -115,8 +115,10 @@ class Gate:
 
     def charge(self, seconds: float) -> None:
         """What starting a probe cost besides its steps (the draft's catch-up prefill): the next gap is sized so
-        that probes and their starts together stay within probe_share of the time."""
-        self._charged += max(seconds, 0.0)
+        that probes and their starts together stay within probe_share of the time. While drafting there is no
+        probe to charge (a catch-up after a refresh step is part of drafting's own cost): ignored."""
+        if not self.drafting:
+            self._charged += max(seconds, 0.0)
 
     def observe(self, speculative: bool, tokens: int, seconds: float) -> Switch | None:
         """A finished step: its kind, the tokens it emitted and its draft + target seconds. Returns the switch

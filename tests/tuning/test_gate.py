@@ -104,8 +104,9 @@ def test_probes_and_the_catch_ups_that_start_them_take_a_bounded_share_of_the_ti
     grow so that probes and catch-ups together stay within probe_share; uncharged, a catch-up of 30 plain steps'
     time per probe took ~1.8x that share (9.3 % against 5 % over this run)."""
     gate, spent = Gate(), {"plain": 0.0, "probe": 0.0}
+    gate.charge(100.0)                                            # while drafting: no probe to charge
     drive(gate, 30, spec=(2, 0.3), plain_s=0.05)
-    assert not gate.drafting
+    assert not gate.drafting and gate._charged == 0.0
     was_plain = True
     for _ in range(8000):
         plain = gate.next_plain()
