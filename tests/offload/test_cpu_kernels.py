@@ -1,5 +1,5 @@
-"""The CPU integer kernels (offload/quant/cpu_kernels): every ISA variant this machine runs (AVX-512 VNNI, AVX2,
-plain C) against the pure-torch reference to fp32 rounding, for every int4 group size, shapes with partial chunks
+"""The CPU integer kernels (offload/quant/cpu_kernels): every ISA variant this machine runs (the AVX2 register
+tiles with 256-bit VNNI (AVX512-VL or AVX-VNNI) or without, the wide AVX-512 VNNI path, plain C) against the pure-torch reference to fp32 rounding, for every int4 group size, shapes with partial chunks
 and blocks, fp32/bf16 activations and bias; rows that do not depend on the batch; the activations' int8 codes
 the reference computes are the kernels' own; the result close to the float matmul; and the pure-torch path, with
 its one line, when there is no compiler or the kernels are switched off.
@@ -19,8 +19,10 @@ from offload.quant.cpu_kernels import ops
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # variant -> (extra compiler flags, the ISA it reports, a /proc/cpuinfo flag it needs)
-VARIANTS = {"native": ([], None, None), "avx2": (["-mno-avx512f"], "avx2", "avx2"),
-            "avx2-2x8": (["-mno-avx512f", "-DQR=2", "-DQA=8"], "avx2", "avx2"),   # the other register tiles
+VARIANTS = {"native": ([], None, None), "avx2": (["-mno-avx512f", "-mno-avxvnni"], "avx2", "avx2"),
+            "avx2-2x8": (["-mno-avx512f", "-mno-avxvnni", "-DQR=2", "-DQA=8"], "avx2", "avx2"),   # other tiles
+            "avx2-vnni": (["-mno-avx512vnni"], "avx2-vnni", "avx_vnni"),     # the tiles with AVX-VNNI's vpdpbusd
+            "wide": (["-DSX_WIDE"], "avx512vnni", "avx512_vnni"),             # the AVX-512 path (-DSX_WIDE)
             "scalar": (["-march=x86-64"], "scalar", None)}
 Q4_SHAPES = [(64, 256, 64), (48, 96, 32), (40, 384, 128), (16, 160, 32), (24, 448, 64), (16, 32, 32)]
 
@@ -48,7 +50,7 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         assert lib is not None, build.status()
         return lib
     path = tmp_path_factory.mktemp("kernels") / f"{request.param}.so"
-    flags = [f for f in build.FLAGS if f != "-march=native"] + (["-march=native"] if isa == "avx2" else []) + extra
+    flags = [f for f in build.FLAGS if f != "-march=native"] + (["-march=native"] if isa != "scalar" else []) + extra
     subprocess.run([cc, *flags, str(build.SOURCE), "-o", str(path), "-lm"], check=True, capture_output=True)
     lib = build.load(path)
     assert lib.sx_isa().decode() == isa
@@ -109,6 +111,30 @@ def test_q4_every_row_count_gives_each_row_its_one_row_bits(use, n, k, group) ->
     for m in (1, 2, 3, 5, 7, 8, 16, 17):
         assert torch.equal(ops.q4_linear(x[:m], codes, sz, group, bias), single[:m])
         assert torch.equal(ops.q4_linear(x[17 - m:], codes, sz, group, bias), single[17 - m:])
+
+
+
+
+def test_vnni_tiles_give_the_bits_of_the_maddubs_tiles(tmp_path, monkeypatch) -> None:
+    """vpdpbusd sums the same four u8 x s8 products per int32 lane that vpmaddubsw + vpmaddwd do (no int16
+    saturation at these magnitudes), so the tiles give the same bits with and without VNNI, at every row count."""
+    native = build.library()
+    if native is None or native.sx_isa().decode() != "avx2-vnni":
+        pytest.skip("the product's kernels here are not the VNNI tiles")
+    path = tmp_path / "maddubs.so"
+    flags = list(build.FLAGS) + ["-mno-avx512f", "-mno-avxvnni"]
+    subprocess.run([build.compiler(), *flags, str(build.SOURCE), "-o", str(path), "-lm"], check=True,
+                   capture_output=True)
+    plain = build.load(path)
+    assert plain.sx_isa().decode() == "avx2"
+    for n, k, group in Q4_SHAPES:
+        codes, sz = _q4(n, k, group)
+        x = torch.randn(17, k)
+        outs = []
+        for lib in (native, plain):
+            monkeypatch.setattr(ops, "library", lambda lib=lib: lib)
+            outs.append([ops.q4_linear(x[:m], codes, sz, group) for m in (1, 4, 9, 17)])
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 @pytest.mark.parametrize("k", [7, 32, 33, 64, 100, 130])

@@ -1,6 +1,13 @@
 /* specexec's CPU linears: 4-bit and 8-bit weights times int8 activations quantized on the fly, with integer
- * dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C), threaded over output rows with OpenMP
- * (the libgomp torch already loaded, so torch's own thread pool runs them).
+ * dot products (AVX2 register tiles with 256-bit VNNI vpdpbusd where the CPU has it (AVX512-VL VNNI or
+ * AVX-VNNI), else vpmaddubsw; the wide AVX-512 VNNI path when built with -DSX_WIDE; or plain C), threaded over
+ * output rows with OpenMP (the libgomp torch already loaded, so torch's own thread pool runs them).
+ * Why the tiles win on AVX-512 machines too (Xeon, 2 threads, q4 8960x1536, us at 1 / 4 / 9 rows): the wide
+ * path (one weight row x MT rows) 557-925 / 1300-1900 / 2100-3300, the tiles with VNNI 510-620 / 600-950 /
+ * 1050-1270: at 4 rows VNNI makes the tile cost what one row costs (memory-bound), where decode and small
+ * trees live. The wide path still wins at 16 rows of K = 8960 (compute-bound): -DSX_WIDE keeps it buildable.
+ * vpdpbusd and vpmaddubsw + vpmaddwd give the same int32 sums (4 u8 x s8 products per lane, no int16
+ * saturation at 15 x 127 x 4), so the bits of every variant are the same.
  *
  * Weights (offload/quant/cpu_kernels/__init__.py documents the layouts; offload/quant/int4.py and int8.py
  * make them once, when a layer is quantized):
@@ -26,13 +33,19 @@
 #include <string.h>
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if defined(SX_WIDE) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 #define SX_AVX512 1
 #include <immintrin.h>
 #define CB 64                   /* code bytes per chunk: one zmm */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SX_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SX_VNNI256(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define SX_VNNI256(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#endif
 #define CB 32                   /* one ymm */
 #else
 #define CB 32
@@ -45,6 +58,8 @@
 const char *sx_isa(void) {
 #if SX_AVX512
     return "avx512vnni";
+#elif SX_AVX2 && defined(SX_VNNI256)
+    return "avx2-vnni";
 #elif SX_AVX2
     return "avx2";
 #else
@@ -338,11 +353,17 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
             __m256 sv = q4_scales(k, sz + r * k->ng * 2, g0, one);
             for (int i = 0; i < A; i++) {
                 const int8_t *x = xq[i] + c * 2 * CB;
+#ifdef SX_VNNI256                                   /* the same int32 sums in 2 instructions instead of 4 */
+                __m256i d32 = SX_VNNI256(SX_VNNI256(_mm256_setzero_si256(), wl,
+                                                    _mm256_load_si256((const __m256i *)x)),
+                                         wh, _mm256_load_si256((const __m256i *)(x + CB)));
+#else
                 __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_load_si256((const __m256i *)x)),
                                              _mm256_maddubs_epi16(wh, _mm256_load_si256((const __m256i *)(x + CB))));
+                __m256i d32 = _mm256_madd_epi16(p, ones);
+#endif
                 __m256 dv = one ? _mm256_broadcast_ss(dd[i] + g0) : _mm256_loadu_ps(dd[i] + c * LANES);
-                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(sv, dv),
-                                            acc[r][i]);
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_mul_ps(sv, dv), acc[r][i]);
             }
         }
     }
