@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offload.quant.linear import QuantLinear
+
 from specexec.network.model import soft_cap
 from specexec.tuning.store import read_json, store_path, write_json
 
@@ -32,7 +34,10 @@ AUTO_MIN = 8192          # --draft-vocab auto: at least this many tokens (or the
 
 
 class TrimmedDraft(nn.Module):
-    """A draft Transformer whose logits() only scores `keep` (long [N], sorted ids); forward() delegates."""
+    """A draft Transformer whose logits() only scores `keep` (long [N], sorted ids); forward() delegates. A
+    quantized head (a QuantLinear, e.g. --draft-quant int4's int8 head on a CPU) stays quantized in the same
+    format over the kept rows, so trimming cuts the head's bytes per pass by V/N instead of trading 8-bit rows
+    for fp32 ones."""
 
     def __init__(self, model: nn.Module, keep: torch.Tensor) -> None:
         super().__init__()
@@ -43,7 +48,15 @@ class TrimmedDraft(nn.Module):
         self.model, self.args = model, model.args
         weight = model.head_weight
         self.register_buffer("keep", keep.to(weight.device), persistent=False)
-        self.register_buffer("weight", weight.detach().index_select(0, self.keep).clone(), persistent=False)
+        kept = weight.detach().index_select(0, self.keep).clone()
+        head = model._modules.get("lm_head")
+        self.head: QuantLinear | None = None
+        if isinstance(head, QuantLinear) and head.fmt != "none":
+            rows = nn.Linear(kept.shape[1], kept.shape[0], bias=False, device="meta")
+            rows.weight = nn.Parameter(kept, requires_grad=False)
+            self.head = QuantLinear.from_linear(rows, head.fmt, head.dtype)
+            kept = None
+        self.register_buffer("weight", kept, persistent=False)
 
     @property
     def n_kept(self) -> int:
@@ -63,7 +76,8 @@ class TrimmedDraft(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])
         if rows is not None:
             h = h.index_select(0, rows)
-        small = soft_cap(F.linear(h, self.weight).float(), self.args.logit_softcap)   # [R, N] (Gemma 2: capped)
+        scores = F.linear(h, self.weight) if self.head is None else self.head(h)
+        small = soft_cap(scores.float(), self.args.logit_softcap)                      # [R, N] (Gemma 2: capped)
         out = small.new_full((h.shape[0], self.args.vocab_size), float("-inf"))
         return out.index_copy_(1, self.keep, small)
 

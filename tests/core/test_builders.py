@@ -343,6 +343,25 @@ def test_trimmed_draft_scores_only_the_kept_tokens(models) -> None:
     assert bool(torch.isneginf(small[:, mask]).all())
 
 
+def test_a_quantized_head_stays_quantized_over_the_kept_rows(models) -> None:
+    """An int8 head (--draft-quant on a CPU) is trimmed to an int8 head of N rows: its bytes shrink by V/N and
+    the kept scores are the full quantized head's up to the requantization of those rows."""
+    import copy
+    from offload.quant.linear import QuantLinear
+    from specexec.runtime.offloaded import quantize_head
+    draft = copy.deepcopy(models["perturbed"])
+    quantize_head(draft, "int4")
+    assert isinstance(draft.lm_head, QuantLinear)
+    keep = torch.tensor([3, 17, 40, 41, 200])
+    trimmed = TrimmedDraft(draft, keep)
+    assert trimmed.head is not None and trimmed.weight is None and trimmed.head.fmt == "int8"
+    assert trimmed.head.qdata.shape == (5, draft.args.dim)
+    h = torch.randn(4, draft.args.dim)
+    full, small = draft.logits(h), trimmed.logits(h)
+    assert torch.allclose(small[:, keep], full[:, keep], rtol=0.02, atol=0.02)
+    assert bool(torch.isneginf(small[:, [0, 1, 2, 4]]).all())
+
+
 @pytest.mark.parametrize("name", ["specexec", "dynamic", "rsd", "chain"])
 def test_trimmed_draft_keeps_greedy_exactness_and_never_drafts_outside_the_set(models, name: str) -> None:
     target, ids = models["target"], prompt(9)

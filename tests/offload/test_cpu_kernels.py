@@ -117,7 +117,8 @@ def test_q4_every_row_count_gives_each_row_its_one_row_bits(use, n, k, group) ->
 
 def test_vnni_tiles_give_the_bits_of_the_maddubs_tiles(tmp_path, monkeypatch) -> None:
     """vpdpbusd sums the same four u8 x s8 products per int32 lane that vpmaddubsw + vpmaddwd do (no int16
-    saturation at these magnitudes), so the tiles give the same bits with and without VNNI, at every row count."""
+    saturation at these magnitudes), so the tiles give the same bits with and without VNNI, at every row count;
+    q8 too, where VNNI reads the weight as q + 128 and starts each lane at -128 x its activations' sum."""
     native = build.library()
     if native is None or native.sx_isa().decode() != "avx2-vnni":
         pytest.skip("the product's kernels here are not the VNNI tiles")
@@ -134,6 +135,14 @@ def test_vnni_tiles_give_the_bits_of_the_maddubs_tiles(tmp_path, monkeypatch) ->
         for lib in (native, plain):
             monkeypatch.setattr(ops, "library", lambda lib=lib: lib)
             outs.append([ops.q4_linear(x[:m], codes, sz, group) for m in (1, 4, 9, 17)])
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+    for k in (7, 33, 64, 100, 130, 1536):                # partial chunks, a block of one chunk, whole blocks
+        codes, scale = _q8(37, k)
+        x = torch.randn(17, k)
+        outs = []
+        for lib in (native, plain):
+            monkeypatch.setattr(ops, "library", lambda lib=lib: lib)
+            outs.append([ops.q8_linear(x[:m], codes, scale) for m in (1, 5, 9, 17)])
         assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 

@@ -52,7 +52,7 @@
 #endif
 #define LANES (CB / 4)          /* int32 lanes of a chunk's dot product */
 #define MT 8                    /* activation rows per pass over a weight row (the rest: more passes) */
-#define Q8B 64                  /* activation block of the q8 kernel */
+#define Q8B 64                  /* activation block of the q8 kernel: two AVX2 chunks (q8_block_avx2) */
 #define PREFETCH 2048           /* code bytes read ahead (AVX2): ~10-15 % more bandwidth at 1 row on Zen 3 */
 
 const char *sx_isa(void) {
@@ -533,6 +533,7 @@ typedef struct {
     const Acts *a;
     int64_t K, full, N;
     const float *corr;                  /* Q8_OFFSET * sum of ds per activation row */
+    const int32_t *ncorr;               /* AVX2 with VNNI: q8_ncorr's lane corrections */
     const uint16_t *scale;
     const void *bias;
     int bias_bf16, out_bf16;
@@ -540,18 +541,61 @@ typedef struct {
 } Q8Call;
 
 #if SX_AVX2
-/* acc[i] += cvt(dot of weight chunk w with chunk c of activation row m0 + i) * d, for MTC rows: |w| times the
- * activations with w's sign (vpmaddubsw takes unsigned times signed). */
-ALWAYS_INLINE void q8_chunk_avx2(const Acts *a, __m256i w, int64_t c, int64_t m0, __m256 *acc, const int MTC) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i wa = _mm256_abs_epi8(w);
+/* AVX2 q8, one 64-value block (two chunks) at a time: each lane's int32 dot over the block's two chunks is exact,
+ * then one cvt and one fma with the block's d per activation row. With VNNI the weight reads as q + 128 (xor
+ * 0x80: unsigned for vpdpbusd, once per chunk for every row) and the accumulator starts at the lane's
+ * -128 * sum(xq) (ncorr, made once per call), so the int32 is the same exact sum; without VNNI |q| times xq with
+ * q's sign (vpmaddubsw would saturate on q + 128). Both give the same int32 per lane, so the same bits. */
+ALWAYS_INLINE __m256i q8_load(const Q8Call *k, const int8_t *codes, int64_t c) {
+    if (c < k->full) return _mm256_loadu_si256((const __m256i *)(codes + c * CB));
+    int8_t tmp[CB] = {0};                                 /* the row's partial last chunk, zero-padded */
+    memcpy(tmp, codes + c * CB, (size_t)(k->K - c * CB));
+    return _mm256_loadu_si256((const __m256i *)tmp);
+}
+
+ALWAYS_INLINE __m256i q8_dot(__m256i w, __m256i x) {     /* maddubs: lanes of 4 exact products */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                             _mm256_set1_epi16(1));
+}
+
+ALWAYS_INLINE void q8_block_avx2(const Q8Call *k, const int8_t *codes, int64_t b, int64_t m0, __m256 *acc,
+                                 const int MTC) {
+    const Acts *a = k->a;
+    int64_t c0 = 2 * b;
+    int two = c0 + 1 < a->nc;
+    _mm_prefetch((const char *)(codes + c0 * CB + PREFETCH), _MM_HINT_T0);
+    __m256i w0 = q8_load(k, codes, c0), w1 = two ? q8_load(k, codes, c0 + 1) : _mm256_setzero_si256();
+#ifdef SX_VNNI256
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    w0 = _mm256_xor_si256(w0, flip), w1 = _mm256_xor_si256(w1, flip);
+#endif
     for (int i = 0; i < MTC; i++) {
-        const int8_t *xq = a->q + (m0 + i) * a->kp + c * CB;
-        __m256i xs = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)xq), w);
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones);
-        __m256 d = _mm256_loadu_ps(a->dl + ((m0 + i) * a->nc + c) * LANES);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i]);
+        const int8_t *xq = a->q + (m0 + i) * a->kp + c0 * CB;
+#ifdef SX_VNNI256
+        __m256i dot = SX_VNNI256(_mm256_loadu_si256((const __m256i *)(k->ncorr + ((m0 + i) * a->nb + b) * LANES)),
+                                 w0, _mm256_load_si256((const __m256i *)xq));
+        if (two) dot = SX_VNNI256(dot, w1, _mm256_load_si256((const __m256i *)(xq + CB)));
+#else
+        __m256i dot = q8_dot(w0, _mm256_load_si256((const __m256i *)xq));
+        if (two) dot = _mm256_add_epi32(dot, q8_dot(w1, _mm256_load_si256((const __m256i *)(xq + CB))));
+#endif
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(a->d + (m0 + i) * a->nb + b), acc[i]);
     }
+}
+
+/* ncorr [M, nb, LANES]: -128 x the sum of the activation codes each lane of each block meets (VNNI only). */
+static int32_t *q8_ncorr(const Acts *a, int64_t M) {
+    int32_t *nc = malloc(sizeof(int32_t) * (size_t)(M * a->nb * LANES + 1));
+    if (!nc) return NULL;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < a->nb; b++)
+            for (int l = 0; l < LANES; l++) {
+                int t = 0;
+                for (int64_t c = 2 * b; c < 2 * b + 2 && c < a->nc; c++)
+                    for (int j = 0; j < 4; j++) t += a->q[m * a->kp + c * CB + 4 * l + j];
+                nc[(m * a->nb + b) * LANES + l] = -128 * t;
+            }
+    return nc;
 }
 #endif
 
@@ -578,16 +622,7 @@ ALWAYS_INLINE void q8_tile(const Q8Call *k, const int8_t *codes, int64_t n, int6
 #elif SX_AVX2
     __m256 acc[MT];
     for (int i = 0; i < MTC; i++) acc[i] = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c < k->full; c++) {
-        _mm_prefetch((const char *)(codes + c * CB + PREFETCH), _MM_HINT_T0);
-        q8_chunk_avx2(a, _mm256_loadu_si256((const __m256i *)(codes + c * CB)), c, m0, acc, MTC);
-    }
-    if (c < a->nc) {                                      /* the row's partial last chunk, zero-padded */
-        int8_t tmp[CB] = {0};
-        memcpy(tmp, codes + c * CB, (size_t)(k->K - c * CB));
-        q8_chunk_avx2(a, _mm256_loadu_si256((const __m256i *)tmp), c, m0, acc, MTC);
-    }
+    for (int64_t b = 0; b < a->nb; b++) q8_block_avx2(k, codes, b, m0, acc, MTC);
     for (int i = 0; i < MTC; i++) res[i] = hsum256(acc[i]);
 #else
     float acc[MT][LANES];
@@ -640,11 +675,16 @@ int sx_q8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *
         for (int64_t b = 0; b < a.nb; b++) t += a.ds[m * a.nb + b];
         corr[m] = Q8_OFFSET * t;
     }
-    Q8Call k = {.a = &a, .K = K, .full = K / CB, .N = N, .corr = corr, .scale = scale, .bias = bias,
-                .bias_bf16 = bias_bf16, .out_bf16 = out_bf16, .out = out};
+    int32_t *ncorr = NULL;
+#if SX_AVX2 && defined(SX_VNNI256)
+    if (!(ncorr = q8_ncorr(&a, M))) return free(corr), -1;
+#endif
+    Q8Call k = {.a = &a, .K = K, .full = K / CB, .N = N, .corr = corr, .ncorr = ncorr, .scale = scale,
+                .bias = bias, .bias_bf16 = bias_bf16, .out_bf16 = out_bf16, .out = out};
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) q8_rows(&k, codes + n * K, n, M);
     free(corr);
+    free(ncorr);
     return 0;
 }
 
