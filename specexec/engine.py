@@ -236,8 +236,9 @@ class Engine:
         if draft_cache is not None:
             draft_cache.truncate(min(shared, draft_cache.length))
             longrope.begin(self.draft, draft_cache, len(prompt_ids))
-            self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
-            draft = DraftState(self.draft, draft_cache, [prompt_ids[-1]])
+            if self.pilot is None or self.pilot.drafting:     # gated off: it catches up when a probe starts
+                self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
+            draft = DraftState(self.draft, draft_cache, list(prompt_ids[draft_cache.length:]))
         span.stop()                                  # CUDA: read at the end (_settle), never waited for here
         self._prefill_span = span
         stats.prefill_s = span.seconds if span.ready else 0.0

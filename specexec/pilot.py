@@ -4,7 +4,8 @@ target verifies, i.e. the target alone), and after it `heard` gives the step's t
 specexec/tuning/gate.py's; here its bookkeeping meets the engine's:
 
 - before a speculative step that follows plain ones, the draft catches up on the tokens it has not seen (one
-  prefill of its pending tokens, span "catch-up"), so the probe's draft time is a normal step's; the catch-up's
+  prefill of its pending tokens, span "catch-up"; while the gate is off a new prompt is not prefilled into the
+  draft either, so a gated-off run's time to first token is the target alone's), so the probe's draft time is a normal step's; the catch-up's
   seconds are charged to the gate once known (Gate.charge: they count in the probes' share of the time, not in
   their rate);
 - a plain step's target time is the tuner's one-row pass cost (the prior the gate reads when it has no plain
@@ -59,6 +60,11 @@ class Pilot:
             return None
         prior = (lambda: tuner.costs.target_seconds(1) or None) if tuner is not None else None
         return cls(Gate(prior=prior), profiler, prefill, tuner)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the gate is drafting now (off: a new prompt's draft prefill waits for the next probe)."""
+        return getattr(self.gate, "drafting", True)
 
     def plain_next(self, draft: DraftState | None) -> bool:
         """Whether the next step runs the target alone; before a speculative one the draft catches up."""

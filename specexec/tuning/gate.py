@@ -3,7 +3,9 @@ decided from this run's own measured rates (docs/algorithms.md §24).
 
     speculative tok/s  = tokens the last `window` speculative steps emitted / their draft + target seconds
     target-alone tok/s = 1 / seconds of a plain step (the median of the last few; before any was measured,
-                         `prior`: the cost model's predicted one-row target pass, when it has one)
+                         `prior`: the cost model's predicted one-row target pass, when it has one; the first
+                         plain step comes after `least` speculative ones even then, since a prior from cold
+                         calibration passes can be several times a warm step)
 
 - Drafting: the gate switches off when the target alone is more than `margin` faster, judged over the
   speculative steps since drafting last (re)started -- a full `window` of them for a small lead, fewer (at least
@@ -98,7 +100,9 @@ class Gate:
     def next_plain(self) -> bool:
         """Whether the next step runs the target alone (True) or drafts (False)."""
         if self.drafting:
-            unknown = not self._plains and self.plain_seconds() is None and self._since_plain >= 1
+            # the target alone never measured: after one speculative step when there is no prior, after `least`
+            # when there is (a prior is a cost model's guess: a cold calibration pass ran 3x a warm one)
+            unknown = not self._plains and self._since_plain >= (1 if self.plain_seconds() is None else self.least)
             if self._want_plain or unknown or self._since_plain >= self.refresh_every:
                 self._want_plain = max(self._want_plain - 1, 0)
                 self._since_plain, self._plains = 0, self._plains + 1

@@ -76,6 +76,34 @@ def test_a_fixed_budget_gates_nothing_unless_asked(models) -> None:
     assert "gate" not in engine.stats.summary(8, "specexec")
 
 
+class Off(Flipper):
+    """A gate that is off (not drafting) and probes with two speculative steps after `plain` plain ones."""
+
+    def __init__(self, plain: int) -> None:
+        super().__init__([True] * plain + [False, False])
+        self.drafting = False
+
+
+def test_a_gated_off_run_leaves_the_new_prompt_to_the_probes_catch_up(models) -> None:
+    """While the gate is off a new prompt is not prefilled into the draft (the target alone's time to first
+    token); the first probe's catch-up prefills it with the steps since, and the ids stay the target's."""
+    alone = Engine(models["target"], None, EngineConfig(), None)
+    engine = Engine(models["target"], models["perturbed"], EngineConfig(budget=8, gate="on"), SpecExecBuilder())
+    engine.pilot.gate = Off(plain=30)
+    ids = prompt(3)
+    catch_ups = []
+    engine.prefill, prefill = (lambda m, c, t, w="target": (catch_ups.append((w, len(t))), prefill(m, c, t, w))[1],
+                               engine.prefill)
+    engine.pilot.prefill = engine.prefill
+    assert run(engine, ids, 12) == run(alone, ids, 12)
+    assert [w for w, _ in catch_ups] == ["target"]                 # no draft prefill, no probe yet
+    catch_ups.clear()
+    engine.pilot.gate = Off(plain=30)
+    assert run(engine, ids, 40) == run(alone, ids, 40)
+    drafts = [n for w, n in catch_ups if w == "draft"]
+    assert drafts[0] == len(ids) - 1 + 30                         # the prompt and the plain steps' tokens at once
+
+
 @pytest.fixture(scope="module")
 def small(tiny_small_pair: tuple[Path, Path]):
     target, perturbed = tiny_small_pair

@@ -59,10 +59,20 @@ def test_rates_within_the_margin_never_switch() -> None:
 
 def test_a_switch_off_waits_for_measured_plain_steps_over_a_prior() -> None:
     gate = Gate(prior=lambda: 0.01)                                 # the cost model says: target alone 100 tok/s
-    kinds = drive(gate, gate.least - 1, spec=(2, 0.1), plain_s=0.01)
+    kinds = drive(gate, gate.least, spec=(2, 0.1), plain_s=0.01)
     assert gate.drafting and not any(kinds)                         # the prior alone schedules no plain step
     kinds = drive(gate, gate.confirm + 2, spec=(2, 0.1), plain_s=0.01)
     assert not gate.drafting and sum(kinds) >= gate.confirm
+
+
+def test_a_prior_that_flatters_drafting_is_checked_after_least_steps() -> None:
+    """A cold calibration pass can say the target alone takes 3x what a warm step takes: the gate measures one
+    plain step after `least` speculative ones instead of trusting the prior for a whole window, so a target
+    alone 1.6x faster ends drafting within least + confirm + 2 steps (it took 14 on the demo pair)."""
+    gate = Gate(prior=lambda: 0.0055)                               # 182 tok/s predicted, 555 real
+    kinds = drive(gate, gate.least + gate.confirm + 2, spec=(2.1, 0.0062), plain_s=0.0018)   # 339 tok/s drafting
+    assert not gate.drafting
+    assert kinds[:gate.least] == [False] * gate.least and kinds[gate.least]
 
 
 def test_the_switch_lines_say_why() -> None:
