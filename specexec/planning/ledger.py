@@ -27,6 +27,7 @@ from specexec.planning.experts import describe_moe, moe_summary
 from specexec.planning.hot_experts import copy_bytes, hot_json
 from specexec.planning.needs import dtype_name, fmt_name, gb_text, needs_for, prefill_tokens
 from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
+from specexec.tuning.depth import depth_ladder
 
 PREFILL_RESERVE = 2048        # a streamed target reserves activations to prefill this many tokens in one pass
 CUDA_CONTEXT = 500 * 10**6    # a simulated card (--gpu-memory): what the CUDA context and libraries take
@@ -88,8 +89,11 @@ class MemoryPlan:
         hot = self.self_json()
         hot_text = (f"; {hot['hot_experts_per_layer']} hot experts per MoE layer copy, "
                     f"{gb_text(hot['hot_expert_bytes'])}" if hot["hot_layers"] else "")
+        ladder = (f"; at load it measures depths {'/'.join(map(str, depth_ladder(len(ids))))} of them and drafts "
+                  f"with the fastest, or gates drafting off when none beats the target alone"
+                  if s.self_draft.auto else "")
         return (f", draft self ({how}{len(ids)} of {s.target.n_layers} layers {_ids(ids)}: "
-                f"{len(ids) - len(copies)} shared, {len(copies)} {fmt_name(s.self_draft.fmt)} copies{hot_text})")
+                f"{len(ids) - len(copies)} shared, {len(copies)} {fmt_name(s.self_draft.fmt)} copies{hot_text}{ladder})")
 
     def self_json(self) -> dict | None:
         """The self-draft's choice, for --json (None for a model draft or none)."""
@@ -98,6 +102,7 @@ class MemoryPlan:
             return None
         copies, s = self.draft_copies, self.shape
         return {"format": sd.fmt, "auto": sd.auto, "layers": list(self.draft_layers),
+                "measured_depths": list(depth_ladder(len(self.draft_layers))) if sd.auto else None,
                 "shared": [i for i in self.draft_layers if i not in copies], "copies": list(copies),
                 "copy_bytes": sum(copy_bytes(s.target, sd.fmt, s.dtype, s.device, i) for i in copies),
                 **hot_json(s.target, sd.fmt, s.dtype, s.device, copies)}

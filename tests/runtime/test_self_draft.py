@@ -139,6 +139,7 @@ def test_auto_picks_the_most_layers_that_fit(capsys, target: Path) -> None:
     k = len(sd["layers"])
     assert sd["auto"] and sd["format"] == "nf4" and 2 <= k <= n
     assert obj["ledger"]["draft weights"] == sd["copy_bytes"]
+    assert sd["measured_depths"][0] == k and sorted(sd["measured_depths"], reverse=True) == sd["measured_depths"]
     if obj["resident_layers"] >= n // 2:
         assert k == n // 2
     elif k < n:
@@ -147,6 +148,8 @@ def test_auto_picks_the_most_layers_that_fit(capsys, target: Path) -> None:
     code = main(["plan", "--model", str(target), "--draft", "self", "--gpu-memory", "24GB", "--ram-budget", "64GB"])
     text = capsys.readouterr().out
     assert code == 0 and f"--draft-layers auto picked {k} of {n} layers" in text and "draft weights" in text
+    ladder = "/".join(map(str, sd["measured_depths"]))
+    assert f"at load it measures depths {ladder} of them" in text
     with capsys.disabled():
         print(f"\n--- {target.name} --draft self on 24 GB\n{text}")
 
