@@ -38,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-from offload.quant.linear import quantize_module
-from offload.quant.weights import head_format
+from offload.quant.linear import QuantLinear, quantize_module
 from offload.formats.sources import is_gguf
 from offload.streaming.timing import stream_summary
 
@@ -109,14 +108,15 @@ def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: b
         model = load_model(path, config.device, config.dtype, allow_pickle)
         params = sum(p.numel() for p in model.parameters())
         quantize_layers(model, quant, row_exact=not draft)
-    quantize_head(model, quant)
-    dtype += f" ({_formats(quant, device)})" if quant != "none" else ""
+    quantize_head(model, quant, draft=draft)
+    dtype += f" ({_formats(quant, model)})" if quant != "none" else ""
     return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
 
 
-def _formats(layer_fmt: str, device: torch.device) -> str:
+def _formats(layer_fmt: str, model: Transformer) -> str:
     """'int4 layers, int8 head' (what the load line and --json say a quantized model computes with)."""
-    return f"{layer_fmt} layers" + (", int8 head" if head_format(layer_fmt, device) == "int8" else "")
+    head = model._modules.get("lm_head")
+    return f"{layer_fmt} layers" + (f", {head.fmt} head" if isinstance(head, QuantLinear) else "")
 
 
 def _plannable(path: Path, offload: OffloadConfig) -> bool:
@@ -188,7 +188,7 @@ def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: Off
     dtype = resolve_dtype(config.dtype, device)
     model = load_target(path, args, target_plan, offload, device, dtype)
     params = sum(math.prod(s) for s in expected_shapes(args).values())
-    name = f"{str(dtype).removeprefix('torch.')} ({_formats(target_plan.fmt, device)})"
+    name = f"{str(dtype).removeprefix('torch.')} ({_formats(target_plan.fmt, model)})"
     return model, ModelInfo(path, args, params, name, config.device, time.perf_counter() - t0)
 
 

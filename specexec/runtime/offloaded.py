@@ -43,6 +43,7 @@ from specexec.runtime.cpu_experts import CpuExperts, check_cpu_format, cpu_exper
 from specexec.runtime.expert_stream import ExpertCache, ExpertStream
 
 N_SLOTS, N_BOUNCE = 2, 2           # minimum device slots / SSD bounce buffers (the plan may deepen them)
+DRAFT_HEAD_FORMAT = "int4"         # an int4 draft's LM head on a CPU (quantize_head; a target's stays int8)
 
 
 class HostEmbedding(nn.Module):
@@ -248,16 +249,21 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
     return model
 
 
-def quantize_head(model: Transformer, layer_fmt: str) -> None:
+def quantize_head(model: Transformer, layer_fmt: str, draft: bool = False) -> None:
     """Give `model` the LM head its layer format calls for (offload.quant.weights.head_format): an int8 copy of
     the head (the embedding when tied; the embedding table itself stays for lookups) computed by the CPU
     integer kernel, as `model.lm_head`. Row-exact like the layers, so the target's tree pass and one-token
-    pass still agree; the fp32 head of an untied model is freed."""
+    pass still agree; the fp32 head of an untied model is freed. A draft with int4 layers gets an int4 head
+    (group 64; DRAFT_HEAD_FORMAT): its head is ~40 % of a small draft's bytes per token, and a draft's
+    rounding changes what it proposes, never what is accepted."""
     weight = model.head_weight
-    if head_format(layer_fmt, weight.device) == "none" or isinstance(model._modules.get("lm_head"), QuantLinear):
+    fmt = head_format(layer_fmt, weight.device)
+    if fmt == "none" or isinstance(model._modules.get("lm_head"), QuantLinear):
         return
-    head = QuantLinear(weight.shape[1], weight.shape[0], False, "int8", weight.dtype)
-    head.set_parts(*quantize_weight(weight.detach(), "int8", weight.dtype), None)
+    if draft and layer_fmt == "int4":
+        fmt = DRAFT_HEAD_FORMAT
+    head = QuantLinear(weight.shape[1], weight.shape[0], False, fmt, weight.dtype)
+    head.set_parts(*quantize_weight(weight.detach(), fmt, weight.dtype), None)
     model.lm_head = head.eval()
 
 

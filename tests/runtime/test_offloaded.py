@@ -354,3 +354,19 @@ def test_an_int4_target_on_a_cpu_computes_its_head_in_int8(tiny_qwen2_tied, cach
     got, fp32 = model.logits(h), F.linear(h, model.embed_tokens.weight)
     assert ((got - fp32).norm() / fp32.norm()).item() < 0.02
     assert torch.equal(model.logits(h[2:3]), got[2:3])
+
+
+def test_an_int4_draft_on_a_cpu_computes_its_head_in_int4_and_the_output_stays_the_targets(tiny_qwen2_tied,
+                                                                                          cache_root) -> None:
+    """--draft-quant int4 on a CPU gives the draft an int4 head (its rounding changes what it proposes, never
+    what is accepted) while the target's stays int8: the ids equal the target alone's."""
+    config = EngineConfig(budget=4, max_new_tokens=12)
+    path = str(tiny_qwen2_tied)
+    rt = Runtime.load(path, path, config, offload=OffloadConfig(quant="int4", draft_quant="int4",
+                                                                cache_dir=str(cache_root)))
+    draft, target = rt.engine.draft.lm_head, rt.engine.target.lm_head
+    assert draft.kernel() == "int4-cpu" and "int4 head" in rt.draft_info.dtype
+    assert target.kernel() == "int8-cpu" and "int8 head" in rt.target_info.dtype
+    alone = rt.variant(config, use_draft=False)
+    assert ids_of(rt) == ids_of(alone)
+
