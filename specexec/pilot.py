@@ -4,10 +4,10 @@ target verifies, i.e. the target alone), and after it `heard` gives the step's t
 specexec/tuning/gate.py's; here its bookkeeping meets the engine's:
 
 - before a speculative step that follows plain ones, the draft catches up on the tokens it has not seen (one
-  prefill of its pending tokens, span "catch-up"; while the gate is off a new prompt is not prefilled into the
-  draft either, so a gated-off run's time to first token is the target alone's), so the probe's draft time is a normal step's; the catch-up's
+  prefill of its pending tokens, span "catch-up"), so the probe's draft time is a normal step's; the catch-up's
   seconds are charged to the gate once known (Gate.charge: they count in the probes' share of the time, not in
-  their rate);
+  their rate); while the gate is off a new prompt is not prefilled into the draft either (Engine._start asks
+  `drafting`), so a gated-off run's time to first token is the target alone's;
 - a plain step's target time is the tuner's one-row pass cost (the prior the gate reads when it has no plain
   step of its own yet), and the tuner never hears it as a tree (it would look like free drafting);
 - every step is counted (stats.gate: plain_steps, speculative_steps), every switch counted and noted in one

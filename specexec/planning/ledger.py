@@ -93,7 +93,8 @@ class MemoryPlan:
                   f"with the fastest, or gates drafting off when none beats the target alone"
                   if s.self_draft.auto else "")
         return (f", draft self ({how}{len(ids)} of {s.target.n_layers} layers {_ids(ids)}: "
-                f"{len(ids) - len(copies)} shared, {len(copies)} {fmt_name(s.self_draft.fmt)} copies{hot_text}{ladder})")
+                f"{len(ids) - len(copies)} shared, {len(copies)} {fmt_name(s.self_draft.fmt)} copies"
+                f"{hot_text}{ladder})")
 
     def self_json(self) -> dict | None:
         """The self-draft's choice, for --json (None for a model draft or none)."""

@@ -53,6 +53,9 @@
 #define LANES (CB / 4)          /* int32 lanes of a chunk's dot product */
 #define MT 8                    /* activation rows per pass over a weight row (the rest: more passes) */
 #define Q8B 64                  /* activation block of the q8 kernel: two AVX2 chunks (q8_block_avx2) */
+#if SX_AVX2 && Q8B != 2 * CB
+#error "q8_block_avx2 reads a q8 block as two chunks"
+#endif
 #define PREFETCH 2048           /* code bytes read ahead (AVX2): ~10-15 % more bandwidth at 1 row on Zen 3 */
 
 const char *sx_isa(void) {
