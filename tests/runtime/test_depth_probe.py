@@ -4,12 +4,9 @@ agrees with it exactly; a Runtime without --draft-layers N runs the chosen depth
 stats, stays exact, and gates when no depth pays; --draft-layers N still means N."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from cli.main import main
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig
@@ -19,6 +16,7 @@ from specexec.runtime.assembly import Runtime
 from specexec.runtime.depth_probe import candidate_ids, probe_depths, probe_window
 from specexec.runtime.self_draft import SelfDraft, build_self_draft
 from specexec.tuning.depth import DepthChoice
+from tests.self_draft_cli import self_draft_json
 from tests.tiny_models import prompt
 
 F32 = EngineConfig(budget=8, dtype="float32")
@@ -163,16 +161,10 @@ def test_a_fixed_layer_count_is_not_probed(monkeypatch, tiny_pair, tmp_path) -> 
 
 
 def test_generate_json_reports_the_chosen_depth(capsys, tiny_pair, tmp_path) -> None:
-    common = ["generate", "--model", str(tiny_pair[0]), "--dtype", "float32", "--max-new-tokens", "12", "--prompt",
-              "The quick brown fox", "--json", "--offload", "ssd", "--cache-dir", str(tmp_path)]
-    assert main([*common, "--no-draft"]) == 0
-    want = json.loads(capsys.readouterr().out)["token_ids"]
-    assert main([*common, "--draft", "self", "--draft-layers", "auto"]) == 0
-    captured = capsys.readouterr()
-    out = json.loads(captured.out)
+    out, err, want = self_draft_json(capsys, tiny_pair[0], tmp_path, "--draft", "self", "--draft-layers", "auto")
     depth = out["stats"]["draft_depth"]
     assert out["token_ids"] == want and depth["of"] == 4 and 2 <= depth["layers"] <= 4
-    assert f"draft depth {depth['layers']} of 4: agreement" in captured.err
+    assert f"draft depth {depth['layers']} of 4: agreement" in err
 
 
 @pytest.mark.gpu

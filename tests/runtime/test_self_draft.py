@@ -36,6 +36,7 @@ from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
 from tests.chi2 import chi2_pvalue
 from tests.sampling_pairs import exact_pairs, sample_pairs
+from tests.self_draft_cli import self_draft_json
 from tests.tiny_models import prompt
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -325,14 +326,9 @@ def test_on_cuda_copies_live_on_the_gpu_and_run_the_drafts_kernel(tiny_pair, tmp
 # ----------------------------------------------------------------------------------------- the CLI
 
 def test_generate_with_self_equals_no_draft(capsys, tiny_pair, tmp_path) -> None:
-    common = ["generate", "--model", str(tiny_pair[0]), "--dtype", "float32", "--max-new-tokens", "12", "--prompt",
-              "The quick brown fox", "--json", "--offload", "ssd", "--cache-dir", str(tmp_path)]
-    assert main([*common, "--no-draft"]) == 0
-    want = json.loads(capsys.readouterr().out)["token_ids"]
-    assert main([*common, "--draft", "self", "--draft-layers", "2"]) == 0
-    captured = capsys.readouterr()
-    assert json.loads(captured.out)["token_ids"] == want
-    assert "draft self (2 of 4 layers [0, 3]: 0 shared, 2 int4 copies)" in captured.err
+    out, err, want = self_draft_json(capsys, tiny_pair[0], tmp_path, "--draft", "self", "--draft-layers", "2")
+    assert out["token_ids"] == want
+    assert "draft self (2 of 4 layers [0, 3]: 0 shared, 2 int4 copies)" in err
 
 
 def test_chat_without_a_draft_drafts_with_itself(monkeypatch, capsys, tiny_pair) -> None:
