@@ -220,15 +220,19 @@ class QuantLinear(nn.Module):
         device = (self.weight if wmeta["format"] == "none" else self.qdata).device
         return kernel_for(wmeta["format"], device.type, self.row_exact)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._cpu is not None:                                  # the CPU integer kernels' fast path
-            return self._cpu(x)
-        kernel = self.kernel()
-        if kernel in ("int4-cpu", "int8-cpu"):                     # bias in its own dtype, added by the kernel
-            q4 = kernel == "int4-cpu"
+    def cpu_kernel(self) -> BoundLinear | None:
+        """The CPU integer kernel bound to this weight (made once per binding), or None where the weight runs
+        another kernel."""
+        if self._cpu is None and self.kernel() in ("int4-cpu", "int8-cpu"):    # bias in its own dtype, added
+            q4 = self.kernel() == "int4-cpu"                                  # by the kernel
             self._cpu = BoundLinear("q4" if q4 else "q8", self.qdata, self.scales_zeros if q4 else self.scale,
                                     self.wmeta.get("group", 0), self.bias)
+        return self._cpu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu is not None or self.cpu_kernel() is not None:   # the CPU integer kernels' fast path
             return self._cpu(x)
+        kernel = self.kernel()
         rows = x.reshape(-1, self.in_features)
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
         if kernel in ("linear", "dequantize"):

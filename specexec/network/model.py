@@ -126,6 +126,8 @@ class Block(nn.Module):
     decoder layer `layer` is a SparseMLP (specexec/network/moe.py) when ModelArgs.moe says that layer is sparse, else
     the dense MLP."""
 
+    fast = None                      # a fast path for this layer's passes (forward), set from outside
+
     def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)     # noqa: E731
@@ -140,7 +142,13 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None,
                 routing: RoutingLog | None = None) -> torch.Tensor:
-        """A sparse layer routes first, hands the routing to `routing` (when given), then runs the experts."""
+        """A sparse layer routes first, hands the routing to `routing` (when given), then runs the experts. A
+        layer given a `fast` path (x, cos, sin, plan, cache, layer, slots) -> [B, T, D] or None (declined) runs
+        that where it serves the pass (specexec/runtime/cpu_blocks.py: the layer as one compiled call)."""
+        if self.fast is not None and routing is None:
+            y = self.fast(x, cos, sin, plan, cache, layer, slots)
+            if y is not None:
+                return y
         h = self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
         sandwich = hasattr(self, "pre_feedforward_layernorm")
         if sandwich:

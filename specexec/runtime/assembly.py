@@ -56,6 +56,7 @@ from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, loa
 from specexec.network.model import Streams, Transformer
 from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.planning.target import TargetPlan, plan_target
+from specexec.runtime.cpu_blocks import fuse_cpu_blocks
 from specexec.runtime.expert_stream import expert_passes
 from specexec.runtime.offloaded import load_target, quantize_head, quantize_layers
 from specexec.runtime.depth_probe import choose_self_depth, probe_window
@@ -92,7 +93,8 @@ def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: b
               quant: str = "none", draft: bool = False) -> tuple[Transformer, ModelInfo]:
     """A resident model on the configured device; its decoder linears quantized to `quant` (on CUDA block by
     block as they arrive, so the GPU never holds the unquantized model; freed blocks go back to the driver).
-    A draft may use batch-dependent fused kernels (quant.kernel_for row_exact=False); a target never does."""
+    A draft may use batch-dependent fused kernels (quant.kernel_for row_exact=False) and, on a CPU, its layers as
+    one compiled call each (cpu_blocks: equal to the modules up to fp32 rounding); a target never does."""
     t0 = time.perf_counter()
     device = torch.device(config.device)
     run_dtype = resolve_dtype(config.dtype, device)
@@ -109,6 +111,8 @@ def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: b
         params = sum(p.numel() for p in model.parameters())
         quantize_layers(model, quant, row_exact=not draft)
     quantize_head(model, quant, draft=draft)
+    if draft:
+        fuse_cpu_blocks(model)           # a CPU draft's int4/int8 layers as one compiled call each
     dtype += f" ({_formats(quant, model)})" if quant != "none" else ""
     return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
 

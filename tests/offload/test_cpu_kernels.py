@@ -51,7 +51,7 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         return lib
     path = tmp_path_factory.mktemp("kernels") / f"{request.param}.so"
     flags = [f for f in build.FLAGS if f != "-march=native"] + (["-march=native"] if isa != "scalar" else []) + extra
-    subprocess.run([cc, *flags, str(build.SOURCE), "-o", str(path), "-lm"], check=True, capture_output=True)
+    subprocess.run([cc, *flags, *map(str, build.SOURCES), "-o", str(path), "-lm"], check=True, capture_output=True)
     lib = build.load(path)
     assert lib.sx_isa().decode() == isa
     return lib
@@ -124,7 +124,7 @@ def test_vnni_tiles_give_the_bits_of_the_maddubs_tiles(tmp_path, monkeypatch) ->
         pytest.skip("the product's kernels here are not the VNNI tiles")
     path = tmp_path / "maddubs.so"
     flags = list(build.FLAGS) + ["-mno-avx512f", "-mno-avxvnni"]
-    subprocess.run([build.compiler(), *flags, str(build.SOURCE), "-o", str(path), "-lm"], check=True,
+    subprocess.run([build.compiler(), *flags, *map(str, build.SOURCES), "-o", str(path), "-lm"], check=True,
                    capture_output=True)
     plain = build.load(path)
     assert plain.sx_isa().decode() == "avx2"

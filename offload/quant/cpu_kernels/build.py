@@ -1,4 +1,4 @@
-"""Compiling kernels.c on first use and loading it with ctypes; saying once, in one line, why not when it cannot.
+"""Compiling kernels.c and block.c on first use and loading it with ctypes; saying once, in one line, why not when it cannot.
 
 The library is built with the machine's C compiler ($CC, else cc, gcc or clang) for this very CPU (-march=native)
 with OpenMP, into `<cache root>/kernels/` ($SPECEXEC_CACHE, like the layer cache), named after a hash of the
@@ -23,7 +23,9 @@ from pathlib import Path
 
 from offload.cache.root import default_cache_root
 
-SOURCE = Path(__file__).with_name("kernels.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "kernels.c", HERE / "block.c")      # compiled together into one library
+HEADERS = (HERE / "kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off")
 ENV_SWITCH = "SPECEXEC_CPU_KERNELS"
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -35,6 +37,7 @@ SIGNATURES = {      # name -> (restype, argtypes), as kernels.c declares them
     "sx_read": (ctypes.c_uint64, [_ptr, _i64, _int]),
     "sx_attend_rows": (_int, [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                               _ptr, _i64, _i64, ctypes.c_float, _int]),
+    "sx_block": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int]),
 }
 
 
@@ -59,7 +62,8 @@ def _cpu_flags() -> str:
 def _key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
+    sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
+    for part in (*sources, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -69,17 +73,17 @@ def _kernel_dir() -> Path:
 
 
 def _compile(cc: str, target: Path) -> None:
-    """cc FLAGS kernels.c -o target, through a temporary file renamed into place; RuntimeError with the
+    """cc FLAGS kernels.c block.c -o target, through a temporary file renamed into place; RuntimeError with the
     compiler's last lines when it fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
             tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-            raise RuntimeError(f"{Path(cc).name} failed on {SOURCE.name}: {tail}")
+            raise RuntimeError(f"{Path(cc).name} failed on {' + '.join(p.name for p in SOURCES)}: {tail}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

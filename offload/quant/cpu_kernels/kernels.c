@@ -33,6 +33,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "kernels.h"
+
 #if defined(SX_WIDE) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define SX_AVX512 1
@@ -793,6 +795,15 @@ static void attn_axpy(float *acc, float p, const void *val, int bf16, int64_t D)
 int sx_attend_rows(const void *q, const void *k, const void *v, void *out, int bf16, int64_t B, int64_t H,
                    int64_t Hkv, int64_t T, int64_t D, const int64_t *qs, const int64_t *ks, const int64_t *vs,
                    const int32_t *idx, const int32_t *len, int64_t nb, int64_t L, float scale, int threads) {
+    const int64_t os[3] = {H * T * D, T * D, D};
+    return sx_attend_into(q, k, v, out, os, bf16, B, H, Hkv, T, D, qs, ks, vs, idx, len, nb, L, scale, threads);
+}
+
+/* sx_attend_rows with the output at element strides os (b, h, t) instead of contiguous (block.c's rows). */
+int sx_attend_into(const void *q, const void *k, const void *v, void *out, const int64_t *os, int bf16, int64_t B,
+                   int64_t H, int64_t Hkv, int64_t T, int64_t D, const int64_t *qs, const int64_t *ks,
+                   const int64_t *vs, const int32_t *idx, const int32_t *len, int64_t nb, int64_t L, float scale,
+                   int threads) {
     if (B < 0 || H <= 0 || Hkv <= 0 || H % Hkv || T < 0 || D <= 0 || L < 0) return -2;
     int64_t G = H / Hkv, rows = B * H * T;
     int failed = 0;
@@ -821,7 +832,8 @@ int sx_attend_rows(const void *q, const void *k, const void *v, void *out, int b
             attn_axpy(acc, p, vb + (int64_t)sl[j] * vs[2] * es, bf16, D);
         }
         float inv = n > 0 ? 1.0f / sum : 0.0f;
-        for (int64_t d = 0; d < D; d++) store(out, bf16, r * D + d, acc[d] * inv);
+        int64_t o = b * os[0] + h * os[1] + t * os[2];
+        for (int64_t d = 0; d < D; d++) store(out, bf16, o + d, acc[d] * inv);
     }
     return failed ? -1 : 0;
 }

@@ -1,0 +1,90 @@
+"""One dense decoder layer in one call of the compiled kernels (block.c's sx_block): the glue between a layer's
+int4/int8 linears (norms, RoPE, the K/V rows' write, attention, SiLU, residuals) runs in C instead of as ~80 torch
+ops, which is most of a small model's one-token decode on a CPU beside the weight bytes.
+
+    BlockShape(dim, heads, kv_heads, head_dim, rope_dim, inter, eps, scale)
+    BlockKernel(shape, norms {"attn", "mlp", "q"?, "k"?: fp32 [n]}, linears {"q","k","v" | "qkv", "o",
+                "gate","up" | "gate_up", "down": BoundLinear}) -> kernel
+    kernel(x [T, dim] fp32, cos, sin [T, rope_dim] fp32, kv [S, 2, 1, kv_heads, head_dim] fp32 (one layer's
+           cache rows, specexec/kv/rows.py's layout), slots int64 [T], idx int32 [T, L], lens int32 [T])
+        -> x updated in place (the caller passes a copy where the input must survive)
+
+The kernel holds the tensors whose pointers it was built with. Its result equals the torch modules' up to fp32
+rounding (block.c's docstring), and is row-exact, like each of its parts.
+
+Does not know: modules or families (specexec/runtime/cpu_blocks.py decides which layers qualify and builds the
+arguments), masks (the slot lists come made), any other dtype or KV format.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from offload.quant.cpu_kernels.build import library
+from offload.quant.cpu_kernels.ops import BoundLinear
+
+_p, _i64, _i32, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("codes", _p), ("scales", _p), ("bias", _p), ("n", _i64), ("k", _i64), ("kind", _i32),
+                ("group", _i32), ("bias_bf16", _i32), ("pad", _i32)]
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [("dim", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rope_dim", _i64),
+                ("inter", _i64), ("attn_norm", _p), ("mlp_norm", _p), ("q_norm", _p), ("k_norm", _p),
+                ("eps", _f), ("scale", _f), ("fused_qkv", _i32), ("fused_gate_up", _i32),
+                *((name, _Linear) for name in ("q", "k", "v", "o", "gate", "up", "down"))]
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    dim: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_dim: int
+    inter: int
+    eps: float
+    scale: float
+
+
+def _linear(b: BoundLinear | None) -> _Linear:
+    if b is None:
+        return _Linear()
+    return _Linear(b.codes.data_ptr(), b.scales.data_ptr(), b.bias_ptr, b.n, b.k, 4 if b.kind == "q4" else 8,
+                   b.group, b.bias_bf16, 0)
+
+
+class BlockKernel:
+    """One layer's weights bound for sx_block (module docstring)."""
+
+    def __init__(self, shape: BlockShape, norms: dict[str, torch.Tensor], linears: dict[str, BoundLinear]) -> None:
+        for name, t in norms.items():
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"the {name} norm's weight must be a contiguous fp32 CPU tensor, got {t.dtype}")
+        self.lib = library()
+        if self.lib is None:
+            raise RuntimeError("the compiled CPU kernels are not available")
+        self.shape, self.norms, self.linears = shape, norms, linears       # held: the struct points into them
+        s, ptr = shape, (lambda key: norms[key].data_ptr() if key in norms else None)
+        self.struct = _Block(s.dim, s.heads, s.kv_heads, s.head_dim, s.rope_dim, s.inter, ptr("attn"), ptr("mlp"),
+                             ptr("q"), ptr("k"), s.eps, s.scale, int("qkv" in linears), int("gate_up" in linears),
+                             _linear(linears.get("qkv", linears.get("q"))), _linear(linears.get("k")),
+                             _linear(linears.get("v")), _linear(linears["o"]),
+                             _linear(linears.get("gate_up", linears.get("gate"))), _linear(linears.get("up")),
+                             _linear(linears["down"]))
+        self.ref = ctypes.byref(self.struct)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                 slots: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        rc = self.lib.sx_block(self.ref, x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
+                               kv.stride(0), kv.stride(1), slots.data_ptr(), idx.data_ptr(), lens.data_ptr(),
+                               idx.shape[-1], torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"sx_block failed ({rc}) on x {list(x.shape)}")
+        return x

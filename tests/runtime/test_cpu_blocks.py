@@ -1,0 +1,140 @@
+"""A CPU draft's decoder layers as one compiled call each (specexec/runtime/cpu_blocks.py over block.c): which
+layers qualify, which passes the fast path serves and which it leaves to the modules, that it agrees with the
+modules up to fp32 rounding (int4 and int8, biases, per-head q/k norms, fused projections, partial rotary) and that
+it is row-exact on its own: a token's row in a tree pass has the bits of its one-token pass.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.quant.cpu_kernels.build import library, status
+from offload.quant.linear import QuantLinear
+from specexec.checkpoints.loading import load_model
+from specexec.config import EngineConfig, OffloadConfig
+from specexec.network.attention import ROW_EXACT_T, TreeMask
+from specexec.runtime.assembly import Runtime
+from specexec.runtime.cpu_blocks import fuse_cpu_blocks
+from specexec.runtime.offloaded import quantize_layers
+from tests.tiny_models import family_model, prompt
+
+pytestmark = pytest.mark.skipif(library() is None, reason=status())
+
+
+def _draft(path, fmt: str = "int4", fuse: bool = True):
+    model = load_model(path)
+    quantize_layers(model, fmt, row_exact=False)
+    if fuse:
+        assert fuse_cpu_blocks(model) == model.args.n_layers
+    return model
+
+
+def _count(model) -> list[int]:
+    """calls[0]: how many layers the compiled path has run since (wraps each fast path's kernel)."""
+    calls = [0]
+    for block in model.layers:
+        kernel = block.fast.kernel
+
+        def counted(*a, _k=kernel):
+            calls[0] += 1
+            return _k(*a)
+        block.fast.kernel = counted
+    return calls
+
+
+def _passes(model, ids: list[int], tree: torch.Tensor, tokens: list[int], depths: list[int]) -> list[torch.Tensor]:
+    """Hidden rows of a prefill of ids, then one pass of `tokens` under `tree` ([T, T]) at depth offsets."""
+    cache = model.new_cache(64)
+    P = len(ids)
+    with torch.inference_mode():
+        first = model(torch.tensor([ids]), torch.arange(P)[None], TreeMask(0), cache)
+        cache.keep(torch.arange(P))
+        pos = torch.tensor([[P + d for d in depths]])
+        return [first, model(torch.tensor([tokens]), pos, TreeMask(P, tree), cache)]
+
+
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+
+@pytest.fixture
+def family_path(request, tiny_root, tiny_qwen2, tiny_qwen3):
+    return {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3}.get(request.param) or family_model(tiny_root, request.param)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("family_path", ["qwen2", "qwen3", "phi3"], indirect=True)
+def test_the_compiled_layers_agree_with_the_modules(family_path, fmt: str) -> None:
+    """qwen2: q/k/v biases; qwen3: per-head q/k RMSNorm; phi3: fused qkv and gate_up, 12 of 16 dims rotary. The
+    prefill (14 tokens) and a 4-node tree pass, every layer through the kernel, against the modules."""
+    fused, plain = _draft(family_path, fmt), _draft(family_path, fmt, fuse=False)
+    plain.row_exact_attention = True                   # the same attention kernel on both sides
+    calls = _count(fused)
+    args = (prompt(3), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
+    for a, b in zip(_passes(fused, *args), _passes(plain, *args)):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 2e-4 * scale, (a - b).abs().max().item() / scale
+    assert calls[0] == 2 * fused.args.n_layers
+
+
+def test_a_tree_row_has_the_bits_of_its_one_token_pass(tiny_qwen2) -> None:
+    """Row-exact: node 3 (root -> 1 -> 3) in the tree pass equals decoding root, 1, 3 one token at a time."""
+    model = _draft(tiny_qwen2)
+    ids = prompt(4)
+    tree_rows = _passes(model, ids, TREE, [5, 9, 11, 13], [0, 1, 1, 2])[1][0]
+    singles = []
+    cache = model.new_cache(64)
+    with torch.inference_mode():
+        model(torch.tensor([ids]), torch.arange(len(ids))[None], TreeMask(0), cache)
+        cache.keep(torch.arange(len(ids)))
+        for tok in (5, 9, 13):
+            L = cache.length
+            singles.append(model(torch.tensor([[tok]]), torch.tensor([[L]]), TreeMask(L), cache)[0, 0])
+            cache.keep(torch.tensor([L]))
+    assert torch.equal(tree_rows[0], singles[0]) and torch.equal(tree_rows[1], singles[1])
+    assert torch.equal(tree_rows[3], singles[2])
+
+
+def test_passes_the_kernel_cannot_serve_run_the_modules(tiny_qwen2) -> None:
+    """int8 KV rows, a pass of more than ROW_EXACT_T tokens (no slot lists), a re-bound weight: the modules run
+    (the kernel is not called) and give their own result."""
+    model, plain = _draft(tiny_qwen2), _draft(tiny_qwen2, fuse=False)
+    plain.row_exact_attention = True
+    calls = _count(model)
+    ids = prompt(5)
+    with torch.inference_mode():
+        a, b = (m(torch.tensor([ids]), torch.arange(len(ids))[None], TreeMask(0), m.new_cache(64, quant="int8"))
+                for m in (model, plain))
+        assert calls[0] == 0 and torch.equal(a, b)
+        long = torch.randint(7, 300, (1, ROW_EXACT_T + 1))
+        model(long, torch.arange(ROW_EXACT_T + 1)[None], TreeMask(0), model.new_cache(ROW_EXACT_T + 8))
+        assert calls[0] == 0
+        q = model.layers[0].self_attn.q_proj
+        q.set_parts({s: t.clone() for s, t in q.parts().items()}, q.wmeta, q.bias)   # re-bound: new pointers
+        model(torch.tensor([ids]), torch.arange(len(ids))[None], TreeMask(0), model.new_cache(64))
+        assert calls[0] == model.args.n_layers - 1
+
+
+def test_layers_the_kernel_does_not_cover_are_left_alone(tiny_root, tiny_qwen3_moe, tiny_llama) -> None:
+    """Gemma 2 (sandwich norms, soft-capping, GeLU), an MoE's sparse layers (its dense layer 1 qualifies) and an
+    unquantized model keep their modules."""
+    assert fuse_cpu_blocks(_draft(family_model(tiny_root, "gemma2"), fuse=False)) == 0
+    moe = _draft(tiny_qwen3_moe, fuse=False)
+    assert fuse_cpu_blocks(moe) == 1 and [b.fast is not None for b in moe.layers] == [False, True, False]
+    plain = load_model(tiny_llama)
+    assert fuse_cpu_blocks(plain) == 0 and not plain.row_exact_attention
+    assert all(block.fast is None for block in plain.layers)
+
+
+def test_an_int4_draft_on_a_cpu_runs_compiled_and_stays_exact(tiny_pair, tiny_perturbed_draft) -> None:
+    """Loaded through the runtime, an int4 draft's layers have the fast path; greedy output is the target's."""
+    config = EngineConfig(budget=8)
+    alone = Runtime.load(str(tiny_pair[0]), None, config)
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config, offload=OffloadConfig(draft_quant="int4"))
+    draft = rt.engine.draft
+    assert all(b.fast is not None for b in draft.layers)
+    assert all(isinstance(m, QuantLinear) for m in draft.layers[0].mlp.children())
+    calls = _count(draft)
+    ids = prompt(6)
+    flat = lambda r: [t for step in r.generate_ids(ids, 24) for t in step]          # noqa: E731
+    assert flat(rt) == flat(alone)
+    assert calls[0] > 0 and rt.stats()["tokens_per_step"] > 1
