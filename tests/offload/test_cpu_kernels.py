@@ -99,10 +99,12 @@ def test_q4_equals_the_reference_and_rows_do_not_depend_on_the_batch(use, n, k, 
         assert torch.equal(ops.q4_linear(x[m:m + 2], codes, sz, group, bias), full[m:m + 2])
 
 
-@pytest.mark.parametrize("n,k,group", [(34, 256, 64), (17, 160, 32), (33, 384, 128), (16, 96, 32)])
+@pytest.mark.parametrize("n,k,group", [(34, 256, 64), (17, 160, 32), (33, 384, 128), (16, 96, 32), (9, 1280, 64),
+                                       (5, 2304, 128)])
 def test_q4_every_row_count_gives_each_row_its_one_row_bits(use, n, k, group) -> None:
     """The kernels' register tiles (AVX2: 2 weight rows x 4 activation rows, then the rows left; N the tile does
-    not divide): any row count gives each row the bits of its own one-row call, and matches the reference."""
+    not divide; at G >= 64 the tiles of several rows take s * d from blocks of 8 groups: 20 and 18 groups here, a
+    tail in each): any row count gives each row the bits of its own one-row call, and matches the reference."""
     codes, sz = _q4(n, k, group, seed=3)
     bias = torch.randn(n)
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(4))

@@ -333,6 +333,19 @@ ALWAYS_INLINE void q4_zero_terms_avx2(const uint16_t *sz, int64_t ng, const Acts
     for (int i = 0; i < A; i++) zt[i] = hsum256(acc[i]);
 }
 
+/* sd[r][i][j] = s * d of group g + j (j < 8, past the last group 0) for weight row r and activation row i: the
+ * product the tile multiplies each chunk's integer dot by (G >= 64: a group's chunks share one s and one d). */
+ALWAYS_INLINE void q4_sd_block(const Q4Call *k, const uint16_t *sz, const float *const *dd, int64_t g, const int R,
+                               const int A, float sd[QR][QA][8]) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(k->ng - g < 8 ? k->ng - g : 8)), lane);
+    for (int r = 0; r < R; r++) {
+        __m256i p = _mm256_maskload_epi32((const int *)(sz + r * k->ng * 2 + 2 * g), mask);
+        __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+        for (int i = 0; i < A; i++) _mm256_store_ps(sd[r][i], _mm256_mul_ps(s, _mm256_maskload_ps(dd[i] + g, mask)));
+    }
+}
+
 /* y for weight rows n0 .. n0 + R - 1 (codes, sz: row n0's) and activation rows m0 .. m0 + A - 1; R, A, one are
  * compile-time constants after inlining, so acc[][] lives in registers (2 x 4 tiles: 8 of the 16 ymm). */
 ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uint16_t *sz, int64_t n0,
@@ -346,16 +359,22 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
     }
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[QR][QA];
+    float sd[QR][QA][8] __attribute__((aligned(32)));    /* G >= 64: s * d of 8 groups, made 8 groups at a time */
+    int64_t blk = -1;
     for (int r = 0; r < R; r++)
         for (int i = 0; i < A; i++) acc[r][i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < a->nc; c++) {                 /* acc[r][i] += cvt(dot) * (s * d), chunk by chunk */
         int64_t g0 = (c * 2 * CB) >> k->glog;
         int partial = !one && c >= k->full;                /* never at G >= 64 */
+        if (one && A > 1 && g0 >> 3 != blk) {             /* the same products as one per chunk: the same bits */
+            blk = g0 >> 3;
+            q4_sd_block(k, sz, dd, blk * 8, R, A, sd);
+        }
         for (int r = 0; r < R; r++) {
             __m256i wl, wh;
             _mm_prefetch((const char *)(codes + r * k->nbytes + c * CB + PREFETCH), _MM_HINT_T0);
             q4_chunk(k, codes + r * k->nbytes, c, partial, &wl, &wh);
-            __m256 sv = q4_scales(k, sz + r * k->ng * 2, g0, one);
+            __m256 sv = one && A > 1 ? _mm256_setzero_ps() : q4_scales(k, sz + r * k->ng * 2, g0, one);
             for (int i = 0; i < A; i++) {
                 const int8_t *x = xq[i] + c * 2 * CB;
 #ifdef SX_VNNI256                                   /* the same int32 sums in 2 instructions instead of 4 */
@@ -367,6 +386,11 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
                                              _mm256_maddubs_epi16(wh, _mm256_load_si256((const __m256i *)(x + CB))));
                 __m256i d32 = _mm256_madd_epi16(p, ones);
 #endif
+                if (one && A > 1) {
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_broadcast_ss(&sd[r][i][g0 & 7]),
+                                                acc[r][i]);
+                    continue;
+                }
                 __m256 dv = one ? _mm256_broadcast_ss(dd[i] + g0) : _mm256_loadu_ps(dd[i] + c * LANES);
                 acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_mul_ps(sv, dv), acc[r][i]);
             }
