@@ -145,7 +145,7 @@ class Block(nn.Module):
         """A sparse layer routes first, hands the routing to `routing` (when given), then runs the experts. A
         layer given a `fast` path (x, cos, sin, plan, cache, layer, slots) -> [B, T, D] or None (declined) runs
         that where it serves the pass (specexec/runtime/cpu_blocks.py: the layer as one compiled call)."""
-        if self.fast is not None and routing is None:
+        if self.fast is not None:
             y = self.fast(x, cos, sin, plan, cache, layer, slots)
             if y is not None:
                 return y

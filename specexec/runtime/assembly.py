@@ -93,8 +93,9 @@ def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: b
               quant: str = "none", draft: bool = False) -> tuple[Transformer, ModelInfo]:
     """A resident model on the configured device; its decoder linears quantized to `quant` (on CUDA block by
     block as they arrive, so the GPU never holds the unquantized model; freed blocks go back to the driver).
-    A draft may use batch-dependent fused kernels (quant.kernel_for row_exact=False) and, on a CPU, its layers as
-    one compiled call each (cpu_blocks: equal to the modules up to fp32 rounding); a target never does."""
+    A draft may use batch-dependent fused kernels (quant.kernel_for row_exact=False); a target never does. On a
+    CPU an int4/int8 draft's layers run as one compiled call each (cpu_blocks; a target's get theirs from
+    runtime/offloaded.py)."""
     t0 = time.perf_counter()
     device = torch.device(config.device)
     run_dtype = resolve_dtype(config.dtype, device)

@@ -1,18 +1,21 @@
-"""A resident CPU model's decoder layers in one compiled call each (offload/quant/cpu_kernels/block.py) instead of
-the torch modules: `fuse_cpu_blocks(model)` gives every qualifying layer a `fast` path, which Block.forward takes
-for the passes it can serve and declines (None) for the rest, which then run the modules as before.
+"""CPU decoder layers in one compiled call each (offload/quant/cpu_kernels/block.py) instead of the torch modules:
+a qualifying layer module gets a `fast` path, which Block.forward takes for the passes it can serve and declines
+(None) for the rest, which then run the modules as before. `fuse_cpu_blocks(model)` does it for a resident model
+(an int4/int8 draft on a CPU); an offloaded target of the CPU integer kernels gives each layer module its path
+when the pager first hands it out (runtime/offloaded.py), and a slot's module rebuilds the kernel's pointers on the
+first pass after each re-bind.
 
 A layer qualifies when it is a dense gated-SiLU layer (q/k/v and gate/up fused or not, biases, per-head q/k RMSNorm
 allowed; no sandwich norms, Gemma norms, clipping or sinks) whose every linear runs the int4/int8 CPU kernels, with
-fp32 norms. A pass is served when it is fp32, one sequence, on a cache whose rows for this layer are fp32 and
-resident, and attends row by row (the attention plan carries slot lists: at most ROW_EXACT_T new tokens, full
-attention): so prefills of long prompts and windowed layers keep the modules' path.
+fp32 norms (an MoE model's dense layers too). A pass is served when it is fp32, one sequence, on a cache whose
+rows for this layer are fp32 and resident, and attends row by row (the attention plan carries slot lists: at most
+ROW_EXACT_T new tokens, full attention): so prefills of long prompts and windowed layers keep the modules' path.
 
-The kernel's glue sums in another order than torch's ops, so its output equals the modules' up to fp32 rounding.
-Hence only a draft is fused (its distribution only has to be the one it samples from); a target keeps the modules,
-whose bits every tier and the target-alone decode share.
+The kernel sums in another order than torch's ops, so its output equals the modules' up to fp32 rounding. Within
+one model every pass it serves is row-exact (a tree row has its one-token bits), and every tier of an offloaded
+target takes the same path, so the target alone and speculative decoding still give the same tokens.
 
-Does not know: the engine, trees, streamed layers (a layer that is re-bound per pass keeps the modules' path).
+Does not know: the engine, trees, which tier a layer's bytes came from.
 """
 from __future__ import annotations
 
@@ -66,30 +69,48 @@ def _qualifies(block: Block) -> bool:
 
 
 class FastBlock:
-    """Block.forward's fast path for one layer: the compiled layer where the pass allows (module docstring)."""
+    """Block.forward's fast path for one layer module: the compiled layer where the pass allows (module
+    docstring). A module re-pointed at other weights (a streamed layer's slot, QuantLinear.bind) gets its kernel
+    rebuilt on its next pass, from the tensors it then holds."""
 
-    def __init__(self, args: ModelArgs, block: Block, linears: dict[str, QuantLinear],
-                 norms: dict[str, Tensor]) -> None:
+    def __init__(self, args: ModelArgs, block: Block) -> None:
         attn = block.self_attn
         scale = args.attn_scale if args.attn_scale is not None else attn.head_dim ** -0.5
-        shape = BlockShape(args.dim, attn.n_heads, attn.n_kv_heads, attn.head_dim, args.rope_dim or attn.head_dim,
-                           args.intermediate_size, block.input_layernorm.eps, scale)
-        self.modules = linears
-        self.bound = {role: m.qdata for role, m in linears.items()}     # re-bound weights: this path steps aside
-        self.kernel = BlockKernel(shape, norms, {role: m.cpu_kernel() for role, m in linears.items()})
+        self.shape = BlockShape(args.dim, attn.n_heads, attn.n_kv_heads, attn.head_dim,
+                                args.rope_dim or attn.head_dim, args.intermediate_size, block.input_layernorm.eps,
+                                scale)
+        self.block, self.kernel, self.key = block, None, ()
+        b = block
+        mods = [*b.self_attn.children(), *b.mlp.children(), b.input_layernorm, b.post_attention_layernorm]
+        self.slots = [d for m in mods for d in (m._parameters, m._buffers)]    # where a re-bind puts new tensors
 
-    def current(self) -> bool:
-        return all(m.qdata is self.bound[role] for role, m in self.modules.items())
+    def _tensors(self) -> tuple:
+        """The tensors the kernel points into, compared by identity (a re-bind replaces them): read from the
+        modules' own dicts, ~40x cheaper than .parameters() on every pass."""
+        return tuple(t for d in self.slots for t in d.values())
+
+    def _bind(self) -> bool:
+        """Point the kernel at the module's current tensors; False when they no longer run the CPU kernels."""
+        key = self._tensors()
+        if self.kernel is not None and len(key) == len(self.key) and all(a is b for a, b in zip(key, self.key)):
+            return True
+        linears, norms = _linears(self.block), _norms(self.block)
+        if linears is None or norms is None:
+            self.kernel = None
+            return False
+        self.kernel = BlockKernel(self.shape, norms, {role: m.cpu_kernel() for role, m in linears.items()})
+        self.key = key
+        return True
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, plan: AttentionPlan, cache: KVCache | None,
                  layer: int, slots: Tensor | None) -> Tensor | None:
         """x [1, T, D] -> [1, T, D] (a new tensor), or None when this pass is not one the kernel serves."""
         if (cache is None or plan.rows is None or slots is None or x.dtype != torch.float32 or x.shape[0] != 1
-                or cos.dtype != torch.float32 or not self.current()):
+                or cos.dtype != torch.float32):
             return None
         where, j = cache.where[layer]
         rows = cache.rows
-        if where == "streamed" or rows.scale is not None or rows.data.dtype != torch.float32:
+        if where == "streamed" or rows.scale is not None or rows.data.dtype != torch.float32 or not self._bind():
             return None
         idx, lens = plan.rows
         T = x.shape[1]
@@ -99,18 +120,21 @@ class FastBlock:
         return y.view(1, T, -1)
 
 
+def fast_block(args: ModelArgs, block: Block) -> FastBlock | None:
+    """The fast path of a layer module whose shape the kernel covers and whose weights run the CPU kernels."""
+    if library() is None or not _qualifies(block) or _linears(block) is None or _norms(block) is None:
+        return None
+    return FastBlock(args, block)
+
+
 def fuse_cpu_blocks(model: Transformer) -> int:
     """Give each qualifying decoder layer of a resident CPU model its fast path (and the model row-by-row
     attention plans, which carry the slot lists the kernel reads); returns how many layers qualify."""
     if library() is None or next(model.parameters()).device.type != "cpu":
         return 0
-    fused = 0
     for block in model.layers:
-        linears = _linears(block) if _qualifies(block) else None
-        norms = _norms(block) if linears is not None else None
-        block.fast = None if norms is None else FastBlock(model.args, block, linears, norms)
-        fused += block.fast is not None
+        block.fast = fast_block(model.args, block)
+    fused = sum(block.fast is not None for block in model.layers)
     if fused:
         model.row_exact_attention = True
     return fused
-

@@ -39,6 +39,7 @@ from specexec.kv.cache import KVCache
 from specexec.network.model import Block, Transformer, on_meta
 from specexec.options import ConfigError
 from specexec.planning.target import TargetPlan
+from specexec.runtime.cpu_blocks import fast_block
 from specexec.runtime.cpu_experts import CpuExperts, check_cpu_format, cpu_experts
 from specexec.runtime.expert_stream import ExpertCache, ExpertStream
 
@@ -90,6 +91,7 @@ class OffloadedTransformer(Transformer):
         self.prefetch = prefetch
         self._slot_blocks: dict[object, Block] = {}
         self._resident_blocks: dict[int, Block] = {}
+        self._examined: set[int] = set()              # modules _with_fast has looked at
         self.current: tuple = (-1, -1, None, None)     # (layer, slot or -1, Block, buffer) the pager handed out last
         self.pager: LayerPager = pager_factory(self._bind)
         self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
@@ -109,7 +111,7 @@ class OffloadedTransformer(Transformer):
         if slot < 0 and i in self._resident_blocks:
             self.current = (i, -1, self._resident_blocks[i], buf)
             _mark_router(self._resident_blocks[i], self.row_exact_attention)
-            return self._resident_blocks[i]
+            return self._with_fast(self._resident_blocks[i])
         blocks = self._resident_blocks if slot < 0 else self._slot_blocks
         key = i if slot < 0 else (slot, sparse_layer(self.args, i))
         if key not in blocks:
@@ -118,7 +120,15 @@ class OffloadedTransformer(Transformer):
         bind_module(blocks[key], unpack_layer(buf, layout), layout.meta)
         _mark_router(blocks[key], self.row_exact_attention)
         self.current = (i, slot, blocks[key], buf)    # an MoE layer's experts come next (expert_stream.py)
-        return blocks[key]
+        return self._with_fast(blocks[key])
+
+    def _with_fast(self, block: Block) -> Block:
+        """A layer module of the CPU integer kernels gets its compiled path (cpu_blocks) when first handed out;
+        a slot's module rebuilds that path's pointers on each pass after a re-bind."""
+        if self.row_exact_attention and id(block) not in self._examined:
+            self._examined.add(id(block))
+            block.fast = fast_block(self.args, block)
+        return block
 
     def expert_counters(self) -> dict[str, float]:
         """(CountsExperts) Cumulative bytes of experts brought onto the device, routed experts looked up in

@@ -13,6 +13,7 @@ from offload.quant.linear import quantize_module
 from offload.quant.weights import head_format
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.checkpoints.naming import layer_names
+from specexec.runtime.cpu_blocks import fuse_cpu_blocks
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
 
 CPU = torch.device("cpu")
@@ -24,11 +25,14 @@ def open_cache(path: Path, fmt: str, root: Path) -> LayerCache:
 
 
 def reference(path: Path, fmt: str) -> torch.nn.Module:
-    """The resident model with every decoder layer quantized the same way (QuantLinear owning its weights)."""
+    """The resident model with every decoder layer quantized the same way (QuantLinear owning its weights), its
+    layers computed as an offloaded target's are (the compiled layers of the CPU integer kernels: cpu_blocks)."""
     model = load_model(path)
     for block in model.layers:
         quantize_module(block, fmt, torch.float32)
     model.row_exact_attention = head_format(fmt, "cpu") == "int8"        # as build_offloaded's
+    if model.row_exact_attention:
+        fuse_cpu_blocks(model)
     for block in model.layers:                                           # and its routers (moe.Router._logits)
         if hasattr(block.mlp, "router"):
             block.mlp.router.row_exact = model.row_exact_attention

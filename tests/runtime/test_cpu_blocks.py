@@ -1,13 +1,15 @@
-"""A CPU draft's decoder layers as one compiled call each (specexec/runtime/cpu_blocks.py over block.c): which
-layers qualify, which passes the fast path serves and which it leaves to the modules, that it agrees with the
-modules up to fp32 rounding (int4 and int8, biases, per-head q/k norms, fused projections, partial rotary) and that
-it is row-exact on its own: a token's row in a tree pass has the bits of its one-token pass.
+"""CPU decoder layers as one compiled call each (specexec/runtime/cpu_blocks.py over block.c): which layers
+qualify, which passes the fast path serves and which it leaves to the modules, that it agrees with the modules up
+to fp32 rounding (int4 and int8, biases, per-head q/k norms, fused projections, partial rotary), that it is
+row-exact on its own (a token's row in a tree pass has the bits of its one-token pass), that a re-bound module
+computes with its new weights, and that a draft and every tier of an offloaded target take it.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from offload.quant.cpu_kernels.block import BlockKernel
 from offload.quant.cpu_kernels.build import library, status
 from offload.quant.linear import QuantLinear
 from specexec.checkpoints.loading import load_model
@@ -16,6 +18,7 @@ from specexec.network.attention import ROW_EXACT_T, TreeMask
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.cpu_blocks import fuse_cpu_blocks
 from specexec.runtime.offloaded import quantize_layers
+from tests.runtime.offloaded_models import offloaded, reference
 from tests.tiny_models import family_model, prompt
 
 pytestmark = pytest.mark.skipif(library() is None, reason=status())
@@ -29,16 +32,14 @@ def _draft(path, fmt: str = "int4", fuse: bool = True):
     return model
 
 
-def _count(model) -> list[int]:
-    """calls[0]: how many layers the compiled path has run since (wraps each fast path's kernel)."""
-    calls = [0]
-    for block in model.layers:
-        kernel = block.fast.kernel
+def _count(monkeypatch) -> list[int]:
+    """calls[0]: how many layer passes the compiled kernel has run since."""
+    calls, run = [0], BlockKernel.__call__
 
-        def counted(*a, _k=kernel):
-            calls[0] += 1
-            return _k(*a)
-        block.fast.kernel = counted
+    def counted(self, *a):
+        calls[0] += 1
+        return run(self, *a)
+    monkeypatch.setattr(BlockKernel, "__call__", counted)
     return calls
 
 
@@ -63,12 +64,12 @@ def family_path(request, tiny_root, tiny_qwen2, tiny_qwen3):
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("family_path", ["qwen2", "qwen3", "phi3"], indirect=True)
-def test_the_compiled_layers_agree_with_the_modules(family_path, fmt: str) -> None:
+def test_the_compiled_layers_agree_with_the_modules(family_path, fmt: str, monkeypatch) -> None:
     """qwen2: q/k/v biases; qwen3: per-head q/k RMSNorm; phi3: fused qkv and gate_up, 12 of 16 dims rotary. The
     prefill (14 tokens) and a 4-node tree pass, every layer through the kernel, against the modules."""
     fused, plain = _draft(family_path, fmt), _draft(family_path, fmt, fuse=False)
     plain.row_exact_attention = True                   # the same attention kernel on both sides
-    calls = _count(fused)
+    calls = _count(monkeypatch)
     args = (prompt(3), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
     for a, b in zip(_passes(fused, *args), _passes(plain, *args)):
         scale = b.abs().max().item()
@@ -94,12 +95,12 @@ def test_a_tree_row_has_the_bits_of_its_one_token_pass(tiny_qwen2) -> None:
     assert torch.equal(tree_rows[3], singles[2])
 
 
-def test_passes_the_kernel_cannot_serve_run_the_modules(tiny_qwen2) -> None:
-    """int8 KV rows, a pass of more than ROW_EXACT_T tokens (no slot lists), a re-bound weight: the modules run
-    (the kernel is not called) and give their own result."""
+def test_passes_the_kernel_cannot_serve_run_the_modules(tiny_qwen2, monkeypatch) -> None:
+    """int8 KV rows, a pass of more than ROW_EXACT_T tokens (no slot lists): the modules run (the kernel is not
+    called) and give their own result."""
     model, plain = _draft(tiny_qwen2), _draft(tiny_qwen2, fuse=False)
     plain.row_exact_attention = True
-    calls = _count(model)
+    calls = _count(monkeypatch)
     ids = prompt(5)
     with torch.inference_mode():
         a, b = (m(torch.tensor([ids]), torch.arange(len(ids))[None], TreeMask(0), m.new_cache(64, quant="int8"))
@@ -108,10 +109,27 @@ def test_passes_the_kernel_cannot_serve_run_the_modules(tiny_qwen2) -> None:
         long = torch.randint(7, 300, (1, ROW_EXACT_T + 1))
         model(long, torch.arange(ROW_EXACT_T + 1)[None], TreeMask(0), model.new_cache(ROW_EXACT_T + 8))
         assert calls[0] == 0
-        q = model.layers[0].self_attn.q_proj
-        q.set_parts({s: t.clone() for s, t in q.parts().items()}, q.wmeta, q.bias)   # re-bound: new pointers
-        model(torch.tensor([ids]), torch.arange(len(ids))[None], TreeMask(0), model.new_cache(64))
-        assert calls[0] == model.args.n_layers - 1
+
+
+def test_a_re_bound_layer_runs_its_new_weights(tiny_qwen2, monkeypatch) -> None:
+    """A module re-pointed at other tensors (what a streamed layer's slot is on every pass) gets its kernel
+    rebuilt: layer 0 given layer 1's q_proj and input norm computes with them, not with stale pointers."""
+    model, plain = _draft(tiny_qwen2), _draft(tiny_qwen2, fuse=False)
+    plain.row_exact_attention = True
+    ids = prompt(7)
+    run = lambda m: m(torch.tensor([ids]), torch.arange(len(ids))[None], TreeMask(0), m.new_cache(64))  # noqa: E731
+    with torch.inference_mode():
+        before = run(model)
+        for m in (model, plain):
+            src, dst = m.layers[1], m.layers[0]
+            q = src.self_attn.q_proj
+            dst.self_attn.q_proj.set_parts({s: t.clone() for s, t in q.parts().items()}, q.wmeta, q.bias.clone())
+            dst.input_layernorm.weight = torch.nn.Parameter(src.input_layernorm.weight.detach().clone())
+        calls = _count(monkeypatch)
+        a, b = run(model), run(plain)
+    assert calls[0] == model.args.n_layers
+    scale = b.abs().max().item()
+    assert (a - b).abs().max().item() <= 2e-4 * scale < (a - before).abs().max().item()
 
 
 def test_layers_the_kernel_does_not_cover_are_left_alone(tiny_root, tiny_qwen3_moe, tiny_llama) -> None:
@@ -125,7 +143,7 @@ def test_layers_the_kernel_does_not_cover_are_left_alone(tiny_root, tiny_qwen3_m
     assert all(block.fast is None for block in plain.layers)
 
 
-def test_an_int4_draft_on_a_cpu_runs_compiled_and_stays_exact(tiny_pair, tiny_perturbed_draft) -> None:
+def test_an_int4_draft_on_a_cpu_runs_compiled_and_stays_exact(tiny_pair, tiny_perturbed_draft, monkeypatch) -> None:
     """Loaded through the runtime, an int4 draft's layers have the fast path; greedy output is the target's."""
     config = EngineConfig(budget=8)
     alone = Runtime.load(str(tiny_pair[0]), None, config)
@@ -133,8 +151,23 @@ def test_an_int4_draft_on_a_cpu_runs_compiled_and_stays_exact(tiny_pair, tiny_pe
     draft = rt.engine.draft
     assert all(b.fast is not None for b in draft.layers)
     assert all(isinstance(m, QuantLinear) for m in draft.layers[0].mlp.children())
-    calls = _count(draft)
+    calls = _count(monkeypatch)
     ids = prompt(6)
     flat = lambda r: [t for step in r.generate_ids(ids, 24) for t in step]          # noqa: E731
     assert flat(rt) == flat(alone)
     assert calls[0] > 0 and rt.stats()["tokens_per_step"] > 1
+
+
+def test_an_offloaded_int4_target_runs_compiled_on_every_tier(tiny_pair, tmp_path, monkeypatch) -> None:
+    """Resident, RAM and SSD layers (the slots re-bound on every pass) all take the compiled path, twice over, with
+    the bits of the resident reference (which takes it too)."""
+    model = offloaded(tiny_pair[0], "int4", ["ram", "ssd", "resident", "ram"], tmp_path)
+    want = _passes(reference(tiny_pair[0], "int4"), prompt(8), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
+    calls = _count(monkeypatch)
+    try:
+        for n in (1, 2):
+            got = _passes(model, prompt(8), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            assert calls[0] == 2 * n * model.args.n_layers
+    finally:
+        model.close()
