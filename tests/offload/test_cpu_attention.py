@@ -44,13 +44,26 @@ def _fp64(q, k, v, seen, scale):
     return torch.softmax(s, -1) @ vv
 
 
-@pytest.mark.parametrize("T,P", [(1, 5), (7, 0), (16, 33), (9, 130)])
-def test_agrees_with_an_fp64_softmax(impl, T: int, P: int) -> None:
-    q, k, v, seen = _case(T, P)
+@pytest.mark.parametrize("T,P,D,scale", [(1, 5, 24, 0.3), (7, 0, 24, 0.3), (16, 33, 24, 0.3), (9, 130, 24, 0.3),
+                                         (3, 200, 128, 0.1), (2, 300, 128, 0.2)])
+def test_agrees_with_an_fp64_softmax(impl, T: int, P: int, D: int, scale: float) -> None:
+    """Heads of 24 and 128 (the dot products' 8-wide and 32-wide steps), rows of up to 300 slots (the softmax's
+    8-lane exp and its scalar tail)."""
+    q, k, v, seen = _case(T, P, D=D)
     idx, lens = attend.slot_lists(seen)
-    got = attend.attend_rows(q, k, v, idx, lens, 0.3)
+    got = attend.attend_rows(q, k, v, idx, lens, scale)
     assert got.shape == q.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), _fp64(q, k, v, seen, 0.3), rtol=0, atol=2e-6)
+    torch.testing.assert_close(got.double(), _fp64(q, k, v, seen, scale), rtol=0, atol=2e-6)
+
+
+def test_a_key_far_above_the_rest_takes_all_the_weight(impl) -> None:
+    """Scores 100+ below the row's maximum (the kernel's exp clamps its argument at -87): their weights are 0 to
+    fp32, and the row's output is that one key's value."""
+    q, k, v, seen = _case(1, 40, D=128)
+    k[0, :, 17] = 8 * q[0, ::2, 0] / q[0, ::2, 0].norm(dim=-1, keepdim=True) * 128 ** 0.5
+    idx, lens = attend.slot_lists(seen)
+    got = attend.attend_rows(q[:, ::2], k, v, idx, lens, 1.0)
+    torch.testing.assert_close(got[0, :, 0], v[0, :, 17], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -786,17 +786,84 @@ static inline float at(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* q[D] (fp32) . key[D] in one order fixed by D alone: 8-lane fused sums, a pairwise fold, then the tail. */
+/* q[D] (fp32) . key[D] in one order fixed by D alone: 8-lane fused sums in four chains (32 values a step: a
+ * head of 128 is 4 fused steps deep, not 16), the chains added pairwise, the 8-wide rest into the first, a pairwise
+ * fold, then the tail. */
 static float attn_dot(const float *q, const void *key, int bf16, int64_t D) {
     int64_t d = 0;
     float s = 0.0f;
 #if SX_AVX2
-    __m256 acc = _mm256_setzero_ps();
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; d + 32 <= D; d += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(key, bf16, d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(key, bf16, d + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), load8(key, bf16, d + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), load8(key, bf16, d + 24), a3);
+    }
+    __m256 acc = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
     for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(key, bf16, d), acc);
     s = hsum256(acc);
 #endif
     for (; d < D; d++) s = fmaf(q[d], at(key, bf16, d), s);
     return s;
+}
+
+/* e^x for x <= 0 (x - max of a row's scores), one fixed sequence of fp32 operations whatever the lane: x clamped
+ * at -87 (below, e^x is under fp32's normal range: 0 is within its rounding), x = n ln2 + r with |r| <= ln2 / 2
+ * (ln2 in two parts), e^r by its degree-6 Taylor polynomial in Horner form (relative error ~2e-7), times 2^n
+ * built in the exponent bits. */
+static inline float exp_neg(float x) {
+    x = fmaxf(x, -87.0f);
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float e = 1.0f / 720.0f;
+    e = e * r + 1.0f / 120.0f;
+    e = e * r + 1.0f / 24.0f;
+    e = e * r + 1.0f / 6.0f;
+    e = e * r + 0.5f;
+    e = e * r + 1.0f;
+    e = e * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return e * scale;
+}
+
+#if SX_AVX2
+/* exp_neg on 8 lanes: the same operations (no fused multiply-adds), so the same bits as the scalar tail. */
+static inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                             _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 e = _mm256_set1_ps(1.0f / 720.0f);
+    const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 6; i++) e = _mm256_add_ps(_mm256_mul_ps(e, r), _mm256_set1_ps(c[i]));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* p[j] = exp_neg(sc[j] - mx) in place for j < n; returns their sum: 8 lane sums in order, the pairwise fold, then
+ * the tail in order (the order depends on n alone). */
+static float softmax_exp(float *sc, int32_t n, float mx) {
+    int32_t j = 0;
+    float sum = 0.0f;
+#if SX_AVX2
+    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+    for (; j + 8 <= n; j += 8) {
+        __m256 p = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m));
+        _mm256_storeu_ps(sc + j, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    sum = hsum256(acc);
+#endif
+    for (; j < n; j++) {
+        sc[j] = exp_neg(sc[j] - mx);
+        sum += sc[j];
+    }
+    return sum;
 }
 
 /* acc[D] += p * val[D]. */
@@ -814,8 +881,9 @@ static void attn_axpy(float *acc, float p, const void *val, int bf16, int64_t D)
  * row (b, h, t) reads the slots idx[b', t, 0 .. len[b', t]) (b' = b, or 0 when the list is shared: nb == 1) in
  * their listed order, query head h reading KV head h / (H / Hkv). q, k, v: fp32 or bf16 (one flag), the last
  * dimension contiguous, the others at the given element strides (qs: b, h, t; ks, vs: b, h, slot). Every row is
- * two passes over its slots in that order (max, then exp, sum and the weighted values), sequential, so a row's
- * bits depend only on its query and the keys and values it sees, never on the other rows or on masked slots. */
+ * three passes over its slots in that order (scores and their max; exp and its sum; the weighted values),
+ * sequential, so a row's bits depend only on its query and the keys and values it sees, never on the other rows
+ * or on masked slots. */
 int sx_attend_rows(const void *q, const void *k, const void *v, void *out, int bf16, int64_t B, int64_t H,
                    int64_t Hkv, int64_t T, int64_t D, const int64_t *qs, const int64_t *ks, const int64_t *vs,
                    const int32_t *idx, const int32_t *len, int64_t nb, int64_t L, float scale, int threads) {
@@ -850,11 +918,8 @@ int sx_attend_into(const void *q, const void *k, const void *v, void *out, const
             mx = fmaxf(mx, sc[j]);
         }
         memset(acc, 0, (size_t)D * 4);
-        for (int32_t j = 0; j < n; j++) {
-            float p = expf(sc[j] - mx);
-            sum += p;
-            attn_axpy(acc, p, vb + (int64_t)sl[j] * vs[2] * es, bf16, D);
-        }
+        sum = softmax_exp(sc, n, mx);
+        for (int32_t j = 0; j < n; j++) attn_axpy(acc, sc[j], vb + (int64_t)sl[j] * vs[2] * es, bf16, D);
         float inv = n > 0 ? 1.0f / sum : 0.0f;
         int64_t o = b * os[0] + h * os[1] + t * os[2];
         for (int64_t d = 0; d < D; d++) store(out, bf16, o + d, acc[d] * inv);
