@@ -19,6 +19,8 @@ Does not know: the engine, trees, which tier a layer's bytes came from.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
@@ -112,12 +114,27 @@ class FastBlock:
         rows = cache.rows
         if where == "streamed" or rows.scale is not None or rows.data.dtype != torch.float32 or not self._bind():
             return None
-        idx, lens = plan.rows
+        args = _pass_args(plan, cos, sin, slots)
         T = x.shape[1]
-        y = x.reshape(T, -1).clone()
-        self.kernel(y, cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous(), rows.data[j],
-                    slots.to(torch.int64).contiguous(), idx, lens)
-        return y.view(1, T, -1)
+        out = torch.empty(T, x.shape[2])
+        self.kernel(x.reshape(T, -1).contiguous(), out, args[0], args[1], rows.data, j, *args[2:])
+        return out.view(1, T, -1)
+
+
+_last = threading.local()           # one forward's arguments, shared by its layers
+
+
+def _pass_args(plan: AttentionPlan, cos: Tensor, sin: Tensor, slots: Tensor) -> tuple[Tensor, ...]:
+    """(cos, sin [T, R] contiguous, slots int64 [T], idx, lens) made once per forward, not once per layer: kept
+    while the plan is the same object (Transformer.decode builds one per forward; nothing writes these tensors
+    between its layers)."""
+    key = (plan, cos, sin, slots)
+    hit = getattr(_last, "key", ())
+    if len(hit) != len(key) or any(a is not b for a, b in zip(hit, key)):
+        T = slots.shape[-1]
+        _last.key, _last.args = key, (cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous(),
+                                      slots.to(torch.int64).contiguous(), *plan.rows)
+    return _last.args
 
 
 def fast_block(args: ModelArgs, block: Block) -> FastBlock | None:

@@ -95,6 +95,28 @@ def test_a_tree_row_has_the_bits_of_its_one_token_pass(tiny_qwen2) -> None:
     assert torch.equal(tree_rows[3], singles[2])
 
 
+def test_a_slots_buffer_written_in_place_between_passes_is_read_afresh(tiny_qwen2) -> None:
+    """The arguments one forward's layers share are made once per forward: a caller reusing one slots tensor
+    (a static buffer) gets the slots it wrote for each pass."""
+    model = _draft(tiny_qwen2)
+    ids = prompt(9)
+
+    def decode(reuse: bool) -> list[torch.Tensor]:
+        cache, outs = model.new_cache(64), []
+        with torch.inference_mode():
+            buf = torch.zeros(1, dtype=torch.long)
+            model(torch.tensor([ids]), torch.arange(len(ids))[None], TreeMask(0), cache)
+            cache.keep(torch.arange(len(ids)))
+            for tok in (5, 9, 13):
+                L = cache.length
+                slots = buf.fill_(L) if reuse else torch.tensor([L])
+                outs.append(model(torch.tensor([[tok]]), torch.tensor([[L]]), TreeMask(L), cache, slots))
+                cache.keep(torch.tensor([L]))
+        return outs
+
+    assert all(torch.equal(a, b) for a, b in zip(decode(True), decode(False)))
+
+
 def test_passes_the_kernel_cannot_serve_run_the_modules(tiny_qwen2, monkeypatch) -> None:
     """int8 KV rows, a pass of more than ROW_EXACT_T tokens (no slot lists): the modules run (the kernel is not
     called) and give their own result."""

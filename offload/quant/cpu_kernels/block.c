@@ -84,9 +84,15 @@ static int project(const SxBlock *b, const float *h, int64_t T, const float *cos
         rc = linear(&b->q, h, T, q, threads) | linear(&b->k, h, T, k, threads) | linear(&b->v, h, T, v, threads);
     }
     for (int64_t t = 0; t < T; t++) {
-        if (b->q_norm) {
-            for (int64_t j = 0; j < b->heads; j++) rms_norm(q + t * nq + j * hd, b->q_norm, hd, b->eps, q + t * nq + j * hd);
-            for (int64_t j = 0; j < b->kv_heads; j++) rms_norm(k + t * nk + j * hd, b->k_norm, hd, b->eps, k + t * nk + j * hd);
+        if (b->q_norm) {                                  /* per head, in place */
+            for (int64_t j = 0; j < b->heads; j++) {
+                float *r = q + t * nq + j * hd;
+                rms_norm(r, b->q_norm, hd, b->eps, r);
+            }
+            for (int64_t j = 0; j < b->kv_heads; j++) {
+                float *r = k + t * nk + j * hd;
+                rms_norm(r, b->k_norm, hd, b->eps, r);
+            }
         }
         rope_row(q + t * nq, b->heads, hd, R, cos + t * R, sin + t * R);
         rope_row(k + t * nk, b->kv_heads, hd, R, cos + t * R, sin + t * R);
@@ -115,11 +121,11 @@ static int gated(const SxBlock *b, const float *h, int64_t T, float *gu, float *
     return rc;
 }
 
-/* x [T, dim] (fp32, updated in place) through one decoder layer. cos, sin [T, rope_dim] fp32; kv: the layer's
- * cache rows, slot s's K at kv + s * slot_stride and its V v_off further ([kv_heads, head_dim] each, fp32); the
- * new rows go to slots[t]; row t attends over the slots idx[t * L .. + len[t]] (which include its own).
- * Returns 0, -1 when out of memory, or a kernel's error code. */
-int sx_block(const SxBlock *b, float *x, int64_t T, const float *cos, const float *sin, float *kv,
+/* x_in [T, dim] (fp32) through one decoder layer -> x [T, dim] (x may be x_in). cos, sin [T, rope_dim] fp32;
+ * kv: the layer's cache rows, slot s's K at kv + s * slot_stride and its V v_off further ([kv_heads, head_dim]
+ * each, fp32); the new rows go to slots[t]; row t attends over the slots idx[t * L .. + len[t]] (which include
+ * its own). Returns 0, -1 when out of memory, or a kernel's error code. */
+int sx_block(const SxBlock *b, const float *x_in, float *x, int64_t T, const float *cos, const float *sin, float *kv,
              int64_t slot_stride, int64_t v_off, const int64_t *slots, const int32_t *idx, const int32_t *len,
              int64_t L, int threads) {
     int64_t D = b->dim, hd = b->head_dim, nq = b->heads * hd, nk = b->kv_heads * hd, I = b->inter;
@@ -127,6 +133,7 @@ int sx_block(const SxBlock *b, float *x, int64_t T, const float *cos, const floa
     size_t n = (size_t)T * (D + 2 * nq + 2 * nk + (nq + 2 * nk) + 3 * I);
     float *buf = malloc(n * 4);
     if (!buf) return -1;
+    if (x != x_in) memcpy(x, x_in, (size_t)(T * D) * 4);
     float *h = buf, *q = h + T * D, *k = q + T * nq, *v = k + T * nk, *att = v + T * nk;
     float *tmp = att + T * nq, *gu = tmp + T * (nq + 2 * nk), *act = gu + 2 * T * I;
     for (int64_t t = 0; t < T; t++) rms_norm(x + t * D, b->attn_norm, D, b->eps, h + t * D);

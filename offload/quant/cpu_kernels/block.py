@@ -5,9 +5,9 @@ ops, which is most of a small model's one-token decode on a CPU beside the weigh
     BlockShape(dim, heads, kv_heads, head_dim, rope_dim, inter, eps, scale)
     BlockKernel(shape, norms {"attn", "mlp", "q"?, "k"?: fp32 [n]}, linears {"q","k","v" | "qkv", "o",
                 "gate","up" | "gate_up", "down": BoundLinear}) -> kernel
-    kernel(x [T, dim] fp32, cos, sin [T, rope_dim] fp32, kv [S, 2, 1, kv_heads, head_dim] fp32 (one layer's
-           cache rows, specexec/kv/rows.py's layout), slots int64 [T], idx int32 [T, L], lens int32 [T])
-        -> x updated in place (the caller passes a copy where the input must survive)
+    kernel(x [T, dim] fp32, out [T, dim], cos, sin [T, rope_dim] fp32, kv [n, S, 2, 1, kv_heads, head_dim] fp32
+           (every layer's cache rows, specexec/kv/rows.py's layout), layer, slots int64 [T], idx int32 [T, L],
+           lens int32 [T]) -> out (x's layer output; out may be x)
 
 The kernel holds the tensors whose pointers it was built with. Its result equals the torch modules' up to fp32
 rounding (block.c's docstring), and is row-exact, like each of its parts.
@@ -79,12 +79,15 @@ class BlockKernel:
                              _linear(linears["down"]))
         self.ref = ctypes.byref(self.struct)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                 slots: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                 layer: int, slots: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> out [T, dim] (may be x); kv: the cache's rows of every layer [n, S, 2, 1, kv_heads,
+        head_dim], this layer's at `layer` (module docstring)."""
         T = x.shape[0]
-        rc = self.lib.sx_block(self.ref, x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
-                               kv.stride(0), kv.stride(1), slots.data_ptr(), idx.data_ptr(), lens.data_ptr(),
+        rows = kv.data_ptr() + layer * kv.stride(0) * 4
+        rc = self.lib.sx_block(self.ref, x.data_ptr(), out.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), rows,
+                               kv.stride(1), kv.stride(2), slots.data_ptr(), idx.data_ptr(), lens.data_ptr(),
                                idx.shape[-1], torch.get_num_threads())
         if rc:
             raise RuntimeError(f"sx_block failed ({rc}) on x {list(x.shape)}")
-        return x
+        return out

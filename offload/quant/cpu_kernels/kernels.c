@@ -58,7 +58,9 @@
 #if SX_AVX2 && Q8B != 2 * CB
 #error "q8_block_avx2 reads a q8 block as two chunks"
 #endif
+#ifndef PREFETCH
 #define PREFETCH 2048           /* code bytes read ahead (AVX2): ~10-15 % more bandwidth at 1 row on Zen 3 */
+#endif
 
 const char *sx_isa(void) {
 #if SX_AVX512
