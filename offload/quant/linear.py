@@ -223,8 +223,9 @@ class QuantLinear(nn.Module):
     def cpu_kernel(self) -> BoundLinear | None:
         """The CPU integer kernel bound to this weight (made once per binding), or None where the weight runs
         another kernel."""
-        if self._cpu is None and self.kernel() in ("int4-cpu", "int8-cpu"):    # bias in its own dtype, added
-            q4 = self.kernel() == "int4-cpu"                                  # by the kernel
+        kernel = self.kernel() if self._cpu is None else None
+        if kernel in ("int4-cpu", "int8-cpu"):                   # bias in its own dtype, added by the kernel
+            q4 = kernel == "int4-cpu"
             self._cpu = BoundLinear("q4" if q4 else "q8", self.qdata, self.scales_zeros if q4 else self.scale,
                                     self.wmeta.get("group", 0), self.bias)
         return self._cpu

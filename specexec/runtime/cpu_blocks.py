@@ -82,14 +82,13 @@ class FastBlock:
                                 args.rope_dim or attn.head_dim, args.intermediate_size, block.input_layernorm.eps,
                                 scale)
         self.block, self.kernel, self.key = block, None, ()
-        b = block
-        mods = [*b.self_attn.children(), *b.mlp.children(), b.input_layernorm, b.post_attention_layernorm]
-        self.slots = [d for m in mods for d in (m._parameters, m._buffers)]    # where a re-bind puts new tensors
+        mods = [*attn.children(), *block.mlp.children(), block.input_layernorm, block.post_attention_layernorm]
+        self.dicts = [d for m in mods for d in (m._parameters, m._buffers)]    # where a re-bind puts new tensors
 
     def _tensors(self) -> tuple:
         """The tensors the kernel points into, compared by identity (a re-bind replaces them): read from the
         modules' own dicts, ~40x cheaper than .parameters() on every pass."""
-        return tuple(t for d in self.slots for t in d.values())
+        return tuple(t for d in self.dicts for t in d.values())
 
     def _bind(self) -> bool:
         """Point the kernel at the module's current tensors; False when they no longer run the CPU kernels."""
@@ -116,7 +115,7 @@ class FastBlock:
             return None
         args = _pass_args(plan, cos, sin, slots)
         T = x.shape[1]
-        out = torch.empty(T, x.shape[2])
+        out = torch.empty(T, x.shape[2], dtype=torch.float32)
         self.kernel(x.reshape(T, -1).contiguous(), out, args[0], args[1], rows.data, j, *args[2:])
         return out.view(1, T, -1)
 
