@@ -81,6 +81,26 @@ def test_a_row_has_the_bits_of_its_one_token_pass(impl, dtype: torch.dtype) -> N
         assert torch.equal(one[:, :, 0], full[:, :, t]), t
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_the_thread_count_never_changes_a_bit(T: int) -> None:
+    """The kernel hands each thread a KV head's query heads together, or some of them where the KV heads are fewer
+    than the threads (8 query heads on 2 KV heads: 1 to 4 heads a task here); every head's arithmetic is the same
+    sequence either way."""
+    if build.library() is None:
+        pytest.skip(build.status())
+    q, k, v, seen = _case(T, 37, H=8, Hkv=2, D=64, seed=6)
+    idx, lens = attend.slot_lists(seen)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 3, 8):
+            torch.set_num_threads(threads)
+            outs.append(attend.attend_rows(q, k, v, idx, lens, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_the_kernel_and_the_torch_twin_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     if build.library() is None:
         pytest.skip(build.status())
