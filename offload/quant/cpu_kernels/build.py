@@ -1,4 +1,5 @@
-"""Compiling kernels.c and block.c on first use and loading it with ctypes; saying once, in one line, why not when it cannot.
+"""Compiling kernels.c and block.c on first use and loading the library with ctypes; saying once, in one line, why
+not when it cannot.
 
 The library is built with the machine's C compiler ($CC, else cc, gcc or clang) for this very CPU (-march=native)
 with OpenMP, into `<cache root>/kernels/` ($SPECEXEC_CACHE, like the layer cache), named after a hash of the
