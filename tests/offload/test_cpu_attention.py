@@ -81,6 +81,16 @@ def test_a_row_has_the_bits_of_its_one_token_pass(impl, dtype: torch.dtype) -> N
         assert torch.equal(one[:, :, 0], full[:, :, t]), t
 
 
+@pytest.mark.parametrize("S", [5, 20])
+def test_a_nan_key_makes_its_rows_nan(impl, S: int) -> None:
+    """A NaN score stays NaN through the softmax's exp (its clamp does not turn it into a weight): the rows that
+    see the key come out NaN, as in torch, never as plausible numbers. S 20: the 8-lane exp; 5: the scalar tail."""
+    q, k, v, seen = _case(1, S - 1, D=16)
+    k[0, :, 3, 0] = float("nan")
+    got = attend.attend_rows(q, k, v, *attend.slot_lists(seen), 0.25)
+    assert got.isnan().all()
+
+
 @pytest.mark.parametrize("T", [1, 5])
 def test_the_thread_count_never_changes_a_bit(T: int) -> None:
     """The kernel hands each thread a KV head's query heads together, or some of them where the KV heads are fewer

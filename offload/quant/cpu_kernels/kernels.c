@@ -815,7 +815,8 @@ static float attn_dot(const float *q, const void *key, int bf16, int64_t D) {
  * (ln2 in two parts), e^r by its degree-6 Taylor polynomial in Horner form (relative error ~2e-7), times 2^n
  * built in the exponent bits. */
 static inline float exp_neg(float x) {
-    x = fmaxf(x, -87.0f);
+    if (x != x) return x;                                 /* NaN stays NaN */
+    x = x < -87.0f ? -87.0f : x;
     float n = nearbyintf(x * 1.44269504088896341f);
     float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
     float e = 1.0f / 720.0f;
@@ -834,7 +835,7 @@ static inline float exp_neg(float x) {
 #if SX_AVX2
 /* exp_neg on 8 lanes: the same operations (no fused multiply-adds), so the same bits as the scalar tail. */
 static inline __m256 exp_neg8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);         /* a NaN lane stays NaN (max_ps returns x) */
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
