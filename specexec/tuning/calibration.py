@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from offload.quant.cpu_kernels.build import status as cpu_kernels_status
 from specexec.abilities import has
 from specexec.network.model import Transformer
 from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit
@@ -30,11 +31,13 @@ class PlannedLayers(Protocol):
 
 
 def cost_fingerprint(target: Transformer) -> str:
-    """What the target's pass time depends on: its shapes, dtype, device and (if offloaded) the plan."""
+    """What the target's pass time depends on: its shapes, dtype, device, (if offloaded) the plan and, on a CPU,
+    which compiled kernels run (their library's name hashes their sources: new kernels, new costs)."""
     p = next(target.parameters())
     plan = target.plan_fingerprint if has(target, PlannedLayers) else ""
+    kernels = cpu_kernels_status() if p.device.type == "cpu" else ""
     parts = [type(target).__name__, repr(target.args), str(p.dtype), str(p.device), str(plan),
-             str(torch.get_num_threads())]
+             str(torch.get_num_threads()), kernels]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

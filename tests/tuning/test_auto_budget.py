@@ -62,6 +62,19 @@ def test_the_runtime_keeps_calibration_on_disk(tiny_pair, tiny_perturbed_draft, 
     assert heard == [] and path.stat().st_mtime_ns == mtime          # loaded, not re-measured
 
 
+def test_new_cpu_kernels_make_new_cost_files(tiny_pair, monkeypatch) -> None:
+    """A CPU target's pass costs depend on which compiled kernels run: another kernel library (new sources, another
+    compiler or CPU) or none gives another fingerprint, so costs measured with the old kernels are not reused."""
+    from specexec.checkpoints.loading import load_model
+    from specexec.tuning import calibration
+
+    target = load_model(tiny_pair[0])
+    now = cost_fingerprint(target)
+    assert cost_fingerprint(target) == now
+    monkeypatch.setattr(calibration, "cpu_kernels_status", lambda: "CPU kernels: avx2 (/x/cpu-kernels-0123.so)")
+    assert cost_fingerprint(target) != now
+
+
 def test_profiler_shows_the_budget_each_step_asked_for(tiny_pair, tiny_perturbed_draft, cache_dir: Path) -> None:
     import io
 
