@@ -1,5 +1,6 @@
 """Where `--budget auto`'s target pass costs are kept between runs: one JSON file per target fingerprint
-(model shapes, dtype, device, offload plan, CPU threads) under <cache root>/costs/ (specexec/tuning/store.py).
+(model shapes, dtype, device, offload plan, CPU threads, on a CPU the compiled kernels) under <cache root>/costs/
+(specexec/tuning/store.py).
 
 The runtime calls this module: `tuner_for` gives a new engine a BudgetTuner holding the saved costs (the
 engine then skips its calibration passes), and `save_target_costs` keeps what an engine measured (the
