@@ -19,7 +19,7 @@ from specexec.runtime.assembly import Runtime
 from specexec.runtime.cpu_blocks import fuse_cpu_blocks
 from specexec.runtime.offloaded import quantize_layers
 from tests.runtime.offloaded_models import offloaded, reference
-from tests.tiny_models import family_model, prompt
+from tests.tiny_models import family_model, prompt, write_tiny_model
 
 pytestmark = pytest.mark.skipif(library() is None, reason=status())
 
@@ -74,6 +74,20 @@ def test_the_compiled_layers_agree_with_the_modules(family_path, fmt: str, monke
     for a, b in zip(_passes(fused, *args), _passes(plain, *args)):
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() <= 2e-4 * scale, (a - b).abs().max().item() / scale
+    assert calls[0] == 2 * fused.args.n_layers
+
+
+def test_an_mlp_width_off_the_vector_width_agrees(tiny_root, monkeypatch) -> None:
+    """An int8 MLP of 100 (not a multiple of 8): the SiLU's scalar tail runs the vector lanes' operations."""
+    path = tiny_root / "qwen2-mlp100"
+    if not (path / "config.json").exists():
+        write_tiny_model(path, "qwen2", seed=41, intermediate_size=100, use_sliding_window=False)
+    fused, plain = _draft(path, "int8"), _draft(path, "int8", fuse=False)
+    plain.row_exact_attention = True
+    calls = _count(monkeypatch)
+    args = (prompt(3), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
+    for a, b in zip(_passes(fused, *args), _passes(plain, *args)):
+        assert (a - b).abs().max().item() <= 2e-4 * b.abs().max().item()
     assert calls[0] == 2 * fused.args.n_layers
 
 

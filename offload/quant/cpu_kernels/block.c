@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fastexp.h"
 #include "kernels.h"
 
 typedef struct {                /* one quantized linear in ops.py's layouts */
@@ -100,7 +101,7 @@ static int project(const SxBlock *b, const float *h, int64_t T, const float *cos
     return rc;
 }
 
-/* act [T, I] = silu(gate) * up of the normed rows h. */
+/* act [T, I] = silu(gate) * up of the normed rows h: gate / (1 + e^-gate) * up, fastexp.h's e^x. */
 static int gated(const SxBlock *b, const float *h, int64_t T, float *gu, float *act, int threads) {
     int64_t I = b->inter;
     int rc;
@@ -113,11 +114,20 @@ static int gated(const SxBlock *b, const float *h, int64_t T, float *gu, float *
     } else {
         rc = linear(&b->gate, h, T, gu, threads) | linear(&b->up, h, T, gu + T * I, threads);
     }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < I; i++) {
-            float z = g[t * gs + i];
-            act[t * I + i] = z / (1.0f + expf(-z)) * u[t * gs + i];
+    for (int64_t t = 0; t < T; t++) {
+        const float *gt = g + t * gs, *ut = u + t * gs;
+        float *at = act + t * I;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 z = _mm256_loadu_ps(gt + i);
+            __m256 e = sx_exp8(_mm256_sub_ps(zero, z));
+            _mm256_storeu_ps(at + i, _mm256_mul_ps(_mm256_div_ps(z, _mm256_add_ps(one, e)), _mm256_loadu_ps(ut + i)));
         }
+#endif
+        for (; i < I; i++) at[i] = gt[i] / (1.0f + sx_exp(0.0f - gt[i])) * ut[i];     /* the same operations */
+    }
     return rc;
 }
 

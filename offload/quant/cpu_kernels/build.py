@@ -26,7 +26,7 @@ from offload.cache.root import default_cache_root
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "kernels.c", HERE / "block.c")      # compiled together into one library
-HEADERS = (HERE / "kernels.h",)
+HEADERS = (HERE / "kernels.h", HERE / "fastexp.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off")
 ENV_SWITCH = "SPECEXEC_CPU_KERNELS"
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p

@@ -33,6 +33,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "fastexp.h"
 #include "kernels.h"
 
 #if defined(SX_WIDE) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -810,45 +811,7 @@ static float attn_dot(const float *q, const void *key, int bf16, int64_t D) {
     return s;
 }
 
-/* e^x for x <= 0 (x - max of a row's scores), one fixed sequence of fp32 operations whatever the lane: x clamped
- * at -87 (below, e^x is under fp32's normal range: 0 is within its rounding), x = n ln2 + r with |r| <= ln2 / 2
- * (ln2 in two parts), e^r by its degree-6 Taylor polynomial in Horner form (relative error ~2e-7), times 2^n
- * built in the exponent bits. */
-static inline float exp_neg(float x) {
-    if (x != x) return x;                                 /* NaN stays NaN */
-    x = x < -87.0f ? -87.0f : x;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float e = 1.0f / 720.0f;
-    e = e * r + 1.0f / 120.0f;
-    e = e * r + 1.0f / 24.0f;
-    e = e * r + 1.0f / 6.0f;
-    e = e * r + 0.5f;
-    e = e * r + 1.0f;
-    e = e * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return e * scale;
-}
-
-#if SX_AVX2
-/* exp_neg on 8 lanes: the same operations (no fused multiply-adds), so the same bits as the scalar tail. */
-static inline __m256 exp_neg8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);         /* a NaN lane stays NaN (max_ps returns x) */
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                             _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 e = _mm256_set1_ps(1.0f / 720.0f);
-    const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-    for (int i = 0; i < 6; i++) e = _mm256_add_ps(_mm256_mul_ps(e, r), _mm256_set1_ps(c[i]));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-}
-#endif
-
-/* p[j] = exp_neg(sc[j] - mx) in place for j < n; returns their sum: 8 lane sums in order, the pairwise fold, then
+/* p[j] = e^(sc[j] - mx) (fastexp.h) in place for j < n; returns their sum: 8 lane sums in order, the pairwise fold, then
  * the tail in order (the order depends on n alone). */
 static float softmax_exp(float *sc, int32_t n, float mx) {
     int32_t j = 0;
@@ -856,14 +819,14 @@ static float softmax_exp(float *sc, int32_t n, float mx) {
 #if SX_AVX2
     __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
     for (; j + 8 <= n; j += 8) {
-        __m256 p = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m));
+        __m256 p = sx_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m));
         _mm256_storeu_ps(sc + j, p);
         acc = _mm256_add_ps(acc, p);
     }
     sum = hsum256(acc);
 #endif
     for (; j < n; j++) {
-        sc[j] = exp_neg(sc[j] - mx);
+        sc[j] = sx_exp(sc[j] - mx);
         sum += sc[j];
     }
     return sum;
