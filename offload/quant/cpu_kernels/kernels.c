@@ -811,8 +811,8 @@ static float attn_dot(const float *q, const void *key, int bf16, int64_t D) {
     return s;
 }
 
-/* p[j] = e^(sc[j] - mx) (fastexp.h) in place for j < n; returns their sum: 8 lane sums in order, the pairwise fold, then
- * the tail in order (the order depends on n alone). */
+/* p[j] = e^(sc[j] - mx) (fastexp.h) in place for j < n; returns their sum: 8 lane sums in order, the pairwise
+ * fold, then the tail in order (the order depends on n alone). */
 static float softmax_exp(float *sc, int32_t n, float mx) {
     int32_t j = 0;
     float sum = 0.0f;
