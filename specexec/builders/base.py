@@ -34,16 +34,19 @@ class DraftState:
     cuda_graphs: bool | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """One draft pass. tokens, positions, slots long [b]; tree_mask bool [b, K] over the scratch slots
         [L0, L0 + K) of the cache (L0 = cache.length); every query also sees the whole committed prefix
-        [0, L0). K/V are written at `slots`. -> fp32 logits [b, V]. Every draft forward goes through here."""
+        [0, L0). K/V are written at `slots`. -> fp32 logits [b, V], or [1, V] of the last token with last_only
+        (the LM head, a large share of a small draft's pass, then runs on one row). Every draft forward goes
+        through here."""
         self.passes += 1
         graphs = draft_graphs.runner(self.model, self.cache, self.cuda_graphs)
         if graphs is not None:
-            return graphs.run(tokens, positions, tree_mask, slots)
+            logits = graphs.run(tokens, positions, tree_mask, slots)
+            return logits[-1:] if last_only else logits
         hidden = self.model(tokens[None], positions[None], TreeMask(self.cache.length, tree_mask), self.cache, slots)
-        return self.model.logits(hidden)
+        return self.model.logits(hidden[:, -1:] if last_only else hidden)
 
     def commit(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
         """After verification: keep the draft KV of accepted nodes the draft processed (an ancestor-closed

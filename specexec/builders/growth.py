@@ -95,7 +95,7 @@ class DraftPasses:
         L, P = draft.cache.length, len(pending)
         slots = torch.arange(L, L + P, device=dev)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        logits = draft.forward(upload(pending, dev), slots, causal, slots)[-1:]
+        logits = draft.forward(upload(pending, dev), slots, causal, slots, last_only=True)
         draft.cache.keep(slots[:-1])
         draft.pending = [root_token]
         self.L0, self.n_proc = draft.cache.length, 1

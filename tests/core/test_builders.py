@@ -112,6 +112,22 @@ def test_self_drafted_chain_is_accepted_whole(models) -> None:
     assert [s.accepted for s in engine.stats.steps] == [6] * 6
 
 
+def test_a_catch_up_pass_runs_the_draft_head_on_its_last_row_only(models, monkeypatch) -> None:
+    """The root pass feeds the pending tokens (accepted ones, then the root) but only the root's distribution is
+    read: the LM head, a large share of a small draft's pass, runs on that one row."""
+    draft = models["perturbed"]
+    seen, head = [], draft.logits
+    monkeypatch.setattr(draft, "logits", lambda hidden, rows=None: (seen.append(hidden.shape[-2]), head(hidden))[1])
+    fed, forward = [], draft.forward
+    monkeypatch.setattr(draft, "forward", lambda tokens, *a, **k: (fed.append(tokens.shape[1]), forward(tokens, *a,
+                                                                                                        **k))[1])
+    ids = prompt(3)
+    got, engine = run(models["target"], draft, "specexec", 1, ids, 24)
+    assert got == target_only(models["target"], ids, 24)
+    assert max(fed[1:]) > 1                                  # catch-up passes of several tokens ...
+    assert seen == [1] * (len(fed) - 1)                      # ... one head row each (the prompt's prefill: none)
+
+
 # ------------------------------------------------------------------------------- draft-cache reuse
 
 @torch.inference_mode()
