@@ -265,9 +265,9 @@ ALWAYS_INLINE void q4_zero_terms(const uint16_t *sz, int64_t ng, const Acts *a, 
 /* ---- AVX2: register tiles of QR weight rows x QA activation rows.
  * Each weight chunk (CB code bytes = 2*CB weights) is loaded and unpacked once per tile and used by its QA
  * activation rows; each activation chunk is read from memory once per QR weight rows (then from L1). At G >= 64
- * a chunk lies inside one group (G = 64: it is the group), so its scale s and the activations' d are broadcasts
- * of one value (the bf16 (s, z) pair read as one 32-bit load); at G = 32 a chunk spans two groups and both are
- * lane vectors. Per (n, m) the arithmetic is one fixed sequence, the same in every tile shape: lane sums over the
+ * a chunk lies inside one group (G = 64: it is the group), so s * d is a broadcast of one value, the products
+ * made 8 groups at a time per (weight row, activation row) (q4_sd_block); at G = 32 a chunk spans two groups and
+ * s and d are lane vectors. Per (n, m) the arithmetic is one fixed sequence, the same in every tile shape: lane sums over the
  * chunks in order of cvt(dot) * (s * d), the fixed pairwise fold, plus the zero terms, plus the bias. So a row's
  * bits depend neither on R, A nor on which tile or thread it falls in. */
 #ifndef QR                      /* -DQR=.. -DQA=.. to try other shapes */
@@ -295,15 +295,9 @@ ALWAYS_INLINE void q4_chunk(const Q4Call *k, const uint8_t *codes, int64_t c, in
     *wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), lo4);
 }
 
-/* The lanes' s of one weight row for a chunk starting in group g0: that group's (one == 1: G >= 64, the bf16
- * (s, z) pair read as one 32-bit broadcast, s being its low half) or, at G = 32, the chunk's two groups' (one
- * at a row's partial last chunk), each lane picking its own through sel. */
-ALWAYS_INLINE __m256 q4_scales(const Q4Call *k, const uint16_t *sz, int64_t g0, const int one) {
-    if (one) {
-        int32_t pair;
-        memcpy(&pair, sz + 2 * g0, 4);
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi32(pair), 16));
-    }
+/* G = 32: the lanes' s of one weight row for a chunk starting in group g0, the chunk's two groups' (one at a
+ * row's partial last chunk), each lane picking its own through sel. (G >= 64 takes s * d from q4_sd_block.) */
+ALWAYS_INLINE __m256 q4_scales(const Q4Call *k, const uint16_t *sz, int64_t g0) {
     int32_t pair;
     __m128i prs;
     if (k->ng - g0 >= 2) {
@@ -369,7 +363,7 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
     for (int64_t c = 0; c < a->nc; c++) {                 /* acc[r][i] += cvt(dot) * (s * d), chunk by chunk */
         int64_t g0 = (c * 2 * CB) >> k->glog;
         int partial = !one && c >= k->full;                /* never at G >= 64 */
-        if (one && A > 1 && g0 >> 3 != blk) {             /* the same products as one per chunk: the same bits */
+        if (one && g0 >> 3 != blk) {                      /* s * d for the next 8 groups, once per block */
             blk = g0 >> 3;
             q4_sd_block(k, sz, dd, blk * 8, R, A, sd);
         }
@@ -377,7 +371,7 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
             __m256i wl, wh;
             _mm_prefetch((const char *)(codes + r * k->nbytes + c * CB + PREFETCH), _MM_HINT_T0);
             q4_chunk(k, codes + r * k->nbytes, c, partial, &wl, &wh);
-            __m256 sv = one && A > 1 ? _mm256_setzero_ps() : q4_scales(k, sz + r * k->ng * 2, g0, one);
+            __m256 sv = one ? _mm256_setzero_ps() : q4_scales(k, sz + r * k->ng * 2, g0);
             for (int i = 0; i < A; i++) {
                 const int8_t *x = xq[i] + c * 2 * CB;
 #ifdef SX_VNNI256                                   /* the same int32 sums in 2 instructions instead of 4 */
@@ -389,13 +383,9 @@ ALWAYS_INLINE void q4_tile_avx2(const Q4Call *k, const uint8_t *codes, const uin
                                              _mm256_maddubs_epi16(wh, _mm256_load_si256((const __m256i *)(x + CB))));
                 __m256i d32 = _mm256_madd_epi16(p, ones);
 #endif
-                if (one && A > 1) {
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_broadcast_ss(&sd[r][i][g0 & 7]),
-                                                acc[r][i]);
-                    continue;
-                }
-                __m256 dv = one ? _mm256_broadcast_ss(dd[i] + g0) : _mm256_loadu_ps(dd[i] + c * LANES);
-                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_mul_ps(sv, dv), acc[r][i]);
+                __m256 sdv = one ? _mm256_broadcast_ss(&sd[r][i][g0 & 7])
+                                 : _mm256_mul_ps(sv, _mm256_loadu_ps(dd[i] + c * LANES));
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), sdv, acc[r][i]);
             }
         }
     }
@@ -859,7 +849,6 @@ int sx_attend_rows(const void *q, const void *k, const void *v, void *out, int b
     return sx_attend_into(q, k, v, out, os, bf16, B, H, Hkv, T, D, qs, ks, vs, idx, len, nb, L, scale, threads);
 }
 
-/* sx_attend_rows with the output at element strides os (b, h, t) instead of contiguous (block.c's rows). */
 /* Query heads h0 .. h0 + nh - 1 (one KV head's, so they read the same keys and values) of row (b, t): each key and
  * value is loaded once for all of them (from L1 after the first), each head's arithmetic the same sequence as alone. */
 typedef struct {
@@ -907,6 +896,7 @@ static int attend_heads(const AttendCall *c, int64_t b, int64_t t, int64_t h0, i
     return 0;
 }
 
+/* sx_attend_rows with the output at element strides os (b, h, t) instead of contiguous (block.c's rows). */
 int sx_attend_into(const void *q, const void *k, const void *v, void *out, const int64_t *os, int bf16, int64_t B,
                    int64_t H, int64_t Hkv, int64_t T, int64_t D, const int64_t *qs, const int64_t *ks,
                    const int64_t *vs, const int32_t *idx, const int32_t *len, int64_t nb, int64_t L, float scale,
@@ -914,8 +904,9 @@ int sx_attend_into(const void *q, const void *k, const void *v, void *out, const
     if (B < 0 || H <= 0 || Hkv <= 0 || H % Hkv || T < 0 || D <= 0 || L < 0) return -2;
     int64_t G = H / Hkv, units = B * Hkv * T;
     /* heads per task: a KV head's G together, split where that leaves threads idle (the bits never depend on it) */
-    int64_t split = units >= threads ? 1 : (threads + units - 1) / units;
-    int64_t per = (G + (split < G ? split : G) - 1) / (split < G ? split : G), blocks = (G + per - 1) / per;
+    int64_t parts = units >= threads ? 1 : (threads + units - 1) / units;
+    if (parts > G) parts = G;
+    int64_t per = (G + parts - 1) / parts, blocks = (G + per - 1) / per;
     AttendCall c = {q, k, v, out, os, qs, ks, vs, bf16, D, scale};
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(| : failed)
