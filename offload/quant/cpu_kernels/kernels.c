@@ -860,6 +860,16 @@ typedef struct {
     float scale;
 } AttendCall;
 
+/* Slots read ahead (prefetched) in both passes over a row's keys and values: in a decode step they come from
+ * wherever the layers' weight streams left them, and each slot's ~150 instructions would otherwise keep only a
+ * slot or two in flight (the 0.5B draft's layer at 200 slots: 59 -> 31 us on a Xeon; 4 and 16 ahead no better). */
+#ifndef ATTN_AHEAD
+#define ATTN_AHEAD 8
+#endif
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 static int attend_heads(const AttendCall *c, int64_t b, int64_t t, int64_t h0, int64_t nh, int64_t hk,
                         const int32_t *sl, int32_t n) {
     int64_t D = c->D;
@@ -867,25 +877,29 @@ static int attend_heads(const AttendCall *c, int64_t b, int64_t t, int64_t h0, i
     float *buf = attn_scratch((size_t)nh * (size_t)(n + 2 * D + 1));
     if (!buf) return 1;
     float *sc = buf, *qf = buf + nh * n, *acc = qf + nh * D, *mx = acc + nh * D;
+    const char *kb = (const char *)c->k + (b * c->ks[0] + hk * c->ks[1]) * es;
+    const char *vb = (const char *)c->v + (b * c->vs[0] + hk * c->vs[1]) * es;
+    for (int32_t j = 0; j < n && j < ATTN_AHEAD; j++) prefetch_row(kb + (int64_t)sl[j] * c->ks[2] * es, D * es);
     for (int64_t i = 0; i < nh; i++) {
         const char *qrow = (const char *)c->q + (b * c->qs[0] + (h0 + i) * c->qs[1] + t * c->qs[2]) * es;
         for (int64_t d = 0; d < D; d++) qf[i * D + d] = at(qrow, c->bf16, d);
         mx[i] = -INFINITY;
     }
-    const char *kb = (const char *)c->k + (b * c->ks[0] + hk * c->ks[1]) * es;
-    const char *vb = (const char *)c->v + (b * c->vs[0] + hk * c->vs[1]) * es;
     for (int32_t j = 0; j < n; j++) {
         const char *key = kb + (int64_t)sl[j] * c->ks[2] * es;
+        if (j + ATTN_AHEAD < n) prefetch_row(kb + (int64_t)sl[j + ATTN_AHEAD] * c->ks[2] * es, D * es);
         for (int64_t i = 0; i < nh; i++) {
             float s = attn_dot(qf + i * D, key, c->bf16, D) * c->scale;
             sc[i * n + j] = s;
             mx[i] = fmaxf(mx[i], s);
         }
     }
+    for (int32_t j = 0; j < n && j < ATTN_AHEAD; j++) prefetch_row(vb + (int64_t)sl[j] * c->vs[2] * es, D * es);
     memset(acc, 0, (size_t)(nh * D) * 4);
     for (int64_t i = 0; i < nh; i++) mx[i] = softmax_exp(sc + i * n, n, mx[i]);     /* mx[i] := the sum */
     for (int32_t j = 0; j < n; j++) {
         const char *val = vb + (int64_t)sl[j] * c->vs[2] * es;
+        if (j + ATTN_AHEAD < n) prefetch_row(vb + (int64_t)sl[j + ATTN_AHEAD] * c->vs[2] * es, D * es);
         for (int64_t i = 0; i < nh; i++) attn_axpy(acc + i * D, sc[i * n + j], val, c->bf16, D);
     }
     for (int64_t i = 0; i < nh; i++) {
