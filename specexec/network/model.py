@@ -173,6 +173,7 @@ class Transformer(nn.Module):
     then runs row by row too (attention.build_plan's row_exact), so a tree pass gives each token's one-token bits."""
 
     row_exact_attention = False
+    fast_stack = None                # a fast path for the whole decoder stack (decode), set from outside
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -266,6 +267,10 @@ class Transformer(nn.Module):
         plans = self.attention_plans(mask, positions, x.dtype)
         if self.routing is not None:
             self.routing.begin()
+        if self.fast_stack is not None:
+            y = self.fast_stack(x, ropes, plans, cache, slots)
+            if y is not None:
+                return self.norm(y)
         for i, layer in self.layer_modules():
             kind = kinds[i]
             x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, self.routing)

@@ -20,11 +20,13 @@ Does not know: the engine, trees, which tier a layer's bytes came from.
 from __future__ import annotations
 
 import threading
+from itertools import chain
+from operator import is_
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from offload.quant.cpu_kernels.block import BlockKernel, BlockShape
+from offload.quant.cpu_kernels.block import BlockKernel, BlockShape, BlockStack
 from offload.quant.cpu_kernels.build import library
 from offload.quant.linear import QuantLinear
 from specexec.config import ModelArgs
@@ -88,12 +90,12 @@ class FastBlock:
     def _tensors(self) -> tuple:
         """The tensors the kernel points into, compared by identity (a re-bind replaces them): read from the
         modules' own dicts, ~40x cheaper than .parameters() on every pass."""
-        return tuple(t for d in self.dicts for t in d.values())
+        return tuple(chain.from_iterable(d.values() for d in self.dicts))
 
     def _bind(self) -> bool:
         """Point the kernel at the module's current tensors; False when they no longer run the CPU kernels."""
         key = self._tensors()
-        if self.kernel is not None and len(key) == len(self.key) and all(a is b for a, b in zip(key, self.key)):
+        if self.kernel is not None and len(key) == len(self.key) and all(map(is_, key, self.key)):
             return True
         linears, norms = _linears(self.block), _norms(self.block)
         if linears is None or norms is None:
@@ -106,18 +108,70 @@ class FastBlock:
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, plan: AttentionPlan, cache: KVCache | None,
                  layer: int, slots: Tensor | None) -> Tensor | None:
         """x [1, T, D] -> [1, T, D] (a new tensor), or None when this pass is not one the kernel serves."""
-        if (cache is None or plan.rows is None or slots is None or x.dtype != torch.float32 or x.shape[0] != 1
-                or cos.dtype != torch.float32):
+        if not _serves(x, cos, plan, cache, slots):
             return None
         where, j = cache.where[layer]
-        rows = cache.rows
-        if where == "streamed" or rows.scale is not None or rows.data.dtype != torch.float32 or not self._bind():
+        if where == "streamed" or not self._bind():
             return None
         args = _pass_args(plan, cos, sin, slots)
         T = x.shape[1]
         out = torch.empty(T, x.shape[2], dtype=torch.float32)
-        self.kernel(x.reshape(T, -1).contiguous(), out, args[0], args[1], rows.data, j, *args[2:])
+        self.kernel(x.reshape(T, -1).contiguous(), out, args[0], args[1], cache.rows.data, j, *args[2:])
         return out.view(1, T, -1)
+
+
+class FastStack:
+    """Transformer.decode's fast path for a resident model whose every layer has a FastBlock: the whole decoder
+    stack in one compiled call (BlockStack: no Python between layers, ~1.2 ms of a 24-layer step) where the pass
+    is one every layer serves, else None (the layers then run one by one, each with its own path)."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers, self.blocks = layers, [block.fast for block in layers]
+        self.kernels, self.stack = (), None
+
+    def _bind(self) -> BlockStack | None:
+        """The stack of the layers' current kernels (rebuilt when one was re-bound); None when one no longer runs
+        the CPU kernels, or the model's layers are no longer the ones the stack was made for."""
+        if len(self.layers) != len(self.blocks) or not all(map(is_, (b.fast for b in self.layers), self.blocks)):
+            return None
+        if not all(fb._bind() for fb in self.blocks):
+            return None
+        kernels = tuple(fb.kernel for fb in self.blocks)
+        if len(kernels) != len(self.kernels) or not all(map(is_, kernels, self.kernels)):
+            self.kernels, self.stack = kernels, BlockStack(list(kernels))
+        return self.stack
+
+    def __call__(self, x: Tensor, ropes: dict[str, tuple[Tensor, Tensor]], plans: dict[int | None, AttentionPlan],
+                 cache: KVCache | None, slots: Tensor | None) -> Tensor | None:
+        """x [1, T, D] -> the last layer's output [1, T, D] (a new tensor, before the final norm), or None."""
+        if len(ropes) != 1 or len(plans) != 1 or None not in plans:
+            return None
+        cos, sin = next(iter(ropes.values()))
+        plan = plans[None]
+        if not _serves(x, cos, plan, cache, slots):
+            return None
+        rows = []
+        for where, j in cache.where[: len(self.blocks)]:
+            if where == "streamed":
+                return None
+            rows.append(j)
+        stack = self._bind()
+        if stack is None or len(rows) != len(self.blocks):
+            return None
+        cos_t, sin_t, *lists = _pass_args(plan, cos, sin, slots)
+        T = x.shape[1]
+        out = torch.empty(T, x.shape[2], dtype=torch.float32)
+        stack(x.reshape(T, -1).contiguous(), out, cos_t, sin_t, cache.rows.data, tuple(rows), *lists)
+        return out.view(1, T, -1)
+
+
+def _serves(x: Tensor, cos: Tensor, plan: AttentionPlan, cache: KVCache | None, slots: Tensor | None) -> bool:
+    """Whether the compiled layers serve this pass (module docstring), short of each layer's own rows' tier."""
+    if (cache is None or plan.rows is None or slots is None or x.dtype != torch.float32 or x.shape[0] != 1
+            or cos.dtype != torch.float32):
+        return False
+    rows = cache.rows
+    return rows.scale is None and rows.data.dtype == torch.float32
 
 
 _last = threading.local()           # one forward's arguments, shared by its layers
@@ -143,14 +197,53 @@ def fast_block(args: ModelArgs, block: Block) -> FastBlock | None:
     return FastBlock(args, block)
 
 
+def _joined(mods: list[QuantLinear]) -> QuantLinear | None:
+    """One QuantLinear computing [mods[0]; mods[1]; ...] (their weights, scales and biases stacked by output row:
+    new tensors; the pieces are then freed), or None when the pieces differ in format, group, input or bias. The
+    kernels compute each output row on its own, so the stacked layer gives each row the bits it had alone."""
+    first = mods[0]
+    meta = {k: v for k, v in first.wmeta.items() if k != "shape"}
+    for m in mods:
+        if ({k: v for k, v in m.wmeta.items() if k != "shape"} != meta or m.in_features != first.in_features
+                or m.has_bias != first.has_bias or m.parts().keys() != first.parts().keys()):
+            return None
+    out = sum(m.out_features for m in mods)
+    joined = QuantLinear(first.in_features, out, first.has_bias, first.fmt, first.dtype, first.row_exact)
+    parts = {s: torch.cat([m.parts()[s] for m in mods]) for s in first.parts()}
+    bias = torch.cat([m.bias for m in mods]) if first.has_bias else None
+    joined.set_parts(parts, {**first.wmeta, "shape": [out, first.in_features]}, bias)
+    return joined
+
+
+def _join_projections(block: Block) -> None:
+    """q/k/v into one qkv_proj and gate/up into one gate_up_proj (the layouts Phi-3's checkpoints have, which
+    Attention and GatedMLP run as such): a resident layer then quantizes its input once and starts one threaded
+    kernel where it started three and two (the 0.5B draft's q/k/v 48 -> ~30 us a layer)."""
+    for parent, names, joined_name in ((block.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                       (block.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
+        mods = [parent._modules.get(n) for n in names]
+        if all(isinstance(m, QuantLinear) for m in mods):
+            joined = _joined(mods)
+            if joined is not None:
+                for n in names:
+                    delattr(parent, n)
+                setattr(parent, joined_name, joined)
+
+
 def fuse_cpu_blocks(model: Transformer) -> int:
-    """Give each qualifying decoder layer of a resident CPU model its fast path (and the model row-by-row
-    attention plans, which carry the slot lists the kernel reads); returns how many layers qualify."""
+    """Give each qualifying decoder layer of a resident CPU model its fast path, its projections joined
+    (_join_projections), and the model row-by-row attention plans, which carry the slot lists the kernel reads,
+    and, when every layer qualifies, the whole stack's fast path; returns how many layers qualify."""
     if library() is None or next(model.parameters()).device.type != "cpu":
         return 0
     for block in model.layers:
+        if fast_block(model.args, block) is not None:
+            _join_projections(block)
         block.fast = fast_block(model.args, block)
     fused = sum(block.fast is not None for block in model.layers)
     if fused:
         model.row_exact_attention = True
+    kinds = {(k.rope, k.window) for k in model.args.layer_kinds}
+    if fused == len(model.layers) and len(kinds) == 1 and next(iter(kinds))[1] is None:
+        model.fast_stack = FastStack(model.layers)
     return fused

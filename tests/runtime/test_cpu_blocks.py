@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.quant.cpu_kernels.block import BlockKernel
+from offload.quant.cpu_kernels.block import BlockKernel, BlockStack
 from offload.quant.cpu_kernels.build import library, status
 from offload.quant.linear import QuantLinear
 from specexec.checkpoints.loading import load_model
@@ -33,13 +33,20 @@ def _draft(path, fmt: str = "int4", fuse: bool = True):
 
 
 def _count(monkeypatch) -> list[int]:
-    """calls[0]: how many layer passes the compiled kernel has run since."""
-    calls, run = [0], BlockKernel.__call__
+    """calls[0]: how many layer passes the compiled kernels have run since (one layer at a time or in a stack);
+    calls[1]: how many whole-stack calls."""
+    calls, run, run_stack = [0, 0], BlockKernel.__call__, BlockStack.__call__
 
     def counted(self, *a):
         calls[0] += 1
         return run(self, *a)
+
+    def counted_stack(self, *a):
+        calls[0] += len(self.kernels)
+        calls[1] += 1
+        return run_stack(self, *a)
     monkeypatch.setattr(BlockKernel, "__call__", counted)
+    monkeypatch.setattr(BlockStack, "__call__", counted_stack)
     return calls
 
 
@@ -131,11 +138,32 @@ def test_a_slots_buffer_written_in_place_between_passes_is_read_afresh(tiny_qwen
     assert all(torch.equal(a, b) for a, b in zip(decode(True), decode(False)))
 
 
+def test_a_resident_model_runs_its_whole_stack_in_one_call_with_the_layers_bits(tiny_qwen2, monkeypatch) -> None:
+    """Every layer compiled: a prefill and a tree pass are one stack call each, with the bits of the same layers
+    called one by one; a model whose layers changed after fusing (a layer lost its fast path) runs layer by
+    layer again."""
+    model = _draft(tiny_qwen2)
+    args = (prompt(3), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
+    calls = _count(monkeypatch)
+    stacked = _passes(model, *args)
+    assert calls == [2 * model.args.n_layers, 2]
+    stack, model.fast_stack = model.fast_stack, None
+    by_layer = _passes(model, *args)
+    assert calls == [4 * model.args.n_layers, 2]
+    assert all(torch.equal(a, b) for a, b in zip(stacked, by_layer))
+    model.fast_stack, model.layers[1].fast = stack, None
+    _passes(model, *args)
+    assert calls == [4 * model.args.n_layers + 2, 2]
+
+
 def test_passes_the_kernel_cannot_serve_run_the_modules(tiny_qwen2, monkeypatch) -> None:
     """int8 KV rows, a pass of more than ROW_EXACT_T tokens (no slot lists): the modules run (the kernel is not
-    called) and give their own result."""
+    called) and give the bits of the separate q/k/v and gate/up the fused model joined (each output row is
+    computed on its own)."""
     model, plain = _draft(tiny_qwen2), _draft(tiny_qwen2, fuse=False)
     plain.row_exact_attention = True
+    assert hasattr(model.layers[0].self_attn, "qkv_proj") and hasattr(model.layers[0].mlp, "gate_up_proj")
+    assert hasattr(plain.layers[0].self_attn, "q_proj") and hasattr(plain.layers[0].mlp, "gate_proj")
     calls = _count(monkeypatch)
     ids = prompt(5)
     with torch.inference_mode():
@@ -149,7 +177,7 @@ def test_passes_the_kernel_cannot_serve_run_the_modules(tiny_qwen2, monkeypatch)
 
 def test_a_re_bound_layer_runs_its_new_weights(tiny_qwen2, monkeypatch) -> None:
     """A module re-pointed at other tensors (what a streamed layer's slot is on every pass) gets its kernel
-    rebuilt: layer 0 given layer 1's q_proj and input norm computes with them, not with stale pointers."""
+    rebuilt: layer 0 given layer 1's o_proj and input norm computes with them, not with stale pointers."""
     model, plain = _draft(tiny_qwen2), _draft(tiny_qwen2, fuse=False)
     plain.row_exact_attention = True
     ids = prompt(7)
@@ -158,8 +186,8 @@ def test_a_re_bound_layer_runs_its_new_weights(tiny_qwen2, monkeypatch) -> None:
         before = run(model)
         for m in (model, plain):
             src, dst = m.layers[1], m.layers[0]
-            q = src.self_attn.q_proj
-            dst.self_attn.q_proj.set_parts({s: t.clone() for s, t in q.parts().items()}, q.wmeta, q.bias.clone())
+            o = src.self_attn.o_proj
+            dst.self_attn.o_proj.set_parts({s: t.clone() for s, t in o.parts().items()}, o.wmeta, None)
             dst.input_layernorm.weight = torch.nn.Parameter(src.input_layernorm.weight.detach().clone())
         calls = _count(monkeypatch)
         a, b = run(model), run(plain)

@@ -209,8 +209,8 @@ def test_draft_quant_keeps_greedy_output(tiny_pair, tiny_perturbed_draft, cache_
     base = Runtime.load(str(tiny_pair[0]), None, config)
     rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config,
                       offload=OffloadConfig(draft_quant=fmt, cache_dir=str(cache_root)))
-    up = rt.engine.draft.layers[0].mlp.up_proj
-    assert isinstance(up, QuantLinear) and up.kernel() == f"{fmt}-cpu" and not up.row_exact
+    down = rt.engine.draft.layers[0].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.kernel() == f"{fmt}-cpu" and not down.row_exact
     assert f"{fmt} layers" in rt.draft_info.dtype and rt.draft_info.dtype.startswith("float32")   # fp32 on CPU
     assert ids_of(rt) == ids_of(base)
 

@@ -164,3 +164,17 @@ int sx_block(const SxBlock *b, const float *x_in, float *x, int64_t T, const flo
     free(buf);
     return rc;
 }
+
+/* x_in [T, dim] through layers blocks[0 .. n) in order -> x [T, dim] (x may be x_in): sx_block on each, layer i's
+ * cache rows at kv + kv_off[i] (floats), every layer attending over the same slot lists. One call for a whole
+ * resident model's decoder stack: no Python between its layers. Returns what the first failing layer returned. */
+int sx_blocks(const SxBlock *const *blocks, const int64_t *kv_off, int64_t n, const float *x_in, float *x, int64_t T,
+              const float *cos, const float *sin, float *kv, int64_t slot_stride, int64_t v_off, const int64_t *slots,
+              const int32_t *idx, const int32_t *len, int64_t L, int threads) {
+    for (int64_t i = 0; i < n; i++) {
+        int rc = sx_block(blocks[i], i ? x : x_in, x, T, cos, sin, kv + kv_off[i], slot_stride, v_off, slots, idx,
+                          len, L, threads);
+        if (rc) return rc;
+    }
+    return 0;
+}

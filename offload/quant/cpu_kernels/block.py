@@ -9,6 +9,9 @@ ops, which is most of a small model's one-token decode on a CPU beside the weigh
            (every layer's cache rows, specexec/kv/rows.py's layout), layer, slots int64 [T], idx int32 [T, L],
            lens int32 [T]) -> out (x's layer output; out may be x)
 
+    BlockStack(kernels) -> stack: layers in order in one call (block.c's sx_blocks: no Python between them)
+    stack(x, out, cos, sin, kv, rows [n] (each layer's index into kv), slots, idx, lens) -> out
+
 The kernel holds the tensors whose pointers it was built with. Its result equals the torch modules' up to fp32
 rounding (block.c's docstring), and is row-exact, like each of its parts.
 
@@ -90,4 +93,34 @@ class BlockKernel:
                                idx.shape[-1], torch.get_num_threads())
         if rc:
             raise RuntimeError(f"sx_block failed ({rc}) on x {list(x.shape)}")
+        return out
+
+
+class BlockStack:
+    """Layers' kernels run in order in one call (sx_blocks), each layer's cache rows at its own index of kv; it
+    holds the kernels (their structs are what it points to)."""
+
+    def __init__(self, kernels: list[BlockKernel]) -> None:
+        if not kernels:
+            raise ValueError("a block stack needs at least one layer")
+        self.kernels, self.lib = list(kernels), kernels[0].lib
+        self.ptrs = (_p * len(kernels))(*(ctypes.addressof(k.struct) for k in kernels))
+        self._rows: tuple = ()
+        self.offsets = (_i64 * len(kernels))()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                 rows: tuple[int, ...], slots: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> out [T, dim] (may be x) through every layer; layer i's cache rows are kv[rows[i]]."""
+        if len(rows) != len(self.kernels):
+            raise ValueError(f"{len(rows)} cache rows for {len(self.kernels)} layers")
+        key = (kv.stride(0), rows)                   # a cache that grew has another layer stride
+        if key != self._rows:
+            self.offsets[:] = [j * kv.stride(0) for j in rows]
+            self._rows = key
+        rc = self.lib.sx_blocks(self.ptrs, self.offsets, len(rows), x.data_ptr(), out.data_ptr(), x.shape[0],
+                                cos.data_ptr(), sin.data_ptr(), kv.data_ptr(), kv.stride(1), kv.stride(2),
+                                slots.data_ptr(), idx.data_ptr(), lens.data_ptr(), idx.shape[-1],
+                                torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"sx_blocks failed ({rc}) on x {list(x.shape)}")
         return out

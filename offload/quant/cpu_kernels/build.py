@@ -39,6 +39,8 @@ SIGNATURES = {      # name -> (restype, argtypes), as kernels.c declares them
     "sx_attend_rows": (_int, [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                               _ptr, _i64, _i64, ctypes.c_float, _int]),
     "sx_block": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int]),
+    "sx_blocks": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64,
+                         _int]),
 }
 
 
