@@ -20,11 +20,12 @@ Does not know: the engine, trees, which tier a layer's bytes came from.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from itertools import chain
 from operator import is_
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from offload.quant.cpu_kernels.block import BlockKernel, BlockShape, BlockStack
 from offload.quant.cpu_kernels.build import library
@@ -125,7 +126,7 @@ class FastStack:
     stack in one compiled call (BlockStack: no Python between layers, ~1.2 ms of a 24-layer step) where the pass
     is one every layer serves, else None (the layers then run one by one, each with its own path)."""
 
-    def __init__(self, layers: nn.ModuleList) -> None:
+    def __init__(self, layers: Sequence[Block]) -> None:
         self.layers, self.blocks = layers, [block.fast for block in layers]
         self.kernels, self.stack = (), None
 
@@ -243,7 +244,15 @@ def fuse_cpu_blocks(model: Transformer) -> int:
     fused = sum(block.fast is not None for block in model.layers)
     if fused:
         model.row_exact_attention = True
-    kinds = {(k.rope, k.window) for k in model.args.layer_kinds}
-    if fused == len(model.layers) and len(kinds) == 1 and next(iter(kinds))[1] is None:
-        model.fast_stack = FastStack(model.layers)
+    model.fast_stack = fast_stack(model.args, model.layers)
     return fused
+
+
+def fast_stack(args: ModelArgs, layers: Sequence[Block]) -> FastStack | None:
+    """The whole-stack fast path over `layers` (every decoder layer, in order), or None unless each has its fast
+    path and all attend alike (one RoPE, no sliding window: one attention plan serves them all)."""
+    kinds = {(k.rope, k.window) for k in args.layer_kinds}
+    if (len(layers) != args.n_layers or any(block.fast is None for block in layers) or len(kinds) != 1
+            or next(iter(kinds))[1] is not None):
+        return None
+    return FastStack(layers)

@@ -39,7 +39,7 @@ from specexec.kv.cache import KVCache
 from specexec.network.model import Block, Transformer, on_meta
 from specexec.options import ConfigError
 from specexec.planning.target import TargetPlan
-from specexec.runtime.cpu_blocks import fast_block
+from specexec.runtime.cpu_blocks import fast_block, fast_stack
 from specexec.runtime.cpu_experts import CpuExperts, check_cpu_format, cpu_experts
 from specexec.runtime.expert_stream import ExpertCache, ExpertStream
 
@@ -92,6 +92,7 @@ class OffloadedTransformer(Transformer):
         self._slot_blocks: dict[object, Block] = {}
         self._resident_blocks: dict[int, Block] = {}
         self._examined: set[int] = set()              # modules _with_fast has looked at
+        self._stack_examined = False                  # whether _stack_all_resident has looked
         self.current: tuple = (-1, -1, None, None)     # (layer, slot or -1, Block, buffer) the pager handed out last
         self.pager: LayerPager = pager_factory(self._bind)
         self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
@@ -174,7 +175,18 @@ class OffloadedTransformer(Transformer):
             self.pager.discard()
             self.pager.companion = kv.companion if kv is not None else None
             self._kv = kv
+        if not self._stack_examined:
+            self._stack_all_resident()
         return super().forward(tokens, positions, mask, cache, slots)
+
+    def _stack_all_resident(self) -> None:
+        """When the plan keeps every layer resident and each runs compiled, the whole stack in one call
+        (cpu_blocks.fast_stack; decode takes it for the passes it serves, else the pager's path): nothing streams,
+        so the pager has nothing to do between layers."""
+        self._stack_examined = True
+        n = self.args.n_layers
+        if self.row_exact_attention and all(self.pager.tier_of(i) == "resident" for i in range(n)):
+            self.fast_stack = fast_stack(self.args, [self.resident_block(i) for i in range(n)])
     def resident_block(self, i: int) -> Block | None:
         """Layer i's Block when the plan keeps it resident (bound once: the very Block every pass runs), else
         None. A self-draft runs these as they are (specexec/runtime/self_draft.py)."""

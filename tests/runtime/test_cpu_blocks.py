@@ -12,7 +12,7 @@ import torch
 from offload.quant.cpu_kernels.block import BlockKernel, BlockStack
 from offload.quant.cpu_kernels.build import library, status
 from offload.quant.linear import QuantLinear
-from specexec.checkpoints.loading import load_model
+from specexec.checkpoints.loading import load_model, read_args
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.network.attention import ROW_EXACT_T, TreeMask
 from specexec.runtime.assembly import Runtime
@@ -232,6 +232,21 @@ def test_an_offloaded_int4_target_runs_compiled_on_every_tier(tiny_pair, tmp_pat
         for n in (1, 2):
             got = _passes(model, prompt(8), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
             assert all(torch.equal(a, b) for a, b in zip(got, want))
-            assert calls[0] == 2 * n * model.args.n_layers
+            assert calls == [2 * n * model.args.n_layers, 0]            # layer by layer: some stream
+    finally:
+        model.close()
+
+
+def test_an_all_resident_offloaded_target_runs_its_stack_in_one_call(tiny_pair, tmp_path, monkeypatch) -> None:
+    """Every layer resident (nothing for the pager to stream between layers): one stack call a pass, with the
+    bits of the resident reference; a plan that streams a layer keeps going layer by layer (the test above)."""
+    n = read_args(tiny_pair[0]).n_layers
+    model = offloaded(tiny_pair[0], "int4", ["resident"] * n, tmp_path)
+    want = _passes(reference(tiny_pair[0], "int4"), prompt(8), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
+    calls = _count(monkeypatch)
+    try:
+        got = _passes(model, prompt(8), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert calls == [2 * n, 2] and model.fast_stack is not None
     finally:
         model.close()
