@@ -64,12 +64,14 @@ class StepState:
 @dataclass
 class Drafted:
     """What the draft stage made: the tree, the budget it asked for (None: no builder), the draft passes it
-    ran and the span that timed it."""
+    ran, the span that timed it, and whether the tuner was still descending from its first budget (the gate
+    does not judge drafting on such a step)."""
 
     tree: TokenTree
     budget: int | None
     passes: int
     span: Span
+    settling: bool = False
 
 
 class Engine:
@@ -312,7 +314,8 @@ class Engine:
         if self._trims:                              # the nodes worth the experts they pull in
             tree = self.experts.trim(tree, self.target)
         span.stop()
-        return Drafted(tree, budget, draft.passes - before if draft is not None else 0, span)
+        settling = self.tuner is not None and not self.tuner.settled
+        return Drafted(tree, budget, draft.passes - before if draft is not None else 0, span, settling)
 
     def _commit(self, tree: TokenTree, acc: Accepted, cache: KVCache, draft: DraftState | None) -> None:
         """Stage 3: both caches keep the accepted rows (the draft also queues what it has not seen) and the
@@ -340,7 +343,7 @@ class Engine:
 
         def timed(draft_s: float, target_s: float) -> None:
             if self.pilot is not None:
-                self.pilot.heard(tree.size, len(acc.tokens), draft_s, target_s, expert_s)
+                self.pilot.heard(tree.size, len(acc.tokens), draft_s, target_s, expert_s, drafted.settling)
             if self.tuner is not None and (tree.size or self.pilot is None):
                 self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s, expert_s)
             if self.experts is not None:

@@ -8,6 +8,10 @@ specexec/tuning/gate.py's; here its bookkeeping meets the engine's:
   seconds are charged to the gate once known (Gate.charge: they count in the probes' share of the time, not in
   their rate); while the gate is off a new prompt is not prefilled into the draft either (Engine._start asks
   `drafting`), so a gated-off run's time to first token is the target alone's;
+- the speculative steps whose budget the tuner chose while still descending from its first budget (16, then
+  8, 4, ... one grid step a step: budget.BudgetTuner.settled) are not heard by the gate: they show what those
+  larger trees cost, not what drafting at the tuner's choice does (on the 0.5B/1.5B pair on a CPU they ran
+  at half the target alone's rate and switched drafting off for a whole bench row);
 - a plain step's target time is the tuner's one-row pass cost (the prior the gate reads when it has no plain
   step of its own yet), and the tuner never hears it as a tree (it would look like free drafting);
 - every step is counted (stats.gate: plain_steps, speculative_steps), every switch counted and noted in one
@@ -78,15 +82,19 @@ class Pilot:
             self._catch_ups.append(span)
         return plain
 
-    def heard(self, tree_size: int, tokens: int, draft_s: float, target_s: float, expert_s: float = 0.0) -> None:
-        """A step's times settled (in step order): tokens it emitted, draft and target seconds, and what the
-        cost model's MoE term said its experts cost."""
+    def heard(self, tree_size: int, tokens: int, draft_s: float, target_s: float, expert_s: float = 0.0,
+              settling: bool = False) -> None:
+        """A step's times settled (in step order): tokens it emitted, draft and target seconds, what the
+        cost model's MoE term said its experts cost, and whether the tuner was still descending from its first
+        budget when it chose this step's (settling: the gate does not hear such a speculative step)."""
         plain = self._kinds.popleft() if self._kinds else tree_size == 0
         for span in [s for s in self._catch_ups if s.ready]:        # CUDA: only once its events completed
             self.gate.charge(span.seconds)
             self._catch_ups.remove(span)
         if tree_size == 0 and self.tuner is not None:
             self.tuner.costs.target.add(1, max(target_s - expert_s, 0.0))
+        if settling and not plain:
+            return
         switch = self.gate.observe(not plain, tokens, draft_s + target_s)
         if switch is not None:
             counted = self.profiler.counters

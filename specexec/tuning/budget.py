@@ -195,6 +195,7 @@ class BudgetTuner:
     probe_every: int = 8
     leap_gain: float = 1.5          # leap across the grid for a predicted gain of at least this factor
     steps: int = 0
+    settled: bool = False           # the descent from start_budget is over (a choice that did not go down)
 
     def __post_init__(self) -> None:
         self.grid = budget_grid(self.max_budget)
@@ -212,7 +213,16 @@ class BudgetTuner:
     def next_budget(self) -> int:
         """The next step's budget: a probe one grid step up every `probe_every` steps; else a leap to the grid's
         best trusted budget when it predicts >= leap_gain x the current one's tokens/s (a far hill across a
-        valley); else the best budget within one grid step (moving only for a > 2 % gain)."""
+        valley); else the best budget within one grid step (moving only for a > 2 % gain). `settled` turns
+        true at the first choice that does not go down: until then the tuner is still descending from its
+        start, and its steps show what those larger budgets cost, not what drafting at its choice does (the
+        gate does not judge drafting on them: specexec/pilot.py)."""
+        before = self.index
+        budget = self._next()
+        self.settled = self.settled or self.index >= before
+        return budget
+
+    def _next(self) -> int:
         self.steps += 1
         lo, hi = max(self.index - 1, 0), min(self.index + 1, len(self.grid) - 1)
         if self.steps % self.probe_every == 0 and hi > self.index:

@@ -13,6 +13,7 @@ from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
+from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit
 from specexec.tuning.gate import Switch
 from tests.chi2 import chi2_pvalue
 from tests.sampling_pairs import PROMPT, exact_pairs, sample_pairs
@@ -74,6 +75,23 @@ def test_a_fixed_budget_gates_nothing_unless_asked(models) -> None:
     engine = Engine(models["target"], models["perturbed"], EngineConfig(budget=8), SpecExecBuilder())
     run(engine, prompt(0), 16)
     assert "gate" not in engine.stats.summary(8, "specexec")
+
+
+def test_the_gate_does_not_judge_drafting_on_the_tuners_descent(models) -> None:
+    """--budget auto: the speculative steps whose budget the tuner chose while descending from its first one
+    (costs steep in the tree size: it goes down at once) are not heard by the gate; every later one is."""
+    steep = CurveFit()
+    for n in (1, 2, 4, 8, 16, 32, 64, 65):
+        steep.add(n, 0.01 * n)
+    tuner = BudgetTuner(64, CostModel(steep, CurveFit(dict(steep.points), origin=True)))
+    engine = Engine(models["target"], models["perturbed"], EngineConfig(budget=64, auto_budget=True),
+                    SpecExecBuilder(), tuner=tuner)
+    flipper = engine.pilot.gate = Flipper([False])                 # every step speculative
+    settling, choose = [], tuner.next_budget
+    tuner.next_budget = lambda: (choose(), settling.append(not tuner.settled))[0]
+    run(engine, prompt(0), 32)
+    assert settling[0] and not settling[-1] and sorted(settling, reverse=True) == settling
+    assert all(flipper.heard) and len(flipper.heard) == settling.count(False)
 
 
 class Off(Flipper):

@@ -113,3 +113,24 @@ def test_one_slow_sample_does_not_lift_every_larger_size() -> None:
     c.add(8, 0.50)                                   # one spike, count 1
     assert c(16) < 0.15 and c(64) < 0.15
     assert c(4) <= c(8) <= c(16) <= c(64)            # still monotone
+
+
+def test_the_tuner_is_settling_while_it_descends_from_its_first_budget() -> None:
+    """A linear pass cost from budget 16: each step goes down (a leap to budget 2 here) while settling, until a
+    choice that does not go down; from then on it stays settled, probes up included."""
+    tuner = BudgetTuner(MAX, CostModel(fit(lambda n: 0.02 + 0.004 * n), fit(lambda n: 0.002 * n)), start_budget=16)
+    feed(tuner, lambda r: 0.5 ** r)
+    trace = [(tuner.next_budget(), tuner.settled) for _ in range(12)]
+    first = next(i for i, (_, settled) in enumerate(trace) if settled)
+    budgets = [b for b, _ in trace]
+    descent = [16] + budgets[:first]
+    assert first >= 1 and all(b < a for a, b in zip(descent, descent[1:]))
+    assert budgets[first] >= budgets[first - 1] and all(settled for _, settled in trace[first:])
+    assert max(budgets[first:]) > budgets[first]                      # a probe up, settled all the same
+
+
+def test_a_tuner_that_starts_at_its_best_budget_is_settled_at_once() -> None:
+    tuner = BudgetTuner(MAX, CostModel(fit(lambda n: 1.5), fit(lambda n: 0.05)), start_budget=MAX)
+    feed(tuner, lambda r: 0.97 ** (r / 8))
+    tuner.next_budget()
+    assert tuner.settled
