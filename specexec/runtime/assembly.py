@@ -89,7 +89,7 @@ class ModelInfo:
                 "load_s": round(self.load_s, 2)}
 
 
-def _load_one(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool,
+def load_resident(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool,
               quant: str = "none", draft: bool = False) -> tuple[Transformer, ModelInfo]:
     """A resident model on the configured device; its decoder linears quantized to `quant` (on CUDA block by
     block as they arrive, so the GPU never holds the unquantized model; freed blocks go back to the driver).
@@ -187,7 +187,7 @@ def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: Off
                  target_plan: TargetPlan | None, allow_pickle: bool) -> tuple[Transformer, ModelInfo]:
     """The resident loader when every layer stays resident and unquantized, else the offloaded target."""
     if target_plan is None or not target_plan.offloaded:
-        return _load_one(path, args, config, allow_pickle)
+        return load_resident(path, args, config, allow_pickle)
     t0 = time.perf_counter()
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -315,7 +315,7 @@ class Runtime:
         draft_model, d_info = None, None
         if d_path is not None:
             say(f"loading draft {d_path}")
-            draft_model, d_info = _load_one(d_path, d_args, config, allow_pickle, offload.draft_quant, draft=True)
+            draft_model, d_info = load_resident(d_path, d_args, config, allow_pickle, offload.draft_quant, draft=True)
         say(f"loading target {t_path}")
         target, t_info = _load_target(t_path, t_args, config, offload, plan, allow_pickle)
         depth = None

@@ -142,16 +142,16 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], reps: int, copies_by
     return out
 
 
-def parse_rows(text: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16]; ConfigError naming the bad item otherwise."""
+def parse_rows(text: str, flag: str = "--rows") -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; ConfigError naming `flag` and the bad item otherwise."""
     try:
         rows = [int(r) for r in text.split(",") if r.strip()]
     except ValueError:
-        raise ConfigError(f"--rows {text!r}: a comma-separated list of row counts, e.g. 1,4,16") from None
+        raise ConfigError(f"{flag} {text!r}: a comma-separated list of row counts, e.g. 1,4,16") from None
     for r in rows:
-        check_integer("--rows", r, low=1, high=4096)
+        check_integer(flag, r, low=1, high=4096)
     if not rows:
-        raise ConfigError("--rows lists no row count")
+        raise ConfigError(f"{flag} lists no row count")
     return rows
 
 

@@ -2,8 +2,9 @@
  * projections (fused or not, biases), optional per-head q/k RMSNorm, RoPE on the first rope_dim dimensions of each
  * head, the new K/V rows written into the layer's cache slots, row-by-row attention over each token's slot list
  * (kernels.c's sx_attend_into), o_proj and the residual, RMSNorm, gate/up (fused or not), SiLU(gate) * up, down and
- * the residual. Every linear is kernels.c's q4 or q8 kernel (int8 activations, threaded over output rows); the
- * glue between them runs on the calling thread and allocates one scratch buffer. The residual stream is fp32.
+ * the residual (sx_blocks: a stack of such layers in one call). Every linear is kernels.c's q4 or q8 kernel
+ * (int8 activations, threaded over output rows); the glue between them runs on the calling thread and allocates
+ * one scratch buffer. The residual stream is fp32.
  *
  * Every step works on one token's row at a time (the norms, RoPE, the activation) or is row-exact (the linears,
  * the attention), so a token's output in a pass of T rows has the same bits as in a one-token pass that sees the
