@@ -8,8 +8,8 @@ specexec/tuning/gate.py's; here its bookkeeping meets the engine's:
   seconds are charged to the gate once known (Gate.charge: they count in the probes' share of the time, not in
   their rate); while the gate is off a new prompt is not prefilled into the draft either (Engine._start asks
   `drafting`), so a gated-off run's time to first token is the target alone's;
-- the speculative steps whose budget the tuner chose while still descending from its first budget (16, then
-  8, 4, ... one grid step a step: budget.BudgetTuner.settled) are not heard by the gate: they show what those
+- the speculative steps whose budget the tuner chose while still descending from its first budget (down from
+  16, a grid step or a leap at a time: budget.BudgetTuner.settled) are not heard by the gate: they show what those
   larger trees cost, not what drafting at the tuner's choice does (on the 0.5B/1.5B pair on a CPU they ran
   at half the target alone's rate and switched drafting off for a whole bench row);
 - a plain step's target time is the tuner's one-row pass cost (the prior the gate reads when it has no plain

@@ -187,6 +187,7 @@ class OffloadedTransformer(Transformer):
         n = self.args.n_layers
         if self.row_exact_attention and all(self.pager.tier_of(i) == "resident" for i in range(n)):
             self.fast_stack = fast_stack(self.args, [self.resident_block(i) for i in range(n)])
+
     def resident_block(self, i: int) -> Block | None:
         """Layer i's Block when the plan keeps it resident (bound once: the very Block every pass runs), else
         None. A self-draft runs these as they are (specexec/runtime/self_draft.py)."""
