@@ -227,7 +227,7 @@ def _joined(mods: list[QuantLinear]) -> QuantLinear | None:
 def _join_projections(block: Block) -> None:
     """q/k/v into one qkv_proj and gate/up into one gate_up_proj (the layouts Phi-3's checkpoints have, which
     Attention and GatedMLP run as such): a resident layer then quantizes its input once and starts one threaded
-    kernel where it started three and two (the 0.5B draft's q/k/v 48 -> ~30 us a layer)."""
+    kernel where it started three and two (the 0.5B draft's q/k/v 48 -> 35 us a layer, in-block timers)."""
     for parent, names, joined_name in ((block.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
                                        (block.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
         mods = [parent._modules.get(n) for n in names]

@@ -29,6 +29,7 @@ from specexec.checkpoints.loading import read_args, resolve_model_path
 from specexec.config import EngineConfig
 from specexec.network.model import Transformer, TreeMask
 from specexec.options import ConfigError, check_integer
+from specexec.planning.sizes import module_bytes
 from specexec.runtime.assembly import load_resident
 
 FORMATS = ("none", "int4", "int8")
@@ -50,15 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def weight_bytes(model: Transformer) -> int:
-    """Bytes of every distinct tensor of the decoder layers and the LM head (the embedding when tied and not
-    quantized): what one decode pass reads once."""
+    """Bytes of the decoder layers and the LM head (the embedding when tied and not quantized): what one decode
+    pass reads once."""
     head = model._modules.get("lm_head")
-    parts = [*model.layers, head] if head is not None else [*model.layers]
-    tensors = [t for m in parts for t in (*m.parameters(), *m.buffers())]
-    if head is None:
-        tensors.append(model.embed_tokens.weight)
-    seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if t.numel()}
-    return sum(seen.values())
+    return sum(map(module_bytes, model.layers)) + module_bytes(head if head is not None else model.embed_tokens)
 
 
 def measure(model: Transformer, tokens: list[int], context: int, reps: int) -> list[dict]:
