@@ -231,9 +231,11 @@ class QuantLinear(nn.Module):
         return self._cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._cpu is not None or self.cpu_kernel() is not None:   # the CPU integer kernels' fast path
+        if self._cpu is not None:                                  # the CPU integer kernels' fast path
             return self._cpu(x)
         kernel = self.kernel()
+        if kernel in ("int4-cpu", "int8-cpu"):                     # first call after a binding
+            return self.cpu_kernel()(x)
         rows = x.reshape(-1, self.in_features)
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
         if kernel in ("linear", "dequantize"):

@@ -199,11 +199,14 @@ def _pass_args(plan: AttentionPlan, cos: Tensor, sin: Tensor, slots: Tensor) -> 
     return _last.args
 
 
+def compilable(block: Block) -> bool:
+    """Whether a layer module has a shape the kernel covers and weights that run the CPU kernels."""
+    return library() is not None and _qualifies(block) and _linears(block) is not None and _norms(block) is not None
+
+
 def fast_block(args: ModelArgs, block: Block) -> FastBlock | None:
-    """The fast path of a layer module whose shape the kernel covers and whose weights run the CPU kernels."""
-    if library() is None or not _qualifies(block) or _linears(block) is None or _norms(block) is None:
-        return None
-    return FastBlock(args, block)
+    """The fast path of a compilable layer module, else None."""
+    return FastBlock(args, block) if compilable(block) else None
 
 
 def _joined(mods: list[QuantLinear]) -> QuantLinear | None:
@@ -246,9 +249,11 @@ def fuse_cpu_blocks(model: Transformer) -> int:
     if library() is None or next(model.parameters()).device.type != "cpu":
         return 0
     for block in model.layers:
-        if fast_block(model.args, block) is not None:
+        if compilable(block):
             _join_projections(block)
-        block.fast = fast_block(model.args, block)
+            block.fast = FastBlock(model.args, block)
+        else:
+            block.fast = None
     fused = sum(block.fast is not None for block in model.layers)
     if fused:
         model.row_exact_attention = True
