@@ -27,7 +27,7 @@ import torch
 
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
-from specexec.network import longrope
+from specexec.network import longrope, mixers
 from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
 from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.kv.cache import KVCache, kv_slots_for
@@ -48,8 +48,8 @@ def new_cache(model: Transformer, slots: int, quant: str, tail: int) -> KVCache:
     """`model`'s KV cache (its own `new_cache`, else a device cache in its dtype, e.g. a wrapped draft)."""
     if has(model, MakesCache):
         return model.new_cache(slots, quant, tail)
-    a, p = model.args, next(model.parameters())
-    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, slots, p.dtype, p.device, quant=quant)
+    p = next(model.parameters())
+    return mixers.new_cache(model.args, slots, p.dtype, p.device, quant)
 
 
 @dataclass

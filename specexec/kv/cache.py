@@ -10,6 +10,10 @@ Where each layer's rows live (chosen by the memory plan, per layer):
 - "streamed": host RAM (pinned on CUDA), staged to the device with the layer's weights through the pager's
   slots; only committed rows move in, only committed rows move out (specexec/kv/stream.py).
 Both hold the same rows bit for bit, so attention (hence greedy output) is identical either way.
+- a state store: layers whose token mixer keeps something other than K/V rows per slot (a recurrent state:
+  specexec/kv/recurrent.py) name a StateSpec (`states[i]`, from their mixer kind: specexec/network/mixers.py);
+  the layers of one spec type share one store (specexec/kv/layer_store.py says what a store answers), which
+  commits with the cache (keep, advance, truncate, grow) and which the layer reads through `state(layer)`.
 
 `quant="int8"` stores rows as int8 with per-token, per-head scales (kv_rows.py): LOSSY, off by default, and
 outside every exactness claim of this project.
@@ -24,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from specexec.kv.layer_store import LayerStore, StateSpec
 from specexec.kv.rows import QUANTS, Rows
 from specexec.kv.stream import StreamedKV
 
@@ -43,26 +48,43 @@ class KVCache:
     streamed: layer ids whose rows live on the host and travel with their layer; tail: rows of one forward a
     streamed layer keeps on the device until they are committed (the tree budget + 1; longer forwards, i.e.
     prefill chunks, write straight through to the host); windows[i]: layer i's sliding window (None: full),
-    so a streamed sliding layer moves only the rows its window sees."""
+    so a streamed sliding layer moves only the rows its window sees; states[i]: layer i's StateSpec when its
+    cache is not K/V rows (None or absent: rows)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, batch: int = 1, quant: str = "none",
-                 streamed: Sequence[int] = (), tail: int = 0, windows: Sequence[int | None] = ()) -> None:
+                 streamed: Sequence[int] = (), tail: int = 0, windows: Sequence[int | None] = (),
+                 states: Sequence[StateSpec | None] = ()) -> None:
         if quant not in QUANTS:
             raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(QUANTS)}")
         self.device, self.dtype, self.quant = torch.device(device), dtype, quant
-        streamed = sorted(set(streamed))
+        specs = {i: s for i, s in enumerate(states) if s is not None}
+        streamed = sorted(set(streamed) - set(specs))
         if streamed and not 0 <= streamed[0] <= streamed[-1] < n_layers:
             raise ValueError(f"streamed KV layers {streamed} are not all in [0, {n_layers})")
-        resident = [i for i in range(n_layers) if i not in set(streamed)]
+        resident = [i for i in range(n_layers) if i not in set(streamed) and i not in specs]
+        self.stores, self.states = self._state_stores(specs, capacity, batch, dtype)
         self.where: list[tuple[str, int]] = [("device", resident.index(i)) if i in resident else
-                                             ("streamed", streamed.index(i)) for i in range(n_layers)]
+                                             ("streamed", streamed.index(i)) if i in streamed else
+                                             ("state", self.states[i][1]) for i in range(n_layers)]
         self.rows = Rows.empty(len(resident), capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device)
         self.stream = StreamedKV(streamed, capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device,
                                  tail, [windows[i] if windows else None for i in streamed]) if streamed else None
         self.capacity = capacity
         self.length = 0
         self.long_rope = False        # rows computed with LongRoPE's long factors (the engine sets it: rope.py)
+
+    def _state_stores(self, specs: dict[int, StateSpec], capacity: int, batch: int, dtype: torch.dtype
+                      ) -> tuple[list[LayerStore], dict[int, tuple[LayerStore, int]]]:
+        """One store per spec type over its layers (in order), and per such layer (its store, its index there)."""
+        stores: list[LayerStore] = []
+        placed: dict[int, tuple[LayerStore, int]] = {}
+        for kind in dict.fromkeys(type(spec) for spec in specs.values()):
+            group = [i for i in sorted(specs) if type(specs[i]) is kind]
+            store = kind.new_store([specs[i] for i in group], capacity, batch, dtype, self.device)
+            stores.append(store)
+            placed |= {layer: (store, j) for j, layer in enumerate(group)}
+        return stores, placed
 
     # ------------------------------------------------------------------------------------- what it holds
 
@@ -78,7 +100,14 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of every stored row: device store, host rows, and the streamed layers' stages and tail."""
-        return self.rows.nbytes + (self.stream.nbytes if self.stream is not None else 0)
+        return (self.rows.nbytes + (self.stream.nbytes if self.stream is not None else 0)
+                + sum(store.nbytes for store in self.stores))
+
+    def state(self, layer: int) -> tuple[LayerStore, int]:
+        """(store, index of the layer in it) of a layer whose cache is a state store."""
+        if layer not in self.states:
+            raise ValueError(f"layer {layer} keeps K/V rows, not a state")
+        return self.states[layer]
 
     @property
     def k(self) -> Tensor:
@@ -121,6 +150,8 @@ class KVCache:
                 t[:, dest] = rows                    # take() copies: no overlap hazard
         if self.stream is not None:
             self.stream.keep(slots)
+        for store in self.stores:
+            store.keep(slots, self.length)
         self.length += n
 
     def advance(self, n: int) -> None:
@@ -129,6 +160,8 @@ class KVCache:
         self._check_room(n)
         if self.stream is not None and n:
             self.stream.advance(n)
+        for store in self.stores:
+            store.advance(n, self.length)
         self.length += n
 
     def _check_room(self, n: int) -> None:
@@ -145,18 +178,35 @@ class KVCache:
         self.rows = self.rows.grown(capacity, self.length)
         if self.stream is not None:
             self.stream.grow(capacity)
+        for store in self.stores:
+            store.grow(capacity)
         self.capacity = capacity
 
     def truncate(self, length: int) -> None:
         """Forget everything from `length` on (used to reuse a shared prompt prefix)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        for store in self.stores:
+            store.truncate(length, self.length)
         self.length = length
         if self.stream is not None:
             self.stream.truncate(length)
 
     def reset(self) -> None:
         self.truncate(0)
+
+    def reusable(self, length: int) -> int:
+        """The longest committed prefix of at most `length` tokens `truncate` can return to: any with K/V rows
+        only; a state store only to its snapshots (and the current length)."""
+        length = min(length, self.length)
+        for store in self.stores:
+            length = store.reusable(length, self.length)
+        return length
+
+    def snapshot(self) -> None:
+        """Let `truncate` return to the current length later (state stores keep a copy; rows need none)."""
+        for store in self.stores:
+            store.snapshot(self.length)
 
     # ------------------------------------------------------------------------------------- streaming
 
@@ -165,6 +215,8 @@ class KVCache:
         what is committed now."""
         if self.stream is not None:
             self.stream.begin_forward()
+        for store in self.stores:
+            store.begin_forward(self.length)
 
     def attach(self, n_stages: int, discard: Callable[[], None] | None = None) -> None:
         """Stage the streamed layers through a pager with n_stages slots (`companion` is its callback;

@@ -14,8 +14,9 @@ of each pass goes to `Transformer.routing` (a RoutingLog; None records nothing).
 checkpoints without the leading "model." (the MoE names are specexec/network/moe.py's; specexec/families/weights.py maps a
 checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a caller needs;
 callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made of live beside it:
-specexec/network/norms.py (RMSNorm), specexec/network/rope.py (RoPE), specexec/network/ffn.py (the gated MLP), specexec/network/moe.py (the sparse
-feed-forward).
+specexec/network/mixers.py (the token mixer of each layer, by kind: specexec/network/self_attention.py, ...),
+specexec/network/norms.py (RMSNorm), specexec/network/rope.py (RoPE), specexec/network/ffn.py (the gated MLP),
+specexec/network/moe.py (the sparse feed-forward).
 
 Does not know: checkpoints, devices, quantization formats (a quantized Linear is swapped in from outside),
 offloading (OffloadedTransformer overrides `layer_modules`), trees or sampling.
@@ -30,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specexec.network.attention import AttentionPlan, TreeMask, attend, build_plan, pick_kernel
+from specexec.network.attention import AttentionPlan, TreeMask, build_plan, pick_kernel
 from specexec.config import ModelArgs
 from specexec.network.ffn import MLP
 from specexec.kv.cache import KVCache
+from specexec.network.mixers import mixer_kind, new_cache
 from specexec.network.moe import RoutingLog, SparseMLP
 from specexec.network.norms import RMSNorm
-from specexec.network.rope import apply_rope, attention_factor, long_switch, rope_inv_freq, rope_names
+from specexec.network.rope import attention_factor, long_switch, rope_inv_freq, rope_names
 
 LOGIT_CHUNK = 256        # rows of the LM head callers compute at once: 256 x 152k fp32 = 155 MB
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
@@ -64,67 +66,13 @@ def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return tensor
 
 
-class Attention(nn.Module):
-    """Self-attention with RoPE over a KV cache: q/k/v projections (or one fused qkv_proj), optional q/k
-    RMSNorm (per head, or over the whole projection) and q/k/v clipping, RoPE on the first rope_dim dimensions
-    of each head, the plan's split attention (with per-head sinks where the model has them), o_proj."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        d, h, kv = args.head_dim, args.n_heads, args.n_kv_heads
-        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d
-        if args.fused_qkv:
-            self.qkv_proj = nn.Linear(args.dim, (h + 2 * kv) * d, bias=args.qkv_bias)
-        else:
-            self.q_proj = nn.Linear(args.dim, h * d, bias=args.qkv_bias)
-            self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
-            self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
-        if args.qk_norm:                  # over each head, or over the whole projection (qk_norm_per_head False)
-            self.q_norm = RMSNorm(d if args.qk_norm_per_head else h * d, args.norm_eps, args.norm_plus_one)
-            self.k_norm = RMSNorm(d if args.qk_norm_per_head else kv * d, args.norm_eps, args.norm_plus_one)
-        self.norm_per_head, self.clip = args.qk_norm_per_head, args.clip_qkv
-        if args.attention_sinks:
-            self.sinks = nn.Parameter(torch.empty(h))
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> q [B, T, H, hd], k and v [B, T, H_kv, hd], q/k normed and q/k/v clipped as configured."""
-        B, T, _ = x.shape
-        h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split((h * d, kv * d, kv * d), dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        normed = hasattr(self, "q_norm")
-        if normed and not self.norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)                                  # over the projection
-        q, k, v = q.view(B, T, h, d), k.view(B, T, kv, d), v.view(B, T, kv, d)
-        if normed and self.norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)                                  # per head
-        if self.clip is not None:
-            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        return q, k, v
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.project(x)
-        v = v.transpose(1, 2)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None:
-            cache.write(layer, slots, k, v)
-            k, v = cache.view(layer, plan.n_slots)
-        out = attend(q, k.to(q.dtype), v.to(q.dtype), plan, getattr(self, "sinks", None))
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
 class Block(nn.Module):
-    """One decoder layer: pre-norm attention and a feed-forward with residuals; with sandwich_norms (Gemma) the
-    attention's and the feed-forward's outputs are normalised too (post_attention_layernorm then normalises the
-    attention output, pre_feedforward_layernorm the MLP input: the checkpoints' own names). The feed-forward of
-    decoder layer `layer` is a SparseMLP (specexec/network/moe.py) when ModelArgs.moe says that layer is sparse, else
-    the dense MLP."""
+    """One decoder layer: a pre-norm token mixer and a feed-forward with residuals; with sandwich_norms (Gemma)
+    the mixer's and the feed-forward's outputs are normalised too (post_attention_layernorm then normalises the
+    mixer output, pre_feedforward_layernorm the MLP input: the checkpoints' own names). The mixer is the layer's
+    kind's (specexec/network/mixers.py: attention as `self_attn`, ...), `mixer` names it whatever its attribute.
+    The feed-forward of decoder layer `layer` is a SparseMLP (specexec/network/moe.py) when ModelArgs.moe says
+    that layer is sparse, else the dense MLP."""
 
     fast = None                      # a fast path for this layer's passes (forward), set from outside
 
@@ -132,12 +80,19 @@ class Block(nn.Module):
         super().__init__()
         norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)     # noqa: E731
         self.input_layernorm = norm()
-        self.self_attn = Attention(args)
+        kind = mixer_kind(args, layer)
+        self.mixer_attribute = kind.attribute
+        setattr(self, kind.attribute, kind.build(args, layer))
         self.post_attention_layernorm = norm()
         if args.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.mlp = SparseMLP(args) if args.moe is not None and args.moe.sparse(layer) else MLP(args)
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The layer's token mixer (its kind's attribute)."""
+        return self._modules[self.mixer_attribute]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None,
@@ -149,7 +104,7 @@ class Block(nn.Module):
             y = self.fast(x, cos, sin, plan, cache, layer, slots)
             if y is not None:
                 return y
-        h = self.self_attn(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
+        h = self.mixer(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
         sandwich = hasattr(self, "pre_feedforward_layernorm")
         if sandwich:
             x = x + self.post_attention_layernorm(h)
@@ -279,8 +234,8 @@ class Transformer(nn.Module):
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:
         """A KV cache for this model with `capacity` slots, rows in its dtype on its device (int8 when quant
         says so: lossy). tail: rows of one forward beyond the committed prefix (only streamed layers use it)."""
-        a, p = self.args, next(self.parameters())
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, p.dtype, p.device, quant=quant)
+        p = next(self.parameters())
+        return new_cache(self.args, capacity, p.dtype, p.device, quant)
 
     def attention_plans(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                         dtype: torch.dtype) -> dict[int | None, AttentionPlan]:

@@ -99,10 +99,10 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
             "none: the builder drafts without it"
     device.append(("activations", act))
     sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
-    kv = kv_layer_bytes(t, t_slots, elem, shape.kv_quant)
-    tail = kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant)
+    kv = tuple(kv_layer_bytes(t, t_slots, elem, shape.kv_quant, i) for i in range(t.n_layers))
+    tail = tuple(kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant, i) for i in range(t.n_layers))
     return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
-                 companion_bytes=(kv,) * t.n_layers, companion_residue=(tail,) * t.n_layers,
+                 companion_bytes=kv, companion_residue=tail,
                  companion_name="target KV cache", companions=shape.kv_offload, parts=expert_parts(shape, fmt))
 
 

@@ -23,7 +23,7 @@ from offload.streaming.storage import LayerLayout, plan_layout
 
 from specexec.checkpoints.naming import expert_regions, kind_specs, sparse_layer
 from specexec.config import ModelArgs
-from specexec.kv.rows import row_bytes
+from specexec.network.mixers import cache_bytes
 from specexec.network.model import LOGIT_CHUNK
 
 PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
@@ -85,13 +85,14 @@ def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "c
 
 
 def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
-    """One model's KV cache: K and V of every layer and KV head for `slots` slots (int8: plus the scales)."""
-    return args.n_layers * slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
+    """One model's cache for `slots` slots, each layer by its mixer kind (network/mixers.py cache_bytes): K and
+    V of every KV head per slot for attention layers (int8: plus the scales)."""
+    return cache_bytes(args, slots, elem, quant)
 
 
-def kv_layer_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
-    """One layer's share of kv_bytes."""
-    return slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
+def kv_layer_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none", layer: int = 0) -> int:
+    """Decoder layer `layer`'s share of kv_bytes."""
+    return cache_bytes(args, slots, elem, quant, (layer,))
 
 
 def dequant_bytes(args: ModelArgs, context: int, elem: int, quant: str) -> int:

@@ -36,6 +36,7 @@ from offload.streaming.storage import LayerLayout, unpack_layer
 from specexec.checkpoints.naming import read_resident, sparse_layer
 from specexec.config import ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
+from specexec.network.mixers import new_cache
 from specexec.network.model import Block, Transformer, on_meta
 from specexec.options import ConfigError
 from specexec.planning.target import TargetPlan
@@ -160,8 +161,8 @@ class OffloadedTransformer(Transformer):
         if streamed and self._kv is not None:         # let go of an earlier engine's cache before allocating
             self.pager.discard()
             self.pager.companion, self._kv = None, None
-        cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.run_dtype, self.norm.weight.device,
-                        quant=quant, streamed=streamed, tail=tail, windows=[k.window for k in a.layer_kinds])
+        cache = new_cache(a, capacity, self.run_dtype, self.norm.weight.device, quant, streamed=streamed, tail=tail,
+                          windows=[k.window for k in a.layer_kinds])
         if streamed:
             cache.attach(len(self.pager.slots), self.pager.discard)
         return cache

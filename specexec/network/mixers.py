@@ -1,0 +1,88 @@
+"""The token mixer of each decoder layer, by kind: ONE registry (MIXERS) the network builds every layer from.
+
+A decoder layer is a token mixer (what mixes positions: attention, linear attention, ...) and a feed-forward.
+config.json's `layer_types` names each layer's mixer with HF's names (ModelArgs.layer_types; every layer is
+"full_attention" when a config has none); a MixerKind serves some of those names and says:
+- `attribute`: the Block attribute holding the mixer, as checkpoints name it ("self_attn", ...);
+- `build(args, layer)`: the mixer module; every mixer is called alike,
+  mixer(x [B, T, D], cos, sin, plan, cache, layer, slots) -> [B, T, D];
+- `state(args, layer)`: what the layer's cache holds: None for K/V rows per slot (KVCache's row stores), else
+  a StateSpec of specexec/kv/ whose store the cache builds (specexec/kv/layer_store.py);
+- `cache_bytes(args, layer, slots, elem, quant)`: one layer's cache for `slots` slots (the planner's one function
+  per kind).
+Each kind's cache answers the two questions of a tree pass: every node's output sees only its ancestors, and
+`cache.keep(slots)` commits the accepted path without weights. Nothing above the network asks which kind (or
+which family) a layer is; `new_cache` makes the cache of any model from its args.
+
+Does not know: checkpoints (their names are the attributes'), families, devices beyond the cache's, trees.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specexec.config import LAYER_TYPES, ModelArgs
+from specexec.kv.cache import KVCache
+from specexec.kv.layer_store import StateSpec
+from specexec.kv.rows import row_bytes
+from specexec.network.self_attention import Attention
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    """One kind of token mixer (see the module docstring)."""
+
+    name: str
+    layer_types: tuple[str, ...]
+    attribute: str
+    build: Callable[[ModelArgs, int], nn.Module]
+    state: Callable[[ModelArgs, int], StateSpec | None]
+    cache_bytes: Callable[[ModelArgs, int, int, int, str], int]
+
+
+def _rows_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
+    return slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
+
+
+ATTENTION = MixerKind("attention", ("full_attention", "sliding_attention"), "self_attn",
+                      lambda args, layer: Attention(args), lambda args, layer: None, _rows_bytes)
+
+MIXERS: tuple[MixerKind, ...] = (ATTENTION,)
+_BY_TYPE = {t: kind for kind in MIXERS for t in kind.layer_types}
+assert set(_BY_TYPE) == set(LAYER_TYPES), "every layer type config.py accepts needs one mixer kind"
+
+
+def layer_type(args: ModelArgs, layer: int) -> str:
+    """HF's name of decoder layer `layer`'s mixer ("full_attention" when the config lists none)."""
+    if args.layer_types:
+        return args.layer_types[layer]
+    return "sliding_attention" if args.sliding_window else "full_attention"
+
+
+def mixer_kind(args: ModelArgs, layer: int) -> MixerKind:
+    """The MixerKind of decoder layer `layer`."""
+    return _BY_TYPE[layer_type(args, layer)]
+
+
+def layer_states(args: ModelArgs) -> tuple[Any, ...]:
+    """Per decoder layer, its StateSpec (None: K/V rows)."""
+    return tuple(mixer_kind(args, i).state(args, i) for i in range(args.n_layers))
+
+
+def cache_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none",
+                layers: Sequence[int] | None = None) -> int:
+    """Bytes of the cache of `layers` (default: every decoder layer) for `slots` slots, each by its kind."""
+    ids = range(args.n_layers) if layers is None else layers
+    return sum(mixer_kind(args, i).cache_bytes(args, i, slots, elem, quant) for i in ids)
+
+
+def new_cache(args: ModelArgs, capacity: int, dtype: torch.dtype, device: torch.device | str,
+              quant: str = "none", **rows: Any) -> KVCache:
+    """The cache of a model of `args`: K/V rows where the layers' kinds keep rows (`rows`: KVCache's streamed,
+    tail and windows), a state store for the rest."""
+    return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, capacity, dtype, device, quant=quant,
+                   states=layer_states(args), **rows)

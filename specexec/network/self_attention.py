@@ -1,0 +1,74 @@
+"""The attention kind of token mixer: self-attention with RoPE over a KV cache (full or sliding window; the
+layer's window and RoPE table come in with the per-forward plan and cos/sin, ModelArgs.layer_kind).
+
+Its cache is K/V rows per slot (specexec/kv/cache.py): a tree pass writes every node's row at its slot and the
+mask shows each node its ancestors' rows only; `keep(slots)` gathers the accepted rows, no weights needed.
+
+Does not know: trees, which family a model is (its ModelArgs options say: fused q/k/v, q/k norms, clipping,
+sinks, partial rotary), quantization (a quantized Linear is swapped in from outside).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specexec.config import ModelArgs
+from specexec.kv.cache import KVCache
+from specexec.network.attention import AttentionPlan, attend
+from specexec.network.norms import RMSNorm
+from specexec.network.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """Self-attention with RoPE over a KV cache: q/k/v projections (or one fused qkv_proj), optional q/k
+    RMSNorm (per head, or over the whole projection) and q/k/v clipping, RoPE on the first rope_dim dimensions
+    of each head, the plan's split attention (with per-head sinks where the model has them), o_proj."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        d, h, kv = args.head_dim, args.n_heads, args.n_kv_heads
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d
+        if args.fused_qkv:
+            self.qkv_proj = nn.Linear(args.dim, (h + 2 * kv) * d, bias=args.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(args.dim, h * d, bias=args.qkv_bias)
+            self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+            self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
+        if args.qk_norm:                  # over each head, or over the whole projection (qk_norm_per_head False)
+            self.q_norm = RMSNorm(d if args.qk_norm_per_head else h * d, args.norm_eps, args.norm_plus_one)
+            self.k_norm = RMSNorm(d if args.qk_norm_per_head else kv * d, args.norm_eps, args.norm_plus_one)
+        self.norm_per_head, self.clip = args.qk_norm_per_head, args.clip_qkv
+        if args.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(h))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q [B, T, H, hd], k and v [B, T, H_kv, hd], q/k normed and q/k/v clipped as configured."""
+        B, T, _ = x.shape
+        h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split((h * d, kv * d, kv * d), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        normed = hasattr(self, "q_norm")
+        if normed and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)                                  # over the projection
+        q, k, v = q.view(B, T, h, d), k.view(B, T, kv, d), v.view(B, T, kv, d)
+        if normed and self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)                                  # per head
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x)
+        v = v.transpose(1, 2)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if cache is not None:
+            cache.write(layer, slots, k, v)
+            k, v = cache.view(layer, plan.n_slots)
+        out = attend(q, k.to(q.dtype), v.to(q.dtype), plan, getattr(self, "sinks", None))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
