@@ -31,7 +31,13 @@ class MoEArgs:
     keeps the `top_k` best; `router` says how scores become weights: "softmax" (softmax over all experts, then
     the top k; renormalised to sum to 1 when `norm_topk_prob`: Mixtral, Qwen3-MoE, OLMoE), "topk_softmax" (the
     top k logits, then a softmax over those k: gpt-oss), "sigmoid" (sigmoid of each logit, then the top k;
-    renormalised when `norm_topk_prob`). The token's output is the weighted sum of its experts' outputs.
+    renormalised when `norm_topk_prob`). The token's output is the weighted sum of its experts' outputs, times
+    `routed_scale` (routed_scaling_factor). A sigmoid router may choose with biased scores: with `score_bias`
+    (e_score_correction_bias, a learned [n_experts] vector) the top k are chosen by sigmoid + bias while the
+    weights stay the unbiased sigmoids (GLM-4.5, MiniMax-M2, DeepSeek-V3). Group-limited routing (`n_group` > 1)
+    splits the experts into n_group equal groups, scores each group by the sum of its two best (biased) scores,
+    and lets a row choose only among the experts of its `topk_group` best groups. `router_fp32`: the router's
+    logits are computed in fp32 whatever the run dtype (the families that keep the router in fp32).
     Each expert is a gated MLP of `expert_dim` (biases when `expert_bias`) whose activation is "silu"
     (silu(gate) * up) or "clamped_swiglu" (gpt-oss: gate clamped above at `swiglu_limit`, up clamped to
     +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)). `shared_dim` > 0 adds one shared expert of
@@ -51,10 +57,25 @@ class MoEArgs:
     shared_dim: int = 0                  # the shared expert's intermediate size (0: none)
     shared_gate: bool = False            # the shared expert's output is scaled by sigmoid(x @ gate.T)
     dense_layers: tuple[int, ...] = ()   # decoder layers whose feed-forward is a dense MLP
+    score_bias: bool = False             # sigmoid router: choose by sigmoid + e_score_correction_bias
+    n_group: int = 1                     # group-limited routing: the experts in n_group equal groups ...
+    topk_group: int = 1                  # ... of which each row may use its topk_group best
+    routed_scale: float = 1.0            # the routed experts' weighted sum times this (routed_scaling_factor)
+    router_fp32: bool = False            # router logits in fp32 whatever the run dtype
 
     def __post_init__(self) -> None:
         check_integer("n_experts", self.n_experts, low=1, high=1 << 16)
-        check_integer("top_k", self.top_k, low=1, high=self.n_experts)
+        check_integer("n_group", self.n_group, low=1, high=self.n_experts)
+        check_integer("topk_group", self.topk_group, low=1, high=self.n_group)
+        if self.n_experts % self.n_group:
+            raise ConfigError(f"{self.n_experts} experts do not split into n_group {self.n_group} equal groups")
+        check_integer("top_k", self.top_k, low=1, high=self.n_experts // self.n_group * self.topk_group)
+        if self.n_group > 1 and self.n_experts // self.n_group < 2:
+            raise ConfigError(f"group-limited routing scores a group by its two best experts; n_group "
+                              f"{self.n_group} leaves {self.n_experts // self.n_group} per group")
+        if self.score_bias and self.router != "sigmoid":
+            raise ConfigError(f"a routing score bias needs the sigmoid router, not {self.router!r}")
+        check_number("routed_scale", self.routed_scale, low=0.0, high=1e6, low_open=True)
         check_integer("expert_dim", self.expert_dim, low=1, high=1 << 20)
         check_integer("shared_dim", self.shared_dim, low=0, high=1 << 20)
         check_choice("router", self.router, ROUTERS)
@@ -128,6 +149,9 @@ class ModelArgs:
     fused_qkv: bool = False              # one qkv_proj [q; k; v] instead of q/k/v_proj
     fused_gate_up: bool = False          # one gate_up_proj [gate; up] instead of gate/up_proj
     rope_dim: int | None = None          # rotary dimensions per head (partial rotary; None: all of head_dim)
+    # GLM-4.5+, DeepSeek-V3: next-token-prediction layers stored after the last decoder layer (layers
+    # n_layers .. n_layers + mtp_layers - 1 in the checkpoint); the target never runs them and leaves them unread
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         check_choice("mlp activation", self.mlp_act, MLP_ACTS)

@@ -162,6 +162,8 @@ MOE_MODELS: dict[str, tuple[str, int, int, dict]] = {
     "mixtral": ("mixtral", 21, 2, {}),                                # 4 experts top-2
     "olmoe": ("olmoe", 22, 2, {}),                                    # q/k norms over the projections, clip_qkv
     "gpt_oss": ("gpt_oss", 23, 2, {}),                                # sinks, sliding/full layers, YaRN, biases
+    "glm4_moe": ("glm4_moe", 25, 3, {}),        # layer 0 dense; sigmoid + bias, 4 groups top-2, shared, x2.5
+    "minimax_m2": ("minimax_m2", 26, 2, {}),    # q/k norms over the projections, rotary 12 of 16, sigmoid + bias
 }
 
 
@@ -200,6 +202,20 @@ def tiny_gpt_oss(tiny_root: Path) -> Path:
     """gpt-oss, 2 layers (sliding window 8, then full attention), attention sinks, YaRN RoPE, q/k/v/o and
     router and expert biases, 8 experts of 32 top-2 with the clamped gated activation; experts stored fused."""
     return _moe(tiny_root, "gpt_oss")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe(tiny_root: Path) -> Path:
+    """GLM-4.5 MoE, 3 layers (layer 0 dense), 16 experts of 32 in 4 groups, top-4 from the best 2 groups by
+    sigmoid + score bias, x2.5, one shared expert; per-head q/k norms, q/k/v biases, rotary 8 of 16."""
+    return _moe(tiny_root, "glm4_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_minimax_m2(tiny_root: Path) -> Path:
+    """MiniMax-M2, 2 layers, 8 experts of 32, top-2 by sigmoid + score bias; q/k norms over the whole
+    projections, rotary 12 of 16."""
+    return _moe(tiny_root, "minimax_m2")
 
 
 @pytest.fixture(scope="session")

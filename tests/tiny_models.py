@@ -108,6 +108,10 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, clip_qkv=1.0),
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),
+    "glm4_moe": dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+                     use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, rotary_dim=12),
 }
 
 

@@ -39,7 +39,8 @@ def main(): return sum(x * x for x in range(10))  # numbers 0123456789 and symbo
 user: tell me a story. assistant: there once was a tree with many branches, and every branch was a guess.
 """
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "qwen3_moe", "qwen2_moe",
-            "mixtral", "olmoe", "gpt_oss")
+            "mixtral", "olmoe", "gpt_oss", "glm4_moe", "minimax_m2")
+LEARNED_BUFFERS = ("e_score_correction_bias",)     # buffers a checkpoint stores that `randomize` fills too
 # The vision tower of a tiny multimodal Gemma 3 (`gemma3_mm`): present in the checkpoint, never run by specexec.
 TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                    patch_size=14)
@@ -101,7 +102,9 @@ def model_classes(family: str) -> tuple[Any, type]:
              "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
              "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
              "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
-             "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}
+             "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+             "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+             "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM)}
     if family not in table:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
     return table[family]
@@ -110,7 +113,8 @@ def model_classes(family: str) -> tuple[Any, type]:
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int, std: float, head_scale: float) -> None:
     """Peaked logits; random biases and norm weights (see the module docstring). Weights get std `std`, then
-    the LM head is multiplied by head_scale."""
+    the LM head is multiplied by head_scale; the learned buffers (LEARNED_BUFFERS: a router's score bias) get
+    std 0.2, so routing a checkpoint without them would choose other experts."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("bias"):
@@ -119,6 +123,9 @@ def randomize(model: torch.nn.Module, seed: int, std: float, head_scale: float) 
             p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
+    for name, b in model.named_buffers():         # learned values stored as buffers (a router's score bias)
+        if name.endswith(LEARNED_BUFFERS):
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
     head = model.get_output_embeddings().weight
     head.mul_(head_scale)                          # when tied this is also the embedding: harmless
 

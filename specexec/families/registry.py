@@ -15,11 +15,12 @@ from types import ModuleType
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families import gemma, gpt_oss, llama, mixtral, olmoe, phi3, qwen_moe
+from specexec.families import gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, olmoe, phi3, qwen_moe
 from specexec.families.common import recurrent_reason
 from specexec.options import ConfigError
 
-FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3, qwen_moe, mixtral, olmoe, gpt_oss)
+FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3, qwen_moe, mixtral, olmoe, gpt_oss, glm4_moe,
+                                          minimax_m2)
 
 
 @functools.cache

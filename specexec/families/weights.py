@@ -11,8 +11,9 @@ is stored as it is.
 Where the decoder sits in the checkpoint: under "model." (HF *ForCausalLM) or at the top level, with the LM
 head beside it; a family whose checkpoints nest the decoder (Gemma 3's multimodal ones: language_model.model.*
 or model.language_model.*) lists STORED_PREFIXES, {decoder prefix: head prefix}, tried first. Stored tensors
-deliberately not read (RoPE's inv_freq, a tied head's copy, and the family's UNUSED patterns: Gemma 3's vision
-tower and projector) are `unused_tensors`: the checks neither refuse them as unexpected nor read them.
+deliberately not read (RoPE's inv_freq, a tied head's copy, the family's UNUSED patterns: Gemma 3's vision
+tower and projector, and the next-token-prediction layers stored after the decoder: ModelArgs.mtp_layers) are
+`unused_tensors`: the checks neither refuse them as unexpected nor read them.
 
 `checkpoint_refs(args, names, stored)` gives every model tensor's TensorRef. The resident loader and the
 checks before loading (specexec/checkpoints/loading.py), the layer cache's naming (specexec/checkpoints/naming.py
@@ -61,8 +62,9 @@ def unused_tensors(args: ModelArgs, stored: Iterable[str]) -> set[str]:
     """The stored names the model deliberately does not read: RoPE's inv_freq, the head's copy when the
     embeddings are tied, and the family's UNUSED patterns (full-match regexes: Gemma 3's vision tower)."""
     names = list(stored)
-    _, head = checkpoint_prefix(args, names)
-    pattern = re.compile("|".join(ALWAYS_UNUSED + tuple(_family(args, "UNUSED", ()))))
+    prefix, head = checkpoint_prefix(args, names)
+    extra = tuple(rf"{re.escape(prefix)}layers\.{args.n_layers + j}\..*" for j in range(args.mtp_layers))
+    pattern = re.compile("|".join(ALWAYS_UNUSED + tuple(_family(args, "UNUSED", ())) + extra))
     return {n for n in names if pattern.fullmatch(n) or (args.tie_word_embeddings and n == head + HEAD)}
 
 

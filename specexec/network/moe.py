@@ -14,6 +14,7 @@ Parameter names, inside a decoder layer (the contract the weight-name mapping, s
 and the layer cache use; the checkpoint's own names are mapped onto these):
 
     mlp.router.weight [E, D]                    (+ mlp.router.bias [E] with MoEArgs.router_bias)
+    mlp.router.e_score_correction_bias [E]      with MoEArgs.score_bias
     mlp.experts.{e}.gate_proj.weight [I, D]     e = 0 .. E-1, I = MoEArgs.expert_dim
     mlp.experts.{e}.up_proj.weight   [I, D]
     mlp.experts.{e}.down_proj.weight [D, I]     (+ .bias of each with MoEArgs.expert_bias)
@@ -85,30 +86,56 @@ class RoutingLog:
 
 
 class Router(nn.Module):
-    """Scores every expert for every row and keeps the top k (MoEArgs.router says how scores become weights)."""
+    """Scores every expert for every row and keeps the top k (MoEArgs.router says how scores become weights;
+    MoEArgs.score_bias, n_group/topk_group and routed_scale how the k are chosen and scaled)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         m = _moe(args)
         self.kind, self.top_k, self.norm_topk = m.router, m.top_k, m.norm_topk_prob
+        self.groups, self.topk_group, self.scale, self.fp32 = m.n_group, m.topk_group, m.routed_scale, m.router_fp32
         self.weight = nn.Parameter(torch.empty(m.n_experts, args.dim))
         self.bias = nn.Parameter(torch.empty(m.n_experts)) if m.router_bias else None
+        if m.score_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(m.n_experts))
         self.allowed: Tensor | None = None           # bool [E]: the experts a row may go to (None: every one)
         self.row_exact = False                       # set on a row-exact model (CPU integer kernels): see _logits
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, D] -> Routing (index [T, k], weight [T, k] in x's dtype); scores in fp32. With `allowed` (a
         draft's copy holding some experts only: specexec/runtime/hot_experts.py) the others score -inf before
-        the top-k, so no row goes to them; the kept weights are then normalised as the family does."""
-        logits = self._logits(x)                                                   # [T, E]
+        the top-k, so no row goes to them (a row left fewer than k allowed experts in its best groups chooses among
+        all its allowed ones); the kept weights are then normalised as the family does."""
+        logits = self._logits(x.float() if self.fp32 else x)                       # [T, E]
         if self.kind == "topk_softmax":
             top, index = torch.topk(self._masked(logits), self.top_k, dim=-1)
             return Routing(index, torch.softmax(top.float(), dim=-1).to(x.dtype))
         scores = torch.softmax(logits.float(), dim=-1) if self.kind == "softmax" else torch.sigmoid(logits.float())
-        top, index = torch.topk(self._masked(scores), self.top_k, dim=-1)
+        choice = scores
+        if hasattr(self, "e_score_correction_bias"):
+            choice = scores + self.e_score_correction_bias.float()
+        choice = self._group_limited(choice) if self.groups > 1 else self._masked(choice)
+        index = torch.topk(choice, self.top_k, dim=-1)[1]
+        top = scores.gather(1, index)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
+        if self.scale != 1.0:
+            top = top * self.scale
         return Routing(index, top.to(x.dtype))
+
+    def _group_limited(self, choice: Tensor) -> Tensor:
+        """choice [T, E] with every expert outside each row's topk_group best groups at -inf; a group scores the
+        sum of its two best choice scores (DeepSeek-V3's rule). With `allowed`, the others are -inf too, and a row
+        left fewer than top_k experts keeps every allowed one instead."""
+        T, E = choice.shape
+        grouped = choice.view(T, self.groups, E // self.groups)
+        best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), self.topk_group, dim=-1)[1]        # [T, topk_group]
+        keep = torch.zeros(T, self.groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        limited = self._masked(grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E))
+        if self.allowed is None:
+            return limited
+        enough = (limited > float("-inf")).sum(-1, keepdim=True) >= self.top_k
+        return torch.where(enough, limited, self._masked(choice))
 
     def _logits(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, E]. With `row_exact`, each row's scores are a product and a row sum (SharedGate's
@@ -116,12 +143,14 @@ class Router(nn.Module):
         tree pass would give a row other scores (at a near-tie, other experts) than its one-token pass, and a
         streamed copy of the router other ones than a resident copy; a row-exact model (int4/int8 on a CPU)
         must not."""
+        weight = self.weight.float() if self.fp32 else self.weight
+        bias = None if self.bias is None else self.bias.float() if self.fp32 else self.bias
         if not self.row_exact:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, bias)
         if not x.shape[0]:
-            return x.new_zeros(0, self.weight.shape[0])
-        out = torch.stack([(row * self.weight).sum(-1) for row in x])
-        return out if self.bias is None else out + self.bias
+            return x.new_zeros(0, weight.shape[0])
+        out = torch.stack([(row * weight).sum(-1) for row in x])
+        return out if bias is None else out + bias
 
     def _masked(self, scores: Tensor) -> Tensor:
         """scores [T, E] with the experts `allowed` excludes at -inf (they lose every top-k)."""

@@ -4,7 +4,8 @@ written under the layer-cache root, on the resident, the streamed (`--offload ss
 
 Cases: an expert missing (Qwen3-MoE's per-expert tensors, Mixtral's w1/w2/w3), an expert too many, a router
 of the wrong shape, a fused gpt-oss expert tensor holding another number of experts, an MXFP4 pair with a half
-missing, and GGUF files whose merged expert tensors (llama.cpp's ffn_*_exps) are a layout we do not read.
+missing, a GLM router's score bias missing, GGUF files whose merged expert tensors (llama.cpp's ffn_*_exps) are
+a layout we do not read, and config.json routing fields that contradict each other (one line naming the field).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ EXPERT = "model.layers.0.mlp.experts.5.up_proj.weight"
 ROUTER = "model.layers.2.mlp.gate.weight"
 MIXTRAL_W2 = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
 FUSED = "model.layers.0.mlp.experts.down_proj"
+SCORE_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
 # name -> (fixture, break it, words the one line must contain)
 CASES: dict[str, tuple[str, Callable[[Path], Path], tuple[str, ...]]] = {
@@ -47,6 +49,8 @@ CASES: dict[str, tuple[str, Callable[[Path], Path], tuple[str, ...]]] = {
         {FUSED: t[FUSED][:7].contiguous()})), (FUSED, "[7, 32, 64]", "8 experts")),
     "MXFP4 pair half missing": ("tiny_gpt_oss_mxfp4", lambda p: _rewrite(p, lambda t: t.pop(FUSED + "_scales")),
                                 (FUSED + "_blocks", "_scales")),
+    "GLM score bias missing": ("tiny_glm4_moe", lambda p: _rewrite(p, lambda t: t.pop(SCORE_BIAS)),
+                               ("missing tensor", SCORE_BIAS)),
 }
 
 
@@ -73,4 +77,25 @@ def test_gguf_with_merged_experts_we_do_not_read(fixture, tensor, cli, cache_roo
                       extra={tensor: np.zeros((4, 128, 64), dtype=np.float32)})
     for mode in ("generate", "convert"):
         assert_one_line_error(cli(*checkpoint_argv(mode, path, cache_root)), tensor)
+    assert_nothing_cached(cache_root, tmp_path / "xdg-cache")
+
+
+# config.json edits of the tiny GLM-4.5 (16 experts in 4 groups, top-4 from the best 2) -> words of the line
+ROUTING = {
+    "topk_group above n_group": ({"topk_group": 5}, ("topk_group 5", "n_group 4")),
+    "more experts per token than reachable": ({"num_experts_per_tok": 9}, ("num_experts_per_tok 9", "8 experts")),
+    "groups that do not split the experts": ({"n_group": 3, "topk_group": 1}, ("n_routed_experts 16", "n_group 3")),
+    "more experts per token than experts": ({"n_group": 1, "topk_group": 1, "num_experts_per_tok": 17},
+                                            ("num_experts_per_tok 17", "16 experts")),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTING))
+def test_contradicting_routing_fields_are_one_line_naming_the_field(case, cli, cache_root, tmp_path, tiny_glm4_moe):
+    import json
+
+    model = copy_checkpoint(tiny_glm4_moe, tmp_path / "ckpt")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, **ROUTING[case][0]}))
+    assert_one_line_error(cli(*checkpoint_argv("generate", model, cache_root)), *ROUTING[case][1])
     assert_nothing_cached(cache_root, tmp_path / "xdg-cache")

@@ -61,17 +61,18 @@ def _equal_to_target_alone(rt: Runtime, seeds: tuple[int, ...] = (0, 1), n: int 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_router_never_chooses_an_expert_it_does_not_allow(tiny_moe: Path, seed: int) -> None:
-    """Every family's router (softmax with and without renormalising, softmax over the top-k, a biased one):
+    """Every family's router (softmax with and without renormalising, softmax over the top-k, a biased one,
+    sigmoid scores chosen with a score bias and among the best expert groups):
     with a random allowed set of 2 top-k experts no row goes elsewhere; all allowed is the unmasked routing;
-    a row whose unmasked top-k is allowed routes as unmasked; renormalising routers' weights still sum to 1."""
+    a row whose unmasked top-k is allowed routes as unmasked; renormalising routers' weights still sum to 1
+    (times routed_scaling_factor)."""
     args = read_args(tiny_moe)
     m = args.moe
     g = torch.Generator().manual_seed(seed)
     router = Router(args)
     with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
-        if router.bias is not None:
-            router.bias.copy_(torch.randn(router.bias.shape, generator=g))
+        for param in router.parameters():                            # weight, bias, score bias
+            param.copy_(torch.randn(param.shape, generator=g))
     x = torch.randn(64, args.dim, generator=g)
     free = router(x)
     router.allowed = torch.ones(m.n_experts, dtype=torch.bool)
@@ -89,8 +90,8 @@ def test_the_router_never_chooses_an_expert_it_does_not_allow(tiny_moe: Path, se
     assert inside[0] and (bool(allowed.all()) or not bool(inside.all()))
     assert torch.equal(masked.index[inside], free.index[inside])
     assert torch.allclose(masked.weight[inside], free.weight[inside])
-    if router.kind == "topk_softmax" or router.norm_topk:
-        assert torch.allclose(masked.weight.sum(-1), torch.ones(64), atol=1e-5)
+    if router.kind == "topk_softmax" or router.norm_topk:               # (times routed_scaling_factor)
+        assert torch.allclose(masked.weight.sum(-1), torch.full((64,), router.scale), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------- the copies
