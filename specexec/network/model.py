@@ -1,6 +1,7 @@
 """One pre-norm decoder for every family specexec runs (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, and the
-mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss, GLM-4.5+, MiniMax-M2), its differences named options of ModelArgs
-(q/k norms, sandwich norms, soft-capping, fused projections, partial rotary, sinks, ...): pure maths.
+mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss, GLM-4.5+, MiniMax-M2), its differences named
+options of ModelArgs (q/k norms, sandwich norms, soft-capping, fused projections, partial rotary, sinks, ...):
+pure maths.
 
 `forward(tokens, positions, mask, cache, slots)` serves prefill, one-token decode and tree verification alike:
 positions are explicit (tree siblings share one), the mask says which cache slots each token sees (a `TreeMask`:
