@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from cpu_kernels.cache_root import default_cache_root
 from offload.cache.identity import human_bytes
-from offload.cache.root import default_cache_root
 from offload.cache.store import LayerCache
 from offload.quant.weights import FORMATS
 from cli.fetch import fetch_model

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from offload.cache.root import default_cache_root
+from cpu_kernels.cache_root import default_cache_root
 from offload.platform.facilities import missing
 from offload.platform.mounts import slow_mount_warnings
 from specexec.options import ConfigError, check_integer

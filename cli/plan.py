@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from offload.cache.root import default_cache_root
+from cpu_kernels.cache_root import default_cache_root
 from offload.memory_plan import GB, Bandwidths, PlanError
 from offload.platform.mounts import slow_mount_warnings
 from offload.planner import default_budgets

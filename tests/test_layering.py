@@ -1,9 +1,10 @@
-"""The dependency rule `cli -> specexec -> offload -> torch`, checked by reading imports with `ast`
+"""The dependency rule `cli -> specexec -> offload -> cpu_kernels -> torch`, checked by reading imports with `ast`
 (tests/import_graph.py).
 
-offload/ imports neither specexec nor cli; specexec/ never imports cli. Every import counts: top-level,
-inside functions, under TYPE_CHECKING, relative (`from .. import specexec`), and string-literal dynamic imports
-(`importlib.import_module("cli.main")`, `__import__("cli")`). Packages that are empty or not there yet pass.
+cpu_kernels/ imports nothing of ours; offload/ imports neither specexec nor cli; specexec/ never imports cli. Every
+import counts: top-level, inside functions, under TYPE_CHECKING, relative (`from .. import specexec`), and
+string-literal dynamic imports (`importlib.import_module("cli.main")`, `__import__("cli")`). Packages that are empty
+or not there yet pass.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.import_graph import imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN: dict[str, frozenset[str]] = {
+    "cpu_kernels": frozenset({"offload", "specexec", "cli"}),
     "offload": frozenset({"specexec", "cli"}),
     "specexec": frozenset({"cli"}),
 }

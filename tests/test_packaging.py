@@ -1,7 +1,7 @@
-"""The wheel ships every package of the source tree: each folder of specexec/, cli/ and offload/ that holds an
-__init__.py is listed in pyproject.toml (a folder missing there installs from a checkout but not from a wheel),
-and the data files the code opens are declared as package data; torch's floor is the oldest release with every
-torch API the code calls."""
+"""The wheel ships every package of the source tree: each folder of specexec/, cli/, offload/ and cpu_kernels/ that
+holds an __init__.py is listed in pyproject.toml (a folder missing there installs from a checkout but not from a
+wheel), and the data files the code opens are declared as package data; torch's floor is the oldest release with
+every torch API the code calls."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_package_folder_is_listed_in_pyproject() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("specexec", "cli", "offload")
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("specexec", "cli", "offload", "cpu_kernels")
              for p in (ROOT / top).rglob("__init__.py")}
     assert listed == found
 
@@ -25,7 +25,8 @@ def test_data_files_are_package_data() -> None:
     assert "models.yaml" in data["specexec.checkpoints"] and (ROOT / "specexec/checkpoints/models.yaml").is_file()
     shipped = {p.suffix for p in (ROOT / "specexec/prompts").iterdir() if p.suffix != ".py" and p.is_file()}
     assert shipped and {f"*{s}" for s in shipped} <= set(data["specexec.prompts"])
-    assert "*.c" in data["offload.quant.cpu_kernels"] and (ROOT / "offload/quant/cpu_kernels/kernels.c").is_file()
+    sources = [p for p in (ROOT / "cpu_kernels/csrc").iterdir() if p.suffix in (".c", ".h")]     # compiled on first use
+    assert sources and all(any(p.match(glob) for glob in data["cpu_kernels"]) for p in sources)
 
 
 def test_the_torch_floor_has_every_api_the_code_calls() -> None:

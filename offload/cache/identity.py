@@ -1,9 +1,9 @@
 """What a layer cache was built from: the checkpoint's fingerprint, the build options, and the directory name.
 
-`fingerprint` is cheap (names, sizes, mtimes and header hashes of the checkpoint's files: no tensor data is
-read); `options_of` is everything else that decides the cache's bytes; `cache_dir_for` names the directory
-after both, under `default_cache_root()` (offload/cache/root.py). `source_specs` gives every checkpoint tensor's dtype and shape from
-the headers alone (for planning layer sizes before anything is quantized).
+`fingerprint` is cheap (names, sizes, mtimes and header hashes of the checkpoint's files: no tensor data is read);
+`options_of` is everything else that decides the cache's bytes; `cache_dir_for` names the directory after both,
+under `default_cache_root()` (cpu_kernels/cache_root.py). `source_specs` gives every checkpoint tensor's dtype and
+shape from the headers alone (for planning layer sizes before anything is quantized).
 
 Does not know: the manifest's checks (cache_manifest.py), reading or building layers (cache_reading.py,
 cache.py).

@@ -70,9 +70,9 @@ from pathlib import Path
 
 import torch
 
+from cpu_kernels.cache_root import default_cache_root
 from offload.cache.identity import (LayerNames, cache_dir_for, fingerprint, human_bytes, options_of,
                                     source_specs)
-from offload.cache.root import default_cache_root
 from offload.cache.manifest import LAYERS_FILE, MANIFEST, CacheError, check_expected, load_manifest, mark_corrupt
 from offload.cache.reading import LayerFile
 from offload.platform.facilities import fsync_dir, pwrite_all

@@ -1,5 +1,5 @@
 """Group-wise asymmetric 4-bit weights: on the CPU in the q4 layout of specexec's integer kernels
-(offload/quant/cpu_kernels), on CUDA packed for torch's int4 kernel aten._weight_int4pack_mm ("tinygemm",
+(cpu_kernels/), on CUDA packed for torch's int4 kernel aten._weight_int4pack_mm ("tinygemm",
 compute capability 8.0+).
 
 A weight [out, in] is cut along `in` into groups of G (32, 64 or 128; default 64). Each group gets a bf16 scale s
@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from offload.quant.cpu_kernels import ops as cpu_ops
+from cpu_kernels import ops as cpu_ops
 
 GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 64

@@ -1,4 +1,4 @@
-"""Per-channel symmetric 8-bit weights: on the CPU for specexec's integer kernels (offload/quant/cpu_kernels, which
+"""Per-channel symmetric 8-bit weights: on the CPU for specexec's integer kernels (cpu_kernels/, which
 read this layout as it is), on CUDA for torch's int8 weight-only kernel (aten._weight_int8pack_mm) where it exists.
 
 A weight [out, in] gets one bf16 scale per output channel, s = max|w| / 127, and int8 codes q = round(w / s) in
@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from offload.quant.cpu_kernels import ops as cpu_ops
+from cpu_kernels import ops as cpu_ops
 
 SCHEME = "per-channel"
 

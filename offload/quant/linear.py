@@ -12,7 +12,7 @@ CONTRACT (used by specexec/runtime/offloaded.py, the pager and the draft):
     class QuantLinear(nn.Module):     QuantLinear(in_features, out_features, bias, fmt, dtype, row_exact=True)
         forward(x [..., in]) -> [..., out] in x's dtype, through `kernel_for(format, device, row_exact)`:
             "linear" (fmt none), "dequantize" (the whole weight once per call, any number of tokens, then ONE
-            F.linear), "int4-cpu" / "int8-cpu" (specexec's integer CPU kernels, offload/quant/cpu_kernels: x in
+            F.linear), "int4-cpu" / "int8-cpu" (specexec's integer CPU kernels, cpu_kernels/: x in
             its own dtype, quantized to int8 per block inside the call, the result in x's dtype, bias added by
             the kernel; their pure-torch twin where no compiler built them), "int4pack" / "int8pack" (torch's
             CUDA weight-only kernels: x is cast to bf16 and the result back to x's dtype inside the call, so an
@@ -58,9 +58,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_kernels.ops import BoundLinear
 from offload.quant import int4
 from offload.quant import int8
-from offload.quant.cpu_kernels.ops import BoundLinear
 from offload.quant.weights import (
     FORMATS, bnb_functional, check_format, dequantize, dtype_name, quantize_weight, weight_specs)
 

@@ -1,6 +1,6 @@
 """Quantization of decoder-layer weights as plain tensors plus json-able metadata: bitsandbytes' NF4/FP4
 (blockwise 4-bit), int4 (group-wise, offload/quant/int4.py) and int8 (per channel, offload/quant/int8.py) in the
-layouts of their integer kernels (offload/quant/cpu_kernels on a CPU, torch's on CUDA), or none. A quantized layer
+layouts of their integer kernels (cpu_kernels/ on a CPU, torch's on CUDA), or none. A quantized layer
 packs into one storage buffer (offload.streaming.storage); the module that computes with it is
 offload/quant/linear.py.
 

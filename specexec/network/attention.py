@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from offload.quant.cpu_kernels.attend import attend_rows, slot_lists
+from cpu_kernels.attend import attend_rows, slot_lists
 
 NEG_INF = float("-inf")
 CUDA_MASK_ALIGN = 16           # the efficient kernel wants the mask's row stride a multiple of 16 elements

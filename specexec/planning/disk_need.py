@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from offload.cache.root import default_cache_root
+from cpu_kernels.cache_root import default_cache_root
 from offload.cache.store import SPACE_MARGIN
 from offload.memory_plan import PlanError
 from offload.planner import default_budgets

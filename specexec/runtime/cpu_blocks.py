@@ -1,4 +1,4 @@
-"""CPU decoder layers in one compiled call each (offload/quant/cpu_kernels/block.py) instead of the torch modules:
+"""CPU decoder layers in one compiled call each (cpu_kernels/block.py) instead of the torch modules:
 a qualifying layer module gets a `fast` path, which Block.forward takes for the passes it can serve and declines
 (None) for the rest, which then run the modules as before. `fuse_cpu_blocks(model)` does it for a resident model
 (an int4/int8 draft on a CPU); an offloaded target of the CPU integer kernels gives each layer module its path
@@ -35,8 +35,8 @@ from operator import is_
 import torch
 from torch import Tensor
 
-from offload.quant.cpu_kernels.block import BlockKernel, BlockShape, BlockStack
-from offload.quant.cpu_kernels.build import library
+from cpu_kernels.block import BlockKernel, BlockShape, BlockStack
+from cpu_kernels.build import library
 from offload.quant.linear import QuantLinear
 from specexec.config import ModelArgs
 from specexec.kv.cache import KVCache

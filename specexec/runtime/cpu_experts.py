@@ -4,7 +4,7 @@ algorithms.md §25).
 
 For each such layer `CpuExperts` holds the layer's experts as modules bound (quant.bind_module: views, no copy)
 to the layer's packed bytes in the pager's RAM tier, so the CPU kernels (the int4/int8 integer kernels of
-offload/quant/cpu_kernels for int4/int8 layers, F.linear for unquantized ones) compute on the very bytes a
+cpu_kernels/ for int4/int8 layers, F.linear for unquantized ones) compute on the very bytes a
 streamed pass would have copied. The pager moves only the layer's dense part into the slot (the layer's head,
 as for any streamed sparse layer); `ExpertStream` (expert_stream.py) skips the expert copies for these layers
 and hands the combination to `combine`: the T rows' hidden states [T, D] and their routing (index [T, k],

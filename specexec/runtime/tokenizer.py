@@ -91,7 +91,7 @@ def _gguf_tokenizer(path: Path):
 
 def _gguf_tokenizer_dir(path: Path) -> Path:
     import transformers
-    from offload.cache.root import default_cache_root
+    from cpu_kernels.cache_root import default_cache_root
 
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{GGUF_TOKENIZER_CACHE_VERSION}"

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from offload.quant.cpu_kernels.build import status as cpu_kernels_status
+from cpu_kernels.build import status as cpu_kernels_status
 from specexec.abilities import has
 from specexec.network.model import Transformer
 from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit

@@ -1,7 +1,7 @@
 """One JSON file per fingerprint under the one cache root: where measurements persist between runs.
 `--budget auto`'s target pass costs live in costs/, a pair's acceptance vectors in acceptance/, VocabTrim's
 token counts in vocab/ (and `specexec demo` keeps its models in demo/ beside them). The root is the one every
-cache of specexec uses: offload.cache.root.default_cache_root ($SPECEXEC_CACHE, else
+cache of specexec uses: cpu_kernels.cache_root.default_cache_root ($SPECEXEC_CACHE, else
 $XDG_CACHE_HOME/specexec, else ~/.cache/specexec).
 
 A file is written whole or not at all (a temporary file in the same directory, renamed into place); a file
@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from offload.cache.root import default_cache_root
+from cpu_kernels.cache_root import default_cache_root
 
 
 def cache_dir(kind: str) -> Path:

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from cli.main import main
+from cpu_kernels.cache_root import default_cache_root
 from offload.cache import store as C
 from offload.cache.identity import cache_dir_for, options_of
-from offload.cache.root import default_cache_root
 from offload.cache.reading import _VERIFIED, aligned_empty
 from offload.cache.manifest import CacheCorruptError, CacheError
 from offload.platform import facilities

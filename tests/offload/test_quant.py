@@ -1,7 +1,7 @@
 """offload.quant.weights and offload.quant.linear: error bounds per format, QuantLinear == F.linear on the dequantized weight for 1 and 64 tokens
 (int4/int8: on the int8-quantized activations their CPU kernels compute with), one dequantization per call, bind()
 re-targeting without copies, and the size planning helpers. The int4/int8 kernels themselves:
-tests/offload/test_quant_kernels.py and tests/offload/test_cpu_kernels.py."""
+tests/offload/test_quant_kernels.py and tests/cpu_kernels/test_cpu_kernels.py."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_kernels import ops as cpu_ops
 from offload.quant import linear as quant
 from offload.quant import weights as qweights
-from offload.quant.cpu_kernels import ops as cpu_ops
 from offload.streaming.storage import pack_layer, unpack_layer
 
 # relative Frobenius error of dequant(quant(W)) for W ~ N(0, 1); measured: nf4 0.092, fp4 0.122, int8 (per channel)

@@ -3,7 +3,7 @@ the CPU, torch's on CUDA) and the kernel choice (quant.kernel_for): int4's error
 do not depend on the batch (bit for bit, any number of rows, any thread count), no dequantization on the CPU, an fp32
 residual stream in and out, int4's int8 fallback for shapes its kernel cannot take, packings of another layout
 refused, the packing in the layer cache's key, what a pass moves (pass_traffic), and on a GPU: the CUDA int4 kernel
-and the draft's fused NF4. The CPU kernels against their pure-torch twin: tests/offload/test_cpu_kernels.py.
+and the draft's fused NF4. The CPU kernels against their pure-torch twin: tests/cpu_kernels/test_cpu_kernels.py.
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_bench_stream_runs_int4_layers_through_the_int4_kernel(monkeypatch, caps
 
     from cli.main import main
 
-    from offload.quant.cpu_kernels.ops import BoundLinear
+    from cpu_kernels.ops import BoundLinear
 
     calls = {"dequantize": 0, "int4": 0}
     real_mm, real_dq = BoundLinear.__call__, qweights.dequantize

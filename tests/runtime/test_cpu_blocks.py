@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.quant.cpu_kernels.block import BlockKernel, BlockStack
-from offload.quant.cpu_kernels.build import library, status
+from cpu_kernels.block import BlockKernel, BlockStack
+from cpu_kernels.build import library, status
 from offload.quant.linear import QuantLinear
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.config import EngineConfig, OffloadConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.quant.cpu_kernels.build import library, status
+from cpu_kernels.build import library, status
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cli.demo import cache_dir as demo_dir
-from offload.cache.root import default_cache_root
+from cpu_kernels.cache_root import default_cache_root
 from specexec.tuning import acceptance, store
 from specexec.tuning.calibration import default_cost_path
 from specexec.tuning.vocab_trim import cache_path, load_or_measure_counts

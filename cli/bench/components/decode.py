@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.bench.components.kernels import parse_rows, read_gbps
-from offload.quant.cpu_kernels.build import status
+from cpu_kernels.build import status
 from specexec.checkpoints.loading import read_args, resolve_model_path
 from specexec.config import EngineConfig
 from specexec.network.model import Transformer, TreeMask

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from cpu_kernels import ops
+from cpu_kernels.build import library, status
 from offload.quant import int4 as q_int4
-from offload.quant.cpu_kernels import ops
-from offload.quant.cpu_kernels.build import library, status
 from specexec.options import ConfigError, check_integer
 
 SHAPES = {"1.5b": [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)],

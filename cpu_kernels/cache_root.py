@@ -1,6 +1,6 @@
 """Where specexec keeps what it builds on this machine (layer caches, compiled CPU kernels, tuning data): one
-root directory. A leaf module (no project imports), so anything below the cache, such as the CPU kernels'
-builder in offload/quant, can ask for it without importing the cache.
+root directory. It lives in the bottom layer so that the kernels' builder (build.py) and everything above it
+(offload's layer cache, specexec's tuning store, the CLI) name the same root.
 
 Does not know: what lives under the root (each user names its own subfolder).
 """

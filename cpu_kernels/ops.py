@@ -1,5 +1,5 @@
 """CPU linears for 4-bit and 8-bit weights with int8 activations quantized on the fly: the compiled kernels
-(kernels.c, built on first use by build.py) and their pure-torch twin, which runs wherever the kernels cannot
+(csrc/q4.c, q8.c, built on first use by build.py) and their pure-torch twin, which runs wherever the kernels cannot
 and is the reference the tests hold them to.
 
 Weight layouts (made once, when a layer is quantized: offload/quant/int4.py, int8.py; never per call):
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from offload.quant.cpu_kernels.build import library
+from cpu_kernels.build import library
 
 Q8_BLOCK = 64
 _FLOATS = (torch.float32, torch.bfloat16)

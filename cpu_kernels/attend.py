@@ -7,7 +7,7 @@ target's tree pass gives bitwise its one-token logits, and speculative greedy ou
     slots idx int32 [B|1, T, L], lens int32 [B|1, T]: row t of batch b sees slots idx[b, t, :lens[b, t]]
     attend_rows(q [B, H, T, D], k, v [B, H_kv, S, D], idx, lens, scale) -> [B, H, T, D] in q's dtype
 
-Two implementations: the compiled kernel (kernels.c sx_attend_rows: per row the scores and their max, then exp and
+Two implementations: the compiled kernel (csrc/attend.c sx_attend_rows: per row the scores and their max, then exp and
 its sum, then the weighted values, sequential over the slots, threaded over (row, KV head) with that KV head's query
 heads together: each key read once for them) and a pure-torch twin (`attend_rows_torch`, where the kernels cannot be
 had), which is batch-invariant the same way (each row gathers its own keys and runs the same shapes as the one-token
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.quant.cpu_kernels.build import library
+from cpu_kernels.build import library
 
 
 def slot_lists(seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Batch-invariant CPU attention (offload/quant/cpu_kernels/attend.py): the compiled kernel and its pure-torch
+"""Batch-invariant CPU attention (cpu_kernels/attend.py): the compiled kernel and its pure-torch
 twin agree with an fp64 softmax over each row's slots; each of them gives a row the same bits whatever the other
 rows (a tree pass against one-token passes over the same slots); fp32 and bf16, GQA, strided caches.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.quant.cpu_kernels import attend, build
+from cpu_kernels import attend, build
 
 
 @pytest.fixture(params=["kernel", "torch"])

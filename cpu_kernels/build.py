@@ -1,13 +1,13 @@
-"""Compiling kernels.c and block.c on first use and loading the library with ctypes; saying once, in one line, why
+"""Compiling the C sources (csrc/*.c) on first use and loading the library with ctypes; saying once, in one line, why
 not when it cannot.
 
 The library is built with the machine's C compiler ($CC, else cc, gcc or clang) for this very CPU (-march=native)
-with OpenMP, into `<cache root>/kernels/` ($SPECEXEC_CACHE, like the layer cache), named after a hash of the
+with OpenMP, into `<cache root>/cpu_kernels/` ($SPECEXEC_CACHE, like the layer cache), named after a hash of the
 source, the compiler's version, the flags and the CPU's feature flags: a copy made on another machine or from
 another source is never loaded. Two processes building at once each write their own temporary file and rename it
 into place (the same bytes either way). $SPECEXEC_CPU_KERNELS=0 turns the library off (the pure-torch path runs).
 
-Does not know: what the kernels compute (kernels.c, ops.py), tensors, formats.
+Does not know: what the kernels compute (csrc/, ops.py), the functions' signatures (abi.py), tensors, formats.
 """
 from __future__ import annotations
 
@@ -22,26 +22,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from offload.cache.root import default_cache_root
+from cpu_kernels import abi
+from cpu_kernels.cache_root import default_cache_root
 
-HERE = Path(__file__).parent
-SOURCES = (HERE / "kernels.c", HERE / "block.c")      # compiled together into one library
-HEADERS = (HERE / "kernels.h", HERE / "fastexp.h")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.c")))          # compiled together into one library
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off")
 ENV_SWITCH = "SPECEXEC_CPU_KERNELS"
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-SIGNATURES = {      # name -> (restype, argtypes), as kernels.c declares them
-    "sx_isa": (ctypes.c_char_p, []),
-    "sx_chunk_bytes": (_int, []),
-    "sx_q4_linear": (_int, [_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int, _ptr, _int, _ptr, _int, _int]),
-    "sx_q8_linear": (_int, [_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int, _ptr, _int, _int]),
-    "sx_read": (ctypes.c_uint64, [_ptr, _i64, _int]),
-    "sx_attend_rows": (_int, [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-                              _ptr, _i64, _i64, ctypes.c_float, _int]),
-    "sx_block": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int]),
-    "sx_blocks": (_int, [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64,
-                         _int]),
-}
 
 
 def compiler() -> str | None:
@@ -76,7 +64,7 @@ def _kernel_dir() -> Path:
 
 
 def _compile(cc: str, target: Path) -> None:
-    """cc FLAGS kernels.c block.c -o target, through a temporary file renamed into place; RuntimeError with the
+    """cc FLAGS csrc/*.c -o target, through a temporary file renamed into place; RuntimeError with the
     compiler's last lines when it fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
@@ -86,7 +74,7 @@ def _compile(cc: str, target: Path) -> None:
                               timeout=300)
         if done.returncode != 0:
             tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-            raise RuntimeError(f"{Path(cc).name} failed on {' + '.join(p.name for p in SOURCES)}: {tail}")
+            raise RuntimeError(f"{Path(cc).name} failed on csrc/*.c: {tail}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -94,11 +82,10 @@ def _compile(cc: str, target: Path) -> None:
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """The library at `path` with every function's ctypes signature set."""
+    """The library at `path` with every function's ctypes signature set and its structs' layout checked against
+    the mirrors (abi.check: RuntimeError when they differ)."""
     lib = ctypes.CDLL(str(path))
-    for name, (res, args) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
+    abi.check(lib)
     return lib
 
 

@@ -1,4 +1,4 @@
-"""One dense decoder layer in one call of the compiled kernels (block.c's sx_block): the glue between a layer's
+"""One dense decoder layer in one call of the compiled kernels (csrc/block.c's sx_block): the glue between a layer's
 int4/int8 linears (norms, RoPE, the K/V rows' write, attention, SiLU, residuals) runs in C instead of as ~80 torch
 ops, which is most of a small model's one-token decode on a CPU beside the weight bytes.
 
@@ -9,11 +9,11 @@ ops, which is most of a small model's one-token decode on a CPU beside the weigh
            (every layer's cache rows, specexec/kv/rows.py's layout), layer, slots int64 [T], idx int32 [T, L],
            lens int32 [T]) -> out (x's layer output; out may be x)
 
-    BlockStack(kernels) -> stack: layers in order in one call (block.c's sx_blocks: no Python between them)
+    BlockStack(kernels) -> stack: layers in order in one call (csrc/block.c's sx_blocks: no Python between them)
     stack(x, out, cos, sin, kv, rows [n] (each layer's index into kv), slots, idx, lens) -> out
 
 The kernel holds the tensors whose pointers it was built with. Its result equals the torch modules' up to fp32
-rounding (block.c's docstring), and is row-exact, like each of its parts.
+rounding (csrc/block.c's docstring), and is row-exact, like each of its parts.
 
 Does not know: modules or families (specexec/runtime/cpu_blocks.py decides which layers qualify and builds the
 arguments), masks (the slot lists come made), any other dtype or KV format.
@@ -25,22 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.quant.cpu_kernels.build import library
-from offload.quant.cpu_kernels.ops import BoundLinear
+from cpu_kernels.abi import Block, Linear
+from cpu_kernels.build import library
+from cpu_kernels.ops import BoundLinear
 
-_p, _i64, _i32, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("codes", _p), ("scales", _p), ("bias", _p), ("n", _i64), ("k", _i64), ("kind", _i32),
-                ("group", _i32), ("bias_bf16", _i32), ("pad", _i32)]
-
-
-class _Block(ctypes.Structure):
-    _fields_ = [("dim", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rope_dim", _i64),
-                ("inter", _i64), ("attn_norm", _p), ("mlp_norm", _p), ("q_norm", _p), ("k_norm", _p),
-                ("eps", _f), ("scale", _f), ("fused_qkv", _i32), ("fused_gate_up", _i32),
-                *((name, _Linear) for name in ("q", "k", "v", "o", "gate", "up", "down"))]
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @dataclass(frozen=True)
@@ -55,10 +44,10 @@ class BlockShape:
     scale: float
 
 
-def _linear(b: BoundLinear | None) -> _Linear:
+def _linear(b: BoundLinear | None) -> Linear:
     if b is None:
-        return _Linear()
-    return _Linear(b.codes.data_ptr(), b.scales.data_ptr(), b.bias_ptr, b.n, b.k, 4 if b.kind == "q4" else 8,
+        return Linear()
+    return Linear(b.codes.data_ptr(), b.scales.data_ptr(), b.bias_ptr, b.n, b.k, 4 if b.kind == "q4" else 8,
                    b.group, b.bias_bf16, 0)
 
 
@@ -74,7 +63,7 @@ class BlockKernel:
             raise RuntimeError("the compiled CPU kernels are not available")
         self.shape, self.norms, self.linears = shape, norms, linears       # held: the struct points into them
         s, ptr = shape, (lambda key: norms[key].data_ptr() if key in norms else None)
-        self.struct = _Block(s.dim, s.heads, s.kv_heads, s.head_dim, s.rope_dim, s.inter, ptr("attn"), ptr("mlp"),
+        self.struct = Block(s.dim, s.heads, s.kv_heads, s.head_dim, s.rope_dim, s.inter, ptr("attn"), ptr("mlp"),
                              ptr("q"), ptr("k"), s.eps, s.scale, int("qkv" in linears), int("gate_up" in linears),
                              _linear(linears.get("qkv", linears.get("q"))), _linear(linears.get("k")),
                              _linear(linears.get("v")), _linear(linears["o"]),

@@ -1,4 +1,4 @@
-/* e^x in fp32 for the kernels' softmax (kernels.c) and SiLU (block.c): one fixed sequence of operations whatever
+/* e^x in fp32 for the kernels' softmax (attend.c) and SiLU (block.c): one fixed sequence of operations whatever
  * the lane, so the 8-lane form and the scalar one give the same bits. x is clamped to [-87, 88] (below, e^x is under
  * fp32's normal range: 0 is within its rounding; above, it overflows), written x = n ln2 + r with |r| <= ln2 / 2 (ln2
  * in two parts), e^r by its degree-6 Taylor polynomial in Horner form (relative error ~2e-7) times 2^n built in the

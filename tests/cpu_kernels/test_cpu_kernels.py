@@ -1,4 +1,4 @@
-"""The CPU integer kernels (offload/quant/cpu_kernels): every ISA variant this machine runs (the AVX2 register
+"""The CPU integer kernels (cpu_kernels/): every ISA variant this machine runs (the AVX2 register
 tiles with 256-bit VNNI (AVX512-VL or AVX-VNNI) or without, the wide AVX-512 VNNI path, plain C) against the pure-torch reference to fp32 rounding, for every int4 group size, shapes with partial chunks
 and blocks, fp32/bf16 activations and bias; rows that do not depend on the batch; the activations' int8 codes
 the reference computes are the kernels' own; the result close to the float matmul; and the pure-torch path, with
@@ -6,6 +6,7 @@ its one line, when there is no compiler or the kernels are switched off.
 """
 from __future__ import annotations
 
+import ctypes
 import platform
 import subprocess
 from pathlib import Path
@@ -14,8 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from offload.quant.cpu_kernels import build
-from offload.quant.cpu_kernels import ops
+from cpu_kernels import abi, build, ops
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # variant -> (extra compiler flags, the ISA it reports, a /proc/cpuinfo flag it needs)
@@ -246,7 +246,7 @@ def test_a_failing_compiler_and_the_switch_fall_back(monkeypatch, capsys, tmp_pa
     build._warn_once.cache_clear()
     try:
         assert build.library() is None
-        assert "CPU kernels unavailable (false failed on kernels.c" in capsys.readouterr().err
+        assert "CPU kernels unavailable (false failed on csrc/*.c" in capsys.readouterr().err
         monkeypatch.delenv("CC")
         monkeypatch.setenv(build.ENV_SWITCH, "0")
         build._library.cache_clear()
@@ -254,3 +254,18 @@ def test_a_failing_compiler_and_the_switch_fall_back(monkeypatch, capsys, tmp_pa
         assert "off" in build.status()
     finally:
         build._library.cache_clear()
+
+
+def test_a_struct_mirrored_differently_is_refused_when_the_library_loads(monkeypatch) -> None:
+    """block.c's structs are mirrored by hand in abi.py: the library reports its layout (sx_layout) and load
+    compares, so a field added on one side only fails at load, in one line naming both layouts."""
+    lib = build.library()
+    if lib is None:
+        pytest.skip(build.status())
+    assert build.load(Path(lib._name)) is not None                    # the mirrors agree with the real library
+
+    class Shorter(ctypes.Structure):                                   # the C side's Block without its last linear
+        _fields_ = [f for f in abi.Block._fields_ if f[0] != "down"] + [("down", ctypes.c_int32)]
+    monkeypatch.setattr(abi, "Block", Shorter)
+    with pytest.raises(RuntimeError, match=r"struct layout \[56, 488, .*is not cpu_kernels/abi.py's \[56, 4\d\d"):
+        build.load(Path(lib._name))

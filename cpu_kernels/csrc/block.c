@@ -1,8 +1,8 @@
 /* One dense decoder layer of a Llama-family model on the CPU in a single call (sx_block): RMSNorm, the q/k/v
  * projections (fused or not, biases), optional per-head q/k RMSNorm, RoPE on the first rope_dim dimensions of each
  * head, the new K/V rows written into the layer's cache slots, row-by-row attention over each token's slot list
- * (kernels.c's sx_attend_into), o_proj and the residual, RMSNorm, gate/up (fused or not), SiLU(gate) * up, down and
- * the residual (sx_blocks: a stack of such layers in one call). Every linear is kernels.c's q4 or q8 kernel
+ * (attend.c's sx_attend_into), o_proj and the residual, RMSNorm, gate/up (fused or not), SiLU(gate) * up, down and
+ * the residual (sx_blocks: a stack of such layers in one call). Every linear is q4.c's or q8.c's kernel
  * (int8 activations, threaded over output rows); the glue between them runs on the calling thread and allocates
  * one scratch buffer. The residual stream is fp32.
  *
@@ -14,6 +14,7 @@
  * Does not know: tensors, modules, which model or family (the caller checks that a layer has this shape:
  * specexec/runtime/cpu_blocks.py), sliding windows, sinks, soft-capping, MoE, bf16 activations, int8 KV rows. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,15 @@ typedef struct {
     int32_t fused_qkv, fused_gate_up;       /* then `q` is qkv_proj and `gate` is gate_up_proj */
     SxLinear q, k, v, o, gate, up, down;
 } SxBlock;
+
+/* The structs' layout, for the ctypes mirrors (cpu_kernels/abi.py) to be checked against when the library loads:
+ * sizeof SxLinear, sizeof SxBlock, and the offsets in SxBlock of eps, fused_qkv, q and down. Returns n. */
+int sx_layout(int64_t *out, int n) {
+    const int64_t v[6] = {sizeof(SxLinear), sizeof(SxBlock), offsetof(SxBlock, eps), offsetof(SxBlock, fused_qkv),
+                          offsetof(SxBlock, q), offsetof(SxBlock, down)};
+    for (int i = 0; i < n && i < 6; i++) out[i] = v[i];
+    return 6;
+}
 
 static int linear(const SxLinear *l, const float *x, int64_t m, float *y, int threads) {
     if (l->kind == 4)
