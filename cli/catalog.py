@@ -4,6 +4,9 @@ machine, looked up offline in the Hugging Face cache and under $SPECEXEC_MODEL_D
 Table on stdout (it is the answer), then the supported families and their config.json architectures; `--json`
 prints one line {"catalog": PATH, "models": [...], "supported": [{"family", "architectures"}]} instead.
 
+The families' names and their table (`family_names_line`, `families_markdown`) are made here from the families
+registry for `specexec --help`, this command and the README (tools/readme-families writes it there).
+
 Does not know: how the catalogue is parsed or checked, or where models are looked for (specexec.checkpoints.catalog).
 """
 from __future__ import annotations
@@ -15,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specexec.checkpoints.catalog import DIRS_ENV, Catalog, load_catalog
-from specexec.families.registry import supported
+from specexec.families.registry import summaries, supported
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,6 +53,24 @@ def table(found: list[dict], source: str) -> Table:
         t.add_row(r["name"], r["params"], r["family"], ", ".join(r["drafts"]) or "[dim]-[/]", str(r["budget"]),
                   r["quant"], local, r["hub"])
     return t
+
+
+def family_names_line() -> str:
+    """Every supported family's name, in registry order: "llama, mistral, ..."."""
+    return ", ".join(family for families, _, _ in summaries() for family in families)
+
+
+README_BEGIN = "<!-- the families registry's table: tools/readme-families writes it; edit specexec/families/ -->"
+README_END = "<!-- end of the families registry's table -->"
+
+
+def families_markdown() -> str:
+    """The README's table of supported models, one row per family module, between its two marker lines."""
+    rows = ["| family | config.json architectures | what differs from Llama (each a named option, tested against "
+            "transformers) |", "|---|---|---|"]
+    rows += [f"| {', '.join(families)} | {', '.join(f'`{a}`' for a in archs)} | {text} |"
+             for families, archs, text in summaries()]
+    return "\n".join([README_BEGIN, *rows, README_END])
 
 
 def run(args: argparse.Namespace) -> int:

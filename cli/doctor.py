@@ -162,8 +162,15 @@ def tiny_model_report() -> dict:
             "ok": len(ref) > 0 and all(equal.values()), "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def version_report() -> dict:
+    """specexec's version (the one in specexec/__init__.py)."""
+    import specexec
+
+    return {"specexec": specexec.__version__}
+
+
 def collect(cache_dir: Path, io_mb: int, h2d_mb: int) -> dict:
-    report = {"cuda": cuda_report(h2d_mb), "disk": disk_report(cache_dir, io_mb), "bitsandbytes": bnb_report(),
+    report = {"version": version_report(), "cuda": cuda_report(h2d_mb), "disk": disk_report(cache_dir, io_mb), "bitsandbytes": bnb_report(),
               "ram": ram_report(), "tiny_model": tiny_model_report()}
     bnb_ok = report["bitsandbytes"]["cuda_kernels"] is not False
     report["ok"] = bool(report["tiny_model"]["ok"] and report["disk"]["ok"] and bnb_ok)
@@ -176,7 +183,7 @@ def _gb(n: float) -> str:
 
 def describe(r: dict) -> str:
     c, d, b, m, t = r["cuda"], r["disk"], r["bitsandbytes"], r["ram"], r["tiny_model"]
-    lines = [f"torch {c['torch']} (python {c['python']})"]
+    lines = [f"specexec {r['version']['specexec']}, torch {c['torch']} (python {c['python']})"]
     if not c["cuda_available"]:
         lines.append("CUDA: no CUDA device: checking the CPU path only")
     else:

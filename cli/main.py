@@ -14,6 +14,7 @@ import sys
 import traceback
 from typing import NoReturn
 
+import specexec
 from cli import chat, convert, demo, doctor, generate, plan
 from cli.serve import command as serve
 from cli.bench import main as bench
@@ -44,8 +45,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="specexec", description="Speculative decoding with large draft trees for "
-                    "Llama-family models (Llama 2/3, Mistral, Qwen2/2.5, Qwen3).")
+    parser = Parser(prog="specexec", description="Speculative decoding with large draft trees, for models "
+                    "whose weights stream from RAM or SSD. Model families: "
+                    f"{models_cmd.family_names_line()} (`specexec models` lists their architectures).")
+    parser.add_argument("--version", action="version", version=f"specexec {specexec.__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
     for command in COMMANDS:

@@ -63,6 +63,7 @@ _WHERE = {
 }
 
 __all__ = list(_WHERE)
+__version__ = "0.1.0"          # the one place the version is written (pyproject.toml reads it from here)
 
 
 def __getattr__(name: str) -> Any:

@@ -39,3 +39,29 @@ def test_the_torch_floor_has_every_api_the_code_calls() -> None:
     calls = re.findall(r"SDPAParams\(([^()]*)\)", (ROOT / "specexec/network/attention.py").read_text())
     assert calls and all(len(c.split(",")) == 7 for c in calls)
     assert floor >= (2, 5), floor
+
+
+def _readme_commands() -> list[str]:
+    """Every line of the README's ```sh blocks, in order."""
+    import re
+
+    blocks = re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readmes_test_command_verbatim() -> None:
+    ci = (ROOT / ".ci/run").read_text().splitlines()
+    marker = next(i for i, line in enumerate(ci) if "README's test command" in line)
+    command = ci[marker + 1].strip()
+    assert command.endswith("python3 -m pytest -q") and command in _readme_commands()
+
+
+def test_readme_says_the_torch_build_before_the_first_install() -> None:
+    """Whoever runs the README's commands in order on a machine without a GPU gets the CPU build of torch: its
+    line comes before the first command that installs specexec (which would pull the default, CUDA, build)."""
+    commands = _readme_commands()
+    cpu = next(i for i, c in enumerate(commands) if "download.pytorch.org/whl/cpu" in c)
+    first_install = next(i for i, c in enumerate(commands) if c.startswith("python3 -m pip install -e"))
+    assert cpu < first_install
+    quick = next(i for i, c in enumerate(commands) if c.endswith('pytest -q -m "not slow"'))
+    assert quick < next(i for i, c in enumerate(commands) if c.endswith("pytest -q"))     # the quick loop first

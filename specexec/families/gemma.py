@@ -26,6 +26,11 @@ from specexec.config import ModelArgs
 from specexec.families.common import base_fields, layer_types, rope_scaling
 from specexec.options import ConfigError
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = ('embeddings x sqrt(hidden), (1 + w) norms around attention and MLP, `query_pre_attn_scalar`, sliding '
+           '/ global layers, GeGLU; Gemma 2: attention and final-logit soft-capping; Gemma 3: q/k norms, 5 '
+           'sliding : 1 global layers with a local RoPE base, and the multimodal 4B-27B checkpoints run their '
+           'text decoder (text prompts only)')
 ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",

@@ -20,6 +20,10 @@ from specexec.families.common import ROPE_KINDS, base_fields, check_activation
 from specexec.families.routing import grouped_sigmoid_moe, mtp_layers
 from specexec.families.rules import Rule
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = ('GLM-4.5, 4.5-Air, 4.6, 4.7: q/k/v biases, optional q/k norms, partial rotary; sigmoid router '
+           'choosing by score + correction bias among the best expert groups, `routed_scaling_factor`, a shared '
+           'expert, dense first layers; the next-token-prediction layer after the decoder is left unread')
 ARCHITECTURES = {"Glm4MoeForCausalLM": "glm4_moe"}
 WEIGHT_RULES = (
     Rule(r"mlp\.router\.weight", "mlp.gate.weight"),

@@ -19,6 +19,9 @@ from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import ROPE_KINDS, base_fields, layer_types, n_experts
 from specexec.families.rules import Rule
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = ('attention sinks, sliding / full layers, YaRN RoPE, biases, top-k-then-softmax router, clamped gated '
+           'activation, fused experts (MXFP4 read exactly)')
 ARCHITECTURES = {"GptOssForCausalLM": "gpt_oss"}
 E = r"mlp\.experts\.(\d+)\."
 WEIGHT_RULES = (

@@ -11,6 +11,9 @@ from typing import Any
 from specexec.config import ModelArgs
 from specexec.families.common import base_fields, layer_types, sliding_window
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = ("Llama 2/3/3.x with llama3 RoPE scaling; Mistral's sliding window; Qwen2/2.5's q/k/v biases; Qwen3's "
+           "q/k norms; Qwen's sliding layers from `max_window_layers`")
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

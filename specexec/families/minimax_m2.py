@@ -22,6 +22,9 @@ from specexec.families.glm4_moe import rotary_dims
 from specexec.families.rules import Rule
 from specexec.options import ConfigError
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = ('q/k norms over the whole projection, partial rotary (`rotary_dim`), sigmoid router choosing by score'
+           " + correction bias (Mixtral's `block_sparse_moe` names)")
 ARCHITECTURES = {"MiniMaxM2ForCausalLM": "minimax_m2"}
 E = r"mlp\.experts\.(\d+)\."
 WEIGHT_RULES = (

@@ -13,6 +13,9 @@ from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, n_experts, sliding_window
 from specexec.families.rules import Rule
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = ("Mistral's decoder with a routed feed-forward (softmax top-k, renormalised; "
+           '`block_sparse_moe.experts.N.w1/w2/w3`)')
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral"}
 WEIGHT_RULES = (
     Rule(r"mlp\.router\.weight", "block_sparse_moe.gate.weight"),

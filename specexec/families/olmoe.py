@@ -13,6 +13,8 @@ from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, n_experts
 from specexec.families.rules import Rule
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = 'a routed feed-forward; q/k norms over the whole projection and `clip_qkv`'
 ARCHITECTURES = {"OlmoeForCausalLM": "olmoe"}
 WEIGHT_RULES = (Rule(r"mlp\.router\.weight", "mlp.gate.weight"),)
 

@@ -22,6 +22,9 @@ from typing import Any
 from specexec.config import ModelArgs
 from specexec.families.common import base_fields, check_activation, rope_scaling
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = ('Phi-3 and Phi-4: fused `qkv_proj` / `gate_up_proj` (kept fused), partial rotary, LongRoPE short/long'
+           ' factors switching where transformers switches')
 ARCHITECTURES = {"Phi3ForCausalLM": "phi3"}
 ROPE_KINDS = ("default", "longrope", "su")
 DEFAULTS = dict(rms_norm_eps=1e-5, max_position_embeddings=4096, original_max_position_embeddings=4096,

@@ -15,6 +15,9 @@ from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, layer_types, n_experts, sliding_window
 from specexec.families.rules import Rule
 
+# what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
+SUMMARY = ('a routed feed-forward (softmax top-k, renormalised or not), dense layers by `mlp_only_layers` / '
+           "`decoder_sparse_step`; Qwen2-MoE's shared expert behind its sigmoid gate")
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
 WEIGHT_RULES = (Rule(r"mlp\.router\.weight", "mlp.gate.weight"),)
 

@@ -3,8 +3,9 @@ config.json), and the one precise line for every architecture outside it.
 
 A family module exposes ARCHITECTURES ({HF architecture: family name}) and `model_args(family, cfg) ->
 ModelArgs`, and where its checkpoints name tensors otherwise, what specexec/families/weights.py reads
-(WEIGHT_RULES, STORED_PREFIXES, UNUSED). Adding a family is adding its module to FAMILY_MODULES; nothing
-else lists architectures.
+(WEIGHT_RULES, STORED_PREFIXES, UNUSED), and SUMMARY: one line of what its maths adds to Llama's. Adding a
+family is adding its module to FAMILY_MODULES; nothing else lists architectures: `specexec --help`, `specexec
+models` and the README's table of supported models are made from `summaries()`.
 
 Does not know: the network, checkpoints' tensors (specexec/checkpoints/loading.py), devices.
 """
@@ -82,3 +83,14 @@ def supported() -> list[tuple[str, list[str]]]:
     for arch, (family, _) in architectures().items():
         out.setdefault(family, []).append(arch)
     return list(out.items())
+
+
+def summaries() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
+    """(family names, HF architectures, what differs from Llama) per family module, in registry order: the
+    module's SUMMARY, else the first sentence of its docstring."""
+    out = []
+    for module in FAMILY_MODULES:
+        families = tuple(dict.fromkeys(module.ARCHITECTURES.values()))
+        text = getattr(module, "SUMMARY", None) or " ".join((module.__doc__ or "").split()).split(". ")[0]
+        out.append((families, tuple(module.ARCHITECTURES), text.rstrip(".")))
+    return out

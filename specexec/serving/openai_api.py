@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import specexec
 from specexec.config import SamplingParams
 from specexec.options import ConfigError, check_integer, check_prompt_length
 from specexec.runtime.tokenizer import encode_messages
@@ -400,4 +401,5 @@ def models_list(model_id: str, created: int) -> dict:
 
 
 def model_card(model_id: str, created: int) -> dict:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "specexec"}
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "specexec",
+            "specexec_version": specexec.__version__}

@@ -22,7 +22,7 @@ def test_cpu_report_and_json_shape(capsys, tmp_path: Path) -> None:
     out = capsys.readouterr().out.strip()
     assert len(out.splitlines()) == 1
     r = json.loads(out)
-    assert set(r) == {"cuda", "disk", "bitsandbytes", "ram", "tiny_model", "ok"} and r["ok"] is True
+    assert set(r) == {"version", "cuda", "disk", "bitsandbytes", "ram", "tiny_model", "ok"} and r["ok"] is True
     assert r["cuda"]["cuda_available"] is False and r["cuda"]["gpus"] == [] and r["cuda"]["torch"] == torch.__version__
     assert r["disk"]["ok"] and r["disk"]["read_gbps"] > 0 and r["disk"]["dir"] == str(disk)
     assert list(disk.iterdir()) == []                                  # the probe's file is gone
