@@ -12,6 +12,10 @@ Does not know: which command ran or what it was doing.
 """
 from __future__ import annotations
 
+import errno
+import io
+import os
+import select
 import signal
 import sys
 import threading
@@ -52,10 +56,57 @@ def describe(exc: BaseException) -> tuple[str, int]:
 
 
 def report(exc: BaseException) -> int:
-    """Print `error: <one line>` to stderr and return the exit code."""
+    """Print `error: <one line>` to stderr (unless stderr is closed too) and return the exit code."""
     message, code = describe(exc)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    try:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
     return code
+
+
+def _stdout_has_no_reader() -> bool:
+    """Whether standard output is a pipe whose reading end is closed (poll says POLLERR); True where poll is
+    missing (Windows), so an EPIPE there counts as stdout's."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return False
+    poll = getattr(select, "poll", None)
+    if poll is None:
+        return True
+    watch = poll()
+    watch.register(fd, select.POLLOUT)
+    return any(event & (select.POLLERR | select.POLLHUP) for _, event in watch.poll(0))
+
+
+def _broken_pipe(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno == errno.EPIPE:     # stdout's, not a socket's (bench --endpoint)
+        return _stdout_has_no_reader()
+    if isinstance(exc, SystemExit):                   # rich's Console.on_broken_pipe: quiet, then SystemExit(1)
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return tb is not None and tb.tb_frame.f_code.co_name == "on_broken_pipe"
+    return False
+
+
+def closed_stdout(exc: BaseException) -> bool:
+    """Whether `exc` says the reader of standard output went away (EPIPE: `specexec models | head -3`), itself
+    or as the cause of what wrapped it. When it does, standard output is pointed at the null device, so the
+    rest of what the command (or Python at exit) writes goes nowhere instead of failing again."""
+    seen: BaseException | None = exc
+    while seen is not None and not _broken_pipe(seen):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        return False
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, io.UnsupportedOperation):    # no real file behind sys.stdout (a test's capture)
+        pass
+    return True
 
 
 class Terminated(BaseException):

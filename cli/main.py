@@ -2,7 +2,8 @@
 
 Every failure a user can cause ends as ONE line `error: ...` on stderr and exit code 2 (1 for a bug, 130 for
 Ctrl-C, 143 for SIGTERM, after the same cleanups as Ctrl-C); `--debug` (before or after the subcommand) shows
-the traceback instead. Subcommands live in their own modules with `add_parser(subparsers)` and
+the traceback instead. A closed standard output (`specexec models | head -3`) is a normal end: exit 0, nothing
+more printed (errors.closed_stdout). Subcommands live in their own modules with `add_parser(subparsers)` and
 `run(args) -> int`.
 
 Does not know: models, tokenizers or generation; the subcommands do.
@@ -26,7 +27,8 @@ from cli.bench import builders as bench_builders
 from cli.bench.components import kernels as bench_kernels
 from cli.bench.components import moe as bench_moe
 from cli.bench.components import stream as bench_stream
-from cli.errors import INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, report, sigterm_raises
+from cli.errors import (INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, closed_stdout, report,
+                        sigterm_raises)
 
 COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
 
@@ -84,23 +86,35 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_raises():
             args = build_parser().parse_args(argv)
             return int(args.handler(args) or 0)
+    except Exception as e:                        # noqa: BLE001 -- the one place exceptions become exit codes
+        if closed_stdout(e):                      # the reader went away (`| head`): a normal end, as for any tool
+            return 0
+        if debug:
+            traceback.print_exc()
+        return report(e)
     except Terminated:
         print("\nterminated", file=sys.stderr, flush=True)
         return TERMINATED_EXIT
     except SystemExit as e:                       # --help, --version: argparse's own exits
+        if closed_stdout(e):                      # rich's exit on a broken pipe
+            return 0
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr, flush=True)
         return INTERRUPT_EXIT
-    except Exception as e:                        # noqa: BLE001 -- the one place exceptions become exit codes
-        if debug:
-            traceback.print_exc()
-        return report(e)
 
 
 def run() -> NoReturn:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point. Output still buffered is written here, so a reader that went away meanwhile
+    is a normal end too (not Python's "Exception ignored" at exit)."""
+    code = main()
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        if not closed_stdout(e):
+            raise
+        code = code or 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":
