@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from cpu_kernels.cache_root import default_cache_root
-from offload.cache.identity import human_bytes
+from offload.memory_plan import gb_text
 from offload.cache.store import LayerCache
 from offload.quant.weights import FORMATS
 from cli.fetch import fetch_model
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     with cache:
         what = "built" if cache.built else "already up to date"
         print(f"{cache.path} ({what}): {cache.n_layers} layers, {args.quant}, {cache.dtype}, "
-              f"{human_bytes(cache.total_nbytes)} in {time.perf_counter() - t0:.1f} s", flush=True)
+              f"{gb_text(cache.total_nbytes)} in {time.perf_counter() - t0:.1f} s", flush=True)
         if args.verify:
             verify(cache, progress=not args.no_progress)
     return 0
@@ -77,5 +77,5 @@ def verify(cache: LayerCache, progress: bool) -> None:
     t0 = time.perf_counter()
     nbytes = cache.verify_all(progress=progress)
     seconds = time.perf_counter() - t0
-    print(f"verified: {cache.n_layers} layers, {human_bytes(nbytes)}, every sha256 matches the manifest "
+    print(f"verified: {cache.n_layers} layers, {gb_text(nbytes)}, every sha256 matches the manifest "
           f"({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s, {seconds:.1f} s)", flush=True)

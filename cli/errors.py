@@ -12,6 +12,7 @@ Does not know: which command ran or what it was doing.
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import io
 import os
@@ -53,6 +54,22 @@ def describe(exc: BaseException) -> tuple[str, int]:
         reason = exc.strerror or type(exc).__name__
         return one_line(f"{exc.filename}: {reason}"), USAGE_EXIT
     return one_line(f"internal error {type(exc).__name__}: {exc} (rerun with --debug for the traceback)"), BUG_EXIT
+
+
+def as_typed(exc: BaseException, parser: argparse.ArgumentParser | None, args: argparse.Namespace | None
+             ) -> BaseException:
+    """A ConfigError about a setting the user gave as a flag, named by that flag (`max_new_tokens must be ...`
+    -> `--max-new-tokens must be ...`): only when the command has the flag and the refused value is the one
+    the flag parsed to (a config.json field of the same name keeps its own name)."""
+    subject = getattr(exc, "subject", None)
+    if not isinstance(exc, ConfigError) or not subject or subject.startswith("-") or parser is None:
+        return exc
+    dest = subject.replace("-", "_")
+    for action in parser._actions:
+        given = getattr(args, dest, None)
+        if action.dest == dest and action.option_strings and given is not None and str(given) == str(exc.value):
+            return exc.named(max(action.option_strings, key=len))
+    return exc
 
 
 def report(exc: BaseException) -> int:

@@ -11,11 +11,13 @@ Does not know: models, tokenizers or generation; the subcommands do.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import traceback
 from typing import NoReturn
 
 import specexec
+from specexec.options import choice_error
 from cli import chat, convert, demo, doctor, generate, plan
 from cli.serve import command as serve
 from cli.bench import main as bench
@@ -27,7 +29,7 @@ from cli.bench import builders as bench_builders
 from cli.bench.components import kernels as bench_kernels
 from cli.bench.components import moe as bench_moe
 from cli.bench.components import stream as bench_stream
-from cli.errors import (INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, closed_stdout, report,
+from cli.errors import (INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, as_typed, closed_stdout, report,
                         sigterm_raises)
 
 COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
@@ -40,10 +42,20 @@ BENCH_COMMANDS = (bench_builders, bench_accept, bench_stream, bench_attention, b
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError (one line) instead of printing a usage banner and exiting."""
+    """argparse that raises UsageError (one line) instead of printing a usage banner and exiting; a value
+    outside a flag's choices is said as every other choice error is (options.choice_error)."""
 
     def error(self, message: str) -> NoReturn:
+        choice = INVALID_CHOICE.fullmatch(message)
+        if choice:
+            flag, value, names = choice.groups()
+            value = value[1:-1] if value[:1] == value[-1:] == "'" else value      # 'nf5' (3.11) or nf5 (3.12+)
+            name = flag if flag.startswith("-") else flag.lower()                # COMMAND -> command
+            message = str(choice_error(name, value, [n.strip(" '") for n in names.split(",")]))
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+INVALID_CHOICE = re.compile(r"argument ([^:]+): invalid choice: (.*) \(choose from (.*)\)")
 
 
 def build_parser() -> Parser:
@@ -56,7 +68,7 @@ def build_parser() -> Parser:
     for command in COMMANDS:
         p = command.add_parser(sub)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
-        p.set_defaults(handler=command.run)
+        p.set_defaults(handler=command.run, parser=p)
     add_bench_group(sub)
     return parser
 
@@ -69,12 +81,12 @@ def add_bench_group(sub: argparse._SubParsersAction) -> Parser:
                            description=bench.DESCRIPTION + f" Other benchmarks: `specexec bench {names} --help`.")
     group.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     bench.add_run_arguments(group)
-    group.set_defaults(handler=bench.run)
+    group.set_defaults(handler=bench.run, parser=group)
     benches = group.add_subparsers(dest="bench_command", metavar="BENCH", required=False, parser_class=Parser)
     for command in BENCH_COMMANDS:
         p = command.add_parser(benches)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
-        p.set_defaults(handler=command.run)
+        p.set_defaults(handler=command.run, parser=p)
     return group
 
 
@@ -82,16 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default sys.argv[1:]); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv[: argv.index("--")] if "--" in argv else "--debug" in argv
+    args = None
     try:
         with sigterm_raises():
-            args = build_parser().parse_args(argv)
+            args, unknown = build_parser().parse_known_args(argv)
+            if unknown:                           # said by the subcommand's parser: its --help is the one to read
+                args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
             return int(args.handler(args) or 0)
     except Exception as e:                        # noqa: BLE001 -- the one place exceptions become exit codes
         if closed_stdout(e):                      # the reader went away (`| head`): a normal end, as for any tool
             return 0
         if debug:
             traceback.print_exc()
-        return report(e)
+        return report(as_typed(e, getattr(args, "parser", None), args))
     except Terminated:
         print("\nterminated", file=sys.stderr, flush=True)
         return TERMINATED_EXIT

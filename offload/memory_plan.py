@@ -8,6 +8,7 @@ Does not know: how a plan is decided (planner.py), models, tokens, or how bytes 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 TIERS = ("resident", "ram", "ssd")
@@ -325,7 +326,11 @@ def _span(ids: list[int]) -> str:
 
 
 def gb_text(n: float) -> str:
-    """Bytes for messages: GB with 2 decimals; below 10 MB in MB/kB/B (else a small budget reads '0.00 GB')."""
-    if abs(n) >= 0.01 * GB:
-        return f"{n / GB:.2f} GB"
-    return f"{n / 1e6:.2f} MB" if abs(n) >= 1e6 else f"{n / 1e3:.1f} kB" if abs(n) >= 1e3 else f"{int(n)} B"
+    """Bytes for messages and the ledger, always in GB, so every size of one message reads in one unit: 2
+    decimals, more below 0.01 GB so a small size keeps 2 significant digits (1 kB: '0.0000010 GB', never
+    '0.00 GB')."""
+    gb = n / GB
+    if gb == 0 or abs(gb) >= 0.01:
+        return f"{gb:.2f} GB"
+    decimals = min(12, 1 - math.floor(math.log10(abs(gb))))
+    return f"{gb:.{decimals}f} GB"

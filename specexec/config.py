@@ -15,7 +15,7 @@ from typing import Any
 
 from specexec.options import (
     DTYPES, MAX_BUDGET, ConfigError, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
-    check_experts, parse_draft_layers, parse_size)
+    check_experts, choice_error, parse_draft_layers, parse_size)
 
 
 ROUTERS = ("softmax", "topk_softmax", "sigmoid")
@@ -275,7 +275,7 @@ class EngineConfig:
         check_name("verifier", self.verifier)
         check_choice("dtype", self.dtype, DTYPES)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"unknown device {self.device!r}; use cpu or cuda")
+            raise choice_error("device", self.device, ("cpu", "cuda", "cuda:N"))
 
     def replace(self, **changes: Any) -> "EngineConfig":
         known = {f.name for f in fields(self)}
@@ -325,8 +325,7 @@ class OffloadConfig:
             check_integer("--draft-layers", self.draft_layers, low=1, high=10**5)
         for flag, value in (("--quant", self.quant), ("--draft-quant", self.draft_quant),
                             ("--offload", self.offload)):
-            if value not in choices(flag):
-                raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(choices(flag))}")
+            check_choice(flag, value, choices(flag))
         for flag, value in (("--gpu-budget", self.gpu_budget), ("--ram-budget", self.ram_budget)):
             if value is not None:
                 check_number(flag, value, low=1, high=2**62)

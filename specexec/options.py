@@ -21,7 +21,32 @@ from offload import memory_plan
 
 
 class ConfigError(ValueError):
-    """A user-facing configuration problem; the message is one line saying what is wrong and what to do."""
+    """A user-facing configuration problem; the message is one line saying what is wrong and what to do.
+
+    The check_* functions below also say which setting (`subject`, as the caller named it: a field such as
+    max_new_tokens, or a flag) and which value was refused, so a command line can name the flag as the user
+    typed it (`named`)."""
+
+    subject: str | None = None
+    value: Any = None
+
+    def named(self, name: str) -> "ConfigError":
+        """The same error with its subject called `name` (e.g. max_new_tokens -> --max-new-tokens)."""
+        if not self.subject or self.subject not in str(self):
+            return self
+        return _about(name, self.value, str(self).replace(self.subject, name, 1))
+
+
+def _about(subject: str, value: Any, message: str) -> ConfigError:
+    """A ConfigError about `subject`'s `value`."""
+    error = ConfigError(message)
+    error.subject, error.value = subject, value
+    return error
+
+
+def choice_error(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> ConfigError:
+    """The one way a value outside a list of names is refused: "unknown --quant 'nf5'; choose one of: ..."."""
+    return _about(name, value, f"unknown {name} {value!r}; choose one of: {', '.join(map(str, choices))}")
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -29,7 +54,9 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "
 
 
 def parse_size(text: str, what: str = "size") -> int:
-    """'48GB' -> 48e9 bytes, '512MiB' -> 512*2**20, '1.5G' -> 1.5e9. Raises ConfigError for anything else."""
+    """'48GB' -> 48e9 bytes, '512MiB' -> 512*2**20, '1.5G' -> 1.5e9, '100B' -> 100. A number without a unit is
+    refused ("add a unit: 64GB"): a bare 64 meant as gigabytes would plan with 64 bytes. Raises ConfigError for
+    anything else."""
     m = _SIZE.match(str(text))
     if not m:
         raise ConfigError(f"{what}: {text!r} is not a size; write it like 48GB, 512MB or 1.5GiB")
@@ -37,22 +64,24 @@ def parse_size(text: str, what: str = "size") -> int:
     value = float(m.group(1)) * _UNITS[unit]
     if value <= 0:
         raise ConfigError(f"{what}: {text!r} must be larger than zero")
+    if m.group(2) is None:
+        raise ConfigError(f"{what} {m.group(1)} has no unit; add a unit: {m.group(1)}GB (or MB, GiB, B, ...)")
     return int(value)
 
 
 def check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
     """Raise ConfigError unless value is a finite number in [low, high] (or (low, high] when low_open)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        raise _about(name, value, f"{name} must be a finite number, got {value!r}")
     if value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise ConfigError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+        raise _about(name, value, f"{name} must be in {bracket}{low}, {high}], got {value!r}")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Raise ConfigError unless value is one of choices (named in the message)."""
+    """Raise ConfigError unless value is one of choices (named in the message: choice_error)."""
     if value not in choices:
-        raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
+        raise choice_error(name, value, choices)
 
 
 def _quant_formats() -> tuple[str, ...]:
@@ -127,7 +156,7 @@ def check_name(name: str, value: Any) -> None:
 def check_integer(name: str, value: Any, low: int, high: int) -> None:
     """Raise ConfigError unless value is an integer (not a bool, not 2.5) in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
+        raise _about(name, value, f"{name} must be an integer, got {value!r}")
     check_number(name, value, low=low, high=high)
 
 

@@ -23,7 +23,7 @@ from cli.bench import plot
 from cli.bench.common import Plan, Result, encode_prompts, first_mismatch, run_variant, wide
 from cli.bench.table import cell
 from specexec.builders.registry import builder_needs_draft, names as builder_names
-from specexec.options import ConfigError, check_number, help_list, parse_budget_list, parse_float_list
+from specexec.options import ConfigError, check_choice, check_number, help_list, parse_budget_list, parse_float_list
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 
@@ -55,8 +55,7 @@ def parse_builders(text: str | None, has_draft: bool) -> tuple[str, ...]:
     known = builder_names()
     names = list(known) if text is None else [b.strip() for b in text.split(",") if b.strip()]
     for b in names:
-        if b not in known:
-            raise ConfigError(f"--builders: unknown builder {b!r}; choose from: {', '.join(known)}")
+        check_choice("--builders", b, known)
     if not names:
         raise ConfigError("--builders lists no builder")
     if not has_draft:

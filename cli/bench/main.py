@@ -57,7 +57,8 @@ from cli.bench.context import context_rows, context_table, parse_contexts, run_c
 from cli.bench.hf import run_hf
 from cli.bench.table import BASELINES, EXTERNAL, gate_lines, make_rows, make_table, per_step
 from specexec.config import EngineConfig
-from specexec.options import ConfigError, budget_options, check_number, is_self_draft, parse_budget_list
+from specexec.options import (ConfigError, budget_options, check_choice, check_number, is_self_draft,
+                              parse_budget_list)
 from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 
@@ -124,8 +125,7 @@ def _kinds(text: str | None, has_draft: bool, has_model_draft: bool | None = Non
         return tuple(k for k in kinds if needs.get(k, True))
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     for k in kinds:
-        if k not in CONFIG_KINDS:
-            raise ConfigError(f"--configs: unknown configuration {k!r}; choose from: {', '.join(CONFIG_KINDS)}")
+        check_choice("--configs", k, CONFIG_KINDS)
         if k.startswith("hf-") and not hf_available():
             raise ConfigError(f"--configs {k} needs transformers and accelerate: pip install accelerate")
         if k in ("specexec", "hf-assisted") and not has_draft:

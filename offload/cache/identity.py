@@ -49,13 +49,6 @@ class LayerNames:
         return out
 
 
-def human_bytes(n: float) -> str:
-    for unit, size in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def _header(path: Path) -> tuple[bytes, dict]:
     """(raw header bytes, parsed header) of a safetensors file."""
     with open(path, "rb") as f:

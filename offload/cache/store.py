@@ -71,8 +71,9 @@ from pathlib import Path
 import torch
 
 from cpu_kernels.cache_root import default_cache_root
-from offload.cache.identity import (LayerNames, cache_dir_for, fingerprint, human_bytes, options_of,
+from offload.cache.identity import (LayerNames, cache_dir_for, fingerprint, options_of,
                                     source_specs)
+from offload.memory_plan import gb_text
 from offload.cache.manifest import LAYERS_FILE, MANIFEST, CacheError, check_expected, load_manifest, mark_corrupt
 from offload.cache.reading import LayerFile
 from offload.platform.facilities import fsync_dir, pwrite_all
@@ -265,7 +266,7 @@ class LayerCache:
 
     def __repr__(self) -> str:
         return (f"LayerCache({self.path}, {self.n_layers} layers, {self.fmt}, {self.dtype}, "
-                f"{human_bytes(self.total_nbytes)})")
+                f"{gb_text(self.total_nbytes)})")
 
 
 def _stderr(msg: str) -> None:
@@ -327,9 +328,9 @@ def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expe
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CacheError(f"disk full while writing the layer cache in {final.parent} (needs "
-                             f"{human_bytes(total)}); nothing was kept — free space or set SPECEXEC_CACHE") from None
+                             f"{gb_text(total)}); nothing was kept — free space or set SPECEXEC_CACHE") from None
         if e.errno == errno.EFBIG:          # RLIMIT_FSIZE (ulimit -f; SIGXFSZ is ignored by Python) or the fs's limit
-            raise CacheError(f"cannot write the layer cache in {final.parent}: {human_bytes(total)} exceeds the "
+            raise CacheError(f"cannot write the layer cache in {final.parent}: {gb_text(total)} exceeds the "
                              "largest file this process may write (ulimit -f, or the file system's limit); nothing "
                              "was kept — raise the limit, or point SPECEXEC_CACHE (or --out) at another file "
                              "system") from None
@@ -344,8 +345,8 @@ def check_free_space(directory: Path, needed: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
     if free < needed:
-        raise CacheError(f"not enough disk space for the layer cache in {directory}: needs {human_bytes(needed)}, "
-                         f"{human_bytes(free)} free; free some space or point SPECEXEC_CACHE (or --out) elsewhere")
+        raise CacheError(f"not enough disk space for the layer cache in {directory}: needs {gb_text(needed)}, "
+                         f"{gb_text(free)} free; free some space or point SPECEXEC_CACHE (or --out) elsewhere")
 
 
 def _remove_leftovers(final: Path) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from offload.memory_plan import gb_text
 from specexec.options import ConfigError
 from specexec.checkpoints.hub_files import COMMIT, PART, Progress, Ticker, download, link_blob, write_ref
 
@@ -270,12 +271,12 @@ def check_disk(weights: int, storage: Path, snapshot: Path, opts: HubOptions) ->
         existing = _existing_parent(directory)
         entry = by_device.setdefault(existing.stat().st_dev, [existing, 0, []])
         entry[1] += need
-        entry[2].append(f"{_size(need)} in {directory}")
+        entry[2].append(f"{gb_text(need)} in {directory}")
     for existing, need, parts in by_device.values():
         free = disk_free(existing)
         if need + DISK_MARGIN > free:
             raise ConfigError(f"not enough disk space to download {opts.gguf_file or 'the model'}: needs "
-                              f"{' + '.join(parts)}, {_size(free)} free on that disk; free some space, or point "
+                              f"{' + '.join(parts)}, {gb_text(free)} free on that disk; free some space, or point "
                               "HF_HOME (the download) and SPECEXEC_CACHE (the layer cache) at a larger disk")
 
 
@@ -291,11 +292,6 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def _size(n: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def fetch_file(listing: Listing, f: RemoteFile, storage: Path, opts: HubOptions, ticker: Ticker) -> None:

@@ -19,7 +19,7 @@ def parse_experts(text: str) -> tuple[str, int | None]:
     raw = str(text).strip().lower()
     mode, sep, count = raw.partition(":")
     if mode not in EXPERT_MODES or (sep and mode != "cpu"):
-        raise ValueError(f"--experts {text!r} is not one of: stream, cpu, cpu:N (N sparse layers), auto")
+        raise ValueError(f"unknown --experts {text!r}; choose one of: stream, cpu, cpu:N (N sparse layers), auto")
     if not sep:
         return mode, None
     if not count.isdigit() or int(count) < 1:

@@ -61,7 +61,7 @@ def test_without_a_draft_only_draft_free_builders_run(capsys, tiny_pair, cache_d
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--builders", "nope"], "unknown builder 'nope'"),
+    (["--builders", "nope"], "unknown --builders 'nope'"),
     (["--budgets", "8,x"], "--budgets"),
     (["--temperatures", "hot"], "--temperatures"),
     (["--temperatures", "-1"], "temperature"),

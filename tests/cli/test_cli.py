@@ -149,12 +149,12 @@ ERROR_CASES = {
     "draft and no-draft": (lambda p: ["--model", str(p["llama"]), "--draft", str(p["llama"]), "--no-draft"],
                            "not allowed with"),
     "neither draft nor no-draft": (lambda p: ["--model", str(p["llama"])], "--no-draft"),
-    "budget 0": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--budget", "0"], "budget"),
+    "budget 0": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--budget", "0"], "--budget must be"),
     "budget not a number": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--budget", "many"], "--budget"),
-    "temperature -1": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--temperature", "-1"], "temperature"),
-    "top-p 1.5": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--top-p", "1.5"], "top_p"),
-    "unknown builder": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--builder", "magic"], "builder"),
-    "unknown dtype": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--dtype", "int3"], "dtype"),
+    "temperature -1": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--temperature", "-1"], "--temperature must be"),
+    "top-p 1.5": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--top-p", "1.5"], "--top-p must be"),
+    "unknown builder": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--builder", "magic"], "unknown --builder 'magic'; choose one of"),
+    "unknown dtype": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--dtype", "int3"], "unknown --dtype 'int3'; choose one of"),
     "system without chat": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--system", "x"], "--chat"),
     "prompt too long": (lambda p: ["--model", str(p["llama"]), "--no-draft", "--max-new-tokens", "600"], "512"),
 }
@@ -187,7 +187,7 @@ def test_missing_prompt_file(capsys, tiny_llama, tmp_path) -> None:
 def test_usage_errors(capsys) -> None:
     _assert_one_line_error(capsys, main([]), "required")
     _assert_one_line_error(capsys, main(["generate", "--prompt", "x"]), "--model")
-    _assert_one_line_error(capsys, main(["frobnicate"]), "invalid choice")
+    _assert_one_line_error(capsys, main(["frobnicate"]), "unknown command 'frobnicate'; choose one of: chat")
 
 
 def test_debug_shows_the_traceback(capsys, tmp_path) -> None:

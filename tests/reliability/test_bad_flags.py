@@ -12,6 +12,7 @@ Decisions these tests pin down:
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import psutil
@@ -27,11 +28,15 @@ from tests.reliability.checks import assert_nothing_cached, assert_one_line_erro
 pytestmark = pytest.mark.timeout(120)
 
 
-def _config_error(make) -> str:
-    """The message specexec.options raises for a value (what the CLI must print after 'error: ')."""
+def _config_error(make, flag: str | None = None) -> str:
+    """The message specexec.options raises for a value (what the CLI must print after 'error: '): where it is
+    about the setting `flag` sets, named as the flag (max_new_tokens -> --max-new-tokens)."""
     with pytest.raises(ConfigError) as info:
         make()
-    return str(info.value)
+    error = info.value
+    if flag and error.subject and error.subject.replace("_", "-") == flag.lstrip("-"):
+        error = error.named(flag)
+    return str(error)
 
 
 # flag values -> the config call that judges the same value. Each runs against a model path that does not
@@ -77,7 +82,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_value_is_configs_one_line(case, cli, cache_root, tmp_path):
     flags, judge = CASES[case]
-    expected = _config_error(judge)
+    expected = _config_error(judge, flags[0].split("=")[0])
+    assert "_" not in expected.split()[0] + expected.split()[1]        # a flag's name, never a field's
     result = cli("generate", "--model", tmp_path / "no-such-model", "--no-draft", "--prompt", "Hello",
                  "--cache-dir", cache_root, *flags)
     line = assert_one_line_error(result)
@@ -91,7 +97,7 @@ def test_chat_validates_the_same_way(case, cli, cache_root, tmp_path):
     """`chat` shares the flags and their checks (cli/args.py -> specexec.options): the same line."""
     flags, judge = CASES[case]
     result = cli("chat", "--model", tmp_path / "no-such-model", "--no-draft", "--cache-dir", cache_root, *flags)
-    assert assert_one_line_error(result) == f"error: {_config_error(judge)}"
+    assert assert_one_line_error(result) == f"error: {_config_error(judge, flags[0].split('=')[0])}"
     assert_nothing_cached(cache_root)
 
 
@@ -118,10 +124,10 @@ def _generate(cli, model: Path, cache: Path, *flags: str):
 @pytest.mark.parametrize("offload", ["auto", "ssd", "ram"])
 def test_ram_budget_below_one_layer(offload, cli, cache_root, tiny_llama):
     """1 kB cannot hold even the streaming slots (one tiny layer is ~100 kB): the planner says what is needed,
-    in units that show it (not '0.00 GB'), before the cache is built."""
+    every size in one unit with the digits that show it (not '0.00 GB'), before the cache is built."""
     result = _generate(cli, tiny_llama, cache_root, "--ram-budget", "1kB", "--offload", offload, "--quant", "none")
-    line = assert_one_line_error(result, "--ram-budget 1.0 kB cannot hold", "raise --ram-budget to at least")
-    assert "0.00 GB" not in line
+    line = assert_one_line_error(result, "--ram-budget 0.0000010 GB cannot hold", "raise --ram-budget to at least")
+    assert "0.00 GB" not in line and set(re.findall(r"[\d.]+ ([a-zA-Z]*B)\b", line)) == {"GB"}
     assert_nothing_cached(cache_root)
 
 
@@ -138,7 +144,7 @@ def test_sizes_above_the_representable_are_refused():
     """The string parser and the dataclass agree on one limit: 2**62 bytes."""
     assert parse_size("1TB", "x") == 10**12 and parse_size("1TiB", "x") == 2**40
     with pytest.raises(ConfigError, match="--ram-budget must be in"):
-        OffloadConfig.from_flags(ram_budget=str(2**63))
+        OffloadConfig.from_flags(ram_budget=f"{2**63}B")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -152,7 +158,7 @@ def test_gpu_budget_without_cuda_is_ignored_with_a_warning(cli, cache_root, tiny
 def test_gpu_budgets_below_one_layer_and_beyond_the_gpu(cli, cache_root, tiny_llama):
     """On CUDA: 1 kB of GPU cannot hold the streaming slots; 1000000 TB is more than the GPU has."""
     small = _generate(cli, tiny_llama, cache_root, "--device", "cuda", "--gpu-budget", "1kB", "--quant", "none")
-    assert_one_line_error(small, "--gpu-budget 1.0 kB cannot hold")
+    assert_one_line_error(small, "--gpu-budget 0.0000010 GB cannot hold")
     huge = _generate(cli, tiny_llama, cache_root, "--device", "cuda", "--gpu-budget", "1000000TB")
     assert_one_line_error(huge, "--gpu-budget", "more than this machine's")
     assert_nothing_cached(cache_root)

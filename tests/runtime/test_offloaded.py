@@ -231,7 +231,7 @@ def test_cli_generate_offloaded(capsys, tiny_pair, cache_root) -> None:
     assert stats["bytes_streamed"] > 0 and "ssd_gbps" in stats and "stall_ms" in stats
     assert "offload plan (ssd" in captured.err and "SSD tier" in captured.err
     assert main(argv[:-1] + ["--quant", "q3"]) == 2
-    assert "--quant 'q3' is not one of" in capsys.readouterr().err
+    assert "unknown --quant 'q3'; choose one of" in capsys.readouterr().err
     assert main(argv[:-1] + ["--ram-budget", "1kB"]) == 2
     assert "error: --ram-budget" in capsys.readouterr().err
 

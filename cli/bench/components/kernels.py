@@ -26,7 +26,7 @@ from rich.table import Table
 from cpu_kernels import ops
 from cpu_kernels.build import library, status
 from offload.quant import int4 as q_int4
-from specexec.options import ConfigError, check_integer
+from specexec.options import ConfigError, check_choice, check_integer
 
 SHAPES = {"1.5b": [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)],
           "0.5b": [(896, 896), (128, 896), (4864, 896), (896, 4864)],
@@ -156,8 +156,7 @@ def parse_rows(text: str, flag: str = "--rows") -> list[int]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    if ns.shapes not in SHAPES:
-        raise ConfigError(f"--shapes {ns.shapes!r} is not one of {', '.join(SHAPES)}")
+    check_choice("--shapes", ns.shapes, tuple(SHAPES))
     rows = parse_rows(ns.rows)
     check_integer("--reps", ns.reps, low=1, high=1000)
     if ns.threads is not None:
