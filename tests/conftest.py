@@ -222,7 +222,7 @@ def tiny_minimax_m2(tiny_root: Path) -> Path:
 def tiny_gpt_oss_mxfp4(tiny_root: Path, tiny_gpt_oss: Path) -> Path:
     """tiny_gpt_oss with its fused expert weights in MXFP4 (X_blocks/X_scales, quant_method mxfp4), as the
     Hub's gpt-oss checkpoints store them."""
-    from tests.mxfp4_writer import write_mxfp4
+    from tests.offload.formats.mxfp4_writer import write_mxfp4
     return write_mxfp4(tiny_root / "moe-gpt_oss-mxfp4", tiny_gpt_oss)
 
 

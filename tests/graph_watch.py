@@ -1,7 +1,7 @@
 """A CUDAGraph that, during every capture, makes the calls the pager's reader thread makes from another thread
 (record an event on a stream, wait on it), and counts captures and replays. Under a global-mode capture those
 calls are illegal (CUDA refuses them and invalidates the capture: graphs switch off); under a thread-local one
-they are fine. Used by the gpu tests (tests/core/test_draft_graphs.py) and tools/gpu-check's graphs-ssd step.
+they are fine. Used by the gpu tests (tests/builders/test_draft_graphs.py) and tools/gpu-check's graphs-ssd step.
 
 Does not know: specexec (it only swaps torch.cuda.CUDAGraph while active).
 """

@@ -180,7 +180,7 @@ def prompt(seed: int, n: int = 14) -> list[int]:
     return torch.randint(7, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-# The families beyond Llama (tests/core/test_families.py and friends): name -> (family, seed, layers, config
+# The families beyond Llama (tests/network/test_families.py and friends): name -> (family, seed, layers, config
 # overrides). phi3_long: LongRoPE switching at 16 tokens, so every test context crosses it.
 FAMILY_MODELS: dict[str, tuple[str, int, int, dict]] = {
     "gemma2": ("gemma2", 30, 2, {}),

@@ -1,5 +1,5 @@
 """Models by Hub name (specexec.checkpoints.hub, resolve_model_path, cli/fetch.py) against a local Hub stand-in on
-127.0.0.1 (tests/hub_server.py, reached through HF_ENDPOINT): only what loads is fetched (never pickles), a dropped
+127.0.0.1 (tests/checkpoints/hub_server.py, reached through HF_ENDPOINT): only what loads is fetched (never pickles), a dropped
 connection resumes with a Range request, an interrupted process resumes from its .part file, a corrupted part
 is caught by the checksum, 401/403/404 and offline-without-cache each end as one line (exit 2 from the CLI),
 the free-disk check counts the layer cache the plan will build, and GGUF repos need --gguf-file."""
@@ -21,7 +21,7 @@ from specexec.planning.disk_need import layer_cache_bytes
 from specexec.planning.sizes import layer_bytes
 from specexec.checkpoints.hub import HubOptions, cached, fetch
 from specexec.checkpoints.loading import load_model, read_args, resolve_model_path
-from tests.hub_server import LocalHub, serve, stop
+from tests.checkpoints.hub_server import LocalHub, serve, stop
 
 REPO = "tiny-org/tiny-llama"
 JUNK = {"pytorch_model.bin": b"\x80\x02pickle" * 50, "README.md": b"# tiny\n", "original/consolidated.pth": b"p" * 99,

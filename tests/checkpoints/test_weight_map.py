@@ -3,7 +3,7 @@ decoder (Gemma 3's multimodal checkpoints nest it under language_model.model.* o
 the head beside it or at the top level), and the stored tensors a family deliberately leaves unread (the vision
 tower and projector, RoPE's inv_freq, a tied head's copy): never read, never "unexpected"; any other stored
 name the model does not use is refused in one line. (The per-expert pieces of fused tensors are tested with the
-MoE families, tests/core/test_moe.py and tests/offload/test_mxfp4.py.)"""
+MoE families, tests/network/test_moe.py and tests/offload/formats/test_mxfp4.py.)"""
 from __future__ import annotations
 
 import dataclasses

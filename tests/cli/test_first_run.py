@@ -1,5 +1,5 @@
 """The first run of `specexec chat --model ORG/NAME` on an empty machine, through a pseudo-terminal, against the
-local Hub stand-in (tests/hub_server.py): the download bars (target, then the draft), the conversion bar (the
+local Hub stand-in (tests/checkpoints/hub_server.py): the download bars (target, then the draft), the conversion bar (the
 layer cache being quantized, with its ETA column), the offload plan, then the prompt and an answer. HOME,
 HF_HOME and SPECEXEC_CACHE point at an empty temporary directory. A second start with --offline asks nothing
 of the Hub, downloads nothing and converts nothing: everything it needs is on disk."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from offload.quant.weights import auto_format
-from tests.hub_server import LocalHub, serve, stop
+from tests.checkpoints.hub_server import LocalHub, serve, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMAT = auto_format("cpu")          # --quant auto: what streamed layers are packed in on this (CPU) machine

@@ -1,5 +1,5 @@
 """A device running behind, on the host clock: an event that completes only when the test says (a helper of
-tests/offload/test_pager.py and tests/core/test_profiler.py)."""
+tests/offload/test_pager.py and tests/engine/test_profiler.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace

@@ -71,7 +71,7 @@ def test_gguf_with_merged_experts_we_do_not_read(fixture, tensor, cli, cache_roo
     merged experts in a 'llama' file that declares no expert_count: refused with the tensor named, before
     anything is cached."""
     pytest.importorskip("gguf")
-    from tests.gguf_writer import write_gguf
+    from tests.offload.formats.gguf_writer import write_gguf
 
     path = write_gguf(request.getfixturevalue(fixture), tmp_path / "merged.gguf",
                       extra={tensor: np.zeros((4, 128, 64), dtype=np.float32)})

@@ -1,4 +1,4 @@
-"""The offloaded target as the tests build it (a helper of tests/runtime/test_offloaded.py and tests/core/
+"""The offloaded target as the tests build it (a helper of tests/runtime/test_offloaded.py and tests/network/
 test_moe.py): the layer cache of a tiny checkpoint, the resident model quantized alike, and the same model
 assembled over given tiers.
 """

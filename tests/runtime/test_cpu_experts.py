@@ -16,7 +16,7 @@ from specexec.network.model import TreeMask
 from specexec.runtime.cpu_experts import crossed_bytes
 from specexec.runtime.offloaded import build_offloaded, quantize_head
 from specexec.tree import TokenTree
-from tests.model_reference import new_cache, prefill
+from tests.network.model_reference import new_cache, prefill
 from tests.runtime.offloaded_models import offloaded, open_cache, reference
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 

@@ -16,7 +16,7 @@ from specexec.runtime.assembly import Runtime
 from specexec.runtime.depth_probe import candidate_ids, probe_depths, probe_window
 from specexec.runtime.self_draft import SelfDraft, build_self_draft
 from specexec.tuning.depth import DepthChoice
-from tests.self_draft_cli import self_draft_json
+from tests.runtime.self_draft_cli import self_draft_json
 from tests.tiny_models import prompt
 
 F32 = EngineConfig(budget=8, dtype="float32")

@@ -13,7 +13,7 @@ from cli.main import main
 from specexec.checkpoints.loading import load_model
 from specexec.network.model import TreeMask
 from specexec.tree import TokenTree
-from tests.model_reference import new_cache, prefill
+from tests.network.model_reference import new_cache, prefill
 from tests.runtime.offloaded_models import offloaded
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 

@@ -1,5 +1,5 @@
 """A server under test: an ASGI app served by uvicorn on 127.0.0.1 (a free port) in a background thread, stopped
-at the end (a helper of tests/serving/test_serve.py and tests/cli/test_bench_endpoint.py)."""
+at the end (a helper of tests/serving/test_serve.py and tests/cli/bench/test_bench_endpoint.py)."""
 from __future__ import annotations
 
 import contextlib

@@ -8,7 +8,7 @@ modules are imported in STEP_MODULES' order), each in its own process, under one
 
 To add a step (an MoE pass, a new family, `--experts cpu`): write `@step("name", budget_s=..)` over a
 function in a steps_*.py module (a new module goes into STEP_MODULES), keep it within its budget on an H200,
-and keep the budgets' sum under the deadline (tests/test_gpu_check.py checks it).
+and keep the budgets' sum under the deadline (tests/tools/test_gpu_check.py checks it).
 
 Does not know: how steps run (driver.py, child.py), what any step measures.
 """

@@ -15,7 +15,7 @@ from specexec.kv.cache import KVCache
 from specexec.checkpoints.loading import load_model
 from specexec.network.model import TreeMask, prefix_tree_mask
 from specexec.tree import TokenTree
-from tests.model_reference import TOL, TREE_PARENTS, hf_model, new_cache, prefill
+from tests.network.model_reference import TOL, TREE_PARENTS, hf_model, new_cache, prefill
 from tests.tiny_models import write_tiny_model
 
 @torch.inference_mode()

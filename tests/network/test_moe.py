@@ -21,7 +21,7 @@ from specexec.network.moe import GatedMLP, Routing, RoutingLog, SparseMLP
 from specexec.runtime.assembly import Runtime
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
-from tests.model_reference import TOL, TREE_PARENTS, hf_model, new_cache, prefill
+from tests.network.model_reference import TOL, TREE_PARENTS, hf_model, new_cache, prefill
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 
 PROMPT = "The quick brown fox"

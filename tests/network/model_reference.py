@@ -1,4 +1,4 @@
-"""Running our resident model the way the tests compare it with transformers (a helper of tests/core/
+"""Running our resident model the way the tests compare it with transformers (a helper of tests/network/
 test_model.py, test_moe.py, test_families.py and test_layer_kinds.py): the reference model, a cache, a prefill
 with either mask kind, the tolerance and a tree shape.
 """

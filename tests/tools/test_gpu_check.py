@@ -18,7 +18,7 @@ from tools.gpu_check.driver import run_all
 from tools.gpu_check.steps_tests import from_log, outcomes
 from tools.gpu_check.wheels import requires
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_budgets_fit_the_deadline_and_every_step_says_what_it_does() -> None:
@@ -31,8 +31,8 @@ def test_budgets_fit_the_deadline_and_every_step_says_what_it_does() -> None:
 
 
 def test_the_driver_runs_each_step_apart_under_the_deadline(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("GPU_CHECK_STEP_MODULES", "tests.gpu_check_steps")
-    import tests.gpu_check_steps  # noqa: F401 -- registers the fake steps here too
+    monkeypatch.setenv("GPU_CHECK_STEP_MODULES", "tests.tools.gpu_check_steps")
+    import tests.tools.gpu_check_steps  # noqa: F401 -- registers the fake steps here too
 
     steps = [s for s in registry.all_steps() if s.name.startswith("fake-")]
     steps = [steps[-1], *steps[:-1]]                                  # the last step gets the rest: not this one

@@ -16,7 +16,7 @@ from specexec.config import LayerKind
 from specexec.network.model import TreeMask
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
-from tests.model_reference import TOL, hf_model, new_cache, prefill
+from tests.network.model_reference import TOL, hf_model, new_cache, prefill
 from tests.tiny_models import write_tiny_model
 
 WINDOW = 5

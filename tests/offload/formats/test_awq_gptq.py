@@ -5,7 +5,7 @@ loaded model's weights and logits equal those of a dense checkpoint holding the 
 and stay within the 4-bit error of the original model. Unsupported variants fail with a CheckpointError naming them and
 what is supported.
 
-The packers (tests/awq_gptq_writer.py) follow the writers' own loops (AutoAWQ WQLinear_GEMM.from_linear,
+The packers (tests/offload/formats/awq_gptq_writer.py) follow the writers' own loops (AutoAWQ WQLinear_GEMM.from_linear,
 AutoGPTQ QuantLinear.pack), independent of the vectorised unpacking under test.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from offload.formats.awq_gptq import PackedCheckpoint, PackedLinear, QuantScheme
 from offload.formats.checkpoint import CheckpointError
 from offload.formats.sources import detect_format, open_source
 from specexec.checkpoints.loading import load_model
-from tests.awq_gptq_writer import VARIANTS, write_packed
+from tests.offload.formats.awq_gptq_writer import VARIANTS, write_packed
 
 T = 24
 

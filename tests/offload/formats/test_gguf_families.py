@@ -1,5 +1,5 @@
 """GGUF files of Gemma 2, Gemma 3 (text, and a multimodal checkpoint's text decoder) and Phi-3 (partial rotary,
-LongRoPE) written with tests/gguf_writer.py (llama.cpp's names, Gemma's shifted norms, Phi-3's rope factor
+LongRoPE) written with tests/offload/formats/gguf_writer.py (llama.cpp's names, Gemma's shifted norms, Phi-3's rope factor
 tensors and metadata) read back as the same ModelArgs and the same fp32 logits as transformers' model of the
 checkpoint they came from. The tiny checkpoints keep what GGUF cannot say at llama.cpp's values:
 query_pre_attn_scalar = head_dim, Gemma 3's five sliding layers to one global."""
@@ -14,7 +14,7 @@ pytest.importorskip("gguf")
 
 from offload.formats.gguf import GGUFCheckpoint  # noqa: E402
 from specexec.checkpoints.loading import load_model, read_args  # noqa: E402
-from tests.gguf_writer import write_gguf  # noqa: E402
+from tests.offload.formats.gguf_writer import write_gguf  # noqa: E402
 from tests.tiny_models import LONGROPE, write_tiny_model  # noqa: E402
 
 PATTERN6 = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)]

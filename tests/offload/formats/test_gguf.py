@@ -1,5 +1,5 @@
 """GGUF checkpoints (offload/formats/gguf.py through specexec.checkpoints.loading): tiny fixtures written with
-gguf.GGUFWriter the way llama.cpp's converter writes them (tests/gguf_writer.py: its Q/K permutation, its names,
+gguf.GGUFWriter the way llama.cpp's converter writes them (tests/offload/formats/gguf_writer.py: its Q/K permutation, its names,
 rope_freqs for a Llama-3 rope, the tokenizer as metadata) load to the same logits as the HF model: exactly in F32,
 within the quantization error for F16/BF16/Q8_0/Q4_0/Q5_0; K-quants (which gguf cannot quantize in Python) as random
 valid blocks, matched tensor by tensor against gguf's own dequantizer and end to end against transformers' GGUF loader.
@@ -26,7 +26,7 @@ from offload.formats.gguf import GGUFCheckpoint, llama3_rope_scaling  # noqa: E4
 from offload.formats.sources import detect_format, open_source  # noqa: E402
 from specexec.options import ConfigError  # noqa: E402
 from specexec.checkpoints.loading import load_model, read_args, resolve_model_path  # noqa: E402
-from tests.gguf_writer import gguf_name, llama3_rope_freqs, llama_cpp_permute, write_gguf  # noqa: E402
+from tests.offload.formats.gguf_writer import gguf_name, llama3_rope_freqs, llama_cpp_permute, write_gguf  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
 T = 24

@@ -1,4 +1,4 @@
-"""Fake steps for tests/test_gpu_check.py's driver test (loaded through $GPU_CHECK_STEP_MODULES): one passes,
+"""Fake steps for tests/tools/test_gpu_check.py's driver test (loaded through $GPU_CHECK_STEP_MODULES): one passes,
 one fails a check, one skips, one raises, one needs CUDA, one outlives its budget."""
 from __future__ import annotations
 

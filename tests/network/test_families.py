@@ -23,7 +23,7 @@ from specexec.runtime.assembly import Runtime
 from specexec.network.rope import long_switch
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
-from tests.model_reference import TOL, hf_model, new_cache, prefill
+from tests.network.model_reference import TOL, hf_model, new_cache, prefill
 from tests.tiny_models import TINY_WINDOW, family_model, write_tiny_model
 
 PARENTS = [-1, 0, 1, 2, 3, 4, 5, 6, 1, 8, 0, 10]     # chains past the window, and short branches

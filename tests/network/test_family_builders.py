@@ -1,6 +1,6 @@
 """The families added beside the first ones (GLM-4.5+ MoE, MiniMax-M2) through every path a user can pick, fp32
 greedy ids against transformers' own `generate` on the same tiny checkpoints:
-- every registered tree builder with a perturbed draft, resident (tests/core/test_moe.py covers --no-draft and
+- every registered tree builder with a perturbed draft, resident (tests/network/test_moe.py covers --no-draft and
   the SSD tier with and without a draft for each MoE family);
 - the target streamed from the RAM tier with --experts cpu, and from the SSD tier with the device expert cache
   and expert-aware trees;
@@ -20,7 +20,7 @@ from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.engine import Engine
 from specexec.runtime.assembly import Runtime
-from tests.model_reference import hf_model
+from tests.network.model_reference import hf_model
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 
 FAMILIES = ["glm4_moe", "minimax_m2"]
@@ -96,7 +96,7 @@ def test_the_expert_cache_serves_a_tree_pass_bit_for_bit(family: Path, tmp_path:
     cache fills, then serves) give the resident model's logits bit for bit."""
     from specexec.network.model import TreeMask
     from specexec.tree import TokenTree
-    from tests.model_reference import new_cache, prefill
+    from tests.network.model_reference import new_cache, prefill
     from tests.runtime.offloaded_models import offloaded
 
     ref = load_model(family)

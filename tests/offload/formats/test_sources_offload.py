@@ -11,8 +11,8 @@ import torch
 
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
-from tests.gguf_writer import write_gguf
-from tests.awq_gptq_writer import VARIANTS, write_packed
+from tests.offload.formats.gguf_writer import write_gguf
+from tests.offload.formats.awq_gptq_writer import VARIANTS, write_packed
 
 pytest.importorskip("gguf")
 
