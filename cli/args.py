@@ -63,8 +63,9 @@ def _flags() -> dict[str, Flag]:
                         kwargs={"metavar": "PATH|NAME"}),
         "--draft": Flag("draft checkpoint (same tokenizer as the target), or self: the target's own layers "
                         "(resident low-bit copies of the ones it streams, FMT default int4 on a CPU, nf4 on CUDA; "
-                        "see --draft-layers)", "for a models.yaml target: its recommended draft",
-                        {"metavar": "PATH|NAME|self[:FMT]"}),
+                        "see --draft-layers), or eagle3:PATH|ORG/NAME: an EAGLE-3 head trained for this target "
+                        "(drafts from the target's hidden states)", "for a models.yaml target: its recommended draft",
+                        {"metavar": "PATH|NAME|self[:FMT]|eagle3:PATH"}),
         "--max-new-tokens": Flag("at most N new tokens", "128", {"type": int, "metavar": "N"}),
         "--budget": Flag("draft tree size in tokens, or auto: picked per step from measured pass costs and "
                          "acceptance", "64, or the models.yaml entry's", {"metavar": "N|auto"}),

@@ -21,6 +21,7 @@ from rich.console import Console
 
 from specexec.checkpoints.hub import HubOptions, Progress, Reserve
 from specexec.checkpoints.loading import HUB_ID, resolve_model_path
+from specexec.options import drafter_spec
 
 
 def add_hub_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,14 @@ def is_remote_name(spec: str | None) -> bool:
 def fetch_model(args: argparse.Namespace, attr: str, reserve: Reserve | None = None) -> None:
     """args.<attr> (model or draft) -> the local checkpoint path, downloading it when needed."""
     spec = getattr(args, attr, None)
+    drafter = drafter_spec(spec) if attr == "draft" else None
+    if drafter is not None:                  # eagle3:ORG/NAME: fetch the head, keep its kind
+        kind, where = drafter
+        if is_remote_name(where):
+            ns = argparse.Namespace(**{**vars(args), "draft": where})
+            fetch_model(ns, "draft", reserve)
+            setattr(args, attr, f"{kind}:{ns.draft}")
+        return
     if not is_remote_name(spec):
         return
     gguf = getattr(args, "gguf_file", None) if attr == "model" else None

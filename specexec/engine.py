@@ -31,6 +31,7 @@ from specexec.network import longrope, mixers
 from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
 from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.kv.cache import KVCache, kv_slots_for
+from specexec.network.drafter import Drafter
 from specexec.network.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
 from specexec.pilot import Pilot
@@ -112,6 +113,7 @@ class Engine:
         self.observe_topk = int(builder.observe_topk or 0) if has(builder, LearnsFromTarget) else 0
         self.follows_costs = has(builder, FollowsCosts)                   # width follows the cost ratio
         self.target_closes = has(target, Closes)
+        self.reads_target = isinstance(draft, Drafter) and builder is not None and builder.needs_draft
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
         self.experts = experts or (ExpertPasses(target.args, device=self.device) if target.args.moe else None)
@@ -166,17 +168,24 @@ class Engine:
             return cap or PREFILL_CHUNK
         return min(planned, cap) if cap else planned
 
-    def prefill(self, model: Transformer, cache: KVCache, ids: list[int], which: str = "target") -> None:
+    def prefill(self, model: Transformer, cache: KVCache, ids: list[int], which: str = "target",
+                states: torch.Tensor | None = None,
+                on_rows: Callable[[int, torch.Tensor], None] | None = None) -> None:
         """Run ids through `model` in chunks of prefill_chunk(model) and commit them to `cache`; after each
-        chunk, on_prefill (when set) hears how far it got (host time: it never waits for the device)."""
+        chunk, on_rows(start, hidden [T, D]) hears its rows' output (ids[start:start + T]) and on_prefill (when
+        set) how far it got (host time: it never waits for the device). states [len(ids), D]: a drafter's
+        state before each token."""
         chunk = self.prefill_chunk(model)
         progress = PrefillProgress(which, len(ids), -(-len(ids) // chunk), time.perf_counter())
         for start in range(0, len(ids), chunk):
             part = torch.tensor(ids[start:start + chunk], device=self.device)
             T, L = part.numel(), cache.length
             pos = torch.arange(L, L + T, device=self.device)
-            model(part[None], pos[None], TreeMask(L), cache)          # the prefix, then causal over the chunk
+            fed = () if states is None else (None, states[start:start + T][None])
+            hidden = model(part[None], pos[None], TreeMask(L), cache, *fed)   # the prefix, then causal over it
             cache.advance(T)
+            if on_rows is not None:
+                on_rows(start, hidden[0])
             if self.on_prefill is not None:
                 progress.done, progress.passes_done = progress.done + T, progress.passes_done + 1
                 self.on_prefill(progress)
@@ -195,6 +204,7 @@ class Engine:
         rule = self.rule_for(sampling)
         self._trims = (self.experts is not None and self.builder is not None and not rule.needs_draft
                        and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
+        self.target.taps = self.draft.taps if self.reads_target else ()    # what the drafter reads of each pass
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
             generated: list[int] = []
@@ -223,24 +233,22 @@ class Engine:
 
     def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> StepState:
         """Prefill what the caches do not already hold: the longest common prefix with the previous call's
-        context is kept (chat turns), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
+        context is kept (chat turns; with a drafter, no more than the drafter holds and at least the state before
+        the root recomputed), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
         span = self.profiler.start("prefill")
         target_cache, draft_cache = self._caches_for(len(prompt_ids) + limit)
         shared = _common_prefix(self._context, prompt_ids[:-1])
         self._context = list(prompt_ids)
         self._generated_from = len(prompt_ids)   # earlier turns kept in the cache are prompt, not generated
-        target_cache.truncate(min(shared, target_cache.length))
+        keep = min(shared, target_cache.length)
+        if draft_cache is not None and self.reads_target:     # a drafter's rows lag the target's by one
+            keep = max(min(keep, draft_cache.length, len(prompt_ids) - 2), 0)
+            draft_cache.truncate(keep)
+        target_cache.truncate(keep)
         longrope.begin(self.target, target_cache, len(prompt_ids))
         stats.reused_tokens = target_cache.length
         stats.prompt_tokens = len(prompt_ids) - 1 - target_cache.length
-        self.prefill(self.target, target_cache, prompt_ids[target_cache.length:-1])
-        draft = None
-        if draft_cache is not None:
-            draft_cache.truncate(min(shared, draft_cache.length))
-            longrope.begin(self.draft, draft_cache, len(prompt_ids))
-            if self.pilot is None or self.pilot.drafting:     # gated off: it catches up when a probe starts
-                self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
-            draft = DraftState(self.draft, draft_cache, list(prompt_ids[draft_cache.length:]))
+        draft = self._prefill_both(prompt_ids, shared, target_cache, draft_cache)
         span.stop()                                  # CUDA: read at the end (_settle), never waited for here
         self._prefill_span = span
         stats.prefill_s = span.seconds if span.ready else 0.0
@@ -248,6 +256,56 @@ class Engine:
             self._calibrate(target_cache)
         self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
         return StepState(target_cache, draft)
+
+    def _prefill_both(self, prompt_ids: list[int], shared: int, target_cache: KVCache,
+                      draft_cache: KVCache | None) -> DraftState | None:
+        """The target prefills prompt[L:-1] (L = its cache's length); a drafter is fed from its rows as they
+        come, a draft model prefills its own part (unless the gate is off). -> the draft's state (None: none)."""
+        keep = target_cache.length
+        if draft_cache is not None and self.reads_target:
+            draft, on_rows = self._fed_start(prompt_ids, keep, draft_cache)
+            self.prefill(self.target, target_cache, prompt_ids[keep:-1], on_rows=on_rows)
+            if not draft.pending:                     # a one-token prompt: no state before its token
+                draft.pending, draft.states, draft.fed = [prompt_ids[-1]], self._no_state(), False
+            return draft
+        self.prefill(self.target, target_cache, prompt_ids[keep:-1])
+        if draft_cache is None:
+            return None
+        draft_cache.truncate(min(shared, draft_cache.length))
+        longrope.begin(self.draft, draft_cache, len(prompt_ids))
+        if self.pilot is None or self.pilot.drafting:     # gated off: it catches up when a probe starts
+            self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
+        return DraftState(self.draft, draft_cache, list(prompt_ids[draft_cache.length:]))
+
+    def _fed_start(self, prompt_ids: list[int], keep: int, cache: KVCache
+                   ) -> tuple[DraftState, Callable[[int, torch.Tensor], None]]:
+        """A drafter's state for a prompt whose first `keep` tokens both caches hold, and the target prefill's
+        row listener that feeds it: the drafter row of token i + 1 reads the target's state at token i, so each
+        chunk's rows queue the tokens after them and the drafter catches up on all but the root."""
+        draft = DraftState(self.draft, cache)
+
+        def on_rows(start: int, hidden: torch.Tensor) -> None:
+            first = keep + start + 1
+            draft.extend(prompt_ids[first:first + hidden.shape[0]], self._target_states(hidden))
+            draft.catch_up(self.prefill)
+        return draft, on_rows
+
+    def _target_states(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """The drafter's input states [R, D] at `rows` (default all) of the last target pass: hidden [N, D_t] is
+        its output; the layers the drafter taps were kept by the pass (Transformer.tapped)."""
+        tapped = self.target.tapped if self.draft.taps else None
+        if rows is not None:
+            index = torch.tensor(rows, device=hidden.device)
+            hidden = hidden.index_select(0, index)
+            tapped = [t[0].index_select(0, index) for t in tapped] if tapped is not None else None
+        elif tapped is not None:
+            tapped = [t[0] for t in tapped]
+        return self.draft.read_target(hidden, tapped)
+
+    def _no_state(self) -> torch.Tensor:
+        """A zero state [1, D] for a token with nothing before it."""
+        w = self.draft.embed_tokens.weight
+        return torch.zeros(1, self.draft.dim, dtype=w.dtype, device=self.device)
 
     def _calibrate(self, cache: KVCache) -> None:
         """Measure target pass seconds at a few tree sizes for a budget tuner that has no costs yet, and hand
@@ -290,7 +348,7 @@ class Engine:
         counts = self.target.expert_counters() if isinstance(self.target, CountsExperts) else None
         with self.profiler.span("target") as target_span:
             acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng)
-            self._commit(drafted.tree, acc, cache, draft)
+            self._commit(drafted.tree, acc, cache, draft, hidden)
             self._observe(drafted.tree, acc, hidden)
             if self.experts is not None:
                 self.experts.observe(drafted.tree, acc.nodes, self.target, self.profiler, counts)
@@ -317,13 +375,16 @@ class Engine:
         settling = self.tuner is not None and not self.tuner.settled
         return Drafted(tree, budget, draft.passes - before if draft is not None else 0, span, settling)
 
-    def _commit(self, tree: TokenTree, acc: Accepted, cache: KVCache, draft: DraftState | None) -> None:
-        """Stage 3: both caches keep the accepted rows (the draft also queues what it has not seen) and the
-        context gains the step's tokens."""
+    def _commit(self, tree: TokenTree, acc: Accepted, cache: KVCache, draft: DraftState | None,
+                hidden: torch.Tensor) -> None:
+        """Stage 3: both caches keep the accepted rows (the draft also queues what it has not seen; a drafter
+        with the target's states at the accepted nodes) and the context gains the step's tokens."""
         cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
         self._context += acc.tokens
         if draft is not None:
-            draft.commit(tree, acc.nodes, acc.tokens[-1])
+            states = self._target_states(hidden, acc.nodes) if draft.reads_target else None
+            draft.commit(tree, acc.nodes, acc.tokens[-1], states)
+        self.target.tapped = None
 
     def _observe(self, tree: TokenTree, acc: Accepted, hidden: torch.Tensor) -> None:
         """Stage 4: the builder learns from the step: the target's top-k after every node (builders that

@@ -27,14 +27,12 @@ from typing import Protocol
 
 from specexec.builders.base import DraftState, TreeBuilder
 from specexec.config import EngineConfig
-from specexec.kv.cache import KVCache
-from specexec.network.model import Transformer
 from specexec.profiler import Profiler, Span
 from specexec.tuning.budget import BudgetTuner
 from specexec.tuning.gate import PLAIN_STEPS, SPECULATIVE_STEPS, SWITCHES, Gate, Switch
 from specexec.tuning.gate_modes import gates
 
-Prefill = Callable[[Transformer, KVCache, list[int], str], None]     # Engine.prefill
+Prefill = Callable[..., None]     # Engine.prefill(model, cache, ids, which, states=None)
 
 
 class StepGate(Protocol):
@@ -77,8 +75,7 @@ class Pilot:
         self.profiler.count(**{PLAIN_STEPS if plain else SPECULATIVE_STEPS: 1})
         if not plain and draft is not None and len(draft.pending) > 1:
             with self.profiler.span("catch-up") as span:
-                self.prefill(draft.model, draft.cache, draft.pending[:-1], "draft")
-            draft.pending = draft.pending[-1:]
+                draft.catch_up(self.prefill)
             self._catch_ups.append(span)
         return plain
 

@@ -9,6 +9,7 @@ Does not know: the target model, verification, or how the engine commits the tar
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -16,22 +17,39 @@ import torch
 
 from specexec.config import SamplingParams
 from specexec.kv.cache import KVCache
+from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer, TreeMask
 from specexec.tree import TokenTree
 from specexec.builders import draft_graphs
+
+
+Prefill = Callable[..., None]      # Engine.prefill(model, cache, ids, which, states=None)
 
 
 @dataclass
 class DraftState:
     """The draft model, its cache (committed prefix) and pending tokens (not yet in the cache; last = root).
     `passes` counts draft forwards (the engine divides draft time by it). `cuda_graphs`: replay the forward
-    from CUDA graphs on CUDA (None: on unless SPECEXEC_CUDA_GRAPHS=0; see builders/draft_graphs.py)."""
+    from CUDA graphs on CUDA (None: on unless SPECEXEC_CUDA_GRAPHS=0; see builders/draft_graphs.py).
+
+    A drafter (specexec/network/drafter.py) also holds `states` [P, D]: the state before each pending token (the
+    target's, from its passes), and `fed`: whether the root's is a real one (not with a one-token prompt, whose
+    first token has no state before it: its row is drafted from zeros and never committed). A drafter's tree
+    rows read its own states, so after verification only the root's row is kept: the accepted tokens come back
+    as pending with the target's states (commit)."""
 
     model: Transformer
     cache: KVCache
     pending: list[int] = field(default_factory=list)
     passes: int = 0
     cuda_graphs: bool | None = None
+    states: torch.Tensor | None = None
+    fed: bool = True
+
+    @property
+    def reads_target(self) -> bool:
+        """Whether the draft is a drafter: it drafts from the target's states."""
+        return isinstance(self.model, Drafter)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 slots: torch.Tensor, last_only: bool = False) -> torch.Tensor:
@@ -39,7 +57,7 @@ class DraftState:
         [L0, L0 + K) of the cache (L0 = cache.length); every query also sees the whole committed prefix
         [0, L0). K/V are written at `slots`. -> fp32 logits [b, V], or [1, V] of the last token with last_only
         (the LM head, a large share of a small draft's pass, then runs on one row). Every draft forward goes
-        through here."""
+        through here (a drafter's through fed_forward)."""
         self.passes += 1
         graphs = draft_graphs.runner(self.model, self.cache, self.cuda_graphs)
         if graphs is not None:
@@ -48,17 +66,72 @@ class DraftState:
         hidden = self.model(tokens[None], positions[None], TreeMask(self.cache.length, tree_mask), self.cache, slots)
         return self.model.logits(hidden[:, -1:] if last_only else hidden)
 
-    def commit(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
+    def fed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                    slots: torch.Tensor, states: torch.Tensor, last_only: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A drafter's pass: forward's arguments plus each row's state before its token, states [b, D] ->
+        (fp32 logits [b, V] (or [1, V] of the last row), the states it hands on [b, D])."""
+        self.passes += 1
+        out = self.model(tokens[None], positions[None], TreeMask(self.cache.length, tree_mask), self.cache, slots,
+                         states[None])[0]
+        return self.model.logits(out[-1:] if last_only else out), out
+
+    def keep_root(self, root: int) -> None:
+        """After the pass that committed the pending tokens but the root: the root alone is pending."""
+        self.pending = [root]
+        if self.states is not None:
+            self.states = self.states[-1:]
+
+    def extend(self, tokens: list[int], states: torch.Tensor | None) -> None:
+        """Queue tokens (with a drafter: each with the target's state before it, states [n, D])."""
+        self.pending = self.pending + list(tokens)
+        if states is not None:
+            self.states = states if self.states is None else torch.cat([self.states, states])
+
+    def catch_up(self, prefill: Prefill) -> None:
+        """Feed every pending token but the root to the draft's cache (prefill: the engine's chunked passes)."""
+        if len(self.pending) < 2:
+            return
+        if self.reads_target:
+            prefill(self.model, self.cache, self.pending[:-1], "draft", self.states[:-1])
+        else:
+            prefill(self.model, self.cache, self.pending[:-1], "draft")
+        self.keep_root(self.pending[-1])
+
+    def commit(self, tree: TokenTree, accepted_nodes: list[int], bonus: int,
+               states: torch.Tensor | None = None) -> None:
         """After verification: keep the draft KV of accepted nodes the draft processed (an ancestor-closed
-        prefix of the path) and queue the rest of the path plus the bonus token as pending."""
+        prefix of the path) and queue the rest of the path plus the bonus token as pending. A drafter keeps
+        its root's row at most, and `states` [m+1, D] are the target's states at the accepted nodes (each the
+        state before the next token of the path, the last the bonus's)."""
         slots = tree.draft_slots
+        path_tokens = [int(t) for t in tree.tokens[accepted_nodes].tolist()]
+        if self.reads_target:
+            return self._commit_fed(slots, accepted_nodes, path_tokens, bonus, states)
         if slots is None:                                    # builder ran no draft passes (e.g. recycling)
-            self.pending = self.pending[:-1] + [int(t) for t in tree.tokens[accepted_nodes].tolist()] + [bonus]
+            self.pending = self.pending[:-1] + path_tokens + [bonus]
             return
         path_slots = slots[accepted_nodes].tolist()
         n_done = next((i for i, s in enumerate(path_slots) if s < 0), len(path_slots))
         self.cache.keep(torch.tensor(path_slots[:n_done], dtype=torch.long, device=self.cache.k.device))
-        self.pending = [int(t) for t in tree.tokens[accepted_nodes[n_done:]].tolist()] + [bonus]
+        self.pending = path_tokens[n_done:] + [bonus]
+
+    def _commit_fed(self, slots: torch.Tensor | None, accepted_nodes: list[int], path_tokens: list[int], bonus: int,
+                    states: torch.Tensor | None) -> None:
+        if states is None or states.shape[0] != len(accepted_nodes):
+            raise ValueError(f"a drafter's commit needs the target's states at the {len(accepted_nodes)} accepted "
+                             f"nodes, got {None if states is None else tuple(states.shape)}")
+        root_row = slots is not None and int(slots[accepted_nodes[0]]) >= 0
+        if root_row and self.fed:                   # the root's row read the target's state: it stays
+            self.cache.keep(slots[accepted_nodes[:1]].to(self.cache.k.device))
+            self.pending, self.states = path_tokens[1:] + [bonus], states
+        elif self.fed:                              # the root was never run (a plain step): it stays pending
+            self.pending = self.pending[:-1] + path_tokens + [bonus]
+            self.states = torch.cat([self.states, states])
+        else:                                       # a first token has no state before it: dropped
+            self.pending = self.pending[:-1] + path_tokens[1:] + [bonus]
+            self.states = torch.cat([self.states[:-1], states])
+        self.fed = True
 
 
 class TreeBuilder(Protocol):

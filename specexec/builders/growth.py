@@ -1,7 +1,8 @@
 """The one growth core every draft-grown tree builder uses: draft passes over fixed-size device buffers, the
 tree under construction, child selection, and at most ONE host synchronisation per draft pass.
 
-- `DraftPasses` runs the draft for one tree. `root()` feeds the pending tokens (accepted tokens the draft never
+- `DraftPasses` runs the draft for one tree (`FedPasses` a drafter's: each row also reads a state, the target's
+  for the pending tokens, its own output at the parent below the root). `root()` feeds the pending tokens (accepted tokens the draft never
   saw, ending with the root) and commits all but the root; each `expand()` is one batched pass over nodes whose
   parents were processed. Every node is computed once and attends to the committed prefix plus the cached K/V
   of its processed ancestors: an ancestor bit-matrix [K, K] over processed indices (K = capacity + 1) is
@@ -95,9 +96,9 @@ class DraftPasses:
         L, P = draft.cache.length, len(pending)
         slots = torch.arange(L, L + P, device=dev)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        logits = draft.forward(upload(pending, dev), slots, causal, slots, last_only=True)
+        logits = self._pass(upload(pending, dev), slots, causal, slots, None, None)
         draft.cache.keep(slots[:-1])
-        draft.pending = [root_token]
+        draft.keep_root(root_token)
         self.L0, self.n_proc = draft.cache.length, 1
         self.anc[0, 0] = True
         return process_logits(logits, self.sampling)
@@ -115,12 +116,43 @@ class DraftPasses:
             parent_proc = torch.cat([parent_proc, parent_proc.new_zeros(m - b)])
         self.anc[new] = self.anc[parent_proc]
         self.anc[new, new] = True
-        logits = self.draft.forward(tokens, self.L0 + depths, self.anc[new], self.L0 + new)
+        logits = self._pass(tokens, self.L0 + depths, self.anc[new], self.L0 + new, parent_proc, new)
         self.n_proc = n + b
         return process_logits(logits[:b], self.sampling)
 
+    def _pass(self, tokens: Tensor, positions: Tensor, mask: Tensor, slots: Tensor, parents: Tensor | None,
+              proc: Tensor | None) -> Tensor:
+        """One draft forward -> logits: the root pass (parents None: the last row's logits only) or an expansion
+        (parents, proc: the rows' parents' and their own processed indices)."""
+        return self.draft.forward(tokens, positions, mask, slots, last_only=parents is None)
+
     def slots(self, proc: Tensor) -> Tensor:
         return torch.where(proc >= 0, proc + self.L0, proc)
+
+
+class FedPasses(DraftPasses):
+    """DraftPasses of a drafter (specexec/network/drafter.py): the root pass reads the target's states queued
+    with the pending tokens; an expansion reads each parent's own output state, kept per processed index
+    (`out` [K, D], the trash row last), so every level is the drafter applied once more to its own output."""
+
+    def __init__(self, draft: DraftState, capacity: int, sampling: SamplingParams) -> None:
+        super().__init__(draft, capacity, sampling)
+        model = draft.model
+        self.out = torch.zeros(self.width, model.dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
+
+    def _pass(self, tokens: Tensor, positions: Tensor, mask: Tensor, slots: Tensor, parents: Tensor | None,
+              proc: Tensor | None) -> Tensor:
+        draft = self.draft
+        if parents is None:
+            if draft.states is None or draft.states.shape[0] != tokens.numel():
+                raise RuntimeError(f"a drafter's root pass over {tokens.numel()} pending tokens needs as many "
+                                   f"target states, it has {None if draft.states is None else draft.states.shape[0]}")
+            logits, out = draft.fed_forward(tokens, positions, mask, slots, draft.states, last_only=True)
+            self.out[0] = out[-1]
+            return logits
+        logits, out = draft.fed_forward(tokens, positions, mask, slots, self.out[parents])
+        self.out[proc] = out.to(self.out.dtype)
+        return logits
 
 
 def draft_passes(draft: object, capacity: int, sampling: SamplingParams) -> Passes:
@@ -128,7 +160,7 @@ def draft_passes(draft: object, capacity: int, sampling: SamplingParams) -> Pass
     if draft is None:
         raise ValueError("this builder needs a draft model")
     if isinstance(draft, DraftState):
-        return DraftPasses(draft, capacity, sampling)
+        return (FedPasses if draft.reads_target else DraftPasses)(draft, capacity, sampling)
     return draft.passes(capacity, sampling)                        # type: ignore[attr-defined]
 
 

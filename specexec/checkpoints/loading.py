@@ -226,6 +226,12 @@ def _first_reason(e: Exception) -> str:
             type(e).__name__)
 
 
+def open_weights(path: Path, allow_pickle: bool = False) -> CheckpointSource | _PickleSource:
+    """The tensors of the checkpoint at `path` by their stored names (headers only until read): safetensors,
+    GGUF, AWQ/GPTQ, or pickle files when allow_pickle (CheckpointError otherwise)."""
+    return _open_weights(path, allow_pickle)
+
+
 def _open_weights(path: Path, allow_pickle: bool) -> CheckpointSource | _PickleSource:
     if is_gguf(path):
         return open_source(path)

@@ -130,6 +130,8 @@ class Transformer(nn.Module):
 
     row_exact_attention = False
     fast_stack = None                # a fast path for the whole decoder stack (decode), set from outside
+    taps: tuple[int, ...] = ()       # layers whose input each pass records in `tapped` (a drafter reads them)
+    tapped: list[torch.Tensor] | None = None
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -213,7 +215,9 @@ class Transformer(nn.Module):
                cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
         """forward after the embedding: x [B, T, D] through every decoder layer and the final norm -> hidden
         [B, T, D]. forward checks the arguments; a CUDA graph of the draft captures this part alone
-        (builders/draft_graphs.py: an embedding may live on the host)."""
+        (builders/draft_graphs.py: an embedding may live on the host). With `taps` the input of each tapped
+        layer (tap n_layers: the last layer's output, before the norm) is kept in `tapped`, in layer order
+        (each [B, T, D]), and the whole-stack fast path steps aside."""
         if cache is not None:
             cache.begin_forward()
         kinds = self.args.layer_kinds
@@ -223,13 +227,18 @@ class Transformer(nn.Module):
         plans = self.attention_plans(mask, positions, x.dtype)
         if self.routing is not None:
             self.routing.begin()
-        if self.fast_stack is not None:
+        if self.fast_stack is not None and not self.taps:
             y = self.fast_stack(x, ropes, plans, cache, slots)
             if y is not None:
                 return self.norm(y)
+        taps, tapped = self.taps, []
         for i, layer in self.layer_modules():
+            if i in taps:
+                tapped.append(x)
             kind = kinds[i]
             x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, self.routing)
+        if taps:
+            self.tapped = tapped + ([x] if self.args.n_layers in taps else [])
         return self.norm(x)
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:

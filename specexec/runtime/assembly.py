@@ -51,6 +51,8 @@ from specexec.builders.registry import check_builder, make_builder
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.expert_passes import ExpertPasses
+from specexec.drafters.choose import DrafterChoice, choose, load_drafter
+from specexec.network.drafter import Drafter
 from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
                                       resolve_model_path)
 from specexec.network.model import Streams, Transformer
@@ -183,6 +185,33 @@ def _load_self(target: Transformer, path: Path, spec: SelfDraftShape, target_pla
                             time.perf_counter() - t0), choice
 
 
+def _choose_drafter(draft: str | None, t_path: Path, t_args: ModelArgs, config: EngineConfig,
+                    offload: OffloadConfig, allow_pickle: bool) -> DrafterChoice | None:
+    """The drafter --draft names (eagle3:..., mtp), checked against the target before any weight loads; None
+    for a draft model or none."""
+    choice = choose(draft, t_path, t_args, allow_pickle) if draft is not None else None
+    if choice is not None:
+        if config.draft_vocab is not None:
+            raise ConfigError(f"--draft-vocab trims a draft model's head; the {choice.kind} drafter drafts over "
+                              f"its own head (drop --draft-vocab)")
+        if offload.draft_quant != "none":
+            raise ConfigError(f"--draft-quant is for a draft model; the {choice.kind} drafter runs in the run dtype")
+    return choice
+
+
+def _load_drafter(choice: DrafterChoice, target: Transformer, t_args: ModelArgs, config: EngineConfig,
+                  allow_pickle: bool) -> tuple[Drafter, ModelInfo]:
+    """The chosen drafter for the loaded target, and its load line (its context is the target's: RoPE is
+    relative, so a head trained on shorter sequences still runs)."""
+    t0 = time.perf_counter()
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model, params = load_drafter(choice, target, dtype, device, allow_pickle)
+    args = replace(choice.args, max_position_embeddings=t_args.max_position_embeddings)
+    return model, ModelInfo(choice.path, args, params, f"{str(dtype).removeprefix('torch.')} ({choice.kind})",
+                            config.device, time.perf_counter() - t0)
+
+
 def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: OffloadConfig,
                  target_plan: TargetPlan | None, allow_pickle: bool) -> tuple[Transformer, ModelInfo]:
     """The resident loader when every layer stays resident and unquantized, else the offloaded target."""
@@ -300,7 +329,8 @@ class Runtime:
         t_path = resolve_model_path(model)
         t_args = read_args(t_path)
         self_spec = _self_spec(draft, config, offload)
-        d_path = resolve_model_path(draft) if draft is not None and self_spec is None else None
+        drafter = _choose_drafter(draft, t_path, t_args, config, offload, allow_pickle) if self_spec is None else None
+        d_path = resolve_model_path(draft) if draft is not None and self_spec is None and drafter is None else None
         d_args = read_args(d_path) if d_path is not None else None
         say(f"loading tokenizer from {t_path}")
         tokenizer = load_tokenizer(t_path)
@@ -323,6 +353,9 @@ class Runtime:
             draft_model, d_info, depth = _load_self(target, t_path, self_spec, plan, offload, config, say, tokenizer)
             if depth is not None:               # no depth pays: the gate decides when to draft (gate_modes.py)
                 config = config.replace(gate=with_depth_verdict(config.gate, depth.loses))
+        if drafter is not None:                 # it may share the target's embedding and head: after the target
+            say(f"loading drafter {drafter.describe()}")
+            draft_model, d_info = _load_drafter(drafter, target, t_args, config, allow_pickle)
         eos = eos_ids(tokenizer, t_args.eos_token_ids)
         if config.draft_vocab is not None and draft_model is not None:       # VocabTrim (--draft-vocab)
             draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
@@ -334,6 +367,8 @@ class Runtime:
         if self_spec is not None:
             pair = acceptance.pair_fingerprint(t_path, t_path, t_args, (SELF, draft_model.fmt, draft_model.layer_ids),
                                                config.draft_vocab)
+        if drafter is not None:
+            pair = acceptance.pair_fingerprint(t_path, drafter.path, t_args, (drafter.kind, drafter.args), None)
         engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos,
                               plan.memory.context if plan is not None else None, plan)
         runtime = cls(engine, tokenizer, t_info, d_info, config, plan)

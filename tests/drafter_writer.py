@@ -1,0 +1,108 @@
+"""Tiny random drafters written in their published checkpoint layouts (a helper of tests/runtime/test_drafters.py):
+an EAGLE-3 head as the EAGLE repository and vLLM read it (config.json with draft_vocab_size and
+eagle_config.eagle_aux_hidden_state_layer_ids; midlayer.*, fc, norm, lm_head, d2t, t2d, optionally
+embed_tokens), and a plain-torch reference of what such a head computes, written from the published description
+(EAGLE-3, arXiv 2503.01840; the EAGLE repository's model), independent of specexec's network.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+STD = 0.2
+
+
+def write_eagle3(dest: Path, target_dim: int = 64, vocab: int = 320, draft_vocab: int = 200, taps=(0, 2, 4),
+                 dim: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, inter: int = 128,
+                 own_embed: bool = False, seed: int = 0, speculators: bool = False, **extra) -> Path:
+    """An EAGLE-3 head reading `taps` of a target of hidden size target_dim and vocabulary `vocab`, its own
+    head over `draft_vocab` tokens (a random sorted subset of the target's, always including the first 8)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * STD * scale
+
+    def norm_w() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(dim, generator=g)
+
+    layer = {
+        "self_attn.q_proj.weight": rnd(heads * head_dim, 2 * dim), "self_attn.k_proj.weight": rnd(kv_heads * head_dim, 2 * dim),
+        "self_attn.v_proj.weight": rnd(kv_heads * head_dim, 2 * dim), "self_attn.o_proj.weight": rnd(dim, heads * head_dim),
+        "mlp.gate_proj.weight": rnd(inter, dim), "mlp.up_proj.weight": rnd(inter, dim),
+        "mlp.down_proj.weight": rnd(dim, inter), "input_layernorm.weight": norm_w(),
+        "hidden_norm.weight": norm_w(), "post_attention_layernorm.weight": norm_w(),
+    }
+    prefix = "layers.0." if speculators else "midlayer."
+    tensors = {prefix + k: v for k, v in layer.items()}
+    keep = torch.cat([torch.arange(8), 8 + torch.randperm(vocab - 8, generator=g)[: draft_vocab - 8].sort().values])
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[keep] = True
+    tensors |= {"fc.weight": rnd(dim, len(taps) * target_dim, scale=1 / math.sqrt(len(taps))), "norm.weight": norm_w(),
+                "lm_head.weight": rnd(draft_vocab, dim, scale=2.5), "d2t": keep - torch.arange(draft_vocab),
+                "t2d": t2d}
+    if own_embed:
+        tensors["embed_tokens.weight"] = rnd(vocab, dim, scale=5.0)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"))
+    layer_cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=dim,
+                     intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                     head_dim=head_dim, num_hidden_layers=1, vocab_size=vocab, rms_norm_eps=1e-6,
+                     rope_theta=10000.0, max_position_embeddings=256, hidden_act="silu", tie_word_embeddings=False)
+    eagle = dict(draft_vocab_size=draft_vocab, target_hidden_size=target_dim)
+    if speculators:
+        cfg = dict(architectures=["Eagle3Speculator"], speculators_model_type="eagle3",
+                   transformer_layer_config=layer_cfg, eagle_aux_hidden_state_layer_ids=list(taps), **eagle)
+    else:
+        cfg = dict(layer_cfg, eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps),
+                                            "use_aux_hidden_state": True}, **eagle)
+    cfg.update(extra)
+    (dest / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dest
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """x [H, T, d], rotate-half RoPE at positions pos [T]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    f = pos.float()[:, None] * inv[None]
+    cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def eagle3_reference(path: Path, embed: torch.Tensor, tokens: torch.Tensor, taps: list[torch.Tensor],
+                     heads: int = 4, kv_heads: int = 2) -> torch.Tensor:
+    """What the head at `path` computes for one causal sequence, in plain torch: tokens [T] (token t+1 of the
+    text), taps: the target's states at positions 0..T-1 (each [T, D_t], the low/mid/high layers' inputs), embed
+    the embedding table. -> logits over the TARGET vocabulary [T, V] (-inf outside the head's)."""
+    from safetensors.torch import load_file
+    w = load_file(str(path / "model.safetensors"))
+    L = {k.removeprefix("midlayer.").removeprefix("layers.0."): v for k, v in w.items()}
+    T = tokens.numel()
+    h = torch.cat(taps, -1) @ w["fc.weight"].T                                 # the fused state [T, D]
+    x = torch.cat([_rms(embed[tokens], L["input_layernorm.weight"]), _rms(h, L["hidden_norm.weight"])], -1)
+    q = (x @ L["self_attn.q_proj.weight"].T).view(T, heads, -1).transpose(0, 1)
+    k = (x @ L["self_attn.k_proj.weight"].T).view(T, kv_heads, -1).transpose(0, 1)
+    v = (x @ L["self_attn.v_proj.weight"].T).view(T, kv_heads, -1).transpose(0, 1)
+    pos = torch.arange(T)
+    q, k = _rope(q, pos), _rope(k, pos)
+    rep = heads // kv_heads
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    s = (q @ k.transpose(1, 2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    a = (s @ v).transpose(0, 1).reshape(T, -1) @ L["self_attn.o_proj.weight"].T
+    y = h + a
+    m = _rms(y, L["post_attention_layernorm.weight"])
+    y = y + (torch.nn.functional.silu(m @ L["mlp.gate_proj.weight"].T) * (m @ L["mlp.up_proj.weight"].T)) @ L["mlp.down_proj.weight"].T
+    logits = _rms(y, w["norm.weight"]) @ w["lm_head.weight"].T
+    full = torch.full((T, w["t2d"].numel()), float("-inf"))
+    full[:, torch.arange(w["d2t"].numel()) + w["d2t"]] = logits
+    return full
