@@ -6,7 +6,8 @@ the dense part (offload/streaming/parts.py: the layer's head) into the slot; the
 router, and the Block hands the routing of every row of the pass (every node of the tree) to the model's
 RoutingLog before any expert runs (specexec/network/model.py). `ExpertStream` is that log: at `record` it finds the
 pass's distinct experts (the layer's one host sync: the union over every row is exact, not predicted), binds
-the ones the device expert cache holds to their cache copies (no copy), and asks the pager for the others'
+the ones the device expert cache holds to their cache copies (no copy; each such entry is pinned until the
+layer's `combine` has run), and asks the pager for the others'
 regions (`fill_ranges`: from the RAM tier or, per expert, from the SSD tier), which land at their offsets in
 the slot where the Block's experts are already bound. Then the experts run. Bytes are the same as a resident
 layer's, so the output is the resident model's, bit for bit.
@@ -14,8 +15,11 @@ layer's, so the output is the resident model's, bit for bit.
 `ExpertCache`: per streamed sparse layer, room for `per_layer` experts on the device (the plan's expert cache:
 offload Plan.cached_parts), kept for the most often routed-to experts of that layer (decayed counts of the
 passes that routed to each): an expert fetched into a slot whose count ranks it among the hottest is also copied
-into the cache (a device copy), evicting a colder one. Counters (what stats.moe reports): bytes of experts
-moved into slots, routed experts looked up in streamed layers and found in the cache.
+into the cache (a device copy), evicting a colder one that no expert of the pass in flight is bound to: an entry a
+pass has bound (`take`) is pinned until `release` (ExpertStream.combine, once the layer's experts ran; on CUDA the
+copy into a freed entry is queued after them on the same stream), so a row routed to expert h is computed with
+h's bytes whatever the ranking says. Counters (what stats.moe reports): bytes of experts
+moved into slots, routed experts looked up in streamed layers and found in the cache, cached experts evicted.
 
 On a CPU the "device" is the CPU: the same mechanism runs (the cache saves a RAM-tier memcpy or a disk read).
 
@@ -58,6 +62,7 @@ class ExpertCache:
         self.counts = {i: torch.zeros(n_experts, dtype=torch.float64) for i in layouts}
         self.where: dict[int, dict[int, int]] = {i: {} for i in layouts}         # layer -> expert -> entry
         self.views: dict[tuple[int, int], dict[str, Tensor]] = {}
+        self.pinned: dict[int, set[int]] = {i: set() for i in layouts}          # layer -> entries bound now
         self.buffers = {i: torch.empty(per_layer, lay.regions[0].nbytes, dtype=torch.uint8, device=device)
                         for i, lay in layouts.items()} if per_layer else {}
 
@@ -73,30 +78,41 @@ class ExpertCache:
         c.mul_(COUNT_DECAY)
         c[list(experts)] += 1.0
 
-    def lookup(self, i: int, e: int) -> dict[str, Tensor] | None:
-        """Views of expert e of layer i in the cache (full packed names), or None."""
+    def take(self, i: int, e: int) -> dict[str, Tensor] | None:
+        """Views of expert e of layer i in the cache (full packed names), pinned until `release(i)`; or None."""
         entry = self.where[i].get(e)
-        return None if entry is None else self.views[(i, entry)]
+        if entry is None:
+            return None
+        self.pinned[i].add(entry)
+        return self.views[(i, entry)]
 
-    def offer(self, i: int, experts: Sequence[int], slot: Tensor) -> None:
+    def release(self, i: int) -> None:
+        """Layer i's experts have run: the entries its pass bound may be overwritten again."""
+        self.pinned[i].clear()
+
+    def offer(self, i: int, experts: Sequence[int], slot: Tensor) -> int:
         """Experts of layer i just brought into `slot` (the layer's packed bytes): keep the hottest of them, each
-        in a free entry or in place of a colder cached one."""
+        in a free entry or in place of a colder cached one that is not pinned. Returns how many it evicted."""
+        evicted = 0
         if not self.per_layer:
-            return
-        counts, where, lay = self.counts[i], self.where[i], self.layouts[i]
+            return evicted
+        counts, where, lay, pinned = self.counts[i], self.where[i], self.layouts[i], self.pinned[i]
         for e in sorted(experts, key=lambda x: -float(counts[x])):
             if len(where) < self.per_layer:
                 entry = len(where)
             else:
-                coldest = min(where, key=lambda x: float(counts[x]))
-                if float(counts[coldest]) >= float(counts[e]):
+                free = [x for x, j in where.items() if j not in pinned]
+                coldest = min(free, key=lambda x: float(counts[x]), default=None)
+                if coldest is None or float(counts[coldest]) >= float(counts[e]):
                     continue
                 entry = where.pop(coldest)
+                evicted += 1
             r = lay.region(f"{EXPERT_PREFIX}{e}.")
             buf = self.buffers[i][entry]
             buf.copy_(slot[r.offset:r.offset + r.nbytes])
             where[e] = entry
             self.views[(i, entry)] = unpack_region(buf, lay, r.name)
+        return evicted
 
 
 class ExpertStream(RoutingLog):
@@ -108,16 +124,20 @@ class ExpertStream(RoutingLog):
         """cpu: the layers whose experts compute on the CPU (a runtime.cpu_experts.CpuExperts, or None)."""
         super().__init__()
         self.model, self.cache, self.cpu = model, cache, cpu
-        self.counters = {"expert_bytes": 0.0, "expert_hits": 0.0, "expert_lookups": 0.0}
+        self.counters = {"expert_bytes": 0.0, "expert_hits": 0.0, "expert_lookups": 0.0, "expert_evictions": 0.0}
 
     def all_counters(self) -> dict[str, float]:
         """The expert counters, with the CPU experts' (cpu_experts.py) where some layers compute there."""
         return {**self.counters, **(self.cpu.counters if self.cpu is not None else {})}
 
     def combine(self, layer: int, mlp: nn.Module, h: Tensor, routing: Routing) -> Tensor:
+        """The layer's experts run (on the CPU for a CPU layer); then the cache entries it bound are free."""
         if self.cpu is not None and layer in self.cpu:
             return self.cpu.combine(layer, mlp, h, routing)
-        return mlp.combine(h, routing)
+        out = mlp.combine(h, routing)
+        if layer in self.cache.pinned:
+            self.cache.release(layer)
+        return out
 
     def record(self, layer: int, routing: Routing) -> None:
         super().record(layer, routing)
@@ -130,8 +150,9 @@ class ExpertStream(RoutingLog):
         lay = self.model.layouts[i]
         meta = lay.meta
         need = []
+        self.cache.release(i)                         # (pins of a pass that never reached its combine)
         for e in experts:
-            views = self.cache.lookup(i, e)
+            views = self.cache.take(i, e)
             if views is not None:
                 bind_expert(block, e, views, meta)
             else:
@@ -142,7 +163,7 @@ class ExpertStream(RoutingLog):
         self.counters["expert_hits"] += len(experts) - len(need)
         self.counters["expert_lookups"] += len(experts)
         self.cache.observe(i, experts)
-        self.cache.offer(i, need, buf)
+        self.counters["expert_evictions"] += self.cache.offer(i, need, buf)
 
 
 def expert_passes(target: nn.Module, tiers: Sequence[str] | None = None, ram_bps: float = 0.0,

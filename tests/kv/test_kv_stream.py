@@ -269,6 +269,38 @@ def test_the_pager_stages_exactly_the_committed_rows(tiny_pair, cache_root) -> N
         model.close()
 
 
+@pytest.mark.parametrize("n_slots", [1, 2])
+def test_a_held_layers_stage_keeps_its_rows_while_the_others_are_staged(tiny_pair, cache_root, n_slots: int) -> None:
+    """The rows a layer's attention reads live in the stage of its slot: with the pager's loaders as far ahead as
+    they get (the other slots and their stages refilled with later layers: wait_idle), the held layer's stage
+    still holds its own committed rows, the host's, until the pass moves on."""
+    args = read_args(tiny_pair[0])
+    cache = LayerCache.open_or_build(tiny_pair[0], layer_names(tiny_pair[0], args), "none", torch.float32,
+                                     cache_root=cache_root, progress=False)
+    model = build_offloaded(tiny_pair[0], args, cache, ["ram"] * 4, CPU, torch.float32, n_slots=n_slots)
+    model.kv_streamed = (0, 1, 2, 3)
+    engine = Engine(model, None, EngineConfig(budget=4), None, context=64)
+    try:
+        list(engine.generate(list(range(10, 30)), 3))
+        kv = engine._caches[0].stream
+        L = engine._caches[0].length
+        model.pager.prefetch_start()
+        with torch.inference_mode():                  # (as a forward does: the top-up writes inference tensors)
+            held_layers_check(model, kv, L)
+    finally:
+        model.close()
+
+
+def held_layers_check(model: OffloadedTransformer, kv, L: int) -> None:
+    """Each layer in turn as a pass holds it: its stage's L rows, read, still the host's once the loaders idle."""
+    for i, _ in model.pager.layers(range(4)):
+        staged = kv.view(i, L)
+        assert model.pager.wait_idle(10)
+        want = kv.host.read(kv.index[i], L)
+        assert all(torch.equal(x, y) for x, y in zip(staged, want)), f"layer {i}"
+        assert all(torch.equal(x, y) for x, y in zip(kv.view(i, L), want)), f"layer {i}"
+
+
 def test_a_stage_filled_before_a_commit_is_topped_up_from_the_device() -> None:
     """The pager's read-ahead after a pass runs before the pass's rows are committed: the stage lacks the
     accepted rows, and they come from the commit's device copy, not back from the host. (The pager is played

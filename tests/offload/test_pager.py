@@ -780,3 +780,26 @@ def test_heads_must_fit_their_layers(layers) -> None:
         build_pager(["ssd"] * 6, PartReader(layers), "cpu", heads=[ALIGN + 1] * 6)
     with pytest.raises(ValueError, match="at most its"):
         build_pager(["ssd"] * 6, PartReader(layers), "cpu", heads=[2 * ALIGN] * 6)          # layer 3 is 1 page
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize("n_slots", [1, 2, 3])
+@pytest.mark.parametrize("mix", ["ssd", "mixed"])
+def test_a_held_layer_keeps_its_bytes_while_the_loaders_read_ahead(layers, mix: str, n_slots: int,
+                                                                     staged: bool) -> None:
+    """The view a pass holds is never refilled under it: with the loaders as far ahead as they can get (every
+    other slot and bounce buffer full: wait_idle) and the consumer's own fills of more of the layer, the held
+    layer's bytes are still its own, until the pass moves on."""
+    tiers = MIXES[mix]
+    with build_pager(tiers, PartReader(layers), "cpu", n_slots=n_slots, staged=staged,
+                     heads=[ALIGN] * len(SIZES)) as pager:
+        for _ in range(2):
+            for i, buf in pager.layers():
+                if tiers[i] != "resident":
+                    slot = next(k for k, s in enumerate(pager.slots) if s.buf.data_ptr() == buf.data_ptr())
+                    assert pager.wait_idle(10)
+                    pager.fill_ranges(i, slot, [(ALIGN, SIZES[i] - ALIGN)])
+                assert pager.wait_idle(10)
+                assert torch.equal(buf, layers[i]), f"layer {i}"
+            pager.prefetch_start()

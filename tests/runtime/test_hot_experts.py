@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from cli.main import main
+from offload.streaming.storage import unpack_region
+from specexec.checkpoints.naming import EXPERT_PREFIX
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import read_args
 from specexec.config import EngineConfig, OffloadConfig
@@ -33,6 +35,7 @@ from tests.tiny_models import prompt, write_tiny_model
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GB = 10**9
 F32 = EngineConfig(budget=8, dtype="float32")
+HOT_CASES = 60
 
 
 @pytest.fixture(scope="module")
@@ -293,5 +296,56 @@ def test_on_cuda_the_hot_copies_live_on_the_gpu_and_stay_exact(tiny_qwen3_moe: P
         got = [t for s in rt.generate_ids(ids, 24) for t in s]
         assert got == [t for s in rt.variant(config, use_draft=False).generate_ids(ids, 24) for t in s]
         assert hot.counters["hot_reranks"] >= 1
+    finally:
+        rt.engine.close()
+
+
+# ----------------------------------------------------------------------------------------- the copies as a property
+
+def held_bytes_are_their_own(hot, i: int) -> None:
+    """Every expert layer i's copy allows holds its own region's bytes (read afresh from the layer cache); every
+    other expert is unbound."""
+    lay, block = hot.cache.layout(i), hot.blocks[i]
+    held = {e for e in hot.held[i] if e >= 0}
+    assert set(torch.nonzero(block.mlp.router.allowed).flatten().tolist()) == held
+    for e in range(hot.args.moe.n_experts):
+        module = block.mlp.experts[e]
+        if e not in held:
+            assert module.gate_proj.wmeta is None, f"layer {i}: expert {e} left but is still bound"
+            continue
+        name = f"{EXPERT_PREFIX}{e}."
+        fresh = torch.empty(lay.region(name).nbytes, dtype=torch.uint8)
+        hot.cache.read_region(i, name, fresh)
+        want = unpack_region(fresh, lay, name)
+        for n, t in module.named_buffers():
+            proj, field = n.split(".")
+            assert torch.equal(t, want[f"{name}{proj}.weight.{field}"]), f"layer {i} expert {e} {n}"
+
+
+@pytest.mark.slow
+def test_after_every_reranking_each_held_expert_holds_its_own_bytes(tiny_qwen3_moe: Path, cache_root: Path) -> None:
+    """Random routing counts, pass after pass (re-rankings replace some experts, keep others in their entries): an
+    entry refilled for a newcomer is never still bound to the expert that left it, and every held one's bytes are
+    its own (hypothesis, HOT_CASES sequences)."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    rt = _load(tiny_qwen3_moe, "self", "ram", cache_root)
+    hot, layers = rt.engine.draft.hot, (0, 2)
+    counts = st.lists(st.lists(st.integers(0, 5), min_size=16, max_size=16), min_size=2, max_size=2)
+
+    @settings(max_examples=HOT_CASES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(passes=st.lists(counts, min_size=1, max_size=2 * RERANK_PASSES))
+    def check(passes: list[list[list[int]]]) -> None:
+        for c in passes:
+            hot.observe(torch.tensor(c, dtype=torch.float64), layers)
+            for i in layers:
+                held_bytes_are_their_own(hot, i)
+
+    try:
+        check()
+        assert hot.counters["hot_experts_replaced"] > 0
     finally:
         rt.engine.close()
