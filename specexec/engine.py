@@ -29,6 +29,7 @@ from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
 from specexec.network import longrope, mixers
 from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
+from specexec.constraint import Constraint, tree_paths
 from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.drafter import Drafter
@@ -36,8 +37,8 @@ from specexec.network.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill
 from specexec.options import ConfigError
 from specexec.pilot import Pilot
 from specexec.profiler import Profiler, Span
-from specexec.generation import GenerationStats, PrefillProgress
-from specexec.sampling import greedy, make_generator, node_histories, process_logits, sample
+from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
+from specexec.sampling import greedy, is_plain, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
 from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
@@ -122,6 +123,9 @@ class Engine:
             if self.tuner is not None:               # the one cost model gains the MoE term
                 self.tuner.costs.experts = self.experts.expected_seconds
         self._trims = False                  # this call's trees are trimmed to their experts' worth (generate)
+        self._constraint: Constraint | None = None   # this call's grammar (generate)
+        self._top_logprobs: int | None = None        # this call's top_logprobs (None: no logprobs)
+        self.logprobs: list[TokenLogprob] = []       # the last call's tokens' target log-probs, when asked
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
         """Caches with room for `total` committed tokens plus what each model writes beyond them
@@ -192,15 +196,19 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                  sampling: SamplingParams = SamplingParams(),
-                 should_stop: Callable[[list[int]], int | None] | None = None) -> Iterator[list[int]]:
+                 should_stop: Callable[[list[int]], int | None] | None = None,
+                 constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[list[int]]:
         """Yield the new token ids of each step until EOS, max_new_tokens or should_stop(generated) returns
-        the number of tokens to keep. Stats accumulate in self.stats."""
+        the number of tokens to keep. Stats accumulate in self.stats. constraint: a grammar masking draft and
+        target alike (specexec/constraint.py), fresh for this call. logprobs: record each generated token's
+        target log-prob and its `logprobs` best alternatives in self.logprobs (None: record nothing)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         limit = max_new_tokens or self.config.max_new_tokens
         rng = make_generator(sampling.seed, self.device)
         self.profiler.begin()
-        self.stats = stats = GenerationStats(ledger=self.profiler)
+        self.stats = stats = GenerationStats(ledger=self.profiler, constraint=constraint)
+        self._constraint, self._top_logprobs, self.logprobs = constraint, logprobs, []
         rule = self.rule_for(sampling)
         self._trims = (self.experts is not None and self.builder is not None and not rule.needs_draft
                        and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
@@ -212,6 +220,7 @@ class Engine:
             while len(generated) < limit:
                 acc = self._step(state, root, sampling, rule, rng)
                 new, stop = self._trim(acc.tokens, generated, limit, should_stop)
+                del self.logprobs[len(generated) + len(new):]
                 generated += new
                 stats.generated = len(generated)
                 self.profiler.count(generated=len(new))
@@ -249,6 +258,8 @@ class Engine:
         stats.reused_tokens = target_cache.length
         stats.prompt_tokens = len(prompt_ids) - 1 - target_cache.length
         draft = self._prefill_both(prompt_ids, shared, target_cache, draft_cache)
+        if draft is not None:
+            draft.constraint = self._constraint
         span.stop()                                  # CUDA: read at the end (_settle), never waited for here
         self._prefill_span = span
         stats.prefill_s = span.seconds if span.ready else 0.0
@@ -347,7 +358,7 @@ class Engine:
         drafted = self._draft(draft, root, sampling, rng, 0 if plain else longrope.budget_cap(self.target, cache))
         counts = self.target.expert_counters() if isinstance(self.target, CountsExperts) else None
         with self.profiler.span("target") as target_span:
-            acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng)
+            acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng, self._constraint, record=True)
             self._commit(drafted.tree, acc, cache, draft, hidden)
             self._observe(drafted.tree, acc, hidden)
             if self.experts is not None:
@@ -381,6 +392,8 @@ class Engine:
         with the target's states at the accepted nodes) and the context gains the step's tokens."""
         cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
         self._context += acc.tokens
+        if self._constraint is not None:
+            self._constraint.commit(acc.tokens)
         if draft is not None:
             states = self._target_states(hidden, acc.nodes) if draft.reads_target else None
             draft.commit(tree, acc.nodes, acc.tokens[-1], states)
@@ -433,21 +446,46 @@ class Engine:
         return RULES[name]
 
     def _verify(self, tree: TokenTree, cache: KVCache, sampling: SamplingParams, rule: Rule,
-                rng: torch.Generator | None) -> tuple[Accepted, torch.Tensor]:
-        """Stage 2: one target forward over the whole tree, then the acceptance rule. -> (accepted, the
-        target's hidden states [N+1, D] for the observe stage)."""
+                rng: torch.Generator | None, constraint: Constraint | None = None,
+                record: bool = False) -> tuple[Accepted, torch.Tensor]:
+        """Stage 2: one target forward over the whole tree, then the acceptance rule; the constraint (when
+        given) masks the target's logits at every node; record: a generation step, whose tokens' log-probs
+        are recorded when the call asked for them. -> (accepted, the target's hidden states [N+1, D] for
+        the observe stage)."""
         L = cache.length
         positions = tree.positions(L)
         slots = torch.arange(L, L + tree.tokens.numel(), device=self.device)
         mask = TreeMask(L, tree.ancestor_mask())                 # the whole prefix + each node's ancestors
         hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
         history, gen_from = self._histories(tree, L, sampling)
+        allowed = (constraint.allowed(tree_paths(tree), self.target.args.vocab_size, self.device)
+                   if constraint is not None else None)
         if rule.target != "probs":
-            acc = accept_greedy(tree, self._target_choices(hidden, sampling, rng, history, gen_from))
+            acc = accept_greedy(tree, self._target_choices(hidden, sampling, rng, history, gen_from, allowed))
         else:
-            acc = rule.fn(tree, self._probs_fn(hidden, sampling, history, gen_from), *self._draft_probs(rule, tree),
-                          rng)
+            acc = rule.fn(tree, self._probs_fn(hidden, sampling, history, gen_from, allowed),
+                          *self._draft_probs(rule, tree), rng)
+        if record and self._top_logprobs is not None:
+            self._record_logprobs(hidden, acc, sampling, history, gen_from, allowed)
         return acc, hidden                          # the host synced on the accepted tokens, nothing else
+
+    def _record_logprobs(self, hidden: torch.Tensor, acc: Accepted, sampling: SamplingParams,
+                         history: torch.Tensor | None, generated_from: int, allowed: torch.Tensor | None) -> None:
+        """Each emitted token's log-prob under the target's processed distribution at its parent node (the
+        rows the acceptance rule read), and the top_logprobs best there: the LM head on the accepted rows only."""
+        rows = torch.tensor(acc.nodes, device=self.device)
+        logp = process_logits(self.target.logits(hidden[rows]), sampling,
+                              None if history is None else history[rows], generated_from,
+                              None if allowed is None else allowed[rows])
+        tokens = torch.tensor(acc.tokens, device=self.device)
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        top = logp.topk(min(self._top_logprobs, logp.shape[-1]), dim=-1)
+        host = torch.cat([chosen, top.values.flatten(), top.indices.flatten().to(chosen.dtype)]).tolist()
+        n, k = len(acc.tokens), top.values.shape[1]
+        values, ids = host[n:n + n * k], host[n + n * k:]
+        for i, token in enumerate(acc.tokens):
+            alt = tuple((int(ids[i * k + j]), values[i * k + j]) for j in range(k))
+            self.logprobs.append(TokenLogprob(token, host[i], alt))
 
     def _histories(self, tree: TokenTree, L: int, sampling: SamplingParams) -> tuple[torch.Tensor | None, int]:
         """Per node, the ids target-only decoding would have seen before that node's next token, and the column
@@ -467,12 +505,13 @@ class Engine:
                           for s in range(0, hidden.shape[0], LOGIT_CHUNK)])
 
     def _probs_fn(self, hidden: torch.Tensor, sampling: SamplingParams, history: torch.Tensor | None,
-                  generated_from: int = 0):
+                  generated_from: int = 0, allowed: torch.Tensor | None = None):
         """node -> the target's processed probabilities [V] there, computed lazily (only visited nodes)."""
         def probs(node: int) -> torch.Tensor:
             logits = self.target.logits(hidden[node:node + 1])
             hist = None if history is None else history[node:node + 1]
-            return process_logits(logits, sampling, hist, generated_from).exp()[0]
+            ok = None if allowed is None else allowed[node:node + 1]
+            return process_logits(logits, sampling, hist, generated_from, ok).exp()[0]
         return probs
 
     def _draft_probs(self, rule: Rule, tree: TokenTree) -> tuple:
@@ -484,18 +523,21 @@ class Engine:
         return (lambda node: builder.draft_probs(tree, node),)
 
     def _target_choices(self, hidden: torch.Tensor, sampling: SamplingParams, rng: torch.Generator,
-                        history: torch.Tensor | None, generated_from: int = 0) -> torch.Tensor:
+                        history: torch.Tensor | None, generated_from: int = 0,
+                        allowed: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N+1, D] -> one target choice per node [N+1]: the argmax (greedy) or an independent sample
         of the processed distribution (sample-and-match). The LM head runs in chunks of LOGIT_CHUNK rows;
-        history [N+1, H] (penalties per node over prefix + ancestors, see _histories) when a penalty is set."""
+        history [N+1, H] (penalties per node over prefix + ancestors, see _histories) when a penalty is set;
+        allowed bool [N+1, V] the constraint's mask per node."""
         out = []
         for start in range(0, hidden.shape[0], LOGIT_CHUNK):
             logits = self.target.logits(hidden[start:start + LOGIT_CHUNK])
-            if history is None and sampling.greedy:
+            if is_plain(sampling, allowed):
                 out.append(greedy(logits))
                 continue
             hist = None if history is None else history[start:start + LOGIT_CHUNK]
-            logp = process_logits(logits, sampling, hist, generated_from)
+            ok = None if allowed is None else allowed[start:start + LOGIT_CHUNK]
+            logp = process_logits(logits, sampling, hist, generated_from, ok)
             out.append(greedy(logp) if sampling.greedy else sample(logp, rng))
         return torch.cat(out)
 

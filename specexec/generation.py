@@ -8,9 +8,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from specexec.profiler import Profiler, StepStat, budget_trace, moe_stats
 from specexec.tuning.gate import gate_stats
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the target's processed distribution where it was chosen,
+    and the `top` (token id, log-prob) alternatives there, best first (-inf for a token the processing rules out)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -40,6 +51,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     generated: int = 0
     ledger: Profiler | None = None  # whose step records are this call's steps (None: no steps)
+    constraint: Any = None          # the call's grammar (specexec/constraint.py), whose counters summary() shows
 
     @property
     def steps(self) -> list[StepStat]:
@@ -67,6 +79,7 @@ class GenerationStats:
             "builder": builder,
             **({"moe": moe} if (moe := self.moe()) is not None else {}),
             **({"gate": gate} if (gate := self.gate()) is not None else {}),
+            **({"grammar": dict(self.constraint.stats)} if self.constraint is not None else {}),
         }
 
     def moe(self) -> dict | None:

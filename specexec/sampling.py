@@ -1,7 +1,8 @@
 """Logits processing and sampling: SamplingParams -> processed log-probabilities, samples, seeded generators.
 
 `process_logits` applies what transformers' generate() applies, in the same order: repetition penalty,
-temperature, top-k, top-p, min-p; OpenAI's presence and frequency penalties come right after the repetition
+temperature, top-k, top-p, min-p; before them all, OpenAI's logit_bias is added and a constraint's mask of allowed
+tokens (a grammar's, specexec/constraint.py) sets every other token to -inf; OpenAI's presence and frequency penalties come right after the repetition
 penalty, before temperature (vLLM's order). Draft and target must both go through it (docs/algorithms.md §3,
 §5.6 pitfall 2), because every acceptance rule assumes p and q are the very distributions plain decoding would sample
 from.
@@ -95,18 +96,38 @@ def _min_p(x: Tensor, min_p: float) -> Tensor:
     return x.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
 
 
+def apply_logit_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
+    """logits float [R, V] + OpenAI's logit_bias ((id, bias) pairs; ids past V are ignored) -> a copy [R, V]."""
+    pairs = [(t, b) for t, b in bias if t < logits.shape[-1]]
+    if not pairs:
+        return logits
+    ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+    add = torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, ids, add.expand(logits.shape[0], -1))
+
+
+def is_plain(sampling: SamplingParams, allowed: Tensor | None = None) -> bool:
+    """Whether the greedy choice is the raw logits' argmax (T = 0 and nothing processes the logits)."""
+    return sampling.greedy and not sampling.needs_history and not sampling.logit_bias and allowed is None
+
+
 def process_logits(logits: Tensor, sampling: SamplingParams, history: Tensor | None = None,
-                   generated_from: int = 0) -> Tensor:
+                   generated_from: int = 0, allowed: Tensor | None = None) -> Tensor:
     """logits [R, V] (or [V]) -> float32 log-probabilities of the same shape; masked tokens get -inf.
 
     history long [R, H] (or [H]), -1 = padding: the ids before each row's next token. Its columns from
-    `generated_from` on are the ones this request generated (0: all of them). Order: repetition penalty (whole
-    history), presence/frequency penalties (generated columns), temperature, top-k, top-p, min-p. At
-    temperature 0 the log-softmax of the penalised logits is returned: greedy decoding only uses its argmax,
+    `generated_from` on are the ones this request generated (0: all of them). allowed bool [R, V] (or [V]): the
+    tokens a constraint allows at each row (None: all). Order: logit_bias, the constraint's mask, repetition
+    penalty (whole history), presence/frequency penalties (generated columns), temperature, top-k, top-p, min-p.
+    At temperature 0 the log-softmax of the penalised logits is returned: greedy decoding only uses its argmax,
     and no warper can change that. Without a history no penalty applies.
     """
     one_row = logits.dim() == 1
     x = logits.float()[None] if one_row else logits.float()
+    if sampling.logit_bias:
+        x = apply_logit_bias(x, sampling.logit_bias)
+    if allowed is not None:
+        x = x.masked_fill(~(allowed[None] if allowed.dim() == 1 else allowed).to(x.device), float("-inf"))
     if history is not None and sampling.needs_history:
         hist = (history[None] if history.dim() == 1 else history).to(x.device)
         if sampling.repetition_penalty != 1.0:

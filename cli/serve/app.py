@@ -93,6 +93,7 @@ class Server:
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specexec-tokenize")
         self.requests: Counter[tuple[str, int]] = Counter()
         self.created = int(time.time())
+        self.vocab_size = runtime.target_info.args.vocab_size
 
     # ---------------------------------------------------------------- plumbing
     def route(self, handler: Handler, guarded: bool = True) -> Handler:
@@ -140,7 +141,7 @@ class Server:
     # ---------------------------------------------------------------- generation routes
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
-        options = api.parse_options(body, self.defaults)
+        options = api.parse_options(body, self.defaults, self.vocab_size)
         messages = api.parse_messages(body)
         ids = await self._tokenize(lambda: api.encode_chat(self.runtime.tokenizer, messages))
         job = api.make_job("chat", options, [ids], self.defaults, self.runtime.context)
@@ -148,8 +149,8 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
-        options = api.parse_options(body, self.defaults)
-        prompts = api.parse_prompts(body, self.runtime.target_info.args.vocab_size)
+        options = api.parse_options(body, self.defaults, self.vocab_size)
+        prompts = api.parse_prompts(body, self.vocab_size)
         tok = self.runtime.tokenizer
 
         def encode() -> tuple[list[list[int]], list[str]]:
@@ -247,6 +248,7 @@ def _apply(event: Any, choices: list[api.Choice]) -> None:
     c = choices[event.index]
     if isinstance(event, Delta):
         c.text += event.text
+        c.logprobs += event.logprobs
     elif isinstance(event, Finished):
         c.finish_reason, c.prompt_tokens = event.finish_reason, event.prompt_tokens
         c.completion_tokens, c.stats = event.completion_tokens, event.stats
@@ -255,7 +257,7 @@ def _apply(event: Any, choices: list[api.Choice]) -> None:
 def _chunk(job: api.Job, event: Any) -> dict:
     """The stream chunk of a Delta (new text) or Finished (finish reason and that choice's step stats)."""
     if isinstance(event, Delta):
-        return api.chunk(job, event.index, event.text)
+        return api.chunk(job, event.index, event.text, logprobs=event.logprobs)
     return api.chunk(job, event.index, None, event.finish_reason, event.stats)
 
 

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specexec.config import SamplingParams
+from specexec.constraint import Constraint
 from specexec.kv.cache import KVCache
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer, TreeMask
@@ -36,7 +37,8 @@ class DraftState:
     target's, from its passes), and `fed`: whether the root's is a real one (not with a one-token prompt, whose
     first token has no state before it: its row is drafted from zeros and never committed). A drafter's tree
     rows read its own states, so after verification only the root's row is kept: the accepted tokens come back
-    as pending with the target's states (commit)."""
+    as pending with the target's states (commit). `constraint`: the generation's grammar, which masks every
+    row the draft expands (builders/growth.py)."""
 
     model: Transformer
     cache: KVCache
@@ -45,6 +47,7 @@ class DraftState:
     cuda_graphs: bool | None = None
     states: torch.Tensor | None = None
     fed: bool = True
+    constraint: Constraint | None = None      # the generation's grammar: growth masks with it
 
     @property
     def reads_target(self) -> bool:

@@ -11,6 +11,9 @@ tree under construction, child selection, and at most ONE host synchronisation p
 - Batches are padded to a few fixed sizes (`padded`: powers of two and 1.5x powers of two), so the draft's
   forward sees few distinct shapes (CUDA graphs capture each once, builders/draft_graphs.py). Padding rows
   repeat the first row's token, write the trash slot and attend to the root only; their logits are dropped.
+- A generation's constraint (a grammar, DraftState.constraint) masks every row a pass returns, so builders
+  never see a token it forbids and grow the budget in allowed nodes only; each processed node's path below the
+  root names its row to the constraint (specexec/constraint.py). One extra host read per pass, only then.
 - A toy draft (tests) implements the same calls on a Markov table (`draft_passes` picks the implementation).
 - `Growth` is the tree under construction in fixed-capacity buffers (tokens/parents/depths/scores/proc);
   nodes are appended in fixed-size blocks or put at known indices, unused or dropped ones keep score -inf.
@@ -88,6 +91,17 @@ class DraftPasses:
         self.width = capacity + 1                                   # K tree-mask columns; the last is trash
         self.anc = torch.zeros(self.width, self.width, dtype=torch.bool, device=self.device)
         self.n_proc, self.L0 = 0, draft.cache.length
+        self.paths: dict[int, tuple[int, ...]] = {0: ()}     # processed index -> path below the root (constrained)
+
+    def _processed(self, logits: Tensor, proc: list[int] | None = None) -> Tensor:
+        """The draft's processed log-probs of `logits` [b, V], masked by the constraint at processed indices
+        `proc` (None: the root)."""
+        constraint = self.draft.constraint
+        if constraint is None:
+            return process_logits(logits, self.sampling)
+        paths = [self.paths[j] for j in proc] if proc is not None else [()]
+        allowed = constraint.allowed(paths, logits.shape[-1], logits.device, draft_logits=logits)
+        return process_logits(logits, self.sampling, allowed=allowed)
 
     def root(self, root_token: int) -> Tensor:
         """Feed the pending tokens (ending with the root) in one causal pass; commit all but the root."""
@@ -101,7 +115,8 @@ class DraftPasses:
         draft.keep_root(root_token)
         self.L0, self.n_proc = draft.cache.length, 1
         self.anc[0, 0] = True
-        return process_logits(logits, self.sampling)
+        self.paths = {0: ()}
+        return self._processed(logits)
 
     def expand(self, tokens: Tensor, depths: Tensor, parent_proc: Tensor, proc: Tensor | None = None) -> Tensor:
         b, n, m = tokens.numel(), self.n_proc, padded(tokens.numel())
@@ -118,7 +133,12 @@ class DraftPasses:
         self.anc[new, new] = True
         logits = self._pass(tokens, self.L0 + depths, self.anc[new], self.L0 + new, parent_proc, new)
         self.n_proc = n + b
-        return process_logits(logits[:b], self.sampling)
+        if self.draft.constraint is None:
+            return process_logits(logits[:b], self.sampling)
+        host = torch.cat([tokens[:b], parent_proc[:b], proc]).tolist()          # the constraint's one read
+        paths = [self.paths[p] + (t,) for t, p in zip(host[:b], host[b:2 * b])]
+        self.paths.update(zip(host[2 * b:], paths))
+        return self._processed(logits[:b], host[2 * b:])
 
     def _pass(self, tokens: Tensor, positions: Tensor, mask: Tensor, slots: Tensor, parents: Tensor | None,
               proc: Tensor | None) -> Tensor:

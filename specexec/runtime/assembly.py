@@ -49,6 +49,7 @@ from specexec.tuning.calibration import save_target_costs, tuner_for
 from specexec.builders.base import TreeBuilder
 from specexec.builders.registry import check_builder, make_builder
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig, SamplingParams
+from specexec.constraint import Constraint
 from specexec.engine import Engine
 from specexec.expert_passes import ExpertPasses
 from specexec.drafters.choose import DrafterChoice, choose, load_drafter
@@ -411,21 +412,24 @@ class Runtime:
         check_prompt_length(len(prompt_ids), max_new_tokens or self.config.max_new_tokens, self.context)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
-                     sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = ()) -> Iterator[list[int]]:
+                     sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+                     constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[list[int]]:
         """Yield new token ids as they are accepted. With stop strings, tokens that could still be the start
-        of one are held back until they cannot; generation ends before the first stop string (excluded)."""
+        of one are held back until they cannot; generation ends before the first stop string (excluded).
+        constraint and logprobs as Engine.generate takes them (the log-probs land in engine.logprobs)."""
         limit = max_new_tokens or self.config.max_new_tokens
         self.check_prompt(prompt_ids, limit)
         target = self.engine.target
         self._stream_base = target.pager.counters() if has(target, Streams) else {}
         stops = [s for s in stop if s]
+        extra = {"constraint": constraint, "logprobs": logprobs}
         if not stops:
-            yield from self.engine.generate(prompt_ids, limit, sampling)
+            yield from self.engine.generate(prompt_ids, limit, sampling, **extra)
             return
         watcher = StopWatcher(Detokenizer(self.tokenizer, prompt_ids), stops)
         ids: list[int] = []
         emitted = 0
-        for new in self.engine.generate(prompt_ids, limit, sampling, should_stop=watcher):
+        for new in self.engine.generate(prompt_ids, limit, sampling, should_stop=watcher, **extra):
             ids += new
             if watcher.keep is None:
                 safe = watcher.safe_count(ids, emitted)

@@ -6,7 +6,10 @@ through specexec.config and specexec.options: SamplingParams and check_number/ch
 `parse_messages` / `parse_prompts` read what to continue; `encode_chat` / `encode_text` turn them into ids;
 `make_job` checks lengths against the context and freezes everything into a Job. Fields that common clients
 send are accepted: unknown ones are ignored, known ones asking for something this engine cannot do exactly
-(logprobs, logit_bias, tools, JSON mode, suffix) are a 400 that says so. presence_penalty and frequency_penalty
+(tools, JSON mode, suffix) are a 400 that says so. logprobs / top_logprobs (chat: a boolean and 0..20;
+/v1/completions: 0..5) come from the target's processed distribution where each token was chosen
+(specexec/serving/logprobs.py shapes them); logit_bias ({"token id": bias in [-100, 100]}) goes to both models
+through SamplingParams. presence_penalty and frequency_penalty
 (in [-2, 2], else a 400) apply with OpenAI's semantics over the tokens this request generates, exactly per tree
 node (specexec.sampling); repetition_penalty (HF's, over the whole context) is accepted too.
 Omitted sampling fields take the server's defaults (its --temperature etc.), not OpenAI's temperature 1.
@@ -31,6 +34,7 @@ import specexec
 from specexec.config import SamplingParams
 from specexec.options import ConfigError, check_integer, check_prompt_length
 from specexec.runtime.tokenizer import encode_messages
+from specexec.serving import logprobs as lp
 
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_N = 16                 # choices per request
@@ -86,6 +90,7 @@ class Options:
     stream: bool
     include_usage: bool
     echo: bool = False
+    logprobs: int | None = None        # top_logprobs per token (None: no log-probs)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ class Job:
     stream: bool
     include_usage: bool
     echo_texts: tuple[str, ...] = ()           # /v1/completions echo=true: each prompt's text
+    logprobs: int | None = None                # top_logprobs per token (None: no log-probs)
 
     @property
     def choices(self) -> int:
@@ -156,8 +162,7 @@ def _checked(param: str, check, *args: Any) -> None:
 
 def _unsupported(body: dict) -> None:
     """400 for known fields that ask for what this engine cannot do exactly; their neutral values pass."""
-    checks = (("logprobs", (bool, int), lambda v: v in (False, 0)), ("top_logprobs", (int,), lambda v: v == 0),
-              ("logit_bias", (dict,), lambda v: not v), ("tools", (list,), lambda v: not v),
+    checks = (("tools", (list,), lambda v: not v),
               ("functions", (list,), lambda v: not v), ("suffix", (str,), lambda v: v == ""),
               ("response_format", (dict,), lambda v: v.get("type", "text") == "text"))
     for name, kinds, neutral in checks:
@@ -166,10 +171,41 @@ def _unsupported(body: dict) -> None:
             raise ApiError(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
 
 
-def _sampling(body: dict, defaults: SamplingParams) -> SamplingParams:
+def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias {"token id": bias} -> sorted (id, bias) pairs; ids must be the vocabulary's."""
+    bias = _field(body, "logit_bias", (dict,), {})
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else None
+        if token is None or (vocab_size is not None and token >= vocab_size):
+            raise ApiError(f"logit_bias key {key!r} is not a token id of this model's vocabulary"
+                           + (f" (0..{vocab_size - 1})" if vocab_size else ""), param="logit_bias",
+                           code="invalid_value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(f"logit_bias[{key!r}] must be a number", param="logit_bias", code="invalid_type")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
+
+
+def _logprobs(body: dict) -> int | None:
+    """top_logprobs per token, or None: chat's logprobs (boolean) + top_logprobs (0..20), or /v1/completions'
+    logprobs (an integer 0..5)."""
+    flag = _field(body, "logprobs", (bool, int))
+    top = _field(body, "top_logprobs", (int,))
+    if isinstance(flag, bool) or flag is None:
+        if top is not None and top > 0 and not flag:
+            raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        if top is not None:
+            _checked("top_logprobs", check_integer, "top_logprobs", top, 0, lp.MAX_TOP_CHAT)
+        return (top or 0) if flag else None
+    _checked("logprobs", check_integer, "logprobs", flag, 0, lp.MAX_TOP_TEXT)
+    return flag
+
+
+def _sampling(body: dict, defaults: SamplingParams, vocab_size: int | None = None) -> SamplingParams:
     """The server's defaults with the request's sampling fields on top, validated by SamplingParams."""
     known = {f.name for f in fields(SamplingParams)}
-    given: dict[str, Any] = {}
+    given: dict[str, Any] = {"logit_bias": _logit_bias(body, vocab_size)}
     for name, target in SAMPLING_FIELDS.items():
         if target not in known:
             continue
@@ -193,8 +229,9 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def parse_options(body: dict, defaults: ServerDefaults) -> Options:
-    """Check the fields both endpoints share; raise ApiError naming the first bad one."""
+def parse_options(body: dict, defaults: ServerDefaults, vocab_size: int | None = None) -> Options:
+    """Check the fields both endpoints share; raise ApiError naming the first bad one. vocab_size: the
+    model's, for logit_bias ids."""
     _unsupported(body)
     model = _field(body, "model", (str,), defaults.model_id)
     n = _field(body, "n", (int,), 1)
@@ -209,8 +246,8 @@ def parse_options(body: dict, defaults: ServerDefaults) -> Options:
     stream = _field(body, "stream", (bool,), False)
     stream_options = _field(body, "stream_options", (dict,), {})
     include_usage = _field(stream_options, "include_usage", (bool,), False)
-    return Options(model, n, max_tokens, _sampling(body, defaults.sampling), _stop(body), stream,
-                   stream and include_usage, _field(body, "echo", (bool,), False))
+    return Options(model, n, max_tokens, _sampling(body, defaults.sampling, vocab_size), _stop(body), stream,
+                   stream and include_usage, _field(body, "echo", (bool,), False), _logprobs(body))
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -308,7 +345,7 @@ def make_job(kind: str, options: Options, prompts: Sequence[list[int]], defaults
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Job(kind, prefix + uuid.uuid4().hex[:24], int(time.time()), defaults.model_id,
                tuple(tuple(p) for p in prompts), limits, options.n, options.sampling, options.stop, options.stream,
-               options.include_usage, tuple(echo_texts) if options.echo else ())
+               options.include_usage, tuple(echo_texts) if options.echo else (), options.logprobs)
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -323,6 +360,7 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     stats: dict = field(default_factory=dict)
+    logprobs: list[dict] = field(default_factory=list)     # logprobs.entries of its tokens
 
 
 def usage(choices: Sequence[Choice], job: Job) -> dict:
@@ -347,16 +385,23 @@ def _head(job: Job, obj: str) -> dict:
     return {"id": job.id, "object": obj, "created": job.created, "model": job.model}
 
 
+def _choice_logprobs(job: Job, items: Sequence[dict], offset: int = 0) -> dict | None:
+    """A choice's (or chunk's) `logprobs` in the job's kind, or None when the request asked for none."""
+    if job.logprobs is None:
+        return None
+    return lp.chat_logprobs(items) if job.kind == "chat" else lp.text_logprobs(items, offset)
+
+
 def chat_response(job: Job, choices: Sequence[Choice], queue_ms: float) -> dict:
-    body = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-             "finish_reason": c.finish_reason} for c in choices]
+    body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": _choice_logprobs(job, c.logprobs), "finish_reason": c.finish_reason} for c in choices]
     return {**_head(job, "chat.completion"), "choices": body, "usage": usage(choices, job),
             "specexec": extension(choices, queue_ms)}
 
 
 def completion_response(job: Job, choices: Sequence[Choice], queue_ms: float) -> dict:
-    body = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-            for c in choices]
+    body = [{"index": c.index, "text": c.text, "logprobs": _choice_logprobs(job, c.logprobs),
+             "finish_reason": c.finish_reason} for c in choices]
     return {**_head(job, "text_completion"), "choices": body, "usage": usage(choices, job),
             "specexec": extension(choices, queue_ms)}
 
@@ -366,9 +411,10 @@ def _chunk_object(job: Job) -> str:
 
 
 def chunk(job: Job, index: int, text: str | None = None, finish_reason: str | None = None,
-          stats: dict | None = None, opening: bool = False) -> dict:
-    """One stream chunk for one choice, of the job's kind: new `text`, or (text None) the choice's end with
-    its finish_reason and step stats; opening: a chat stream's first chunk (the assistant role, no text).
+          stats: dict | None = None, opening: bool = False, logprobs: Sequence[dict] = ()) -> dict:
+    """One stream chunk for one choice, of the job's kind: new `text` (with its tokens' logprobs entries when
+    the request asked), or (text None) the choice's end with its finish_reason and step stats; opening: a chat
+    stream's first chunk (the assistant role, no text).
     A chat chunk carries a `delta`, a completion chunk `text`; `usage` is null when usage is requested, as
     OpenAI sends it."""
     if job.kind == "chat":
@@ -377,7 +423,8 @@ def chunk(job: Job, index: int, text: str | None = None, finish_reason: str | No
     else:
         piece = {"text": text or ""}
     out = {**_head(job, _chunk_object(job)),
-           "choices": [{"index": index, **piece, "logprobs": None, "finish_reason": finish_reason}]}
+           "choices": [{"index": index, **piece, "logprobs": _choice_logprobs(job, logprobs) if text else None,
+                        "finish_reason": finish_reason}]}
     if job.include_usage:
         out["usage"] = None
     if stats is not None:

@@ -26,6 +26,7 @@ import torch
 from specexec.serving.openai_api import Job
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.detokenizer import Detokenizer
+from specexec.serving import logprobs as lp
 
 
 class QueueFull(RuntimeError):
@@ -36,6 +37,7 @@ class QueueFull(RuntimeError):
 class Delta:
     index: int
     text: str
+    logprobs: tuple[dict, ...] = ()          # its tokens' logprobs entries (serving/logprobs.py), when asked
 
 
 @dataclass(frozen=True)
@@ -125,21 +127,22 @@ class Metrics:
 
 
 def _texts(runtime: Runtime, prompt: list[int], ids_iter: Iterator[list[int]], ids: list[int],
-           cancelled: threading.Event) -> Iterator[str]:
-    """New text after each step (held back while a character is incomplete); stops early when cancelled."""
+           cancelled: threading.Event) -> Iterator[tuple[str, int]]:
+    """(new text, tokens it covers up to) after each step (held back while a character is incomplete); stops
+    early when cancelled."""
     detok = Detokenizer(runtime.tokenizer, prompt)
     shown = 0
     for new in ids_iter:
         ids += new
         text = detok.stable_text(ids)
         if len(text) > shown:
-            yield text[shown:]
+            yield text[shown:], len(ids)
             shown = len(text)
         if cancelled.is_set():
             return
     rest = detok.text(ids)[shown:]
     if rest:
-        yield rest
+        yield rest, len(ids)
 
 
 def _finish_reason(ids: list[int], limit: int, eos: set[int]) -> str:
@@ -153,10 +156,13 @@ def run_choice(runtime: Runtime, job: Job, choice: int, ticket: Ticket, metrics:
     if job.echo_texts:
         ticket.emit(Delta(choice, job.echo_texts[p]))
     ids: list[int] = []
-    gen = runtime.generate_ids(prompt, limit, job.sampling_for(choice), job.stop)
+    gen = runtime.generate_ids(prompt, limit, job.sampling_for(choice), job.stop, logprobs=job.logprobs)
+    covered = 0
     try:
-        for text in _texts(runtime, prompt, gen, ids, ticket.cancelled):
-            ticket.emit(Delta(choice, text))
+        for text, upto in _texts(runtime, prompt, gen, ids, ticket.cancelled):
+            records = runtime.engine.logprobs[covered:upto] if job.logprobs is not None else []
+            covered = upto
+            ticket.emit(Delta(choice, text, tuple(lp.entries(runtime.tokenizer, records))))
     finally:
         gen.close()
     stats = metrics.record(runtime, len(ids))

@@ -448,8 +448,11 @@ BAD = [
     ({"presence_penalty": 3.0}, 400, "presence_penalty"),
     ({"frequency_penalty": -2.5}, 400, "frequency_penalty"),
     ({"frequency_penalty": "lots"}, 400, "frequency_penalty"),
-    ({"logprobs": True}, 400, "logprobs"),
-    ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),
+    ({"logit_bias": {"abc": 10}}, 400, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
