@@ -11,9 +11,11 @@ draft never proposes a token the grammar forbids, and every emitted token is the
 `tree_paths` names every node of a TokenTree by its path. `Matcher` is what a grammar library supplies
 (specexec/runtime/grammar.py binds llguidance): one parser state moved along the tree by rolling back to the
 common prefix and consuming the rest, never copied per branch; `MatcherConstraint` turns it into a Constraint:
-masks memoised per path for the step (the target reuses the draft's), rows in path order so moves are short, a
-node whose own path the grammar rejects ("dead") gets an all-true row (it is never accepted: its parent's mask
-forbids its token) so no row is all -inf.
+masks memoised per path for the step (the target reuses the draft's), rows in path order so moves are short. A
+node after the end of the text, or whose path the grammar rejects ("dead": an unmasked draft's token, or below
+such a node or the end), allows nothing as a draft row (the draft grows nothing there) and everything as a target
+row (no target row is all -inf; the engine stops at the end, and a dead node is never accepted: its parent's mask
+forbids its token).
 
 Counters (`stats`): draft_rows / target_rows masked, `pruned` (over the draft's expanded nodes: the tokens the
 grammar forbade that the draft ranked above the best token it allows, i.e. proposals it would have tried
@@ -33,6 +35,7 @@ from torch import Tensor
 from specexec.tree import TokenTree
 
 Path = tuple[int, ...]
+DEAD, END = "dead", "end"          # memo entries of paths without a mask
 
 
 @runtime_checkable
@@ -51,7 +54,10 @@ class Constraint(Protocol):
 
 
 class Matcher(Protocol):
-    """A grammar library's parser state over token ids (specexec/runtime/grammar.py)."""
+    """A grammar library's parser state over token ids (specexec/runtime/grammar.py); `ended`: the last token
+    it consumed ended the text (an end-of-sequence token where the grammar is complete)."""
+
+    ended: bool
 
     def consume(self, tokens: Sequence[int]) -> int:
         """Consume as many of `tokens` as the grammar accepts, in order; -> how many it consumed."""
@@ -88,7 +94,7 @@ class MatcherConstraint:
         self.matcher, self.vocab = matcher, vocab
         self.words = (vocab + 31) // 32
         self._at: list[int] = []                       # tokens consumed beyond the committed text
-        self._memo: dict[Path, Tensor | None] = {}     # path -> bitmask [W] (None: a dead path), this step
+        self._memo: dict[Path, Tensor | str] = {}      # path -> bitmask [W], DEAD or END, this step
         self.stats = {"draft_rows": 0, "target_rows": 0, "pruned": 0, "dead": 0, "mask_ms": 0.0}
 
     def _move(self, path: Path) -> bool:
@@ -107,38 +113,43 @@ class MatcherConstraint:
         at.extend(rest[:done])
         return done == len(rest)
 
-    def _masks(self, paths: Sequence[Path]) -> tuple[Tensor, list[bool]]:
-        """int32 [R, W] bitmasks and whether each path is dead; unknown paths filled in path order."""
+    def _masks(self, paths: Sequence[Path]) -> tuple[Tensor, list[bool], int]:
+        """int32 [R, W] bitmasks, whether each path has no mask (dead or past the end; its row all ones), and
+        how many are dead; unknown paths filled in path order."""
         for path in sorted({p for p in paths if p not in self._memo}):
-            if path[:-1] in self._memo and self._memo[path[:-1]] is None:
-                self._memo[path] = None                # below a dead node
-                continue
-            if not self._move(path):
-                self._memo[path] = None
-                continue
-            row = torch.empty(self.words, dtype=torch.int32)
-            self.matcher.fill(row)
-            self._memo[path] = row
-        dead = [self._memo[p] is None for p in paths]
+            if path[:-1] in self._memo and not isinstance(self._memo[path[:-1]], Tensor):
+                self._memo[path] = DEAD                # below a dead node or the end
+            elif not self._move(path):
+                self._memo[path] = DEAD
+            elif self.matcher.ended:
+                self._memo[path] = END
+            else:
+                row = torch.empty(self.words, dtype=torch.int32)
+                self.matcher.fill(row)
+                self._memo[path] = row
+        rows = [self._memo[p] for p in paths]
+        none = [not isinstance(r, Tensor) for r in rows]
         full = torch.full((self.words,), -1, dtype=torch.int32)
-        return torch.stack([full if d else self._memo[p] for p, d in zip(paths, dead)]), dead
+        return torch.stack([full if n else r for r, n in zip(rows, none)]), none, sum(r is DEAD for r in rows)
 
     def allowed(self, paths: Sequence[Path], vocab: int, device: torch.device,
                 draft_logits: Tensor | None = None) -> Tensor:
         t0 = time.perf_counter()
-        words, dead = self._masks(paths)
+        words, none, dead = self._masks(paths)
+        if draft_logits is not None and any(none):
+            words[torch.tensor(none)] = 0
         mask = unpack_bits(words, self.vocab).to(device)
         if mask.shape[1] < vocab:                      # logits rows past the grammar's vocabulary: never allowed
             mask = torch.nn.functional.pad(mask, (0, vocab - mask.shape[1]))
         mask = mask[:, :vocab]
         if draft_logits is None:
             self.stats["target_rows"] += len(paths)
-            self.stats["dead"] += sum(dead)
+            self.stats["dead"] += dead
         else:
             x = draft_logits.float()
             best = x.masked_fill(~mask, float("-inf")).amax(dim=-1, keepdim=True)
             self.stats["draft_rows"] += len(paths)
-            self.stats["pruned"] += int(((x > best) & ~mask).sum())
+            self.stats["pruned"] += int(((x > best) & ~mask & mask.any(dim=-1, keepdim=True)).sum())
         self.stats["mask_ms"] += 1000 * (time.perf_counter() - t0)
         return mask
 

@@ -392,8 +392,9 @@ class Engine:
         with the target's states at the accepted nodes) and the context gains the step's tokens."""
         cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
         self._context += acc.tokens
-        if self._constraint is not None:
-            self._constraint.commit(acc.tokens)
+        if self._constraint is not None:                     # up to the end of sequence: generation stops there
+            end = next((i + 1 for i, t in enumerate(acc.tokens) if t in self.eos_ids), len(acc.tokens))
+            self._constraint.commit(acc.tokens[:end])
         if draft is not None:
             states = self._target_states(hidden, acc.nodes) if draft.reads_target else None
             draft.commit(tree, acc.nodes, acc.tokens[-1], states)

@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from specexec.options import ConfigError
 from specexec.serving import openai_api as api
+from specexec.serving import structured
 from specexec.runtime.assembly import Runtime
 from specexec.serving.queue import Delta, End, Failed, Finished, GenerationQueue, QueueFull, Ticket
 
@@ -144,7 +145,8 @@ class Server:
         options = api.parse_options(body, self.defaults, self.vocab_size)
         messages = api.parse_messages(body)
         ids = await self._tokenize(lambda: api.encode_chat(self.runtime.tokenizer, messages))
-        job = api.make_job("chat", options, [ids], self.defaults, self.runtime.context)
+        grammar = await self._tokenize(lambda: structured.response_grammar(body, self.runtime.grammars))
+        job = api.make_job("chat", options, [ids], self.defaults, self.runtime.context, grammar=grammar)
         return await self._run(request, job)
 
     async def completions(self, request: Request) -> Response:
@@ -158,7 +160,8 @@ class Server:
             texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if options.echo else []
             return ids, texts
         ids, texts = await self._tokenize(encode)
-        job = api.make_job("text", options, ids, self.defaults, self.runtime.context, texts)
+        grammar = await self._tokenize(lambda: structured.response_grammar(body, self.runtime.grammars))
+        job = api.make_job("text", options, ids, self.defaults, self.runtime.context, texts, grammar)
         return await self._run(request, job)
 
     async def _run(self, request: Request, job: api.Job) -> Response:

@@ -49,4 +49,5 @@ class ChainBuilder(DrawsWithoutReplacement):
                 break
             logq = g.expand(passes, node)
             self._q.add(logq)
-        return g.tree(passes)
+        finite = torch.isfinite(g.scores[:g.n])                     # where the draft could propose nothing
+        return g.tree(passes, torch.arange(int(host_values(finite.sum())[0]), device=finite.device))

@@ -101,7 +101,8 @@ class DraftPasses:
             return process_logits(logits, self.sampling)
         paths = [self.paths[j] for j in proc] if proc is not None else [()]
         allowed = constraint.allowed(paths, logits.shape[-1], logits.device, draft_logits=logits)
-        return process_logits(logits, self.sampling, allowed=allowed)
+        logq = process_logits(logits, self.sampling, allowed=allowed)
+        return logq.masked_fill(~allowed.any(dim=-1, keepdim=True), float("-inf"))    # nothing allowed: no child
 
     def root(self, root_token: int) -> Tensor:
         """Feed the pending tokens (ending with the root) in one causal pass; commit all but the root."""

@@ -30,6 +30,7 @@ Does not know: argument parsing, terminal output, chat history, how layers are s
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -66,6 +67,7 @@ from specexec.runtime.depth_probe import choose_self_depth, probe_window
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
 from specexec.runtime.detokenizer import Detokenizer, StopWatcher
 from specexec.runtime.draft_vocab import align_vocab
+from specexec.runtime.grammar import Grammars
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from specexec.verify import check_verifier
 from specexec.tuning.depth import DepthChoice
@@ -398,6 +400,11 @@ class Runtime:
         """Longest sequence (prompt + generated) every loaded model supports."""
         infos = [i for i in (self.target_info, self.draft_info) if i is not None]
         return min(i.args.max_position_embeddings for i in infos)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Grammars (JSON schemas, tool calls) over this runtime's tokenizer, for generate_ids' constraint."""
+        return Grammars(self.tokenizer, self.target_info.args.vocab_size, sorted(self.engine.eos_ids))
 
     @property
     def builder_name(self) -> str:

@@ -6,7 +6,7 @@ through specexec.config and specexec.options: SamplingParams and check_number/ch
 `parse_messages` / `parse_prompts` read what to continue; `encode_chat` / `encode_text` turn them into ids;
 `make_job` checks lengths against the context and freezes everything into a Job. Fields that common clients
 send are accepted: unknown ones are ignored, known ones asking for something this engine cannot do exactly
-(tools, JSON mode, suffix) are a 400 that says so. logprobs / top_logprobs (chat: a boolean and 0..20;
+(tools, suffix) are a 400 that says so; response_format is specexec/serving/structured.py's. logprobs / top_logprobs (chat: a boolean and 0..20;
 /v1/completions: 0..5) come from the target's processed distribution where each token was chosen
 (specexec/serving/logprobs.py shapes them); logit_bias ({"token id": bias in [-100, 100]}) goes to both models
 through SamplingParams. presence_penalty and frequency_penalty
@@ -111,6 +111,7 @@ class Job:
     include_usage: bool
     echo_texts: tuple[str, ...] = ()           # /v1/completions echo=true: each prompt's text
     logprobs: int | None = None                # top_logprobs per token (None: no log-probs)
+    grammar: str | None = None                 # every choice's grammar (llguidance's text; None: free text)
 
     @property
     def choices(self) -> int:
@@ -163,8 +164,7 @@ def _checked(param: str, check, *args: Any) -> None:
 def _unsupported(body: dict) -> None:
     """400 for known fields that ask for what this engine cannot do exactly; their neutral values pass."""
     checks = (("tools", (list,), lambda v: not v),
-              ("functions", (list,), lambda v: not v), ("suffix", (str,), lambda v: v == ""),
-              ("response_format", (dict,), lambda v: v.get("type", "text") == "text"))
+              ("functions", (list,), lambda v: not v), ("suffix", (str,), lambda v: v == ""))
     for name, kinds, neutral in checks:
         value = _field(body, name, kinds)
         if value is not None and not neutral(value):
@@ -338,14 +338,14 @@ def _budget(n_prompt: int, max_tokens: int | None, default: int, context: int, p
 
 
 def make_job(kind: str, options: Options, prompts: Sequence[list[int]], defaults: ServerDefaults, context: int,
-             echo_texts: Sequence[str] = ()) -> Job:
+             echo_texts: Sequence[str] = (), grammar: str | None = None) -> Job:
     """Freeze a request into a Job after checking every prompt plus its max_tokens against the context."""
     param = "messages" if kind == "chat" else "prompt"
     limits = tuple(_budget(len(p), options.max_tokens, defaults.max_tokens, context, param) for p in prompts)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Job(kind, prefix + uuid.uuid4().hex[:24], int(time.time()), defaults.model_id,
                tuple(tuple(p) for p in prompts), limits, options.n, options.sampling, options.stop, options.stream,
-               options.include_usage, tuple(echo_texts) if options.echo else (), options.logprobs)
+               options.include_usage, tuple(echo_texts) if options.echo else (), options.logprobs, grammar)
 
 
 # ------------------------------------------------------------------------------------------ responses

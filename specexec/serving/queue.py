@@ -156,7 +156,8 @@ def run_choice(runtime: Runtime, job: Job, choice: int, ticket: Ticket, metrics:
     if job.echo_texts:
         ticket.emit(Delta(choice, job.echo_texts[p]))
     ids: list[int] = []
-    gen = runtime.generate_ids(prompt, limit, job.sampling_for(choice), job.stop, logprobs=job.logprobs)
+    constraint = runtime.grammars.constraint(job.grammar) if job.grammar is not None else None
+    gen = runtime.generate_ids(prompt, limit, job.sampling_for(choice), job.stop, constraint, job.logprobs)
     covered = 0
     try:
         for text, upto in _texts(runtime, prompt, gen, ids, ticket.cancelled):

@@ -29,6 +29,7 @@ class ToyMatcher:
 
     def __init__(self, vocab: int) -> None:
         self.vocab, self.done, self.calls = vocab, [], {"consume": 0, "rollback": 0, "fill": 0}
+        self.ended = False
 
     def consume(self, tokens: Sequence[int]) -> int:
         self.calls["consume"] += 1

@@ -1,12 +1,16 @@
 """A server under test: an ASGI app served by uvicorn on 127.0.0.1 (a free port) in a background thread, stopped
-at the end (a helper of tests/serving/test_serve.py and tests/cli/bench/test_bench_endpoint.py)."""
+at the end, and plain HTTP requests to it (a helper of tests/serving/ and tests/cli/bench/test_bench_endpoint.py)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -31,3 +35,28 @@ def running(app) -> Iterator[str]:
         thread.join(20)
         sock.close()
         assert not thread.is_alive(), "the server did not stop"
+
+
+def connect(url: str, timeout: float = 30) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+
+
+def send(conn: http.client.HTTPConnection, method: str, path: str, body: Any = None,
+         headers: dict | None = None) -> http.client.HTTPResponse:
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    return conn.getresponse()
+
+
+def raw(url: str, method: str, path: str, body: Any = None, headers: dict | None = None,
+        timeout: float = 30) -> tuple[int, Any]:
+    """(status, parsed JSON or text) of one plain HTTP request (stdlib only, loopback)."""
+    conn = connect(url, timeout)
+    try:
+        resp = send(conn, method, path, body, headers)
+        text = resp.read().decode()
+        is_json = (resp.getheader("content-type") or "").startswith("application/json")
+        return resp.status, json.loads(text) if is_json else text
+    finally:
+        conn.close()

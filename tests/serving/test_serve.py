@@ -6,7 +6,6 @@ in a subprocess. Every server binds 127.0.0.1 on a free port and is stopped at t
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import re
@@ -19,7 +18,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -28,7 +26,7 @@ pytest.importorskip("starlette")
 
 from cli.main import main  # noqa: E402
 from cli.serve.app import ServeSettings, build_app  # noqa: E402
-from tests.serving.live_server import running  # noqa: E402
+from tests.serving.live_server import connect, raw, running, send  # noqa: E402
 from specexec.config import EngineConfig, SamplingParams  # noqa: E402
 from specexec.serving.openai_api import ServerDefaults  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
@@ -63,31 +61,6 @@ def client(url) -> openai.OpenAI:
 
 def chat(client, content: str, **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
-
-
-def connect(url: str, timeout: float = 30) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-
-
-def send(conn: http.client.HTTPConnection, method: str, path: str, body: Any = None,
-         headers: dict | None = None) -> http.client.HTTPResponse:
-    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    return conn.getresponse()
-
-
-def raw(url: str, method: str, path: str, body: Any = None, headers: dict | None = None,
-        timeout: float = 30) -> tuple[int, Any]:
-    """(status, parsed JSON or text) of one plain HTTP request (stdlib only, loopback)."""
-    conn = connect(url, timeout)
-    try:
-        resp = send(conn, method, path, body, headers)
-        text = resp.read().decode()
-        is_json = (resp.getheader("content-type") or "").startswith("application/json")
-        return resp.status, json.loads(text) if is_json else text
-    finally:
-        conn.close()
 
 
 def metrics(url: str) -> dict:
@@ -454,7 +427,7 @@ BAD = [
     ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "yaml"}}, 400, "response_format"),
 ]
 
 
