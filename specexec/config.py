@@ -310,8 +310,8 @@ class OffloadConfig:
     stream = every streamed layer's rows travel with it (also on a CPU, where it only costs a copy).
     draft_layers: with --draft self, how many of the target's decoder layers the draft runs (None or "auto":
     the most the budget holds; specexec/runtime/self_draft.py).
-    experts: --experts, where the routed experts of streamed MoE layers compute (specexec/tuning/expert_modes.py:
-    stream, cpu, cpu:N, auto)."""
+    experts: --experts, where the routed experts of streamed MoE layers compute (options.EXPERT_MODES: stream,
+    cpu, cpu:N, auto)."""
 
     quant: str = "auto"
     draft_quant: str = "none"

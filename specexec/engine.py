@@ -9,7 +9,7 @@
              once its times are known the budget tuner and a cost-following builder hear them.
 
 With no builder the same loop is plain autoregressive decoding (the baseline); the gate (--gate,
-specexec/pilot.py) makes a step such a plain one when the target alone is measured faster. Optional abilities of the
+specexec/gate.py) makes a step such a plain one when the target alone is measured faster. Optional abilities of the
 builder and the models (specexec/builders/base.py, specexec/network/model.py Protocols) are checked once, when the
 engine is built. `--budget auto` calibration: the engine measures target passes when its tuner has no costs
 and hands them to `on_calibrated`; saving and loading them is the runtime's (specexec/tuning/calibration.py).
@@ -35,7 +35,7 @@ from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.drafter import Drafter
 from specexec.network.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
 from specexec.options import ConfigError
-from specexec.pilot import Pilot
+from specexec.gate import Pilot
 from specexec.profiler import Profiler, Span
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import greedy, is_plain, make_generator, node_histories, process_logits, sample

@@ -31,7 +31,7 @@ from specexec.network.moe import RoutingLog
 from specexec.profiler import Profiler
 from specexec.tree import TokenTree
 from specexec.tuning.expert_trim import TreeCost, node_budget, score_values, select
-from specexec.tuning.trim_modes import TRIM_MODES
+from specexec.options import TRIM_MODES
 from specexec.tuning.routing import RoutingStats, union_sizes
 
 SCALE_DECAY = 0.9          # the union and acceptance calibrations follow the last ~10 passes

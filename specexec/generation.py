@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specexec.profiler import Profiler, StepStat, budget_trace, moe_stats
-from specexec.tuning.gate import gate_stats
+from specexec.profiler import gate_stats
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 Flags, server requests and models.yaml entries arrive as text or loose values; the functions here turn them
 into typed values or raise ConfigError with the offending value and what to do instead, so callers never
-re-validate. The names a choice flag accepts (--quant, --offload, --kv-quant, ...) are not listed here:
-`choices(flag)` reads each from the registry that owns it (offload's quant formats and memory_plan modes,
-kv.quants), lazily where that registry imports torch. The frozen configurations these values end up in are
+re-validate. `choices(flag)` gives the names each choice flag accepts: the plain name tables that belong to no
+registry live here (--kv-quant, --expert-trim, --gate, --experts: names only, so a configuration checks them
+without torch); the others are read from the registry that owns them (offload's quant formats and memory_plan
+modes), lazily where that registry imports torch. The frozen configurations these values end up in are
 specexec/config.py.
 
 Does not know: the configuration dataclasses, how weights are loaded, or anything about trees; the builder and
@@ -89,29 +90,44 @@ def _quant_formats() -> tuple[str, ...]:
     return tuple(FORMATS)
 
 
-def _trim_modes() -> tuple[str, ...]:
-    from specexec.tuning.trim_modes import TRIM_MODES      # names only: no torch
-    return TRIM_MODES
+# --kv-quant: the formats a KV cache may store its rows in. "int8" is LOSSY and opt-in (specexec/kv/rows.py).
+KV_QUANTS = ("none", "int8")
+
+# --expert-trim: which nodes of a grown tree a streamed MoE target verifies (specexec/expert_passes.py).
+# experts: the nodes worth the experts they pull in (specexec/tuning/expert_trim.select); nodes: as many
+# best-scoring nodes as the same predicted pass time holds (the node-count baseline); off: the tree as grown.
+TRIM_MODES = ("experts", "nodes", "off")
+
+# --gate: auto gates with --budget auto only, on always, off never (specexec/gate.py: what gating does).
+GATE_MODES = ("auto", "on", "off")
+
+# --experts: where the routed experts of streamed MoE layers compute. stream: copied to the compute device
+# (specexec/runtime/expert_stream.py), the default; cpu[:N]: on the CPU where the RAM tier holds them, all
+# eligible layers or the last N (specexec/runtime/cpu_experts.py); auto: per layer, whichever the planner
+# prices lower (specexec/planning/expert_place.py).
+EXPERT_MODES = ("stream", "cpu", "auto")
 
 
-def _gate_modes() -> tuple[str, ...]:
-    from specexec.tuning.gate_modes import GATE_MODES      # names only: no torch
-    return GATE_MODES
+def parse_experts(text: str) -> tuple[str, int | None]:
+    """'stream' | 'cpu' | 'cpu:N' | 'auto' -> (mode, N or None: every eligible layer). ValueError (one line
+    naming the value and what to write) for anything else."""
+    raw = str(text).strip().lower()
+    mode, sep, count = raw.partition(":")
+    if mode not in EXPERT_MODES or (sep and mode != "cpu"):
+        raise ValueError(f"unknown --experts {text!r}; choose one of: stream, cpu, cpu:N (N sparse layers), auto")
+    if not sep:
+        return mode, None
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--experts {text!r}: N in cpu:N must be a whole number of sparse layers >= 1, e.g. cpu:8")
+    return mode, int(count)
 
 
 def check_experts(value: Any) -> None:
-    """Raise ConfigError unless value is an --experts value (specexec.tuning.expert_modes: names only, no torch)."""
-    from specexec.tuning.expert_modes import parse_experts
-
+    """Raise ConfigError unless value is an --experts value (parse_experts)."""
     try:
         parse_experts(value)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _kv_quants() -> tuple[str, ...]:
-    from specexec.kv.quants import QUANTS              # names only: no torch
-    return tuple(QUANTS)
 
 
 # Choice flag -> where its accepted values are registered. Flags, --help text, validation and error messages
@@ -121,13 +137,13 @@ def _kv_quants() -> tuple[str, ...]:
 # a config under construction (which would import torch and every builder, and close an import cycle).
 _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "--dtype": lambda: DTYPES,
-    "--kv-quant": _kv_quants,                          # specexec.kv.quants.QUANTS
+    "--kv-quant": lambda: KV_QUANTS,
     "--quant": lambda: ("auto", *_quant_formats()),    # offload.quant.weights.FORMATS, plus auto
     "--draft-quant": _quant_formats,
     "--offload": lambda: memory_plan.OFFLOAD_MODES,
     "--kv-offload": lambda: memory_plan.COMPANION_MODES,   # where streamed layers' KV rows live
-    "--expert-trim": _trim_modes,                      # specexec.tuning.trim_modes.TRIM_MODES
-    "--gate": _gate_modes,                             # specexec.tuning.gate_modes.GATE_MODES
+    "--expert-trim": lambda: TRIM_MODES,
+    "--gate": lambda: GATE_MODES,
 }
 
 

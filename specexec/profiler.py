@@ -13,7 +13,7 @@ the pager only has to keep running totals. `begin()` starts a new generation: sp
 cleared and the clock for time-to-first-token starts. For a mixture-of-experts target the engine counts, per
 verification pass, its distinct experts per sparse layer and what the target's experts cost it (moe_* counters,
 specexec/expert_passes.py); `moe_stats` turns them into stats.moe (means over passes). `note()` keeps one-line
-events for people (the gate's switches, specexec/pilot.py); with the gate_* counters they make stats.gate.
+events for people (the gate's switches, specexec/gate.py); with the gate_* counters they make stats.gate.
 
 Also here: `PeakMemory`, which samples the process RSS on a thread and reads torch's CUDA peak, for benchmarks.
 
@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 
-from specexec.tuning.gate import gate_stats
-
 Source = Callable[[], Mapping[str, float]]
 OnTimed = Callable[[float, float], None]                   # (draft seconds, target seconds) of one step
 STREAM_KEYS = ("bytes_streamed", "copy_s", "stall_s")     # the cumulative counters a stream source reports
+PLAIN_STEPS, SPECULATIVE_STEPS, SWITCHES = "gate_plain_steps", "gate_speculative_steps", "gate_switches"  # the gate's
 
 
 class Span:
@@ -411,3 +410,13 @@ class PeakMemory:
             self._thread.join()
         if self.device.type == "cuda":
             self.vram_bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+
+def gate_stats(counters: Mapping[str, float], events: Iterable[str]) -> dict | None:
+    """stats.gate from the profiler's counters and notes: switches, plain_steps, speculative_steps and the
+    switch lines (events); None when no step was gated."""
+    plain, spec = counters.get(PLAIN_STEPS, 0), counters.get(SPECULATIVE_STEPS, 0)
+    if not plain and not spec:
+        return None
+    return {"switches": int(counters.get(SWITCHES, 0)), "plain_steps": int(plain), "speculative_steps": int(spec),
+            "events": list(events)}

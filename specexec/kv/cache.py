@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from specexec.kv.layer_store import LayerStore, StateSpec
-from specexec.kv.rows import QUANTS, Rows
+from specexec.kv.rows import Rows
+from specexec.options import KV_QUANTS
 from specexec.kv.stream import StreamedKV
 
 
@@ -55,8 +56,8 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str, batch: int = 1, quant: str = "none",
                  streamed: Sequence[int] = (), tail: int = 0, windows: Sequence[int | None] = (),
                  states: Sequence[StateSpec | None] = ()) -> None:
-        if quant not in QUANTS:
-            raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(QUANTS)}")
+        if quant not in KV_QUANTS:
+            raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(KV_QUANTS)}")
         self.device, self.dtype, self.quant = torch.device(device), dtype, quant
         specs = {i: s for i, s in enumerate(states) if s is not None}
         streamed = sorted(set(streamed) - set(specs))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specexec.kv.quants import QUANTS
+from specexec.options import KV_QUANTS
 
 INT8_MAX = 127
 
@@ -67,8 +67,8 @@ class Rows:
               quant: str, device: torch.device | str, host_alloc=None) -> "Rows":
         """Zeroed rows on `device`; host_alloc(nbytes) -> uint8 CPU tensor replaces the allocation (pinned host
         memory: rows there are never read before they are written, so they are not zeroed)."""
-        if quant not in QUANTS:
-            raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(QUANTS)}")
+        if quant not in KV_QUANTS:
+            raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(KV_QUANTS)}")
         shape = (n_layers, capacity, 2, batch, heads, dim)
         store = torch.int8 if quant == "int8" else dtype
         data = _alloc(shape, store, device, host_alloc)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from offload.memory_plan import GB, Plan
 
 from specexec.config import ModelArgs
-from specexec.tuning.expert_modes import parse_experts
+from specexec.options import parse_experts
 
 DEFAULT_CPU_GBPS = 20.0      # packed bytes per second one CPU GEMV streams: a desktop's DDR5 at about 1/3 of peak
 CPU_GBPS_ENV = "SPECEXEC_CPU_GBPS"

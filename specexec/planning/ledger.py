@@ -24,7 +24,7 @@ from offload.planner import plan
 
 from specexec.config import PREFILL_CHUNK
 from specexec.planning.experts import describe_moe, moe_summary
-from specexec.planning.hot_experts import copy_bytes, hot_json
+from specexec.planning.hot_copy_sizes import copy_bytes, hot_json
 from specexec.planning.needs import dtype_name, fmt_name, gb_text, needs_for, prefill_tokens
 from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
 from specexec.tuning.depth import depth_ladder

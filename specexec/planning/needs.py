@@ -10,7 +10,7 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   GPU memory it frees keeps more layers resident. The plan keeps it where the predicted pass is faster.
 - draft weights: the resident draft with its linears in --draft-quant's format, counted ONCE from its config.
   A self-draft (--draft self: the target's own layers, `with_self_draft`) counts only its copies of the layers
-  it runs that the target streams (of an MoE layer: its dense part and H hot experts, hot_experts.py); its
+  it runs that the target streams (of an MoE layer: its dense part and H hot experts, hot_copy_sizes.py); its
   embed/norm/head and the resident layers it runs are the target's. The
   plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
   picks the most layers that fit.
@@ -38,7 +38,7 @@ from offload.memory_plan import GB, Needs
 from specexec.config import PREFILL_CHUNK
 from specexec.network.model import LOGIT_CHUNK
 from specexec.planning.experts import expert_parts
-from specexec.planning.hot_experts import copy_bytes, hot_json
+from specexec.planning.hot_copy_sizes import copy_bytes, hot_json
 from specexec.planning.run_shape import RunShape, self_layer_ids
 from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_sizes, weight_bytes
 

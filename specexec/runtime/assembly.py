@@ -71,7 +71,7 @@ from specexec.runtime.grammar import Grammars
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from specexec.verify import check_verifier
 from specexec.tuning.depth import DepthChoice
-from specexec.tuning.gate_modes import with_depth_verdict
+from specexec.gate import with_depth_verdict
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
 Progress = Callable[[str], None]
@@ -354,7 +354,7 @@ class Runtime:
         depth = None
         if self_spec is not None:               # the target itself, so it comes after the target
             draft_model, d_info, depth = _load_self(target, t_path, self_spec, plan, offload, config, say, tokenizer)
-            if depth is not None:               # no depth pays: the gate decides when to draft (gate_modes.py)
+            if depth is not None:               # no depth pays: the gate decides when to draft (specexec/gate.py)
                 config = config.replace(gate=with_depth_verdict(config.gate, depth.loses))
         if drafter is not None:                 # it may share the target's embedding and head: after the target
             say(f"loading drafter {drafter.describe()}")

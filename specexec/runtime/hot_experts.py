@@ -1,6 +1,6 @@
 """The self-draft's copies of an MoE target's streamed sparse layers: the dense part and H hot experts each.
 
-A copy of a sparse layer (specexec/planning/hot_experts.py sizes it: H = HOT_FACTOR x top-k) is a Block whose
+A copy of a sparse layer (specexec/planning/hot_copy_sizes.py sizes it: H = HOT_FACTOR x top-k) is a Block whose
 norms, attention, router and shared expert are bound to a resident copy of the layer's dense part, and whose
 experts hold H of the E routed experts, each in its own entry of a [H, expert bytes] buffer (the layer cache's
 per-expert regions in the draft's format, read alone: offload/cache/store.read_region). Its router masks the
@@ -35,7 +35,7 @@ from offload.streaming.tiers import host_buffer
 from specexec.checkpoints.naming import EXPERT_PREFIX
 from specexec.config import ModelArgs
 from specexec.network.model import Block, on_meta
-from specexec.planning.hot_experts import hot_per_layer
+from specexec.planning.hot_copy_sizes import hot_per_layer
 from specexec.runtime.expert_stream import bind_expert
 
 RERANK_PASSES = 4         # target passes between two re-rankings of the hot experts (after the first)

@@ -145,7 +145,7 @@ def build_self_draft(target: Transformer, layer_ids: Sequence[int], fmt: str, pa
         whole = [i for i in copies if i not in sparse]
         if whole:
             blocks.update(_copies(target.args, whole, fmt, like, cache, say))
-        if sparse:                              # the dense part and H hot experts of each (hot_experts.py)
+        if sparse:                              # the dense part and H hot experts of each (runtime/hot_experts.py)
             hot = HotExperts(target.args, cache, sparse, fmt, like)      # keeps the cache open: it re-reads
             blocks.update(hot.blocks)
             say(f"self-draft: {_name(fmt)} copies of {len(sparse)} MoE layers, {hot.per_layer} hot experts each")

@@ -216,7 +216,7 @@ class BudgetTuner:
         valley); else the best budget within one grid step (moving only for a > 2 % gain). `settled` turns
         true at the first choice that does not go down: until then the tuner is still descending from its
         start, and its steps show what those larger budgets cost, not what drafting at its choice does (the
-        gate does not judge drafting on them: specexec/pilot.py)."""
+        gate does not judge drafting on them: specexec/gate.py)."""
         before = self.index
         budget = self._next()
         self.settled = self.settled or self.index >= before

@@ -1,6 +1,6 @@
 """One registry per concept: builder names (specexec/builders/registry.py), verifier rules (verify.RULES), layer
 formats (offload.quant.weights.FORMATS), offload modes and KV placements (offload.memory_plan), KV quantization
-(specexec.kv.quants.QUANTS). Adding a name to its registry is all it takes for the flags' --help text, config
+(specexec.options.KV_QUANTS). Adding a name to its registry is all it takes for the flags' --help text, config
 validation and error messages to know it (options.choices reads them; builder and verifier names are checked
 where their registries are used, so building an EngineConfig imports neither torch nor a builder), and no other
 module lists the names."""
@@ -21,7 +21,6 @@ from offload.quant import weights
 from specexec import options, verify
 from specexec.builders import registry
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.kv import quants
 from specexec.options import ConfigError, choices
 from specexec.checkpoints import loading
 
@@ -138,11 +137,11 @@ def test_a_registered_verifier_reaches_validation_and_help(monkeypatch, capsys) 
 def test_offload_registries_reach_validation_help_and_errors(monkeypatch, capsys) -> None:
     assert choices("--quant") == ("auto", *weights.FORMATS) and choices("--draft-quant") == tuple(weights.FORMATS)
     assert choices("--offload") == memory_plan.OFFLOAD_MODES and choices("--kv-offload") == memory_plan.COMPANION_MODES
-    assert choices("--kv-quant") == tuple(quants.QUANTS)
+    assert choices("--kv-quant") == options.KV_QUANTS
     monkeypatch.setattr(weights, "FORMATS", (*weights.FORMATS, "zzfmt"))
     monkeypatch.setattr(memory_plan, "OFFLOAD_MODES", (*memory_plan.OFFLOAD_MODES, "zzmode"))
     monkeypatch.setattr(memory_plan, "COMPANION_MODES", (*memory_plan.COMPANION_MODES, "zzplace"))
-    monkeypatch.setattr(quants, "QUANTS", (*quants.QUANTS, "zzkv"))
+    monkeypatch.setattr(options, "KV_QUANTS", (*options.KV_QUANTS, "zzkv"))
     cfg = OffloadConfig(quant="zzfmt", draft_quant="zzfmt", offload="zzmode", kv_offload="zzplace")
     assert (cfg.quant, cfg.offload, cfg.kv_offload) == ("zzfmt", "zzmode", "zzplace")
     assert EngineConfig(kv_quant="zzkv").kv_quant == "zzkv"

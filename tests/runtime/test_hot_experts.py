@@ -1,5 +1,5 @@
 """Drafts for MoE targets: the self-draft whose copies of the streamed sparse layers hold H hot experts
-(specexec/runtime/hot_experts.py, planning/hot_experts.py), a dense draft of the same tokenizer and a small MoE.
+(specexec/runtime/hot_experts.py, planning/hot_copy_sizes.py), a dense draft of the same tokenizer and a small MoE.
 
 The router's mask: a row never goes to an expert the copy does not hold, and where the mask does not bind the
 routing is the unmasked one. The copies: the dense part bound, H experts bound, the rest unbound (meta); the
@@ -23,7 +23,7 @@ from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import read_args
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.network.moe import Router, RoutingLog
-from specexec.planning.hot_experts import copy_bytes, hot_per_layer
+from specexec.planning.hot_copy_sizes import copy_bytes, hot_per_layer
 from specexec.planning.ledger import card_budget, plan_memory
 from specexec.planning.run_shape import RunShape, with_self_draft
 from specexec.planning.sizes import expert_split, layer_bytes

@@ -1,5 +1,11 @@
-"""The gate: whether the next decoding step drafts (a speculative step) or runs the target alone (a plain step),
-decided from this run's own measured rates (docs/algorithms.md §24).
+"""The gate (--gate, docs/algorithms.md §24): whether the next decoding step drafts (a speculative step) or runs
+the target alone (a plain step), decided from this run's own measured rates, and how that decision meets the
+decoding loop.
+
+When a run gates (`gates`): --gate on always, off never, auto with --budget auto; and a self-draft whose every
+measured depth loses to the target alone gates under auto even with a fixed --budget N (`with_depth_verdict`).
+
+The decision (`Gate`):
 
     speculative tok/s  = tokens the last `window` speculative steps emitted / their draft + target seconds
     target-alone tok/s = 1 / seconds of a plain step (the median of the last few; before any was measured,
@@ -9,9 +15,10 @@ decided from this run's own measured rates (docs/algorithms.md §24).
 
 - Drafting: the gate switches off when the target alone is more than `margin` faster, judged over the
   speculative steps since drafting last (re)started -- a full `window` of them for a small lead, fewer (at least
-  `least`) the larger the lead: window * margin / (lead - 1), a lead of 1.5 needs 2 margins' worth -- and confirmed by
-  at least `confirm` measured plain steps (it asks for them first). One plain step after every `refresh_every` speculative ones keeps the
-  target-alone rate fresh (a bounded share: 1 / (refresh_every + 1) of the steps).
+  `least`) the larger the lead: window * margin / (lead - 1), a lead of 1.5 needs 2 margins' worth -- and
+  confirmed by at least `confirm` measured plain steps (it asks for them first). One plain step after every
+  `refresh_every` speculative ones keeps the target-alone rate fresh (a bounded share: 1 / (refresh_every + 1)
+  of the steps).
 - Not drafting: it probes. After `gap` plain steps a burst of `burst` speculative steps; when the burst ran more
   than `margin` faster than the target alone, drafting resumes, otherwise the next gap doubles (up to `max_gap`).
   Every gap is long enough that probes take at most `probe_share` of the steps and of the time (a probe's
@@ -20,17 +27,54 @@ decided from this run's own measured rates (docs/algorithms.md §24).
   about that share times the probes' shortfall, plus the steps before the first switch.
 Both ways the margin is the hysteresis: rates within it never switch the gate.
 
-Does not know: models, trees, the engine, or how steps are timed (callers pass seconds in); no torch.
+The loop's side (`Pilot`): before each step the engine asks `plain_next` which kind of step comes (a plain step
+is the engine's own draft-free step: a root-only tree the target verifies), and after it `heard` gives the step's
+times:
+
+- before a speculative step that follows plain ones, the draft catches up on the tokens it has not seen (one
+  prefill of its pending tokens, span "catch-up"), so the probe's draft time is a normal step's; the catch-up's
+  seconds are charged to the gate once known (Gate.charge: they count in the probes' share of the time, not in
+  their rate); while the gate is off a new prompt is not prefilled into the draft either (Engine._start asks
+  `drafting`), so a gated-off run's time to first token is the target alone's;
+- the speculative steps whose budget the tuner chose while still descending from its first budget (down from
+  16, a grid step or a leap at a time: budget.BudgetTuner.settled) are not heard by the gate: they show what those
+  larger trees cost, not what drafting at the tuner's choice does (heard, they could switch drafting off for a
+  whole run that drafting at the settled budget would have sped up);
+- a plain step's target time is the tuner's one-row pass cost (the prior the gate reads when it has no plain
+  step of its own yet), and the tuner never hears it as a tree (it would look like free drafting);
+- every step is counted (stats.gate: plain_steps, speculative_steps), every switch counted and noted in one
+  line on the profiler (chat and bench print it).
+
+Does not know: trees, how steps are verified (the engine), how steps are timed (callers pass seconds in), why a
+rate is what it is.
 """
 from __future__ import annotations
 
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-PLAIN_STEPS, SPECULATIVE_STEPS, SWITCHES = "gate_plain_steps", "gate_speculative_steps", "gate_switches"
+from specexec.builders.base import DraftState, TreeBuilder
+from specexec.config import EngineConfig
+from specexec.profiler import PLAIN_STEPS, SPECULATIVE_STEPS, SWITCHES, Profiler, Span
+from specexec.tuning.budget import BudgetTuner
+
+Prefill = Callable[..., None]     # Engine.prefill(model, cache, ids, which, states=None)
+
+
+def gates(mode: str, auto_budget: bool) -> bool:
+    """Whether a run with --gate `mode` gates drafting (auto: only with --budget auto)."""
+    return mode == "on" or (mode == "auto" and auto_budget)
+
+
+def with_depth_verdict(mode: str, drafting_loses: bool) -> str:
+    """The --gate mode of a run once the self-draft's depth was chosen: auto becomes on when even the best
+    depth is predicted to lose to the target alone (the gate then turns drafting off as it measures), else
+    `mode` unchanged."""
+    return "on" if mode == "auto" and drafting_loses else mode
 
 
 @dataclass(frozen=True)
@@ -175,11 +219,67 @@ class Gate:
         return Switch(True, 1.0 / plain_s if plain_s else 0.0, spec, len(probe))
 
 
-def gate_stats(counters: Mapping[str, float], events: Iterable[str]) -> dict | None:
-    """stats.gate from the profiler's counters and notes: switches, plain_steps, speculative_steps and the
-    switch lines (events); None when no step was gated."""
-    plain, spec = counters.get(PLAIN_STEPS, 0), counters.get(SPECULATIVE_STEPS, 0)
-    if not plain and not spec:
-        return None
-    return {"switches": int(counters.get(SWITCHES, 0)), "plain_steps": int(plain), "speculative_steps": int(spec),
-            "events": list(events)}
+
+class StepGate(Protocol):
+    """What the pilot needs of a gate (Gate; tests pass scripted ones)."""
+
+    def next_plain(self) -> bool: ...
+
+    def observe(self, speculative: bool, tokens: int, seconds: float) -> Switch | None: ...
+
+    def charge(self, seconds: float) -> None: ...
+
+
+class Pilot:
+    """Chooses each step's kind through its gate and hears each step's outcome, in step order."""
+
+    def __init__(self, gate: StepGate, profiler: Profiler, prefill: Prefill,
+                 tuner: BudgetTuner | None = None) -> None:
+        self.gate, self.profiler, self.prefill, self.tuner = gate, profiler, prefill, tuner
+        self._kinds: deque[bool] = deque()          # scheduled steps not heard yet: True = plain
+        self._catch_ups: list[Span] = []            # catch-up spans not charged to the gate yet
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, builder: TreeBuilder | None, tuner: BudgetTuner | None,
+                   profiler: Profiler, prefill: Prefill) -> "Pilot | None":
+        """The engine's pilot when config.gate says this run gates (never without a builder: nothing drafts)."""
+        if builder is None or not gates(config.gate, config.auto_budget):
+            return None
+        prior = (lambda: tuner.costs.target_seconds(1) or None) if tuner is not None else None
+        return cls(Gate(prior=prior), profiler, prefill, tuner)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the gate is drafting now (off: a new prompt's draft prefill waits for the next probe)."""
+        return getattr(self.gate, "drafting", True)
+
+    def plain_next(self, draft: DraftState | None) -> bool:
+        """Whether the next step runs the target alone; before a speculative one the draft catches up."""
+        plain = self.gate.next_plain()
+        self._kinds.append(plain)
+        self.profiler.count(**{PLAIN_STEPS if plain else SPECULATIVE_STEPS: 1})
+        if not plain and draft is not None and len(draft.pending) > 1:
+            with self.profiler.span("catch-up") as span:
+                draft.catch_up(self.prefill)
+            self._catch_ups.append(span)
+        return plain
+
+    def heard(self, tree_size: int, tokens: int, draft_s: float, target_s: float, expert_s: float = 0.0,
+              settling: bool = False) -> None:
+        """A step's times settled (in step order): tokens it emitted, draft and target seconds, what the
+        cost model's MoE term said its experts cost, and whether the tuner was still descending from its first
+        budget when it chose this step's (settling: the gate does not hear such a speculative step)."""
+        plain = self._kinds.popleft() if self._kinds else tree_size == 0
+        for span in [s for s in self._catch_ups if s.ready]:        # CUDA: only once its events completed
+            self.gate.charge(span.seconds)
+            self._catch_ups.remove(span)
+        if tree_size == 0 and self.tuner is not None:
+            self.tuner.costs.target.add(1, max(target_s - expert_s, 0.0))
+        if settling and not plain:
+            return
+        switch = self.gate.observe(not plain, tokens, draft_s + target_s)
+        if switch is not None:
+            counted = self.profiler.counters
+            step = int(counted.get(PLAIN_STEPS, 0) + counted.get(SPECULATIVE_STEPS, 0)) - len(self._kinds)
+            self.profiler.count(**{SWITCHES: 1})
+            self.profiler.note(switch.line(step))
