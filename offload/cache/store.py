@@ -55,6 +55,7 @@ CONTRACT (used by specexec/runtime/offloaded.py, offload/streaming/tiers.py's SS
     class CacheError(ValueError); class CacheCorruptError(CacheError)    # one-line messages; CLI exit 2
     default_cache_root() -> Path; aligned_empty(nbytes) -> uint8 tensor at a 4 KiB boundary
     plan(checkpoint_dir, layers, fmt, dtype, double_quant, device=None) -> list[LayerLayout]   # from headers only
+    write_packed(directory, [(packed uint8, layout)], options) -> LayerCache   # made-up layers (benchmarks)
 """
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ from cpu_kernels.cache_root import default_cache_root
 from offload.cache.identity import (LayerNames, cache_dir_for, fingerprint, options_of,
                                     source_specs)
 from offload.memory_plan import gb_text
-from offload.cache.manifest import LAYERS_FILE, MANIFEST, CacheError, check_expected, load_manifest, mark_corrupt
+from offload.cache.manifest import (LAYERS_FILE, MANIFEST, VERSION, CacheError, check_expected, load_manifest,
+                                    mark_corrupt)
 from offload.cache.reading import LayerFile
 from offload.platform.facilities import fsync_dir, pwrite_all
 from offload.cache.locking import exclusive_lock as _exclusive_lock
@@ -371,13 +373,7 @@ def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames]
                 buf, layout = _quantize_layer(ckpt, source, expect["format"], dtype, expect["double_quant"], device)
                 if layout != planned:
                     raise RuntimeError(f"layer {i}: packed layout differs from the planned one")
-                _write_layer(fd, buf, offset)
-                entries.append({"offset": offset, "nbytes": layout.nbytes,
-                                "sha256": hashlib.sha256(buf.numpy()).hexdigest(), "layout": layout.to_dict()})
-                if layout.regions:                    # the dense part and each region checked alone when read alone
-                    parts = [(0, layout.dense_nbytes)] + [(r.offset, r.nbytes) for r in layout.regions]
-                    entries[-1]["region_sha256"] = [hashlib.sha256(buf[o:o + n].numpy()).hexdigest()
-                                                    for o, n in parts]
+                entries.append(_write_entry(fd, buf, layout, offset))
                 offset += layout.nbytes
                 del buf
                 advance()
@@ -387,6 +383,38 @@ def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames]
     finally:
         os.close(fd)
     return entries
+
+
+def _write_entry(fd: int, buf: torch.Tensor, layout: LayerLayout, offset: int) -> dict:
+    """Write one packed layer at `offset`; its manifest entry (offset, size, sha256s, layout)."""
+    _write_layer(fd, buf, offset)
+    entry = {"offset": offset, "nbytes": layout.nbytes, "sha256": hashlib.sha256(buf.numpy()).hexdigest(),
+             "layout": layout.to_dict()}
+    if layout.regions:                    # the dense part and each region checked alone when read alone
+        parts = [(0, layout.dense_nbytes)] + [(r.offset, r.nbytes) for r in layout.regions]
+        entry["region_sha256"] = [hashlib.sha256(buf[o:o + n].numpy()).hexdigest() for o, n in parts]
+    return entry
+
+
+def write_packed(directory: str | os.PathLike, layers: Sequence[tuple[torch.Tensor, LayerLayout]],
+                 options: dict) -> LayerCache:
+    """A layer cache in `directory` (new or empty) from layers already packed (uint8 [nbytes], layout), with
+    `options` in its manifest, opened: what a benchmark of made-up layers streams through the runtime's own
+    reader. Nothing is quantized, checked against a checkpoint or locked."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    entries, offset = [], 0
+    fd = os.open(path / LAYERS_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
+    try:
+        for buf, layout in layers:
+            entries.append(_write_entry(fd, buf, layout, offset))
+            offset += layout.nbytes
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _write_json(path / MANIFEST, dict(options, version=VERSION, file=LAYERS_FILE, file_nbytes=offset,
+                                      layers=entries))
+    return LayerCache.open(path)
 
 
 def _quantize_layer(ckpt: CheckpointSource, source: LayerNames, fmt: str, dtype: torch.dtype,

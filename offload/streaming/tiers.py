@@ -1,4 +1,5 @@
-"""Where packed layers live between passes: device-resident, a RAM region, or a file on the SSD.
+"""Where packed layers live between passes: device-resident, a RAM region, or a file on the SSD (read by a
+LayerReader).
 
 - `ResidentTier`: layers kept on the device (GPU, or plain memory on CPU) in ONE allocation split into slices;
   they are used in place, never copied.
@@ -9,10 +10,8 @@
   A registered region is unregistered (cudaHostUnregister) when its last view is freed, before its memory is:
   whoever drops one first makes sure no copy into or out of it is still queued (the pager's `discard` and the
   KV rows' event waits do), so a long chat that regrows its pinned KV rows keeps only the live ones locked.
-- `PackedFile`: a file of packed layers at 4 KiB-aligned offsets read with O_DIRECT (falling back to buffered
-  reads followed by posix_fadvise(DONTNEED), so the page cache does not keep a second copy of what was read;
-  facilities.py has each platform's stand-ins). Any object with the `LayerReader` protocol (e.g. the disk
-  cache of offload/cache/store.py) serves the SSD tier.
+- the SSD tier: any object with the `LayerReader` protocol; a run's is the layer cache (offload/cache/store.py
+  LayerCache: O_DIRECT reads where the file system allows them, each layer's checksum on its first read).
 
 Also: aligned host buffers (`host_buffer`), pinning, and raw bandwidth probes used by the benchmark.
 
@@ -20,21 +19,17 @@ Does not know: what the bytes mean (storage.py), which layer goes where (planner
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 import weakref
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Protocol
 
 import numpy
 import torch
 
-from offload.platform import facilities
 from offload.streaming.storage import ALIGN, round_up
 
-READ_CHUNK = 64 * 2**20           # bytes per read syscall: large and sequential
 
 
 class LayerReader(Protocol):
@@ -266,71 +261,6 @@ def fill(buffers: dict[int, torch.Tensor], source: LayerReader, bounce: torch.Te
                 bounce = host_buffer(max(source.nbytes(j) for j in buffers))
             source.read_layer(i, bounce[:n])
             buf[:n].copy_(bounce[:n])
-
-
-# ----------------------------------------------------------------------------------------- the file
-
-class PackedFile:
-    """A file of packed layers, layer i at offsets[i] (multiples of ALIGN), read past the page cache (O_DIRECT)
-    when the platform and file system allow it. Thread-safe: reads are positional (facilities.pread_into)."""
-
-    def __init__(self, path: str | os.PathLike, offsets: Sequence[int], sizes: Sequence[int],
-                 direct: bool = True) -> None:
-        self.path, self.offsets, self.sizes = Path(path), list(offsets), list(sizes)
-        if any(o % ALIGN or s % ALIGN for o, s in zip(self.offsets, self.sizes)):
-            raise ValueError(f"{self.path}: layer offsets and sizes must be multiples of {ALIGN}")
-        fd = facilities.open_unbuffered(self.path) if direct else None
-        self.direct = fd is not None
-        if fd is None:
-            fd = facilities.open_read(self.path)
-            facilities.advise_sequential(fd)
-        self.fd = fd
-
-    @classmethod
-    def write(cls, path: str | os.PathLike, buffers: Sequence[torch.Tensor], direct: bool = True) -> "PackedFile":
-        """Write packed layer buffers (uint8 CPU, sizes multiples of ALIGN) back to back, fsync'd."""
-        offsets, offset = [], 0
-        with open(path, "wb") as f:
-            for b in buffers:
-                offsets.append(offset)
-                f.write(memoryview(b.contiguous().numpy()))
-                offset += b.numel()
-            f.flush()
-            os.fsync(f.fileno())
-        return cls(path, offsets, [b.numel() for b in buffers], direct)
-
-    def nbytes(self, i: int) -> int:
-        return self.sizes[i]
-
-    def read_layer(self, i: int, out: torch.Tensor) -> None:
-        read_exact(self.fd, out[:self.sizes[i]], self.offsets[i], fadvise_drop=not self.direct)
-
-    def read_part(self, i: int, offset: int, out: torch.Tensor) -> None:
-        if offset % ALIGN or offset + out.numel() > self.sizes[i]:
-            raise ValueError(f"part [{offset}, {offset + out.numel()}) of layer {i} is unaligned or past its end")
-        read_exact(self.fd, out, self.offsets[i] + offset, fadvise_drop=not self.direct)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __del__(self) -> None:
-        self.close()
-
-
-def read_exact(fd: int, out: torch.Tensor, offset: int, fadvise_drop: bool = False) -> None:
-    """Fill `out` (uint8 CPU, contiguous) from fd at `offset` in READ_CHUNK reads; EOFError if the file ends.
-    fadvise_drop: tell the kernel the pages just read are not needed again (buffered reads only)."""
-    view = memoryview(out.numpy()).cast("B")
-    done = 0
-    while done < len(view):
-        n = facilities.pread_into(fd, view[done:done + READ_CHUNK], offset + done)
-        if n == 0:
-            raise EOFError(f"file ends at {offset + done}, {len(view) - done} bytes short of a packed layer")
-        done += n
-    if fadvise_drop:
-        facilities.drop_cached(fd, offset, len(view))
 
 
 # ----------------------------------------------------------------------------------------- bandwidth probes

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from offload.cache.store import write_packed
 from offload.streaming.pager import LayerPager, build_pager
 from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold
-from offload.streaming.storage import ALIGN
+from offload.streaming.storage import ALIGN, LayerLayout
 from offload.streaming import tiers
-from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, fill, host_buffer, probe_copy, probe_read, split
+from offload.streaming.tiers import RamTier, ResidentTier, fill, host_buffer, probe_copy, probe_read, split
 from offload.streaming.timing import stream_summary
 from tests.offload.lag_event import LagEvent
 
@@ -517,39 +518,21 @@ def test_pin_groups_reserve_little() -> None:
         assert tiers.pinned_reserve(groups) <= min(1.1 * sum(sizes), tiers.pinned_reserve([sizes]))
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_packed_file_reads_layers(tmp_path: Path, layers, direct: bool, posix_facilities: str) -> None:
-    f = PackedFile.write(tmp_path / "layers.bin", layers, direct=direct)
-    if posix_facilities == "fallback" or not direct:
-        assert not f.direct                                   # buffered reads (page cache dropped where it can be)
-    assert f.offsets == [sum(SIZES[:i]) for i in range(len(SIZES))]
-    out = host_buffer(max(SIZES))
-    for i in (3, 0, 5, 2):
-        f.read_layer(i, out)
-        assert torch.equal(out[:SIZES[i]], layers[i])
-    assert probe_read(f, range(len(SIZES)), out) > 0
-    f.close()
-
-
-def test_packed_file_truncated(tmp_path: Path, layers, posix_facilities: str) -> None:
-    f = PackedFile.write(tmp_path / "layers.bin", layers)
-    with open(tmp_path / "layers.bin", "r+b") as fh:
-        fh.truncate(sum(SIZES) - ALIGN)
-    with pytest.raises(EOFError):
-        f.read_layer(len(SIZES) - 1, host_buffer(max(SIZES)))
-
-
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
-def test_a_pager_over_a_packed_file_serves_exact_bytes(tmp_path: Path, layers, staged: bool,
-                                                        posix_facilities: str) -> None:
-    """The SSD tier read from a file, with and without the POSIX-only facilities: the same bytes in order."""
-    f = PackedFile.write(tmp_path / "layers.bin", layers)
-    with build_pager(MIXES["mixed"], f, "cpu", n_slots=2, staged=staged) as pager:
+def test_a_pager_over_a_layer_cache_serves_exact_bytes(tmp_path: Path, layers, staged: bool,
+                                                       posix_facilities: str) -> None:
+    """The SSD tier read from a layer cache on disk (the runtime's reader), with and without the POSIX-only
+    facilities: the same bytes in order, and the probe reads through it."""
+    cache = write_packed(tmp_path / "cache", [(b, LayerLayout((), b.numel())) for b in layers], {"format": "none"})
+    if posix_facilities == "fallback":
+        assert not cache.direct_io                        # buffered reads, the page cache dropped where it can be
+    with build_pager(MIXES["mixed"], cache, "cpu", n_slots=2, staged=staged) as pager:
         for _ in range(3):
             check_pass(pager, layers)
             pager.prefetch_start()
         check_pass(pager, layers, [5, 3, 2])
-    f.close()
+    assert probe_read(cache, range(len(SIZES)), host_buffer(max(SIZES))) > 0
+    cache.close()
 
 
 def test_probe_copy(layers) -> None:

@@ -3,10 +3,12 @@
 No checkpoint is needed: decoder layers of a real architecture's shapes (Llama-3 70B / 8B / 1B) get random
 weights. A few DISTINCT layers are made (quantized layers are random codes with random block scales: the same
 bytes and kernels as real ones, without an hour of CPU quantization) and the N streamed layers cycle through
-them: the resident and RAM tiers hold the distinct layers once (aliased), while the SSD tier writes all N to a
-file, so every SSD read is a real read. The planner places the N layers from --offload and the budgets exactly
-as for a real model of N layers, and its plan is printed; the pager streams with the plan's slots and SSD
-read-ahead (bounce buffers), as a real run would.
+them: the resident and RAM tiers hold the distinct layers once (aliased), while the SSD layers are written as a
+layer cache (offload/cache: layers.bin and its manifest) and read through the runtime's own reader
+(LayerCache.read_layer: O_DIRECT where the file system allows it, each layer's checksum on its first read), so
+every SSD read is a real read by the code a generation runs. The planner places the N layers from --offload and
+the budgets exactly as for a real model of N layers, and its plan is printed; the pager streams with the plan's
+slots and SSD read-ahead (bounce buffers), as a real run would.
 
 For each tree size T in --tokens: the raw rate of the slowest tier used is measured first (tier_peak_gbps: the
 same reader on the same file in the same page-cache state, or a region -> slot copy for RAM), then one forward
@@ -29,12 +31,14 @@ from pathlib import Path
 
 import torch
 
+from offload.cache.store import LayerCache, write_packed
 from offload.memory_plan import Needs, Plan, PlanError
+from offload.platform.facilities import drop_cached, open_read
 from offload.quant import weights as qweights
 from offload.streaming import storage
 from offload.streaming.pager import LayerPager
 from offload.planner import default_budgets, plan
-from offload.streaming.tiers import PackedFile, RamTier, ResidentTier, host_buffer, probe_copy, probe_read
+from offload.streaming.tiers import RamTier, ResidentTier, host_buffer, probe_copy, probe_read
 from specexec.config import ModelArgs
 from specexec.options import DTYPES, ConfigError, check_choice, check_device, check_integer, choices, parse_size
 from specexec.checkpoints.loading import resolve_dtype
@@ -135,16 +139,17 @@ def random_layer(layout: storage.LayerLayout, fmt: str, dtype: torch.dtype, seed
 
 
 class _Remapped:
-    """The SSD tier's reader: layer id -> its position in the bench's file of SSD layers."""
+    """The SSD tier's reader: layer id -> its position in the bench's layer cache of SSD layers, read by the
+    cache's own read_layer."""
 
-    def __init__(self, file: PackedFile, ids: list[int]) -> None:
-        self.file, self.pos = file, {i: k for k, i in enumerate(ids)}
+    def __init__(self, cache: LayerCache, ids: list[int]) -> None:
+        self.cache, self.pos = cache, {i: k for k, i in enumerate(ids)}
 
     def nbytes(self, i: int) -> int:
-        return self.file.nbytes(self.pos[i])
+        return self.cache.nbytes(self.pos[i])
 
     def read_layer(self, i: int, out: torch.Tensor) -> None:
-        self.file.read_layer(self.pos[i], out)
+        self.cache.read_layer(self.pos[i], out)
 
 
 def _aliased(tier, ids: list[int], distinct: list[torch.Tensor]):
@@ -183,6 +188,7 @@ class StreamBench:
         layout = layer_layout(args, fmt, dtype, device)
         self.size = layout.nbytes
         layers = [random_layer(layout, fmt, dtype, seed) for seed in range(min(distinct, args.n_layers))]
+        self.layout, self.fmt, self.dtype = layout, fmt, dtype
         ids = {t: the_plan.layers_in(t) for t in ("resident", "ram", "ssd")}
         self._tmp = tempfile.TemporaryDirectory(prefix="specexec-bench-", dir=directory) if ids["ssd"] else None
         resident = _aliased(ResidentTier({k: self.size for k in range(len(layers))}, device), ids["resident"],
@@ -203,21 +209,21 @@ class StreamBench:
         self.model = OffloadedTransformer(args, weights, [layout] * args.n_layers, fmt, factory, prefetch=False)
 
     def _write_file(self, ssd_ids: list[int], layers: list[torch.Tensor]) -> _Remapped:
-        """All SSD layers to one file (layer k = distinct k % D), then dropped from the page cache."""
+        """All SSD layers to one layer cache (layer k = distinct k % D), then dropped from the page cache."""
         need = self.size * len(ssd_ids)
         free = shutil.disk_usage(self._tmp.name).free
         if need + (256 << 20) > free:
             raise ConfigError(f"the SSD tier's file needs {need / 1e9:.2f} GB in {self._tmp.name}, "
                               f"{free / 1e9:.2f} GB free; lower --layers or pass --dir on a larger disk")
-        path = Path(self._tmp.name) / "layers.bin"
-        file = PackedFile.write(path, [layers[k % len(layers)] for k in range(len(ssd_ids))])
-        fd = os.open(path, os.O_RDONLY)
+        options = {"format": self.fmt, "dtype": qweights.dtype_name(self.dtype), "source": "bench stream (random layers)"}
+        cache = write_packed(Path(self._tmp.name) / "cache",
+                             [(layers[k % len(layers)], self.layout) for k in range(len(ssd_ids))], options)
+        fd = open_read(cache.file)
         try:
-            if hasattr(os, "posix_fadvise"):           # start from a cold page cache
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            drop_cached(fd, 0, 0)                      # start from a cold page cache
         finally:
             os.close(fd)
-        return _Remapped(file, ssd_ids)
+        return _Remapped(cache, ssd_ids)
 
     def probe(self) -> float | None:
         """Raw bytes/s of the slowest tier in use (None when everything is resident)."""
@@ -243,7 +249,7 @@ class StreamBench:
     def close(self) -> None:
         self.model.close()
         if self.reader is not None:
-            self.reader.file.close()
+            self.reader.cache.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
