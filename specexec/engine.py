@@ -115,6 +115,7 @@ class Engine:
         self.follows_costs = has(builder, FollowsCosts)                   # width follows the cost ratio
         self.target_closes = has(target, Closes)
         self.reads_target = isinstance(draft, Drafter) and builder is not None and builder.needs_draft
+        self.counts_experts = has(target, CountsExperts)                 # its expert traffic, read each step
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
         self.experts = experts or (ExpertPasses(target.args, device=self.device) if target.args.moe else None)
@@ -356,7 +357,7 @@ class Engine:
                                    else []), self._context, self.prefill)
         plain = self.pilot is not None and self.pilot.plain_next(draft)      # the gate: the target alone
         drafted = self._draft(draft, root, sampling, rng, 0 if plain else longrope.budget_cap(self.target, cache))
-        counts = self.target.expert_counters() if isinstance(self.target, CountsExperts) else None
+        counts = self.target.expert_counters() if self.counts_experts else None
         with self.profiler.span("target") as target_span:
             acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng, self._constraint, record=True)
             self._commit(drafted.tree, acc, cache, draft, hidden)
