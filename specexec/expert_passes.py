@@ -21,6 +21,7 @@ builders, acceptance rules, the CLI.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -92,7 +93,7 @@ class ExpertPasses:
     def attach(self, target) -> None:
         """Make the target record its routing (a target that streams experts records it already)."""
         if getattr(target, "routing", None) is None:
-            target.routing = RoutingLog()
+            target.run_as(replace(target.execution, routing=RoutingLog()))
 
     def held(self, target) -> Tensor:
         """[L, E] experts on the device: the fixed set, else what a streaming target says, else all (a

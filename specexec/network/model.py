@@ -11,7 +11,7 @@ global or a local RoPE): per forward the mask becomes one `AttentionPlan` per wi
 table per RoPE, and each layer attends with its kind's (specexec/network/attention.py: prefix and tree attended apart,
 merged exactly; soft-capping inside each part, attention sinks at the merge). A layer's feed-forward is the dense
 MLP or, where ModelArgs.moe says the layer is sparse, specexec/network/moe.py's router-then-experts block, whose routing
-of each pass goes to `Transformer.routing` (a RoutingLog; None records nothing). Parameter names follow the Hub
+of each pass goes to its Execution's `routing` (a RoutingLog; None records nothing). Parameter names follow the Hub
 checkpoints without the leading "model." (the MoE names are specexec/network/moe.py's; specexec/families/weights.py maps a
 checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a caller needs;
 callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made of live beside it:
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -67,18 +68,51 @@ def _leave(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return tensor
 
 
+class BlockPath(Protocol):
+    """A layer's pass some other way (specexec/runtime/cpu_blocks.FastBlock: the layer as one compiled call):
+    (x, cos, sin, plan, cache, layer, slots) -> [B, T, D], or None where it declines the pass."""
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor | None: ...
+
+
+class StackPath(Protocol):
+    """The whole decoder stack's pass some other way (cpu_blocks.FastStack): (x, ropes, plans, cache, slots) ->
+    [B, T, D] before the final norm, or None where it declines the pass."""
+
+    def __call__(self, x: torch.Tensor, ropes: dict, plans: dict, cache: KVCache | None,
+                 slots: torch.Tensor | None) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class Execution:
+    """Every way a Transformer runs besides its torch modules, told by whoever assembles it (Transformer.run_as;
+    a decoder layer is told through Block.run_as): the model never looks these up.
+
+    row_exact: its linears are row-exact (the CPU integer kernels), so attention runs row by row too
+        (attention.build_plan's row_exact) and each router scores one row at a time (moe.Router.row_exact): a
+        tree pass gives every token its one-token bits (runtime/cpu_blocks.py, runtime/offloaded.py).
+    stack: the whole decoder stack in one call where it serves a pass (a StackPath: cpu_blocks.fast_stack).
+    routing: where each sparse layer's routing goes between its router and its experts (a RoutingLog; an
+        ExpertStream also fetches the routed experts: runtime/expert_stream.py); None records nothing."""
+
+    row_exact: bool = False
+    stack: StackPath | None = None
+    routing: RoutingLog | None = None
+
+
 class Block(nn.Module):
     """One decoder layer: a pre-norm token mixer and a feed-forward with residuals; with sandwich_norms (Gemma)
     the mixer's and the feed-forward's outputs are normalised too (post_attention_layernorm then normalises the
     mixer output, pre_feedforward_layernorm the MLP input: the checkpoints' own names). The mixer is the layer's
     kind's (specexec/network/mixers.py: attention as `self_attn`, ...), `mixer` names it whatever its attribute.
     The feed-forward of decoder layer `layer` is a SparseMLP (specexec/network/moe.py) when ModelArgs.moe says
-    that layer is sparse, else the dense MLP."""
-
-    fast = None                      # a fast path for this layer's passes (forward), set from outside
+    that layer is sparse, else the dense MLP. `run_as` tells it another path for its passes (`fast`) and
+    whether its model is row-exact."""
 
     def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
+        self.fast: BlockPath | None = None
         norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)     # noqa: E731
         self.input_layernorm = norm()
         kind = mixer_kind(args, layer)
@@ -89,6 +123,14 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.mlp = SparseMLP(args) if args.moe is not None and args.moe.sparse(layer) else MLP(args)
+
+    def run_as(self, fast: BlockPath | None, row_exact: bool) -> None:
+        """This layer's passes run `fast` where it serves them (None: the modules); row_exact: its model's
+        linears are row-exact, so a sparse layer's router scores one row at a time (Execution.row_exact)."""
+        self.fast = fast
+        router = getattr(self.mlp, "router", None)
+        if router is not None:
+            router.row_exact = row_exact
 
     @property
     def mixer(self) -> nn.Module:
@@ -124,18 +166,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Embedding, decoder blocks, final norm and LM head. See the module docstring for the call contract.
-    row_exact_attention: set where the layers' linears are row-exact (int4/int8 CPU kernels): CPU attention
-    then runs row by row too (attention.build_plan's row_exact), so a tree pass gives each token's one-token bits."""
+    """Embedding, decoder blocks, final norm and LM head. See the module docstring for the call contract; how it
+    runs besides its modules is its `execution` (Execution), told through `run_as`."""
 
-    row_exact_attention = False
-    fast_stack = None                # a fast path for the whole decoder stack (decode), set from outside
     taps: tuple[int, ...] = ()       # layers whose input each pass records in `tapped` (a drafter reads them)
     tapped: list[torch.Tensor] | None = None
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, execution: Execution = Execution()) -> None:
         super().__init__()
         self.args = args
+        self.execution = execution
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
@@ -143,7 +183,16 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         for rope in rope_names(args):              # inv_freq (global), inv_freq_local (Gemma 3's sliding layers)
             self.register_buffer(_rope_buffer(rope), rope_inv_freq(args, rope), persistent=False)
-        self.routing: RoutingLog | None = None       # set to a RoutingLog to record each sparse layer's routing
+
+    def run_as(self, execution: Execution) -> None:
+        """Run as `execution` says from the next forward on (Execution: row-exactness, a whole-stack path, where
+        routing goes). The layers are told their own part through Block.run_as."""
+        self.execution = execution
+
+    @property
+    def routing(self) -> RoutingLog | None:
+        """Where each sparse layer's routing goes (Execution.routing)."""
+        return self.execution.routing
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -225,10 +274,11 @@ class Transformer(nn.Module):
         ropes = {rope: self.rope(positions, x.dtype, "long" if long and rope == "global" else rope)
                  for rope in {k.rope for k in kinds}}
         plans = self.attention_plans(mask, positions, x.dtype)
-        if self.routing is not None:
-            self.routing.begin()
-        if self.fast_stack is not None and not self.taps:
-            y = self.fast_stack(x, ropes, plans, cache, slots)
+        run = self.execution
+        if run.routing is not None:
+            run.routing.begin()
+        if run.stack is not None and not self.taps:
+            y = run.stack(x, ropes, plans, cache, slots)
             if y is not None:
                 return self.norm(y)
         taps, tapped = self.taps, []
@@ -236,7 +286,7 @@ class Transformer(nn.Module):
             if i in taps:
                 tapped.append(x)
             kind = kinds[i]
-            x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, self.routing)
+            x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, run.routing)
         if taps:
             self.tapped = tapped + ([x] if self.args.n_layers in taps else [])
         return self.norm(x)
@@ -258,7 +308,7 @@ class Transformer(nn.Module):
             raise ValueError(f"layers with sliding windows {windows} need a TreeMask, not one dense mask")
         return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // a.n_kv_heads, dtype,
                               pick_kernel(positions.device), a.attn_scale, a.attn_softcap,
-                              self.row_exact_attention) for w in windows}
+                              self.execution.row_exact) for w in windows}
 
     def attention_plan(self, mask: TreeMask | torch.Tensor | None, positions: torch.Tensor,
                        dtype: torch.dtype) -> AttentionPlan:

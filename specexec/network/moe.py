@@ -62,8 +62,9 @@ class Routing:
 
 class RoutingLog:
     """What a model's sparse layers routed to in its latest forward: `layers[i]` is layer i's index [T, k].
-    Set `Transformer.routing = RoutingLog()` to record; `record` is called at each sparse layer between its
-    router and its experts, so a subclass can act on a layer's routing before the experts run."""
+    Run the model as Execution(routing=RoutingLog()) to record (Transformer.run_as); `record` is called at each
+    sparse layer between its router and its experts, so a subclass can act on a layer's routing before the experts
+    run."""
 
     def __init__(self) -> None:
         self.layers: dict[int, Tensor] = {}
@@ -99,7 +100,7 @@ class Router(nn.Module):
         if m.score_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(m.n_experts))
         self.allowed: Tensor | None = None           # bool [E]: the experts a row may go to (None: every one)
-        self.row_exact = False                       # set on a row-exact model (CPU integer kernels): see _logits
+        self.row_exact = False                       # told by Block.run_as on a row-exact model: see _logits
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, D] -> Routing (index [T, k], weight [T, k] in x's dtype); scores in fp32. With `allowed` (a

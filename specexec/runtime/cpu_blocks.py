@@ -1,13 +1,13 @@
 """CPU decoder layers in one compiled call each (cpu_kernels/block.py) instead of the torch modules:
-a qualifying layer module gets a `fast` path, which Block.forward takes for the passes it can serve and declines
-(None) for the rest, which then run the modules as before. `fuse_cpu_blocks(model)` does it for a resident model
+a qualifying layer module is told a `fast` path (Block.run_as), which Block.forward takes for the passes it can
+serve and declines (None) for the rest, which then run the modules as before. `fuse_cpu_blocks(model)` does it for a resident model
 (an int4/int8 draft on a CPU); an offloaded target of the CPU integer kernels gives each layer module its path
 when the pager first hands it out (runtime/offloaded.py), and a slot's module rebuilds the kernel's pointers on the
 first pass after each re-bind.
 
-When every layer has its path and all attend alike, the model also gets `fast_stack` (FastStack): the whole decoder
-stack in one call (block.c's sx_blocks), which Transformer.decode takes for the passes every layer would serve:
-no Python between layers, ~1.3 ms of the 0.5B draft's 24-layer step and ~4 ms of the 1.5B target's 28. A
+When every layer has its path and all attend alike, the model is also told a whole-stack path (FastStack, as
+its Execution.stack): the whole decoder stack in one call (csrc/block.c's sx_blocks), which Transformer.decode
+takes for the passes every layer would serve: no Python between layers (docs/algorithms.md §27). A
 resident draft (fuse_cpu_blocks) and an offloaded target whose plan keeps every layer resident get it; a target
 that streams any layer keeps the pager's layer-by-layer path. fuse_cpu_blocks also joins a draft's q/k/v into one
 qkv_proj and gate/up into one gate_up_proj (new tensors; the kernels compute each output row alone, so the bits are
@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from itertools import chain
+from dataclasses import replace
 from operator import is_
 
 import torch
@@ -248,16 +249,17 @@ def fuse_cpu_blocks(model: Transformer) -> int:
     and, when every layer qualifies, the whole stack's fast path; returns how many layers qualify."""
     if library() is None or next(model.parameters()).device.type != "cpu":
         return 0
+    paths: list[FastBlock | None] = []
     for block in model.layers:
-        if compilable(block):
+        ok = compilable(block)
+        if ok:
             _join_projections(block)
-            block.fast = FastBlock(model.args, block)
-        else:
-            block.fast = None
-    fused = sum(block.fast is not None for block in model.layers)
-    if fused:
-        model.row_exact_attention = True
-    model.fast_stack = fast_stack(model.args, model.layers)
+        paths.append(FastBlock(model.args, block) if ok else None)
+    fused = sum(path is not None for path in paths)
+    row_exact = model.execution.row_exact or fused > 0
+    for block, path in zip(model.layers, paths):
+        block.run_as(path, row_exact)
+    model.run_as(replace(model.execution, row_exact=row_exact, stack=fast_stack(model.args, model.layers)))
     return fused
 
 

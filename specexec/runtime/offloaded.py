@@ -22,6 +22,7 @@ the CLI, tokens or trees.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from specexec.checkpoints.naming import read_resident, sparse_layer
 from specexec.config import ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
 from specexec.network.mixers import new_cache
-from specexec.network.model import Block, Transformer, on_meta
+from specexec.network.model import Block, Execution, Transformer, on_meta
 from specexec.options import ConfigError
 from specexec.planning.target import TargetPlan
 from specexec.runtime.cpu_blocks import fast_block, fast_stack
@@ -72,13 +73,22 @@ class OffloadedTransformer(Transformer):
     """Transformer with resident embed/norm/head and decoder layers served by a LayerPager."""
 
     def __init__(self, args: ModelArgs, resident: dict[str, torch.Tensor], layouts: Sequence[LayerLayout],
-                 fmt: str, pager_factory, prefetch: bool = True, embed_on_host: bool = False) -> None:
+                 fmt: str, pager_factory, prefetch: bool = True, embed_on_host: bool = False,
+                 execution: Execution = Execution(), kv_streamed: Sequence[int] = (),
+                 prefill_tokens: int | None = None, plan_fingerprint: str = "") -> None:
         """resident: embed_tokens/norm/lm_head tensors (run dtype, on the device); layouts[i]: layer i's packed
         layout; fmt: the layers' quantization format; pager_factory(bind) -> LayerPager whose layers(ids)
         yields what bind(i, slot, buffer) returns. embed_on_host: the embedding table (resident[
-        "embed_tokens.weight"], on the CPU) serves lookups from host RAM (HostEmbedding; untied models only)."""
+        "embed_tokens.weight"], on the CPU) serves lookups from host RAM (HostEmbedding; untied models only).
+        execution: how it runs besides its modules (Execution; each layer module is told its part when made);
+        kv_streamed: layers whose KV rows stream with them (the plan's choice); prefill_tokens: prompt tokens per
+        prefill pass (PlansPrefill; None: the engine's default); plan_fingerprint: the plan's tiers, slots and
+        streamed KV (PlannedLayers: the tuner's costs are kept per plan)."""
         with on_meta():
-            super().__init__(args)
+            super().__init__(args, execution)
+        if prefill_tokens is not None:
+            self.prefill_tokens = prefill_tokens
+        self.plan_fingerprint = plan_fingerprint
         self.layers = nn.ModuleList()                       # decoder layers come from the pager
         device, dtype = resident["norm.weight"].device, resident["norm.weight"].dtype
         if embed_on_host:
@@ -96,7 +106,7 @@ class OffloadedTransformer(Transformer):
         self._stack_examined = False                  # whether _stack_all_resident has looked
         self.current: tuple = (-1, -1, None, None)     # (layer, slot or -1, Block, buffer) the pager handed out last
         self.pager: LayerPager = pager_factory(self._bind)
-        self.kv_streamed: tuple[int, ...] = ()        # layers whose KV rows stream with them (the plan's choice)
+        self.kv_streamed = tuple(kv_streamed)
         self.cpu_expert_layers: tuple[int, ...] = ()  # sparse layers whose experts compute on the CPU
         self._kv: KVCache | None = None               # the cache whose streamed rows the pager stages now
         self.eval().requires_grad_(False)
@@ -105,6 +115,7 @@ class OffloadedTransformer(Transformer):
         with on_meta():
             block = Block(self.args, i)
         swap_linears(block, self.fmt, self.run_dtype)
+        block.run_as(None, self.execution.row_exact)
         return block.eval().requires_grad_(False)
 
     def _bind(self, i: int, slot: int, buf: torch.Tensor) -> Block:
@@ -112,7 +123,6 @@ class OffloadedTransformer(Transformer):
         dense and sparse layers differ) re-pointed at it, or layer i's resident Block."""
         if slot < 0 and i in self._resident_blocks:
             self.current = (i, -1, self._resident_blocks[i], buf)
-            _mark_router(self._resident_blocks[i], self.row_exact_attention)
             return self._with_fast(self._resident_blocks[i])
         blocks = self._resident_blocks if slot < 0 else self._slot_blocks
         key = i if slot < 0 else (slot, sparse_layer(self.args, i))
@@ -120,16 +130,15 @@ class OffloadedTransformer(Transformer):
             blocks[key] = self._new_block(i)
         layout = self.layouts[i]
         bind_module(blocks[key], unpack_layer(buf, layout), layout.meta)
-        _mark_router(blocks[key], self.row_exact_attention)
         self.current = (i, slot, blocks[key], buf)    # an MoE layer's experts come next (expert_stream.py)
         return self._with_fast(blocks[key])
 
     def _with_fast(self, block: Block) -> Block:
         """A layer module of the CPU integer kernels gets its compiled path (cpu_blocks) when first handed out;
         a slot's module rebuilds that path's pointers on each pass after a re-bind."""
-        if self.row_exact_attention and id(block) not in self._examined:
+        if self.execution.row_exact and id(block) not in self._examined:
             self._examined.add(id(block))
-            block.fast = fast_block(self.args, block)
+            block.run_as(fast_block(self.args, block), True)
         return block
 
     def expert_counters(self) -> dict[str, float]:
@@ -186,8 +195,9 @@ class OffloadedTransformer(Transformer):
         so the pager has nothing to do between layers."""
         self._stack_examined = True
         n = self.args.n_layers
-        if self.row_exact_attention and all(self.pager.tier_of(i) == "resident" for i in range(n)):
-            self.fast_stack = fast_stack(self.args, [self.resident_block(i) for i in range(n)])
+        if self.execution.row_exact and all(self.pager.tier_of(i) == "resident" for i in range(n)):
+            stack = fast_stack(self.args, [self.resident_block(i) for i in range(n)])
+            self.run_as(replace(self.execution, stack=stack))
 
     def resident_block(self, i: int) -> Block | None:
         """Layer i's Block when the plan keeps it resident (bound once: the very Block every pass runs), else
@@ -209,13 +219,16 @@ class OffloadedTransformer(Transformer):
 
 def build_offloaded(path: Path, args: ModelArgs, cache: LayerCache, tiers: Sequence[str], device: torch.device,
                     dtype: torch.dtype, n_slots: int = 2, n_bounce: int = 2,
-                    embed_on_host: bool = False, expert_cache: int = 0,
-                    cpu_layers: Sequence[int] = ()) -> OffloadedTransformer:
+                    embed_on_host: bool = False, expert_cache: int = 0, cpu_layers: Sequence[int] = (),
+                    kv_streamed: Sequence[int] = (), prefill_tokens: int | None = None,
+                    plan_key: str = "") -> OffloadedTransformer:
     """The target at `path` with layer i in tiers[i] ("resident" | "ram" | "ssd"), its packed layers read from
     `cache` (built for the same checkpoint, format and dtype); the embedding table in host RAM when
     embed_on_host. A streamed sparse (MoE) layer streams in two phases (expert_stream.py): its dense part
     ahead, then the experts its rows route to, `expert_cache` of each such layer's hottest kept on the device;
-    `cpu_layers` (RAM-tier sparse layers) compute their experts on the CPU from the RAM tier's bytes instead."""
+    `cpu_layers` (RAM-tier sparse layers) compute their experts on the CPU from the RAM tier's bytes instead.
+    kv_streamed, prefill_tokens: OffloadedTransformer's; plan_key: the plan's part of its plan_fingerprint (the
+    CPU-computed expert layers are added here)."""
     if cache.n_layers != args.n_layers or cache.dtype != str(dtype).removeprefix("torch."):
         raise ValueError(f"layer cache {cache.path} holds {cache.n_layers} layers in {cache.dtype}; the model "
                          f"needs {args.n_layers} in {dtype}")
@@ -230,12 +243,16 @@ def build_offloaded(path: Path, args: ModelArgs, cache: LayerCache, tiers: Seque
         return build_pager(tiers, cache, device, n_slots=n_slots, n_bounce=n_bounce, bind=bind,
                            heads=heads if parted else None)
 
-    model = OffloadedTransformer(args, resident, layouts, cache.fmt, factory, embed_on_host=embed_on_host)
-    model.row_exact_attention = head_format(cache.fmt, device) == "int8"     # the CPU integer kernels' layers
+    row_exact = head_format(cache.fmt, device) == "int8"      # the layers run the CPU integer kernels
+    fingerprint = plan_key + (f"|cpu experts {tuple(sorted(cpu_layers))}" if cpu_layers else "")
+    model = OffloadedTransformer(args, resident, layouts, cache.fmt, factory, embed_on_host=embed_on_host,
+                                 execution=Execution(row_exact=row_exact), kv_streamed=kv_streamed,
+                                 prefill_tokens=prefill_tokens, plan_fingerprint=fingerprint)
     if parted:
         cpu = _cpu_experts(model, cpu_layers, cache.fmt, device, dtype)
         cached = {i: lay for i, lay in parted.items() if i not in cpu_layers}
-        model.routing = ExpertStream(model, ExpertCache(cached, args.moe.n_experts, expert_cache, device), cpu)
+        stream = ExpertStream(model, ExpertCache(cached, args.moe.n_experts, expert_cache, device), cpu)
+        model.run_as(replace(model.execution, routing=stream))
     return model
 
 
@@ -260,15 +277,14 @@ def load_target(path: Path, args: ModelArgs, target_plan: TargetPlan, offload: O
     cache = LayerCache.open_or_build(path, target_plan.names, target_plan.fmt, dtype, cache_root=offload.cache_dir,
                                      log=log, quantize_device=quantize_on)
     p = target_plan.plan
+    plan_key = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}" + (
+        f"|kv {p.companions_streamed}" if p.companions_streamed else "")
     model = build_offloaded(path, args, cache, p.tiers, device, dtype, p.n_slots or N_SLOTS, p.n_bounce or N_BOUNCE,
                             embed_on_host=target_plan.memory.embed_on_host, expert_cache=p.cached_parts,
-                            cpu_layers=target_plan.cpu_expert_layers)
-    if p.streams:                                  # one prefill pass streams every layer: as long as planned
-        model.prefill_tokens = target_plan.memory.prefill_tokens
-    model.kv_streamed = tuple(p.companions_streamed)   # their KV rows travel with them (KVCache streamed layers)
-    model.plan_fingerprint = f"{p.tiers}|{p.n_slots}|{p.n_bounce}|{target_plan.memory.embed_on_host}" + (
-        f"|kv {p.companions_streamed}" if p.companions_streamed else "") + (
-        f"|cpu experts {model.cpu_expert_layers}" if model.cpu_expert_layers else "")
+                            cpu_layers=target_plan.cpu_expert_layers,
+                            kv_streamed=p.companions_streamed,     # their KV rows travel with them
+                            prefill_tokens=target_plan.memory.prefill_tokens if p.streams else None,  # as planned
+                            plan_key=plan_key)
     quantize_head(model, target_plan.fmt)
     return model
 
@@ -302,13 +318,7 @@ def quantize_layers(model: Transformer, fmt: str, row_exact: bool = True) -> Non
         raise ConfigError(f"{fmt} layers: {problem}")
     for block in model.layers:
         quantize_module(block, fmt, dtype, row_exact=row_exact)
-    model.row_exact_attention = row_exact and head_format(fmt, model.embed_tokens.weight.device) == "int8"
+    exact = row_exact and head_format(fmt, model.embed_tokens.weight.device) == "int8"
+    model.run_as(replace(model.execution, row_exact=exact))
     for block in model.layers:
-        _mark_router(block, model.row_exact_attention)
-
-
-def _mark_router(block: nn.Module, row_exact: bool) -> None:
-    """A sparse Block's router scores one row at a time where the model is row-exact (moe.Router._logits)."""
-    router = getattr(block.mlp, "router", None)
-    if router is not None:
-        router.row_exact = row_exact
+        block.run_as(block.fast, exact)

@@ -13,6 +13,7 @@ import io
 import math
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -70,8 +71,8 @@ def test_a_resident_model_keeps_the_modest_chunk(tiny_pair) -> None:
     engine = Engine(model, None, EngineConfig(), None)
     assert engine.prefill_chunk(model) == PREFILL_CHUNK
     assert Engine(model, None, EngineConfig(prefill_chunk=64), None).prefill_chunk(model) == 64
-    model.prefill_tokens = 3000                       # what load_target sets on a streamed target
-    assert engine.prefill_chunk(model) == 3000
+    streamed = SimpleNamespace(prefill_tokens=3000)    # what a streamed target is built with (PlansPrefill)
+    assert engine.prefill_chunk(streamed) == 3000
     assert Engine(model, None, EngineConfig(prefill_chunk=64), None).prefill_chunk(model) == 64
 
 

@@ -210,9 +210,7 @@ def offloaded(path: Path, tiers: list[str], root: Path, kv_streamed: tuple[int, 
     args = read_args(path)
     cache = LayerCache.open_or_build(path, layer_names(path, args), "none", torch.float32, cache_root=root,
                                      progress=False)
-    model = build_offloaded(path, args, cache, tiers, CPU, torch.float32)
-    model.kv_streamed = kv_streamed
-    return model
+    return build_offloaded(path, args, cache, tiers, CPU, torch.float32, kv_streamed=kv_streamed)
 
 
 BUILDERS = {"specexec": SpecExecBuilder, "chain": ChainBuilder, "dynamic": DynamicBuilder}

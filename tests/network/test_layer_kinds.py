@@ -99,8 +99,8 @@ def test_streamed_kv_of_sliding_layers_moves_the_window_only(alternating: Path, 
     resident = load_model(alternating)
     want = [t for s in Engine(resident, None, EngineConfig(budget=1), None).generate(ids, 20) for t in s]
     draft = load_model(write_tiny_model(tmp_path / "draft", perturb=0.01, base=alternating, seed=6))
-    model = build_offloaded(alternating, args, cache, ["ram"] * 4, torch.device("cpu"), torch.float32)
-    model.kv_streamed = (0, 1, 2, 3)
+    model = build_offloaded(alternating, args, cache, ["ram"] * 4, torch.device("cpu"), torch.float32,
+                            kv_streamed=(0, 1, 2, 3))
     try:
         engine = Engine(model, draft, EngineConfig(budget=6, prefill_chunk=7), SpecExecBuilder(), context=48)
         assert [t for s in engine.generate(ids, 20) for t in s] == want

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specexec.config import EngineConfig, ModelArgs, MoEArgs, OffloadConfig
-from specexec.network.model import Block, Transformer, TreeMask
+from specexec.network.model import Block, Execution, Transformer, TreeMask
 from specexec.network.moe import GatedMLP, Routing, RoutingLog, SparseMLP
 from specexec.runtime.assembly import Runtime
 from specexec.checkpoints.loading import load_model
@@ -149,7 +149,7 @@ def test_grouped_experts_equal_a_per_row_reference(moe: dict) -> None:
 
 @torch.inference_mode()
 def test_routing_is_recorded_per_sparse_layer_before_the_experts_run() -> None:
-    """Transformer.routing = RoutingLog(): each sparse layer's [T, k] index, recorded between its router and its
+    """Execution(routing=RoutingLog()): each sparse layer's [T, k] index, recorded between its router and its
     experts (a subclass sees it before any expert computes); dense layers record nothing."""
     args = tiny_args(dense_layers=(1,))
     model = randomized(Transformer(args))
@@ -163,14 +163,14 @@ def test_routing_is_recorded_per_sparse_layer_before_the_experts_run() -> None:
 
     for i in (0, 2):
         model.layers[i].mlp.experts[0].register_forward_pre_hook(lambda *_, i=i: calls.append(f"expert {i}"))
-    model.routing = Log()
+    model.run_as(Execution(routing=Log()))
     tokens = torch.arange(5)[None] + 3
     model(tokens, torch.arange(5)[None])
     assert sorted(model.routing.layers) == [0, 2] and model.routing.layers[0].shape == (5, 3)
     first_expert = [c for c in calls if c.startswith("expert 0")][:1]
     assert calls.index("route 0") < (calls.index(first_expert[0]) if first_expert else len(calls))
     assert model.routing.experts(0) == sorted(set(model.routing.layers[0].flatten().tolist()))
-    model.routing = None
+    model.run_as(Execution())
     assert torch.equal(model(tokens, torch.arange(5)[None]), model(tokens, torch.arange(5)[None]))
 
 

@@ -13,6 +13,7 @@ from offload.quant.linear import quantize_module
 from offload.quant.weights import head_format
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.checkpoints.naming import layer_names
+from specexec.network.model import Execution
 from specexec.runtime.cpu_blocks import fuse_cpu_blocks
 from specexec.runtime.offloaded import OffloadedTransformer, build_offloaded
 
@@ -30,12 +31,12 @@ def reference(path: Path, fmt: str) -> torch.nn.Module:
     model = load_model(path)
     for block in model.layers:
         quantize_module(block, fmt, torch.float32)
-    model.row_exact_attention = head_format(fmt, "cpu") == "int8"        # as build_offloaded's
-    if model.row_exact_attention:
-        fuse_cpu_blocks(model)
+    exact = head_format(fmt, "cpu") == "int8"                           # as build_offloaded's
+    model.run_as(Execution(row_exact=exact))
     for block in model.layers:                                           # and its routers (moe.Router._logits)
-        if hasattr(block.mlp, "router"):
-            block.mlp.router.row_exact = model.row_exact_attention
+        block.run_as(None, exact)
+    if exact:
+        fuse_cpu_blocks(model)
     return model
 
 

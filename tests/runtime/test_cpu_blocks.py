@@ -6,6 +6,8 @@ computes with its new weights, and that a draft and every tier of an offloaded t
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from offload.quant.linear import QuantLinear
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.network.attention import ROW_EXACT_T, TreeMask
+from specexec.network.model import Execution
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.cpu_blocks import fuse_cpu_blocks
 from specexec.runtime.offloaded import quantize_layers
@@ -75,7 +78,7 @@ def test_the_compiled_layers_agree_with_the_modules(family_path, fmt: str, monke
     """qwen2: q/k/v biases; qwen3: per-head q/k RMSNorm; phi3: fused qkv and gate_up, 12 of 16 dims rotary. The
     prefill (14 tokens) and a 4-node tree pass, every layer through the kernel, against the modules."""
     fused, plain = _draft(family_path, fmt), _draft(family_path, fmt, fuse=False)
-    plain.row_exact_attention = True                   # the same attention kernel on both sides
+    plain.run_as(Execution(row_exact=True))            # the same attention kernel on both sides
     calls = _count(monkeypatch)
     args = (prompt(3), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
     for a, b in zip(_passes(fused, *args), _passes(plain, *args)):
@@ -90,7 +93,7 @@ def test_an_mlp_width_off_the_vector_width_agrees(tiny_root, monkeypatch) -> Non
     if not (path / "config.json").exists():
         write_tiny_model(path, "qwen2", seed=41, intermediate_size=100, use_sliding_window=False)
     fused, plain = _draft(path, "int8"), _draft(path, "int8", fuse=False)
-    plain.row_exact_attention = True
+    plain.run_as(Execution(row_exact=True))
     calls = _count(monkeypatch)
     args = (prompt(3), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
     for a, b in zip(_passes(fused, *args), _passes(plain, *args)):
@@ -147,11 +150,13 @@ def test_a_resident_model_runs_its_whole_stack_in_one_call_with_the_layers_bits(
     calls = _count(monkeypatch)
     stacked = _passes(model, *args)
     assert calls == [2 * model.args.n_layers, 2]
-    stack, model.fast_stack = model.fast_stack, None
+    told = model.execution
+    model.run_as(replace(told, stack=None))
     by_layer = _passes(model, *args)
     assert calls == [4 * model.args.n_layers, 2]
     assert all(torch.equal(a, b) for a, b in zip(stacked, by_layer))
-    model.fast_stack, model.layers[1].fast = stack, None
+    model.run_as(told)
+    model.layers[1].run_as(None, True)
     _passes(model, *args)
     assert calls == [4 * model.args.n_layers + 2, 2]
 
@@ -161,7 +166,7 @@ def test_passes_the_kernel_cannot_serve_run_the_modules(tiny_qwen2, monkeypatch)
     called) and give the bits of the separate q/k/v and gate/up the fused model joined (each output row is
     computed on its own)."""
     model, plain = _draft(tiny_qwen2), _draft(tiny_qwen2, fuse=False)
-    plain.row_exact_attention = True
+    plain.run_as(Execution(row_exact=True))
     assert hasattr(model.layers[0].self_attn, "qkv_proj") and hasattr(model.layers[0].mlp, "gate_up_proj")
     assert hasattr(plain.layers[0].self_attn, "q_proj") and hasattr(plain.layers[0].mlp, "gate_proj")
     calls = _count(monkeypatch)
@@ -179,7 +184,7 @@ def test_a_re_bound_layer_runs_its_new_weights(tiny_qwen2, monkeypatch) -> None:
     """A module re-pointed at other tensors (what a streamed layer's slot is on every pass) gets its kernel
     rebuilt: layer 0 given layer 1's o_proj and input norm computes with them, not with stale pointers."""
     model, plain = _draft(tiny_qwen2), _draft(tiny_qwen2, fuse=False)
-    plain.row_exact_attention = True
+    plain.run_as(Execution(row_exact=True))
     ids = prompt(7)
     run = lambda m: m(torch.tensor([ids]), torch.arange(len(ids))[None], TreeMask(0), m.new_cache(64))  # noqa: E731
     with torch.inference_mode():
@@ -203,7 +208,7 @@ def test_layers_the_kernel_does_not_cover_are_left_alone(tiny_root, tiny_qwen3_m
     moe = _draft(tiny_qwen3_moe, fuse=False)
     assert fuse_cpu_blocks(moe) == 1 and [b.fast is not None for b in moe.layers] == [False, True, False]
     plain = load_model(tiny_llama)
-    assert fuse_cpu_blocks(plain) == 0 and not plain.row_exact_attention
+    assert fuse_cpu_blocks(plain) == 0 and not plain.execution.row_exact
     assert all(block.fast is None for block in plain.layers)
 
 
@@ -247,6 +252,6 @@ def test_an_all_resident_offloaded_target_runs_its_stack_in_one_call(tiny_pair, 
     try:
         got = _passes(model, prompt(8), TREE, [5, 9, 11, 13], [0, 1, 1, 2])
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert calls == [2 * n, 2] and model.fast_stack is not None
+        assert calls == [2 * n, 2] and model.execution.stack is not None
     finally:
         model.close()

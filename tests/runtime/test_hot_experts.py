@@ -22,6 +22,7 @@ from specexec.checkpoints.naming import EXPERT_PREFIX
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import read_args
 from specexec.config import EngineConfig, OffloadConfig
+from specexec.network.model import Execution
 from specexec.network.moe import Router, RoutingLog
 from specexec.planning.hot_copy_sizes import copy_bytes, hot_per_layer
 from specexec.planning.ledger import card_budget, plan_memory
@@ -117,14 +118,14 @@ def test_copies_hold_their_hot_experts_and_the_draft_routes_only_to_them(tiny_qw
             bound = [e for e in range(16) if experts[e].gate_proj.wmeta is not None]
             assert sorted(bound) == sorted(hot.held[i]) and len(bound) == 8
             assert torch.equal(hot.blocks[i].mlp.router.allowed.nonzero().flatten(), torch.tensor(sorted(bound)))
-        draft.routing = RoutingLog()
+        draft.run_as(Execution(routing=RoutingLog()))
         ids = torch.tensor([prompt(5, 40)])
         with torch.inference_mode():
             draft(ids, torch.arange(ids.shape[1])[None])
         for j, i in enumerate(draft.layer_ids):
             if i in hot.layers:
                 assert set(draft.routing.layers[j].flatten().tolist()) <= set(hot.held[i])
-        draft.routing = None
+        draft.run_as(Execution())
     finally:
         rt.engine.close()
 

@@ -20,7 +20,7 @@ def int4_target(tiny_pair):
     if library() is None:
         pytest.skip(status())
     model = reference(tiny_pair[0], "int4")
-    assert model.row_exact_attention
+    assert model.execution.row_exact
     return model
 
 
