@@ -1,14 +1,14 @@
 """The sparse (mixture-of-experts) feed-forward: a router, then the experts its rows were routed to.
 
-A sparse layer's feed-forward is two calls, so a caller can act between them (part B of issue 27 streams only
-the experts a pass routed to, and counts them, before any expert weight is read):
+A sparse layer's feed-forward is two calls, so a caller can act between them (a streamed target fetches only
+the experts a pass routed to, and counts them, before any expert weight is read: runtime/expert_stream.py):
 
     routing = mlp.route(h)            # Routing: index [T, k] (which experts each row goes to), weight [T, k]
     out = mlp.combine(h, routing)     # the weighted sum of those experts' outputs (+ the shared expert)
 
-`SparseMLP.forward(h)` is the two in a row. Block (specexec/network/model.py) makes the calls itself and hands each
-layer's Routing to the model's `routing` log (a RoutingLog; None records nothing) between them, and lets the
-log compute the combination (`RoutingLog.combine`: by default `mlp.combine`).
+`SparseMLP.forward(h)` is the two in a row. Block (specexec/network/model.py) makes the calls itself and hands
+each layer's Routing to the model's routing log (Execution.routing: a RoutingLog; None records nothing) between
+them, and lets the log compute the combination (`RoutingLog.combine`: by default `mlp.combine`).
 
 Parameter names, inside a decoder layer (the contract the weight-name mapping, specexec/families/weights.py,
 and the layer cache use; the checkpoint's own names are mapped onto these):
@@ -21,8 +21,9 @@ and the layer cache use; the checkpoint's own names are mapped onto these):
     mlp.shared_expert.{gate,up,down}_proj.weight   with MoEArgs.shared_dim > 0
     mlp.shared_expert_gate.weight [1, D]        with MoEArgs.shared_gate
 
-Every expert is its own GatedMLP (specexec/network/ffn.py) of three nn.Linear, so quantization (offload/quant/linear.swap_linears) and
-binding a layer's packed views work on experts as on any MLP, and one expert's tensors share the prefix
+Every expert is its own GatedMLP (specexec/network/ffn.py) of three nn.Linear, so quantization
+(offload/quant/linear.swap_linears) and binding a layer's packed views work on experts as on any MLP, and one
+expert's tensors share the prefix
 `mlp.experts.{e}.`. The router and the shared-expert gate are NOT nn.Linear (plain parameters read with
 F.linear), so they are never quantized: a quantized router would move the discrete top-k choice.
 

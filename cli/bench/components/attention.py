@@ -2,19 +2,19 @@
 
 For each context C in --contexts the target's KV cache holds C committed tokens and one pass verifies a tree
 of --tree nodes (random shape, random tokens) twice: with the engine's TreeMask (the prefix attended without a
-mask, the tree with its ancestor mask, merged by log-sum-exp: specexec/network/attention.py) and with the dense bool
-mask over prefix + tree (`prefix_tree_mask`, what every layer attended with before). Rows: context, seconds
+mask, the tree with its ancestor mask, merged by log-sum-exp: specexec/network/attention.py) and with the dense
+bool mask over prefix + tree (`prefix_tree_mask`). Rows: context, seconds
 per pass each way, their ratio, the max abs difference of the tree's logits, whether every node's greedy
 choice (argmax) is the same, and the mask bytes each way builds per forward. A whole pass is dominated by the
 linear layers at short contexts and is noisy on a shared machine, so each row also times ONE layer's attention
 alone at the model's head shapes (median of --layer-reps calls): split, dense (its mask built once per
-forward), and `before`: the per-layer path this replaced (the bool mask expanded G-fold and converted inside
-SDPA in every layer). `--json` prints one line. `--repeat N` alternates N rounds of whole passes and keeps
+forward), and `before`: a dense mask expanded G-fold and converted inside SDPA in every layer (the baseline
+the split is measured against). `--json` prints one line. `--repeat N` alternates N rounds of whole passes and keeps
 each way's fastest.
 
 The cost of a pass depends on the sizes, not on the values, so the prefix is not prefilled token by token (a
-32k prefill of a 1.5B model takes a CPU an hour): a real prefill of --seed-tokens random tokens is tiled
-over the C slots. Without --model a tiny random model (the test fixtures' shapes) runs.
+long prefill of a real model would dominate the run on a CPU): a real prefill of --seed-tokens random tokens
+is tiled over the C slots. Without --model a tiny random model (the test fixtures' shapes) runs.
 
 Does not know: the engine, builders, sampling (the tree is random; verification is the argmax per node).
 """
@@ -118,7 +118,7 @@ def one_pass(model: Transformer, cache: KVCache, tree: TokenTree, mask) -> tuple
 
 
 def before_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """What every layer ran before the split (issue 14): the bool mask [B, 1, T, S] expanded G-fold for the
+    """The unsplit baseline: the bool mask [B, 1, T, S] expanded G-fold for the
     folded query and converted to an additive mask inside SDPA, in every layer."""
     B, H, T, D = q.shape
     G, S = H // k.shape[1], mask.shape[-1]
