@@ -275,8 +275,8 @@ def test_a_held_layers_stage_keeps_its_rows_while_the_others_are_staged(tiny_pai
     args = read_args(tiny_pair[0])
     cache = LayerCache.open_or_build(tiny_pair[0], layer_names(tiny_pair[0], args), "none", torch.float32,
                                      cache_root=cache_root, progress=False)
-    model = build_offloaded(tiny_pair[0], args, cache, ["ram"] * 4, CPU, torch.float32, n_slots=n_slots)
-    model.kv_streamed = (0, 1, 2, 3)
+    model = build_offloaded(tiny_pair[0], args, cache, ["ram"] * 4, CPU, torch.float32, n_slots=n_slots,
+                            kv_streamed=(0, 1, 2, 3))
     engine = Engine(model, None, EngineConfig(budget=4), None, context=64)
     try:
         list(engine.generate(list(range(10, 30)), 3))

@@ -5,6 +5,7 @@ an expert bound from the cache that its own pass's offers rank below a newcomer,
 routing sequence and the ranking, every expert a pass bound holds its own bytes until its combine has run."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from specexec.engine import Engine
 from specexec.network.moe import Routing
 from specexec.runtime.expert_stream import ExpertCache, ExpertStream
 from specexec.runtime.offloaded import build_offloaded
-from tests.model_reference import hf_model
+from tests.network.model_reference import hf_model
 from tests.runtime.offloaded_models import offloaded, open_cache
 from tests.tiny_models import write_tiny_model
 
@@ -133,7 +134,7 @@ def test_an_expert_bound_from_the_cache_is_not_evicted_by_its_own_pass(held) -> 
     hotter: 3 must not take 0's entry before the layer's experts ran (it waits for the next pass)."""
     model, ref = held
     cache = ExpertCache({i: model.layouts[i] for i in SPARSE}, E, 1, torch.device("cpu"))
-    model.routing = ExpertStream(model, cache)
+    model.run_as(replace(model.execution, routing=ExpertStream(model, cache)))
     g = torch.Generator().manual_seed(0)
     routes = {i: [[0, 1, 2, 3]] for i in SPARSE}
     with torch.inference_mode():
@@ -159,7 +160,7 @@ def test_every_bound_expert_holds_its_bytes_until_combine(held, ranking: str, pa
     ranking policy, the pass's bound entries must survive its own offers)."""
     model, ref = held
     cache = ExpertCache({i: model.layouts[i] for i in SPARSE}, E, per_layer, torch.device("cpu"))
-    model.routing = ExpertStream(model, cache)
+    model.run_as(replace(model.execution, routing=ExpertStream(model, cache)))
     g = torch.Generator().manual_seed(len(passes))
     evicting = 0
     with torch.inference_mode():
