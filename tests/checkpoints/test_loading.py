@@ -231,6 +231,7 @@ def test_tokenizer_is_autotokenizers_own_without_the_model_config_class(tiny_mod
         (ref.all_special_ids, ref.chat_template, ref.init_kwargs, len(ref))
 
 
+@pytest.mark.slow          # a fresh interpreter importing transformers (~25 s on 2 busy cores)
 def test_loading_a_tokenizer_does_not_import_the_model_loading_machinery(tiny_llama: Path) -> None:
     """AutoConfig would import the model's config class and with it transformers.core_model_loading (and
     torch.distributed.tensor): seconds of every command's start, for a tokenizer that needs none of it."""

@@ -34,7 +34,8 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+# native is what the product builds; each other variant compiles the library again (25-40 s on 2 busy cores): slow
+@pytest.fixture(scope="module", params=[v if v == "native" else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS])
 def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """The kernels compiled for one ISA (native = what the product builds), or a skip saying why not."""
     extra, isa, needs = VARIANTS[request.param]
@@ -116,7 +117,7 @@ def test_q4_every_row_count_gives_each_row_its_one_row_bits(use, n, k, group) ->
 
 
 
-
+@pytest.mark.slow          # compiles the kernels twice more (~35 s on 2 busy cores)
 def test_vnni_tiles_give_the_bits_of_the_maddubs_tiles(tmp_path, monkeypatch) -> None:
     """vpdpbusd sums the same four u8 x s8 products per int32 lane that vpmaddubsw + vpmaddwd do (no int16
     saturation at these magnitudes), so the tiles give the same bits with and without VNNI, at every row count;

@@ -13,6 +13,8 @@ import time
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tools.gpu_check import image, registry
 from tools.gpu_check.driver import run_all
 from tools.gpu_check.steps_tests import from_log, outcomes
@@ -30,6 +32,7 @@ def test_budgets_fit_the_deadline_and_every_step_says_what_it_does() -> None:
     assert all(s.doc and (s.why_cuda or not s.cuda) for s in steps)
 
 
+@pytest.mark.slow          # one subprocess per step of the driver (~30 s on 2 busy cores)
 def test_the_driver_runs_each_step_apart_under_the_deadline(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("GPU_CHECK_STEP_MODULES", "tests.tools.gpu_check_steps")
     import tests.tools.gpu_check_steps  # noqa: F401 -- registers the fake steps here too

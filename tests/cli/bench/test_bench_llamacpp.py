@@ -91,6 +91,7 @@ def test_without_a_gguf_the_rows_are_skipped_with_one_line(capsys, fake_llama_cp
     assert "llama.cpp rows skipped: no GGUF file; pass --gguf PATH" in err
 
 
+@pytest.mark.slow          # a whole bench run over the tiny pair (~25 s on 2 busy cores)
 def test_the_rows_get_our_prompts_tokens_and_threads(capsys, fake_llama_cpp, tiny_pair, tmp_path) -> None:
     gguf = tmp_path / "target.gguf"
     gguf.write_bytes(b"GGUF")
