@@ -1,4 +1,4 @@
-"""Tiny random drafters written in their published checkpoint layouts (a helper of tests/runtime/test_drafters.py):
+"""Tiny random drafters written in their published checkpoint layouts (a helper of tests/drafters/test_drafters.py):
 an EAGLE-3 head as the EAGLE repository and vLLM read it (config.json with draft_vocab_size and
 eagle_config.eagle_aux_hidden_state_layer_ids; midlayer.*, fc, norm, lm_head, d2t, t2d, optionally
 embed_tokens), and a plain-torch reference of what such a head computes, written from the published description

@@ -1,7 +1,7 @@
 """Drafters that read the target (--draft eagle3:PATH; specexec/network/drafter.py, specexec/drafters/).
 
-The maths: a tiny random EAGLE-3 head written in its published layout (tests/drafter_writer.py) computes what a
-plain-torch reading of the published description computes, on the target's tapped states, in both layouts (the
+The maths: a tiny random EAGLE-3 head written in its published layout (tests/drafters/drafter_writer.py) computes
+what a plain-torch reading of the published description computes, on the target's tapped states, in both layouts (the
 EAGLE repository's midlayer.* and speculators' layers.0.*), and deeper tree levels read the drafter's own output
 (a chain's tokens are the recursive reference's argmax chain). Exactness: fp32 greedy output equals the target
 alone with every builder that drafts, resident and --offload ssd, a reused chat prefix and a one-token prompt
@@ -24,7 +24,7 @@ from specexec.drafters.choose import choose, load_drafter
 from specexec.engine import Engine
 from specexec.runtime.assembly import Runtime
 from tests.engine.chi2 import chi2_pvalue
-from tests.drafter_writer import eagle3_reference, write_eagle3
+from tests.drafters.drafter_writer import eagle3_reference, write_eagle3
 from tests.engine.sampling_pairs import exact_pairs, sample_pairs
 from tests.sync_count import SyncCounter, count_calls
 from tests.tiny_models import prompt
