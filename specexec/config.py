@@ -88,7 +88,39 @@ class MoEArgs:
         return layer not in self.dense_layers
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")     # config.json's layer_types values specexec runs
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")   # config.json's layer_types specexec runs
+LINEAR_LAYOUTS = ("qkvz", "split")
+
+
+@dataclass(frozen=True)
+class LinearArgs:
+    """The linear-attention (Gated DeltaNet) layers of a hybrid decoder (None in ModelArgs when it has none); the
+    maths is specexec/network/linear_attention.py, its state per tree branch specexec/kv/recurrent.py.
+
+    `k_heads` query/key heads of `k_dim` and `v_heads` value heads of `v_dim` (each key head serves
+    v_heads // k_heads consecutive value heads); a causal depthwise convolution of `conv_kernel` taps over the
+    concatenated q, k, v. `layout` says how the input projections are stored: "qkvz" (Qwen3-Next: in_proj_qkvz
+    and in_proj_ba, grouped per key head) or "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+    layout: str = "split"
+
+    def __post_init__(self) -> None:
+        for name in ("k_heads", "v_heads", "k_dim", "v_dim"):
+            check_integer(name, getattr(self, name), low=1, high=1 << 16)
+        check_integer("conv_kernel", self.conv_kernel, low=1, high=64)
+        check_choice("linear-attention layout", self.layout, LINEAR_LAYOUTS)
+        if self.v_heads % self.k_heads:
+            raise ConfigError(f"{self.v_heads} value heads do not divide into {self.k_heads} key heads")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q and k (k_heads x k_dim each) and v (v_heads x v_dim)."""
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
 MLP_ACTS = ("silu", "gelu_tanh", "gelu")      # the MLP gate's activations (HF: silu, gelu_pytorch_tanh, gelu)
 
 
@@ -152,6 +184,9 @@ class ModelArgs:
     # GLM-4.5+, DeepSeek-V3: next-token-prediction layers stored after the last decoder layer (layers
     # n_layers .. n_layers + mtp_layers - 1 in the checkpoint); the target never runs them and leaves them unread
     mtp_layers: int = 0
+    # Qwen3-Next / Qwen3.5
+    attn_output_gate: bool = False       # q_proj also yields a per-head gate: attention out x sigmoid(gate)
+    linear: LinearArgs | None = None     # the linear_attention layers' shape (layer_types names them)
 
     def __post_init__(self) -> None:
         check_choice("mlp activation", self.mlp_act, MLP_ACTS)
@@ -168,6 +203,8 @@ class ModelArgs:
                 check_choice("layer type", kind, LAYER_TYPES)
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+            if "linear_attention" in self.layer_types and self.linear is None:
+                raise ConfigError("layer_types has linear_attention layers but their shape (linear) is not set")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import DRAFT_PERTURB, FAMILY_MODELS, LLAMA3_ROPE, family_model, write_tiny_model
+from tests.tiny_models import (DRAFT_PERTURB, FAMILY_MODELS, HYBRID_MODELS, LLAMA3_ROPE, family_model, hybrid_model,
+                               write_tiny_model)
 
 # Tiny models: one thread is fastest, and on a shared 2-core machine two threads oversubscribe badly.
 torch.set_num_threads(1)
@@ -230,6 +231,19 @@ def tiny_gpt_oss_mxfp4(tiny_root: Path, tiny_gpt_oss: Path) -> Path:
 def tiny_moe(request: pytest.FixtureRequest) -> Path:
     """Each MoE family's tiny checkpoint in turn (test ids: the MOE_MODELS names), written by transformers."""
     return request.getfixturevalue(f"tiny_{request.param}")
+
+
+# The Qwen hybrids (tests/tiny_models.HYBRID_MODELS): three Gated DeltaNet layers to one gated full-attention layer.
+@pytest.fixture(scope="session", params=list(HYBRID_MODELS))
+def tiny_hybrid(request: pytest.FixtureRequest, tiny_root: Path) -> Path:
+    """Each hybrid family's tiny checkpoint in turn (qwen3_5, qwen3_next, qwen3_5_moe, qwen3_5_mm)."""
+    return hybrid_model(tiny_root, request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(tiny_root: Path) -> Path:
+    """Dense Qwen3.5 (Qwen3_5ForCausalLM), 4 layers: linear, linear, linear, full attention."""
+    return hybrid_model(tiny_root, "qwen3_5")
 
 
 @pytest.fixture(scope="session", params=list(FAMILY_MODELS))

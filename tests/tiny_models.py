@@ -95,6 +95,8 @@ def tiny_config_kwargs(family: str, n_layers: int, vocab_size: int, ids: dict[st
     if family == "mistral":
         kw.update(sliding_window=None)
     kw.update(MOE_SHAPES.get(family, {}))
+    if family in HYBRIDS:
+        kw.update(HYBRID_SHAPE)
     kw.update(family_kwargs(family, n_layers))
     return kw
 
@@ -112,7 +114,18 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
                      routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
     "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, rotary_dim=12),
+    "qwen3_next": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=[1]),
+    "qwen3_5_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48),
 }
+
+# The Qwen hybrids' linear-attention layers at the tiny shape: 2 key heads serving 4 value heads of 16, a
+# 4-tap convolution; three linear layers to one gated full-attention layer (transformers' default pattern).
+HYBRID_SHAPE = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4)
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_mm", "qwen3_5_moe")
 
 
 TINY_WINDOW = 6          # the sliding window of the tiny Gemma models: every test context runs past it
@@ -198,4 +211,21 @@ def family_model(root: Path, name: str) -> Path:
     path = root / f"family-{name}"
     if not (path / "config.json").exists():
         write_tiny_model(path, family, seed=seed, n_layers=layers, **overrides)
+    return path
+
+
+# The Qwen hybrids (tests/core/test_hybrid.py): name -> (family, seed). 4 layers each: linear, linear, linear, full
+# attention; Qwen3-Next's layer 1 has a dense MLP (mlp_only_layers), the others' every layer is of one kind.
+HYBRID_MODELS: dict[str, tuple[str, int]] = {
+    "qwen3_5": ("qwen3_5", 40), "qwen3_next": ("qwen3_next", 41), "qwen3_5_moe": ("qwen3_5_moe", 42),
+    "qwen3_5_mm": ("qwen3_5_mm", 43),
+}
+
+
+def hybrid_model(root: Path, name: str) -> Path:
+    """The tiny checkpoint of HYBRID_MODELS[name] under `root`, written once."""
+    family, seed = HYBRID_MODELS[name]
+    path = root / f"hybrid-{name}"
+    if not (path / "config.json").exists():
+        write_tiny_model(path, family, seed=seed, n_layers=4)
     return path

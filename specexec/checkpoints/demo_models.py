@@ -39,7 +39,8 @@ def main(): return sum(x * x for x in range(10))  # numbers 0123456789 and symbo
 user: tell me a story. assistant: there once was a tree with many branches, and every branch was a guess.
 """
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "qwen3_moe", "qwen2_moe",
-            "mixtral", "olmoe", "gpt_oss", "glm4_moe", "minimax_m2")
+            "mixtral", "olmoe", "gpt_oss", "glm4_moe", "minimax_m2",
+            "qwen3_next", "qwen3_5", "qwen3_5_mm", "qwen3_5_moe")
 LEARNED_BUFFERS = ("e_score_correction_bias",)     # buffers a checkpoint stores that `randomize` fills too
 # The vision tower of a tiny multimodal Gemma 3 (`gemma3_mm`): present in the checkpoint, never run by specexec.
 TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -93,6 +94,13 @@ def model_classes(family: str) -> tuple[Any, type]:
         return tf.Gemma3Config(text_config=kw, vision_config=TINY_VISION, mm_tokens_per_image=1,
                                tie_word_embeddings=kw.get("tie_word_embeddings", True), **ids)
 
+    def qwen3_5_mm(**kw: Any) -> Any:
+        ids = {k: kw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in kw}
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=kw["hidden_size"],
+                      patch_size=14, spatial_merge_size=1, temporal_patch_size=1)
+        return tf.Qwen3_5Config(text_config=kw, vision_config=vision,
+                                tie_word_embeddings=kw.get("tie_word_embeddings", False), **ids)
+
     table = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
              "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
              "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
@@ -104,7 +112,12 @@ def model_classes(family: str) -> tuple[Any, type]:
              "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
              "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
              "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
-             "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM)}
+             "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
+             "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+             "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+             "qwen3_5_mm": (qwen3_5_mm, tf.Qwen3_5ForConditionalGeneration),
+             "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM)}
+
     if family not in table:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
     return table[family]

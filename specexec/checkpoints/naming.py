@@ -10,7 +10,6 @@ resident loader (loading.py, whose checks these reuse).
 from __future__ import annotations
 
 import functools
-import itertools
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from offload.formats.sources import open_source
 from specexec.checkpoints.loading import check_tensors, expected_shapes
 from specexec.config import ModelArgs
 from specexec.families.weights import checkpoint_refs
+from specexec.network.mixers import mixer_kind
 from specexec.network.model import Block, on_meta
 
 RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
@@ -35,17 +35,23 @@ def sparse_layer(args: ModelArgs, layer: int) -> bool:
     return args.moe is not None and args.moe.sparse(layer)
 
 
+def layer_shape(args: ModelArgs, layer: int) -> tuple[str, bool]:
+    """What decides a decoder layer's tensors: (its mixer kind's name, whether its feed-forward is routed).
+    Layers of one shape have the same tensors, sizes and packed layout."""
+    return mixer_kind(args, layer).name, sparse_layer(args, layer)
+
+
 def block_specs(args: ModelArgs, layer: int = 0) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
     """((name, shape) of every tensor of decoder layer `layer`'s Block in state_dict order), names of its Linear
     weights."""
-    return kind_specs(args, sparse_layer(args, layer))
+    return kind_specs(args, layer_shape(args, layer))
 
 
 @functools.cache
-def kind_specs(args: ModelArgs, sparse: bool) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
-    """block_specs of the dense (sparse=False) or the routed layers of `args`."""
-    m = args.moe                          # a layer of the asked kind: a dense one of an MoE model is listed
-    layer = 0 if m is None else m.dense_layers[0] if not sparse else next(i for i in itertools.count() if m.sparse(i))
+def kind_specs(args: ModelArgs, shape: tuple[str, bool]
+               ) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
+    """block_specs of the layers of one layer_shape of `args` (the first such layer's)."""
+    layer = next(i for i in range(args.n_layers) if layer_shape(args, i) == shape)
     with on_meta():
         block = Block(args, layer)
     shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())

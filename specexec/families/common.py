@@ -90,27 +90,33 @@ def layer_types(cfg: dict[str, Any], default: Any = None) -> tuple[str, ...]:
     return tuple(types)
 
 
-# Architectures whose layers (some or all) carry a recurrent state instead of a KV cache: state-space (Mamba),
-# linear attention (Gated DeltaNet, lightning attention), RNN-style (RWKV, RG-LRU), short convolutions (LFM2).
-RECURRENT_ARCHITECTURES = {
-    "Qwen3NextForCausalLM": "Gated DeltaNet linear attention", "JambaForCausalLM": "Mamba",
-    "MambaForCausalLM": "Mamba", "Mamba2ForCausalLM": "Mamba-2", "FalconMambaForCausalLM": "Mamba",
-    "Zamba2ForCausalLM": "Mamba-2", "ZambaForCausalLM": "Mamba", "BambaForCausalLM": "Mamba-2",
-    "FalconH1ForCausalLM": "Mamba-2", "NemotronHForCausalLM": "Mamba-2", "GraniteMoeHybridForCausalLM": "Mamba-2",
-    "RecurrentGemmaForCausalLM": "RG-LRU recurrence", "RwkvForCausalLM": "RWKV recurrence",
-    "Lfm2ForCausalLM": "short-convolution", "MiniMaxForCausalLM": "lightning linear attention",
+# Architectures whose layers (some or all) are of a kind specexec does not run -> that kind: state-space (Mamba),
+# other linear attentions (Kimi Delta Attention, lightning, GLM-5-Next's), RNN-style (RWKV, RG-LRU), short
+# convolutions (LFM2), indexed sparse attention (Qwen4-exp, GLM-5-Next). Gated DeltaNet (Qwen3-Next, Qwen3.5) runs.
+MISSING_KINDS = {
+    "JambaForCausalLM": "Mamba", "MambaForCausalLM": "Mamba", "Mamba2ForCausalLM": "Mamba-2",
+    "FalconMambaForCausalLM": "Mamba", "Zamba2ForCausalLM": "Mamba-2", "ZambaForCausalLM": "Mamba",
+    "BambaForCausalLM": "Mamba-2", "FalconH1ForCausalLM": "Mamba-2", "NemotronHForCausalLM": "Mamba-2",
+    "GraniteMoeHybridForCausalLM": "Mamba-2", "RecurrentGemmaForCausalLM": "RG-LRU recurrence",
+    "RwkvForCausalLM": "RWKV recurrence", "Lfm2ForCausalLM": "short-convolution",
+    "Lfm2MoeForCausalLM": "short-convolution", "MiniMaxForCausalLM": "lightning linear attention",
     "MiniMaxText01ForCausalLM": "lightning linear attention",
+    "KimiLinearForCausalLM": "Kimi Delta Attention linear attention",
+    "Glm5NextForConditionalGeneration": "GLM-5-Next linear attention and indexed sparse attention",
+    "Qwen4ExpForCausalLM": "indexed sparse attention", "Qwen4ExpForConditionalGeneration": "indexed sparse attention",
+    "OlmoHybridForCausalLM": "OLMo-hybrid Gated DeltaNet",
 }
 _RECURRENT_KEYS = ("mamba_d_state", "ssm_state_size", "mamba_expand", "linear_num_value_heads", "conv_L_cache")
+RUNS = "full and sliding attention, and Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5)"
 
 
 def recurrent_reason(cfg: dict[str, Any]) -> str | None:
-    """The line for a hybrid / recurrent model (an architecture of RECURRENT_ARCHITECTURES, a layer_types kind
-    outside LAYER_TYPES such as linear_attention, or state-space config keys), else None."""
+    """The line for a model with layers of a kind specexec does not run (an architecture of MISSING_KINDS, a
+    layer_types kind outside LAYER_TYPES, or state-space config keys), else None."""
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     archs = cfg.get("architectures") or []
     kinds = sorted({t for t in (cfg.get("layer_types") or text.get("layer_types") or []) if t not in LAYER_TYPES})
-    what = next((RECURRENT_ARCHITECTURES[a] for a in archs if a in RECURRENT_ARCHITECTURES), None)
+    what = next((MISSING_KINDS[a] for a in archs if a in MISSING_KINDS), None)
     if what is None and kinds:
         what = " / ".join(kinds).replace("_", " ")
     if what is None and any(k in cfg or k in text for k in _RECURRENT_KEYS):
@@ -118,6 +124,4 @@ def recurrent_reason(cfg: dict[str, Any]) -> str | None:
     if what is None:
         return None
     name = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
-    return (f"unsupported architecture {name}: a hybrid with {what} layers, whose recurrent state is one per "
-            "sequence; a tree of drafts needs that state per branch, which this runtime does not keep (it keeps "
-            "attention KV caches, which a tree's branches share)")
+    return f"unsupported architecture {name}: its {what} layers are a layer kind specexec does not run (it runs {RUNS})"

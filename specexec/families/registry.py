@@ -2,8 +2,9 @@
 config.json), and the one precise line for every architecture outside it.
 
 A family module exposes ARCHITECTURES ({HF architecture: family name}) and `model_args(family, cfg) ->
-ModelArgs`, and where its checkpoints name tensors otherwise, what specexec/families/weights.py reads
-(WEIGHT_RULES, STORED_PREFIXES, UNUSED), and SUMMARY: one line of what its maths adds to Llama's. Adding a
+ModelArgs` (HYBRID = True where its configs name layer kinds beyond attention that it runs), and where its
+checkpoints name tensors otherwise, what specexec/families/weights.py reads (WEIGHT_RULES, STORED_PREFIXES,
+UNUSED), and SUMMARY: one line of what its maths adds to Llama's. Adding a
 family is adding its module to FAMILY_MODULES; nothing else lists architectures: `specexec --help`, `specexec
 models` and the README's table of supported models are made from `summaries()`.
 
@@ -16,12 +17,12 @@ from types import ModuleType
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families import gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, olmoe, phi3, qwen_moe
+from specexec.families import gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, olmoe, phi3, qwen_hybrid, qwen_moe
 from specexec.families.common import recurrent_reason
 from specexec.options import ConfigError
 
 FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3, qwen_moe, mixtral, olmoe, gpt_oss, glm4_moe,
-                                          minimax_m2)
+                                          minimax_m2, qwen_hybrid)
 
 
 @functools.cache
@@ -58,8 +59,8 @@ def model_args(cfg: dict[str, Any]) -> ModelArgs:
     if found is None:
         raise ConfigError(refusal(cfg))
     family, module = found
-    if recurrent_reason(cfg) is not None:             # a supported name with recurrent layers: the line says why
-        raise ConfigError(refusal(cfg))
+    if recurrent_reason(cfg) is not None and not getattr(module, "HYBRID", False):
+        raise ConfigError(refusal(cfg))                 # a supported name with recurrent layers it cannot run
     try:
         return module.model_args(family, cfg)
     except KeyError as e:

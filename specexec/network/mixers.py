@@ -9,7 +9,9 @@ config.json's `layer_types` names each layer's mixer with HF's names (ModelArgs.
 - `state(args, layer)`: what the layer's cache holds: None for K/V rows per slot (KVCache's row stores), else
   a StateSpec of specexec/kv/ whose store the cache builds (specexec/kv/layer_store.py);
 - `cache_bytes(args, layer, slots, elem, quant)`: one layer's cache for `slots` slots (the planner's one function
-  per kind).
+  per kind);
+- `plan`: what tells the mixer which tokens each new token sees, built once per forward by the model:
+  "attention" (the AttentionPlan of its window) or "tree" (linear_attention.TreePlan: the ancestor mask itself).
 Each kind's cache answers the two questions of a tree pass: every node's output sees only its ancestors, and
 `cache.keep(slots)` commits the accepted path without weights. Nothing above the network asks which kind (or
 which family) a layer is; `new_cache` makes the cache of any model from its args.
@@ -29,6 +31,7 @@ from specexec.config import LAYER_TYPES, ModelArgs
 from specexec.kv.cache import KVCache
 from specexec.kv.layer_store import StateSpec
 from specexec.kv.rows import row_bytes
+from specexec.network.linear_attention import GatedDeltaNet, spec_of
 from specexec.network.self_attention import Attention
 
 
@@ -42,16 +45,23 @@ class MixerKind:
     build: Callable[[ModelArgs, int], nn.Module]
     state: Callable[[ModelArgs, int], StateSpec | None]
     cache_bytes: Callable[[ModelArgs, int, int, int, str], int]
+    plan: str = "attention"
 
 
 def _rows_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
     return slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
 
 
+def _state_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
+    return spec_of(args).state_bytes()
+
+
 ATTENTION = MixerKind("attention", ("full_attention", "sliding_attention"), "self_attn",
                       lambda args, layer: Attention(args), lambda args, layer: None, _rows_bytes)
+LINEAR = MixerKind("linear_attention", ("linear_attention",), "linear_attn",
+                   lambda args, layer: GatedDeltaNet(args), lambda args, layer: spec_of(args), _state_bytes, "tree")
 
-MIXERS: tuple[MixerKind, ...] = (ATTENTION,)
+MIXERS: tuple[MixerKind, ...] = (ATTENTION, LINEAR)
 _BY_TYPE = {t: kind for kind in MIXERS for t in kind.layer_types}
 assert set(_BY_TYPE) == set(LAYER_TYPES), "every layer type config.py accepts needs one mixer kind"
 
@@ -66,6 +76,11 @@ def layer_type(args: ModelArgs, layer: int) -> str:
 def mixer_kind(args: ModelArgs, layer: int) -> MixerKind:
     """The MixerKind of decoder layer `layer`."""
     return _BY_TYPE[layer_type(args, layer)]
+
+
+def has_tree_plans(args: ModelArgs) -> bool:
+    """Whether some layer's mixer reads a TreePlan (a forward then builds one)."""
+    return any(mixer_kind(args, i).plan == "tree" for i in range(args.n_layers))
 
 
 def layer_states(args: ModelArgs) -> tuple[Any, ...]:

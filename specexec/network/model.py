@@ -37,7 +37,8 @@ from specexec.network.attention import AttentionPlan, TreeMask, build_plan, pick
 from specexec.config import ModelArgs
 from specexec.network.ffn import MLP
 from specexec.kv.cache import KVCache
-from specexec.network.mixers import mixer_kind, new_cache
+from specexec.network.linear_attention import tree_plan
+from specexec.network.mixers import has_tree_plans, mixer_kind, new_cache
 from specexec.network.moe import RoutingLog, SparseMLP
 from specexec.network.norms import RMSNorm
 from specexec.network.rope import attention_factor, long_switch, rope_inv_freq, rope_names
@@ -274,6 +275,7 @@ class Transformer(nn.Module):
         ropes = {rope: self.rope(positions, x.dtype, "long" if long and rope == "global" else rope)
                  for rope in {k.rope for k in kinds}}
         plans = self.attention_plans(mask, positions, x.dtype)
+        tree = tree_plan(mask, positions, slots) if has_tree_plans(self.args) else None
         run = self.execution
         if run.routing is not None:
             run.routing.begin()
@@ -286,7 +288,8 @@ class Transformer(nn.Module):
             if i in taps:
                 tapped.append(x)
             kind = kinds[i]
-            x = layer(x, *ropes[kind.rope], plans[kind.window], cache, i, slots, run.routing)
+            plan = tree if mixer_kind(self.args, i).plan == "tree" else plans[kind.window]
+            x = layer(x, *ropes[kind.rope], plan, cache, i, slots, run.routing)
         if taps:
             self.tapped = tapped + ([x] if self.args.n_layers in taps else [])
         return self.norm(x)

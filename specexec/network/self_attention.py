@@ -22,16 +22,19 @@ from specexec.network.rope import apply_rope
 class Attention(nn.Module):
     """Self-attention with RoPE over a KV cache: q/k/v projections (or one fused qkv_proj), optional q/k
     RMSNorm (per head, or over the whole projection) and q/k/v clipping, RoPE on the first rope_dim dimensions
-    of each head, the plan's split attention (with per-head sinks where the model has them), o_proj."""
+    of each head, the plan's split attention (with per-head sinks where the model has them), o_proj. With an
+    output gate (ModelArgs.attn_output_gate: Qwen3-Next, Qwen3.5) q_proj yields [q, gate] per head and the
+    attention output is multiplied by sigmoid(gate) before o_proj."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         d, h, kv = args.head_dim, args.n_heads, args.n_kv_heads
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d
+        self.gated = args.attn_output_gate
         if args.fused_qkv:
             self.qkv_proj = nn.Linear(args.dim, (h + 2 * kv) * d, bias=args.qkv_bias)
         else:
-            self.q_proj = nn.Linear(args.dim, h * d, bias=args.qkv_bias)
+            self.q_proj = nn.Linear(args.dim, h * d * (2 if self.gated else 1), bias=args.qkv_bias)
             self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
             self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
@@ -42,14 +45,19 @@ class Attention(nn.Module):
         if args.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(h))
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> q [B, T, H, hd], k and v [B, T, H_kv, hd], q/k normed and q/k/v clipped as configured."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [B, T, D] -> q [B, T, H, hd], k and v [B, T, H_kv, hd], q/k normed and q/k/v clipped as configured,
+        and the output gate [B, T, H * hd] (None without one)."""
         B, T, _ = x.shape
         h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        gate = None
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split((h * d, kv * d, kv * d), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.gated:
+            q, gate = q.view(B, T, h, 2 * d).chunk(2, dim=-1)
+            q, gate = q.reshape(B, T, h * d), gate.reshape(B, T, h * d)
         normed = hasattr(self, "q_norm")
         if normed and not self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)                                  # over the projection
@@ -58,12 +66,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)                                  # per head
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        return q, k, v
+        return q, k, v, gate
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.project(x)
+        q, k, v, gate = self.project(x)
         v = v.transpose(1, 2)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
@@ -71,4 +79,5 @@ class Attention(nn.Module):
             cache.write(layer, slots, k, v)
             k, v = cache.view(layer, plan.n_slots)
         out = attend(q, k.to(q.dtype), v.to(q.dtype), plan, getattr(self, "sinks", None))
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))

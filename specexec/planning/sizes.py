@@ -21,7 +21,7 @@ from offload.quant.linear import kernel_for
 from offload.quant.weights import head_format, layer_specs
 from offload.streaming.storage import LayerLayout, plan_layout
 
-from specexec.checkpoints.naming import expert_regions, kind_specs, sparse_layer
+from specexec.checkpoints.naming import expert_regions, kind_specs, layer_shape, sparse_layer
 from specexec.config import ModelArgs
 from specexec.network.mixers import cache_bytes
 from specexec.network.model import LOGIT_CHUNK
@@ -33,20 +33,21 @@ MATH_COPIES = 3               # fp32 score tensors plain-maths attention holds a
 def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu", layer: int = 0) -> int:
     """Packed bytes of decoder layer `layer` in `fmt`, packed for `device`'s kernel, as the layer cache and the
     tiers hold it (aligned layout); equal to what offload.cache.store.plan computes from a checkpoint's headers.
-    Layers of one kind (dense, or routed in an MoE model) have one size."""
-    return _layer_bytes(args, fmt, dtype, device, sparse_layer(args, layer))
+    Layers of one naming.layer_shape (mixer kind, dense or routed) have one size."""
+    return _layer_bytes(args, fmt, dtype, device, layer_shape(args, layer))
 
 
 @functools.cache
-def _layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, sparse: bool) -> int:
-    return _layout(args, fmt, dtype, device, sparse).nbytes
+def _layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, shape: tuple[str, bool]) -> int:
+    return _layout(args, fmt, dtype, device, shape).nbytes
 
 
 @functools.cache
-def _layout(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, sparse: bool) -> LayerLayout:
-    """The packed layout of a dense or a routed layer of `args` (a routed one: one region per expert)."""
-    shapes, linear = kind_specs(args, sparse)
-    regions = expert_regions(args, next(i for i in range(args.n_layers) if sparse_layer(args, i))) if sparse else ()
+def _layout(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, shape: tuple[str, bool]) -> LayerLayout:
+    """The packed layout of the layers of one naming.layer_shape of `args` (a routed one: one region per
+    expert)."""
+    shapes, linear = kind_specs(args, shape)
+    regions = expert_regions(args, next(i for i in range(args.n_layers) if sparse_layer(args, i))) if shape[1] else ()
     specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
     return plan_layout(specs, meta, regions)
 
@@ -56,7 +57,7 @@ def expert_split(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "c
     """(bytes of the dense part, bytes of one routed expert) of decoder layer `layer` packed in `fmt`: the part
     a streamed pass always copies (norms, attention, router, a shared expert) and each expert's region (all of
     one size); (layer_bytes, 0) for a dense layer. dense + n_experts x expert = layer_bytes."""
-    lay = _layout(args, fmt, dtype, device, sparse_layer(args, layer))
+    lay = _layout(args, fmt, dtype, device, layer_shape(args, layer))
     return lay.dense_nbytes, (lay.regions[0].nbytes if lay.regions else 0)
 
 
@@ -71,17 +72,17 @@ def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "c
     (what quantize_module leaves): {"embed", "head" (0 when tied, unless an int8 head is beside it: offload's
     head_format), "norm" (+ RoPE buffer), "layers"}."""
     per_kind = {}
-    for sparse in {sparse_layer(args, i) for i in range(args.n_layers)}:
-        shapes, linear = kind_specs(args, sparse)
+    for kind in {layer_shape(args, i) for i in range(args.n_layers)}:
+        shapes, linear = kind_specs(args, kind)
         specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
-        per_kind[sparse] = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
+        per_kind[kind] = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
     table = args.vocab_size * args.dim * dtype.itemsize
     head = 0 if args.tie_word_embeddings else table
     if head_format(fmt, device) == "int8":
         head = args.vocab_size * (args.dim + 2)                     # int8 codes and a bf16 scale per row
     return {"embed": table, "head": head,
             "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4,
-            "layers": sum(per_kind[sparse_layer(args, i)] for i in range(args.n_layers))}
+            "layers": sum(per_kind[layer_shape(args, i)] for i in range(args.n_layers))}
 
 
 def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:

@@ -13,8 +13,8 @@ that streams any layer keeps the pager's layer-by-layer path. fuse_cpu_blocks al
 qkv_proj and gate/up into one gate_up_proj (new tensors; the kernels compute each output row alone, so the bits are
 the same): one activation quantization and one threaded call where there were three and two.
 
-A layer qualifies when it is a dense gated-SiLU layer (q/k/v and gate/up fused or not, biases, per-head q/k RMSNorm
-allowed; no sandwich norms, Gemma norms, clipping or sinks) whose every linear runs the int4/int8 CPU kernels, with
+A layer qualifies when it is a dense gated-SiLU attention layer (q/k/v and gate/up fused or not, biases, per-head q/k
+RMSNorm allowed; no sandwich norms, Gemma norms, clipping, sinks or output gate; no other mixer kind) whose every linear runs the int4/int8 CPU kernels, with
 fp32 norms (an MoE model's dense layers too). A pass is served when it is fp32, one sequence, on a cache whose
 rows for this layer are fp32 and resident, and attends row by row (the attention plan carries slot lists: at most
 ROW_EXACT_T new tokens, full attention): so prefills of long prompts and windowed layers keep the modules' path.
@@ -45,6 +45,7 @@ from specexec.network.attention import AttentionPlan
 from specexec.network.ffn import MLP
 from specexec.network.model import Block, Transformer
 from specexec.network.norms import RMSNorm
+from specexec.network.self_attention import Attention
 
 _ATTN = (("qkv", "qkv_proj"), ("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj"))
 _MLP = (("gate_up", "gate_up_proj"), ("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
@@ -77,9 +78,9 @@ def _norms(block: Block) -> dict[str, Tensor] | None:
 
 
 def _qualifies(block: Block) -> bool:
-    attn, mlp = block.self_attn, block.mlp
-    return (type(mlp) is MLP and mlp.activation == "silu" and not hasattr(block, "pre_feedforward_layernorm")
-            and attn.clip is None and not hasattr(attn, "sinks"))
+    attn, mlp = block.mixer, block.mlp
+    return (type(attn) is Attention and not attn.gated and type(mlp) is MLP and mlp.activation == "silu"
+            and not hasattr(block, "pre_feedforward_layernorm") and attn.clip is None and not hasattr(attn, "sinks"))
 
 
 class FastBlock:

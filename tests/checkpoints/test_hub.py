@@ -58,8 +58,8 @@ def local_hub(tiny_llama: Path, tmp_path_factory):
     for p in tiny_llama.iterdir():
         (copy / p.name).write_bytes(p.read_bytes())
     hub.add("tiny-org/sharded", sharded(copy))
-    hybrid = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
-              "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
+    hybrid = {"architectures": ["JambaForCausalLM"], "model_type": "jamba", "num_hidden_layers": 4,
+              "mamba_d_state": 16}
     hub.add("tiny-org/hybrid", {"config.json": json.dumps(hybrid).encode(), "model.safetensors": b"w" * 5000})
     hub.add("tiny-org/gpt2", {"config.json": b'{"architectures": ["GPT2LMHeadModel"]}',
                               "model.safetensors": b"w" * 5000})
@@ -217,7 +217,7 @@ def test_cli_failures_are_one_line_with_exit_2(online: LocalHub, capsys, monkeyp
         assert not online.log                                       # offline: nothing was asked of the Hub
 
 
-@pytest.mark.parametrize("repo, why", [("tiny-org/hybrid", "per branch"), ("tiny-org/gpt2", "supported: Llama")])
+@pytest.mark.parametrize("repo, why", [("tiny-org/hybrid", "Mamba layers are a layer kind"), ("tiny-org/gpt2", "supported: Llama")])
 def test_an_unsupported_architecture_is_refused_before_any_weight_is_fetched(online: LocalHub, capsys, repo: str,
                                                                               why: str) -> None:
     """config.json comes first; its one line (which architecture, not supported, for a hybrid why) ends the

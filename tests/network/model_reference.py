@@ -15,12 +15,14 @@ TOL = 1e-4
 
 
 def hf_model(path: Path):
-    """transformers' fp32 model of a tiny checkpoint (a multimodal Gemma 3 as Gemma3ForConditionalGeneration)."""
+    """transformers' fp32 model of a tiny checkpoint (a multimodal one as its *ForConditionalGeneration)."""
+    import json
+
     import transformers
     from transformers import AutoModelForCausalLM
 
-    cls = (transformers.Gemma3ForConditionalGeneration if "ConditionalGeneration" in
-           (path / "config.json").read_text() else AutoModelForCausalLM)
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    cls = getattr(transformers, arch) if "ConditionalGeneration" in arch else AutoModelForCausalLM
     return cls.from_pretrained(str(path), dtype=torch.float32).eval()
 
 

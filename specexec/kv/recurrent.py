@@ -1,0 +1,189 @@
+"""The cache of linear-attention (Gated DeltaNet) layers: a committed recurrent state per layer, and per slot
+beyond it what committing that slot replays (docs/algorithms.md §30).
+
+Per layer:
+- committed: the state S [Hv, dk, dv] (fp32) after the committed prefix, and the convolution's window: the
+  last conv_kernel - 1 convolution inputs [conv_dim, conv_kernel - 1] (run dtype);
+- per scratch slot (a tree node, a draft node): its position, its key k [Hk, dk] (normalised), the update u
+  [Hv, dv] it adds to the state along its path, its log-decay g [Hv] and G [Hv] (g summed along its path from
+  the committed prefix), and its convolution input x [conv_dim]. Nothing of it depends on the base the path is
+  committed from except G, which a commit shifts;
+- pending: the state and window after a causal pass (a prefill chunk), which `advance` commits.
+Scratch rows live in a ring indexed by slot modulo its size (grown when a pass writes further ahead), so a commit
+moves nothing: the rows of the slots after the committed ones stay where they are (a draft's root).
+
+`keep(slots)` replays the accepted path: S = exp(G_n) S + sum_j exp(G_n - G_j) k_j u_j^T and the window's last
+inputs; no weights. A state cannot go back: `truncate` returns only to the current length, to 0 or to the one
+`snapshot` (the end of the last prompt), and `reusable` says which.
+
+Does not know: projections or the maths of a pass (specexec/network/linear_attention.py, delta_rule.py), trees
+beyond slots, how many layers of other kinds the cache holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specexec.network.delta_rule import advance_state
+
+MIN_RING = 64
+
+
+@dataclass(frozen=True)
+class RecurrentSpec:
+    """One linear-attention layer's state shape (specexec/config.py LinearArgs)."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def new_store(cls, specs: list["RecurrentSpec"], capacity: int, batch: int, dtype: torch.dtype,
+                  device: torch.device) -> "RecurrentStates":
+        if batch != 1 or len(set(specs)) != 1:
+            raise ValueError("recurrent states are kept for one sequence of layers of one shape")
+        return RecurrentStates(specs[0], len(specs), dtype, device)
+
+    def state_bytes(self) -> int:
+        """Bytes of one committed state (fp32) and its convolution window (fp32 bound)."""
+        return 4 * (self.v_heads * self.k_dim * self.v_dim + self.conv_dim * (self.conv_kernel - 1))
+
+    def node_bytes(self, elem: int = 4) -> int:
+        """Bytes a scratch slot holds: position, k, u, g, G (fp32) and the convolution input (run dtype)."""
+        return 8 + 4 * (self.k_heads * self.k_dim + self.v_heads * self.v_dim + 2 * self.v_heads) + \
+            elem * self.conv_dim
+
+
+class RecurrentStates:
+    """The states of n linear-attention layers of one shape (see the module docstring)."""
+
+    spec_type = RecurrentSpec
+
+    def __init__(self, spec: RecurrentSpec, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec, self.n, self.dtype, self.device = spec, n, dtype, torch.device(device)
+        s = spec
+        self.state = torch.zeros(n, s.v_heads, s.k_dim, s.v_dim, device=device)
+        self.window = torch.zeros(n, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
+        self._alloc_ring(MIN_RING)
+        self.pending: tuple[int, Tensor, Tensor] | None = None       # (tokens, state, window) of a causal pass
+        self.saved: tuple[int, Tensor, Tensor] | None = None          # (length, state, window): snapshot
+
+    def _alloc_ring(self, size: int) -> None:
+        s, n, dev = self.spec, self.n, self.device
+        self.ring = size
+        self.pos = torch.full((size,), -1, dtype=torch.long, device=dev)
+        self.k = torch.zeros(n, size, s.k_heads, s.k_dim, device=dev)
+        self.u = torch.zeros(n, size, s.v_heads, s.v_dim, device=dev)
+        self.g = torch.zeros(n, size, s.v_heads, device=dev)
+        self.G = torch.zeros(n, size, s.v_heads, device=dev)
+        self.x = torch.zeros(n, size, s.conv_dim, dtype=self.dtype, device=dev)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.state, self.window, self.pos, self.k, self.u, self.g, self.G, self.x]
+        if self.pending is not None:
+            tensors += list(self.pending[1:])
+        if self.saved is not None:
+            tensors += list(self.saved[1:])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------------------------------- a pass's side
+
+    def reserve(self, last_slot: int, length: int) -> None:
+        """Make the ring hold every slot up to `last_slot` beside the live ones from `length` (grows it)."""
+        need = last_slot - length + 1
+        if need <= self.ring:
+            return
+        size = max(2 * self.ring, 1 << (need - 1).bit_length())
+        live = torch.arange(length, length + self.ring, device=self.device)
+        old = (self.pos.clone(), self.k, self.u, self.g, self.G, self.x)
+        rows = live % self.ring
+        self._alloc_ring(size)
+        dest = live % size
+        self.pos[dest] = old[0][rows]
+        for new, was in zip((self.k, self.u, self.g, self.G, self.x), old[1:]):
+            new[:, dest] = was[:, rows]
+
+    def columns(self, layer: int, prefix: int, width: int) -> tuple[Tensor, ...]:
+        """The scratch of slots [prefix, prefix + width) of one layer: pos [K], k [K, Hk, dk], u [K, Hv, dv],
+        g, G [K, Hv], x [K, conv_dim] (copies; stale rows are finite and masked by the caller)."""
+        self.reserve(prefix + width - 1, prefix)
+        rows = torch.arange(prefix, prefix + width, device=self.device) % self.ring
+        return (self.pos[rows], self.k[layer, rows], self.u[layer, rows], self.g[layer, rows], self.G[layer, rows],
+                self.x[layer, rows])
+
+    def write(self, layer: int, slots: Tensor, pos: Tensor, k: Tensor, u: Tensor, g: Tensor, G: Tensor,
+              x: Tensor) -> None:
+        """Store a pass's nodes at `slots` [T] (the ring already holds them: `columns` reserved it)."""
+        rows = slots % self.ring
+        self.pos[rows] = pos
+        for dst, src in zip((self.k, self.u, self.g, self.G, self.x), (k, u, g, G, x)):
+            dst[layer].index_copy_(0, rows, src.to(dst.dtype))
+
+    def set_pending(self, layer: int, tokens: int, state: Tensor, window: Tensor) -> None:
+        """The state and window one layer reaches after a causal pass of `tokens` tokens (advance commits)."""
+        if self.pending is None or self.pending[0] != tokens:
+            self.pending = (tokens, self.state.clone(), self.window.clone())
+        self.pending[1][layer] = state
+        self.pending[2][layer] = window.to(self.dtype)
+
+    # ------------------------------------------------------------------------------------- commits
+
+    def begin_forward(self, length: int) -> None:
+        self.pending = None
+
+    def advance(self, n: int, length: int) -> None:
+        if n == 0:
+            return
+        if self.pending is not None and self.pending[0] == n:
+            _, self.state, self.window = self.pending
+            self.pending = None
+            return
+        self.keep(torch.arange(length, length + n, device=self.device), length)
+
+    def keep(self, slots: Tensor, length: int) -> None:
+        n = int(slots.numel())
+        if n == 0:
+            return
+        if self.pending is not None:
+            if n == self.pending[0] and bool((slots == torch.arange(length, length + n, device=slots.device)).all()):
+                return self.advance(n, length)
+            raise ValueError("a causal pass's tokens are committed in order, all of them (advance)")
+        rows = slots.to(self.device) % self.ring
+        group = self.spec.v_heads // self.spec.k_heads
+        k = self.k[:, rows].repeat_interleave(group, dim=2).transpose(1, 2)    # [n_layers, Hv, n, dk]
+        u = self.u[:, rows].transpose(1, 2)
+        G = self.G[:, rows].transpose(1, 2)                                    # [n_layers, Hv, n]
+        self.state = advance_state(self.state, k, u, G)
+        inputs = torch.cat([self.window, self.x[:, rows].transpose(1, 2)], dim=-1)
+        self.window = inputs[..., inputs.shape[-1] - self.window.shape[-1]:].contiguous()
+        self.G -= self.G[:, rows[-1]].unsqueeze(1).clone()  # live rows after the path: decay from the new base
+
+    def truncate(self, length: int, current: int) -> None:
+        self.pending = None
+        if length == current:
+            return
+        if length == 0:
+            self.state.zero_()
+            self.window.zero_()
+            return
+        if self.saved is None or self.saved[0] != length:
+            raise ValueError(f"a recurrent state cannot return from {current} to {length} tokens (its snapshot "
+                             f"is at {self.saved[0] if self.saved else None}); prefill again")
+        self.state, self.window = self.saved[1].clone(), self.saved[2].clone()
+
+    def reusable(self, length: int, current: int) -> int:
+        if length >= current:
+            return current
+        return self.saved[0] if self.saved is not None and self.saved[0] <= length else 0
+
+    def snapshot(self, length: int) -> None:
+        self.saved = (length, self.state.clone(), self.window.clone())
+
+    def grow(self, capacity: int) -> None:
+        """Nothing grows with the context: the ring grows with the passes (reserve)."""
