@@ -1,12 +1,17 @@
 """The ASGI app behind `specexec serve`: starlette routes over one GenerationQueue (specexec/serving/queue.py).
 
-Routes: POST /v1/chat/completions and /v1/completions (JSON or server-sent events), GET /v1/models,
+Routes: POST /v1/chat/completions (with tools: specexec/serving/tools.py) and /v1/completions (JSON or
+server-sent events), GET /v1/models,
 /v1/models/{id}, /health and /metrics (Prometheus text; `?format=json` for JSON). With an API key every route
 but /health wants `Authorization: Bearer KEY` (401 otherwise). Each request is read (at most max_body bytes),
 checked and tokenized on the event loop's side (tokenizing on one helper thread), then queued: the engine runs
 on the queue's single worker thread, so the loop stays free to answer /health, /metrics and new requests while a
-generation runs. A client that disconnects (streamed or not) cancels its job at the next step. Every failure is
-an OpenAI-style JSON error body: 4xx for the client's mistakes, 500 only for bugs, and the server lives on.
+generation runs. A client that disconnects (streamed or not) cancels its job: a waiting one leaves the queue at
+once, a running one stops at its next step. Every failure is an OpenAI-style JSON error body: 4xx for the
+client's mistakes, 500 only for bugs, and the server lives on. With an access_log, one line per request:
+method, path, status, generated tokens, its wait for the worker, seconds, the queue's depth (a stream's when
+it ends; 499 when its client left). /metrics counts the wait (specexec_queue_wait_seconds_total, the mean, the
+last job's).
 
 Importing this module needs starlette (the `serve` extra); cli/serve/command.py imports it only when serving.
 
@@ -34,7 +39,8 @@ from starlette.routing import Route
 
 from specexec.options import ConfigError
 from specexec.serving import openai_api as api
-from specexec.serving import structured
+from specexec.serving import messages as chat_messages
+from specexec.serving import structured, tools
 from specexec.runtime.assembly import Runtime
 from specexec.serving.queue import Delta, End, Failed, Finished, GenerationQueue, QueueFull, Ticket
 
@@ -46,6 +52,7 @@ class ServeSettings:
     api_key: str | None = None
     max_queue: int = 64                    # waiting requests before 429
     max_body: int = 8 * 2**20              # request body bytes before 413
+    access_log: Callable[[str], None] | None = None    # hears one line per request (None: no access log)
 
 
 def error_response(err: api.ApiError) -> JSONResponse:
@@ -100,6 +107,7 @@ class Server:
     def route(self, handler: Handler, guarded: bool = True) -> Handler:
         """Wrap a handler: API key check, ApiError/ConfigError -> OpenAI error body, request counting."""
         async def endpoint(request: Request) -> Response:
+            request.state.started = time.perf_counter()
             try:
                 if guarded:
                     self._authorize(request)
@@ -109,8 +117,22 @@ class Server:
             except ConfigError as e:
                 response = error_response(api.ApiError(str(e)))
             self.requests[(request.url.path, response.status_code)] += 1
+            if not isinstance(response, EventStream):         # a stream logs itself when it ends
+                self._access(request, response.status_code)
             return response
         return endpoint
+
+    def _access(self, request: Request, status: int, tokens: int | None = None, queue_ms: float | None = None
+                ) -> None:
+        """The access log line: method, path, status, generated tokens, queue wait and seconds."""
+        if self.settings.access_log is None:
+            return
+        tokens = getattr(request.state, "tokens", None) if tokens is None else tokens
+        queue_ms = getattr(request.state, "queue_ms", None) if queue_ms is None else queue_ms
+        seconds = time.perf_counter() - request.state.started
+        counted = "-" if tokens is None else tokens
+        self.settings.access_log(f"{request.method} {request.url.path} {status} tokens={counted} "
+                                 f"wait={(queue_ms or 0) / 1000:.2f}s {seconds:.2f}s queue={self.queue.depth}")
 
     def _authorize(self, request: Request) -> None:
         key = self.settings.api_key
@@ -143,15 +165,34 @@ class Server:
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
         options = api.parse_options(body, self.defaults, self.vocab_size)
-        messages = api.parse_messages(body)
-        ids = await self._tokenize(lambda: api.encode_chat(self.runtime.tokenizer, messages))
-        grammar = await self._tokenize(lambda: structured.response_grammar(body, self.runtime.grammars))
-        job = api.make_job("chat", options, [ids], self.defaults, self.runtime.context, grammar=grammar)
+        tok = self.runtime.tokenizer
+        given = tools.parse_tools(body)                  # rendered even with "none": the model sees its tools
+        wanted = given if given is not None and given.choice != "none" else None
+        fmt = tools.require_format(getattr(tok, "chat_template", None), wanted) if wanted else None
+        messages = chat_messages.parse_messages(body)
+        ids = await self._tokenize(lambda: chat_messages.encode_chat(tok, messages, given and list(given.tools)))
+        grammar = await self._tokenize(lambda: self._grammar(body, wanted, fmt))
+        job = api.make_job("chat", options, [ids], self.defaults, self.runtime.context, grammar=grammar,
+                           tool_format=fmt.name if fmt else None)
         return await self._run(request, job)
+
+    def _grammar(self, body: dict, wanted: tools.ToolRequest | None, fmt: tools.ToolFormat | None) -> str | None:
+        """A forced tool call's grammar, else response_format's (checked; a 400 when llguidance refuses it)."""
+        grammars = self.runtime.grammars
+        if wanted is None or not wanted.forced:
+            return structured.response_grammar(body, grammars)
+        grammar = grammars.lark(tools.forced_grammar(fmt, wanted, self.runtime.tokenizer))
+        try:
+            grammars.check(grammar)
+        except ConfigError as e:
+            raise api.ApiError(str(e), param="tools", code="invalid_value") from None
+        return grammar
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         options = api.parse_options(body, self.defaults, self.vocab_size)
+        if body.get("tools"):
+            raise api.ApiError("'tools' needs /v1/chat/completions", param="tools", code="unsupported_parameter")
         prompts = api.parse_prompts(body, self.vocab_size)
         tok = self.runtime.tokenizer
 
@@ -174,12 +215,18 @@ class Server:
         except QueueFull as e:
             raise api.ApiError(str(e), code="queue_full", status=429, kind="server_error") from None
         if job.stream:
-            return EventStream(self._stream(ticket), headers={"Cache-Control": "no-cache",
-                                                              "X-Accel-Buffering": "no"})
+            return EventStream(self._stream(ticket, request), headers={"Cache-Control": "no-cache",
+                                                                       "X-Accel-Buffering": "no"})
         result = await self._collect(request, ticket)
         if result is None:                                  # the client is gone: nobody reads this
             return Response(status_code=499)
         choices, queue_ms = result
+        request.state.tokens, request.state.queue_ms = sum(c.completion_tokens for c in choices), queue_ms
+        if job.tool_format is not None:
+            for c in choices:
+                split = tools.ToolStream(tools.by_name(job.tool_format))
+                split.text = c.text
+                c.text = self._parse_calls(c, split)
         build = api.chat_response if job.kind == "chat" else api.completion_response
         return JSONResponse(build(job, choices, queue_ms))
 
@@ -199,10 +246,22 @@ class Server:
             gone.cancel()
             ticket.cancel()
 
-    async def _stream(self, ticket: Ticket) -> AsyncIterator[bytes]:
-        """SSE chunks as the worker's events arrive; cancelling this iterator cancels the job."""
+    def _parse_calls(self, c: api.Choice, split: tools.ToolStream) -> str:
+        """Split a finished choice's answer into content and tool_calls (finish_reason tool_calls when it has
+        some); -> the content `split` has not sent yet."""
+        rest, calls = split.finish(tools.answer_text(split.fmt, c.text, c.ids, self.runtime.tokenizer))
+        if calls:
+            c.tool_calls, c.finish_reason = tools.tool_calls(calls), "tool_calls"
+        return rest
+
+    async def _stream(self, ticket: Ticket, request: Request) -> AsyncIterator[bytes]:
+        """SSE chunks as the worker's events arrive; cancelling this iterator cancels the job (499 in the
+        access log)."""
         job = ticket.job
         choices = [api.Choice(i) for i in range(job.choices)]
+        event: Any = None
+        splits = ([tools.ToolStream(tools.by_name(job.tool_format)) for _ in choices]
+                  if job.tool_format is not None else None)
         try:
             if job.kind == "chat":
                 for i in range(job.choices):
@@ -212,12 +271,30 @@ class Server:
                     yield api.sse(api.error_body(event.message, "server_error", code="generation_failed"))
                     continue
                 _apply(event, choices)
-                yield api.sse(_chunk(job, event))
+                if splits is None:
+                    yield api.sse(_chunk(job, event))
+                    continue
+                for piece in self._tool_chunks(job, event, choices[event.index], splits[event.index]):
+                    yield api.sse(piece)
             if job.include_usage:
                 yield api.sse(api.usage_chunk(job, choices, event.queue_ms))
             yield api.SSE_DONE
         finally:
             ticket.cancel()
+            self._access(request, 200 if isinstance(event, End) else 499,
+                         sum(c.completion_tokens for c in choices), getattr(event, "queue_ms", None))
+
+    def _tool_chunks(self, job: api.Job, event: Any, c: api.Choice, split: tools.ToolStream) -> list[dict]:
+        """A tool job's chunks for one event: content as far as no call can start, then at the end the rest,
+        every tool call whole, and the finish chunk."""
+        if isinstance(event, Delta):
+            new = split.feed(event.text)
+            return [api.chunk(job, event.index, new, logprobs=event.logprobs)] if new else []
+        rest = self._parse_calls(c, split)
+        out = [api.chunk(job, event.index, rest)] if rest else []
+        if c.tool_calls:
+            out.append(api.chunk(job, event.index, tool_calls=c.tool_calls))
+        return out + [api.chunk(job, event.index, None, c.finish_reason, event.stats)]
 
     # ---------------------------------------------------------------- other routes
     async def models(self, request: Request) -> Response:
@@ -253,7 +330,7 @@ def _apply(event: Any, choices: list[api.Choice]) -> None:
         c.text += event.text
         c.logprobs += event.logprobs
     elif isinstance(event, Finished):
-        c.finish_reason, c.prompt_tokens = event.finish_reason, event.prompt_tokens
+        c.finish_reason, c.prompt_tokens, c.ids = event.finish_reason, event.prompt_tokens, event.ids
         c.completion_tokens, c.stats = event.completion_tokens, event.stats
 
 
@@ -277,8 +354,12 @@ PROMETHEUS = {
     "specexec_streamed_bytes_total": ("counter", "Target weight bytes streamed (offloaded).", "bytes_streamed"),
     "specexec_tokens_per_step": ("gauge", "Generated tokens per target pass, all time.", "tokens_per_step"),
     "specexec_tokens_per_second": ("gauge", "Generated tokens per decoding second, all time.", "tokens_per_second"),
+    "specexec_jobs_started_total": ("counter", "Generation jobs the worker started.", "jobs_started"),
+    "specexec_queue_wait_seconds_total": ("counter", "Seconds jobs waited for the worker.", "queue_seconds"),
+    "specexec_queue_wait_ms_mean": ("gauge", "Mean wait for the worker, all time (ms).", "queue_wait_ms_mean"),
 }
-LAST = {"tokens_per_second": "Decode tokens/s of the last generation.",
+LAST = {"queue_ms": "How long the last job waited for the worker (ms).",
+        "tokens_per_second": "Decode tokens/s of the last generation.",
         "tokens_per_step": "Tokens per target pass of the last generation.",
         "effective_gb_s": "Streamed GB/s of the last generation (offloaded target only)."}
 

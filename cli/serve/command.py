@@ -40,8 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port (default 8000; 0 = any free port)")
     g.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (default "
                    "$SPECEXEC_API_KEY; none: no key)")
-    g.add_argument("--served-model-name", metavar="NAME", help="model id in /v1/models and responses "
-                   "(default: the --model name or directory name)")
+    g.add_argument("--served-model-name", metavar="NAME", nargs="+", help="model id in /v1/models and "
+                   "responses (default: the --model name or directory name); further names are aliases requests "
+                   "may use (any other name gets 404 model_not_found)")
+    g.add_argument("--quiet", action="store_true", help="no access log line per request on stderr")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for the engine before new ones get 429 (default 64)")
     return p
@@ -60,10 +62,10 @@ def require_serve_deps() -> None:
                           "pip install 'specexec[serve]'")
 
 
-def model_id(model: str, served_name: str | None) -> str:
-    """The id clients see: --served-model-name, else a directory's name, else the --model string."""
+def model_id(model: str, served_name: list[str] | str | None) -> str:
+    """The id clients see: --served-model-name's first name, else a directory's name, else the --model string."""
     if served_name:
-        return served_name
+        return served_name if isinstance(served_name, str) else served_name[0]
     path = Path(model)
     return path.resolve().name if path.is_dir() else model
 
@@ -110,12 +112,13 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine "
                       "can use the model", style="yellow", highlight=False)
     runtime = common.load_runtime(args, config, console, offload, spinner=sys.stderr.isatty())
+    aliases = tuple((args.served_model_name or [])[1:])
     return serve(runtime, sock, model_id(args.model, args.served_model_name), sampling, api_key, args.max_queue,
-                 console)
+                 console, aliases, args.quiet)
 
 
 def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None, max_queue: int,
-          console: Console) -> int:
+          console: Console, aliases: tuple[str, ...] = (), quiet: bool = False) -> int:
     """Run the app on `sock` until Ctrl-C / SIGTERM."""
     import uvicorn
 
@@ -124,8 +127,9 @@ def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None
     from specexec.serving.openai_api import ServerDefaults
 
     print_load_summary(console, runtime)
-    defaults = ServerDefaults(name, sampling, runtime.config.max_new_tokens)
-    app = build_app(runtime, defaults, ServeSettings(api_key=api_key, max_queue=max_queue))
+    defaults = ServerDefaults(name, sampling, runtime.config.max_new_tokens, aliases)
+    log = None if quiet else (lambda line: console.print(line, highlight=False, markup=False))
+    app = build_app(runtime, defaults, ServeSettings(api_key=api_key, max_queue=max_queue, access_log=log))
     console.print(f"serving {name} on {url_of(sock)}/v1 (Ctrl-C stops)", highlight=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

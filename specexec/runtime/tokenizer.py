@@ -217,11 +217,15 @@ def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -
     return encode_messages(tokenizer, messages)
 
 
-def encode_messages(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a whole conversation ([{"role", "content"}, ...]) through the model's chat template."""
+def encode_messages(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a whole conversation ([{"role", "content"}, ...]) through the model's chat template, with
+    `tools` (OpenAI function tools) when given."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("this model has no chat template; chat needs an instruct/chat checkpoint")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):       # transformers >= 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

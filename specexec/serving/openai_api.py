@@ -3,10 +3,12 @@ bodies, stream chunks and server-sent events, and OpenAI-style error bodies.
 
 Requests: `read_json` parses a body; `parse_options` checks the fields both endpoints share (types here, values
 through specexec.config and specexec.options: SamplingParams and check_number/check_integer are the one place values are judged);
-`parse_messages` / `parse_prompts` read what to continue; `encode_chat` / `encode_text` turn them into ids;
+`parse_prompts` reads what to continue (a chat's messages: specexec/serving/messages.py); `encode_text` turns
+it into ids;
 `make_job` checks lengths against the context and freezes everything into a Job. Fields that common clients
 send are accepted: unknown ones are ignored, known ones asking for something this engine cannot do exactly
-(tools, suffix) are a 400 that says so; response_format is specexec/serving/structured.py's. logprobs / top_logprobs (chat: a boolean and 0..20;
+(the legacy functions, suffix) are a 400 that says so; response_format is specexec/serving/structured.py's,
+tools specexec/serving/tools.py's (chat only). logprobs / top_logprobs (chat: a boolean and 0..20;
 /v1/completions: 0..5) come from the target's processed distribution where each token was chosen
 (specexec/serving/logprobs.py shapes them); logit_bias ({"token id": bias in [-100, 100]}) goes to both models
 through SamplingParams. presence_penalty and frequency_penalty
@@ -33,7 +35,6 @@ from typing import Any
 import specexec
 from specexec.config import SamplingParams
 from specexec.options import ConfigError, check_integer, check_prompt_length
-from specexec.runtime.tokenizer import encode_messages
 from specexec.serving import logprobs as lp
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -44,7 +45,6 @@ MAX_PROMPTS = 64           # prompts in one /v1/completions request
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
                    "frequency_penalty": "frequency_penalty", "seed": "seed"}
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(ConfigError):
@@ -75,12 +75,13 @@ class ServerDefaults:
     model_id: str
     sampling: SamplingParams = SamplingParams()
     max_tokens: int = 128          # default for a request that names none (capped by the context left)
+    aliases: tuple[str, ...] = ()  # other model names requests may use (--served-model-name's further names)
 
 
 @dataclass(frozen=True)
 class Options:
-    """The prompt-independent fields of one request, checked. `model` is accepted whatever it names (one
-    model is served); responses name the served model."""
+    """The prompt-independent fields of one request, checked. `model` must be the served model's id or one of
+    its aliases (else a 404 model_not_found); responses name the served model."""
 
     model: str
     n: int
@@ -112,6 +113,7 @@ class Job:
     echo_texts: tuple[str, ...] = ()           # /v1/completions echo=true: each prompt's text
     logprobs: int | None = None                # top_logprobs per token (None: no log-probs)
     grammar: str | None = None                 # every choice's grammar (llguidance's text; None: free text)
+    tool_format: str | None = None             # the tool-call format answers are parsed in (serving/tools.py)
 
     @property
     def choices(self) -> int:
@@ -163,8 +165,7 @@ def _checked(param: str, check, *args: Any) -> None:
 
 def _unsupported(body: dict) -> None:
     """400 for known fields that ask for what this engine cannot do exactly; their neutral values pass."""
-    checks = (("tools", (list,), lambda v: not v),
-              ("functions", (list,), lambda v: not v), ("suffix", (str,), lambda v: v == ""))
+    checks = (("functions", (list,), lambda v: not v), ("suffix", (str,), lambda v: v == ""))
     for name, kinds, neutral in checks:
         value = _field(body, name, kinds)
         if value is not None and not neutral(value):
@@ -234,6 +235,10 @@ def parse_options(body: dict, defaults: ServerDefaults, vocab_size: int | None =
     model's, for logit_bias ids."""
     _unsupported(body)
     model = _field(body, "model", (str,), defaults.model_id)
+    if model != defaults.model_id and model not in defaults.aliases:
+        raise ApiError(f"the model {model!r} does not exist; this server has {defaults.model_id!r}"
+                       + (f" (also named {', '.join(defaults.aliases)})" if defaults.aliases else ""),
+                       param="model", code="model_not_found", status=404)
     n = _field(body, "n", (int,), 1)
     _checked("n", check_integer, "n", n, 1, MAX_N)
     best_of = _field(body, "best_of", (int,), n)
@@ -248,38 +253,6 @@ def parse_options(body: dict, defaults: ServerDefaults, vocab_size: int | None =
     include_usage = _field(stream_options, "include_usage", (bool,), False)
     return Options(model, n, max_tokens, _sampling(body, defaults.sampling, vocab_size), _stop(body), stream,
                    stream and include_usage, _field(body, "echo", (bool,), False), _logprobs(body))
-
-
-def _content_text(content: Any, index: int) -> str:
-    """A message's content as text: a string, null, or an array of {"type": "text", "text"} parts."""
-    param = f"messages[{index}].content"
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError("only text content parts ({'type': 'text', 'text': ...}) are supported",
-                               param=param, code="unsupported_content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(f"'{param}' must be a string or an array of text parts", param=param, code="invalid_type")
-
-
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    """[{"role", "content"}] with text content; 'developer' is the system role under another name."""
-    messages = _field(body, "messages", (list,))
-    if not messages:
-        raise ApiError("'messages' must be a non-empty array of {'role', 'content'} objects", param="messages",
-                       code="invalid_value")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(f"messages[{i}] must be an object whose 'role' is one of {', '.join(ROLES)}",
-                           param=f"messages[{i}]", code="invalid_value")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content_text(m.get("content"), i)})
-    return out
 
 
 def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
@@ -310,17 +283,6 @@ def _ids(ids: list, vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt ids of a conversation through the model's chat template; a template's refusal is a 400."""
-    try:
-        return encode_messages(tokenizer, messages)
-    except ConfigError as e:
-        raise ApiError(str(e), param="messages", code="invalid_value") from None
-    except Exception as e:                  # noqa: BLE001 -- jinja's TemplateError, raise_exception(), ...
-        raise ApiError(f"the model's chat template rejected the messages: {e}", param="messages",
-                       code="invalid_value") from None
-
-
 def encode_text(tokenizer, prompt: str | list[int]) -> list[int]:
     """Prompt ids of a /v1/completions prompt (ids pass through): the tokenizer's default encoding."""
     return list(prompt) if isinstance(prompt, list) else list(tokenizer(prompt)["input_ids"])
@@ -338,14 +300,15 @@ def _budget(n_prompt: int, max_tokens: int | None, default: int, context: int, p
 
 
 def make_job(kind: str, options: Options, prompts: Sequence[list[int]], defaults: ServerDefaults, context: int,
-             echo_texts: Sequence[str] = (), grammar: str | None = None) -> Job:
+             echo_texts: Sequence[str] = (), grammar: str | None = None, tool_format: str | None = None) -> Job:
     """Freeze a request into a Job after checking every prompt plus its max_tokens against the context."""
     param = "messages" if kind == "chat" else "prompt"
     limits = tuple(_budget(len(p), options.max_tokens, defaults.max_tokens, context, param) for p in prompts)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Job(kind, prefix + uuid.uuid4().hex[:24], int(time.time()), defaults.model_id,
                tuple(tuple(p) for p in prompts), limits, options.n, options.sampling, options.stop, options.stream,
-               options.include_usage, tuple(echo_texts) if options.echo else (), options.logprobs, grammar)
+               options.include_usage, tuple(echo_texts) if options.echo else (), options.logprobs, grammar,
+               tool_format)
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -361,6 +324,8 @@ class Choice:
     completion_tokens: int = 0
     stats: dict = field(default_factory=dict)
     logprobs: list[dict] = field(default_factory=list)     # logprobs.entries of its tokens
+    ids: tuple[int, ...] = ()                              # its generated ids
+    tool_calls: list[dict] = field(default_factory=list)   # parsed from its text (serving/tools.py)
 
 
 def usage(choices: Sequence[Choice], job: Job) -> dict:
@@ -392,9 +357,15 @@ def _choice_logprobs(job: Job, items: Sequence[dict], offset: int = 0) -> dict |
     return lp.chat_logprobs(items) if job.kind == "chat" else lp.text_logprobs(items, offset)
 
 
+def _message(c: Choice) -> dict:
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
+
+
 def chat_response(job: Job, choices: Sequence[Choice], queue_ms: float) -> dict:
-    body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": _choice_logprobs(job, c.logprobs), "finish_reason": c.finish_reason} for c in choices]
+    body = [{"index": c.index, "message": _message(c), "logprobs": _choice_logprobs(job, c.logprobs),
+             "finish_reason": c.finish_reason} for c in choices]
     return {**_head(job, "chat.completion"), "choices": body, "usage": usage(choices, job),
             "specexec": extension(choices, queue_ms)}
 
@@ -411,13 +382,16 @@ def _chunk_object(job: Job) -> str:
 
 
 def chunk(job: Job, index: int, text: str | None = None, finish_reason: str | None = None,
-          stats: dict | None = None, opening: bool = False, logprobs: Sequence[dict] = ()) -> dict:
+          stats: dict | None = None, opening: bool = False, logprobs: Sequence[dict] = (),
+          tool_calls: Sequence[dict] = ()) -> dict:
     """One stream chunk for one choice, of the job's kind: new `text` (with its tokens' logprobs entries when
     the request asked), or (text None) the choice's end with its finish_reason and step stats; opening: a chat
     stream's first chunk (the assistant role, no text).
     A chat chunk carries a `delta`, a completion chunk `text`; `usage` is null when usage is requested, as
     OpenAI sends it."""
-    if job.kind == "chat":
+    if job.kind == "chat" and tool_calls:
+        piece = {"delta": {"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}}
+    elif job.kind == "chat":
         piece = {"delta": {"role": "assistant", "content": ""} if opening else
                  ({"content": text} if text is not None else {})}
     else:

@@ -47,6 +47,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     stats: dict
+    ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,9 @@ class Ticket:
 class Metrics:
     """Running totals over every generation the worker ran (read with snapshot(); thread-safe)."""
 
-    COUNTERS = ("jobs_submitted", "jobs_completed", "jobs_cancelled", "jobs_failed", "generated_tokens",
-                "prefilled_tokens", "reused_tokens", "steps", "decode_seconds", "bytes_streamed")
+    COUNTERS = ("jobs_submitted", "jobs_started", "jobs_completed", "jobs_cancelled", "jobs_failed",
+                "generated_tokens", "prefilled_tokens", "reused_tokens", "steps", "decode_seconds", "bytes_streamed",
+                "queue_seconds")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -103,6 +105,13 @@ class Metrics:
             for k, v in values.items():
                 self.totals[k] += v
 
+    def started(self, queue_ms: float) -> None:
+        """A job leaves the queue for the worker after waiting queue_ms."""
+        with self._lock:
+            self.totals["jobs_started"] += 1
+            self.totals["queue_seconds"] += queue_ms / 1000
+            self.last["queue_ms"] = round(queue_ms, 2)
+
     def record(self, runtime: Runtime, n_tokens: int) -> dict:
         """Account one finished generate_ids call; returns runtime.stats() for it."""
         stats = runtime.stats()
@@ -112,17 +121,19 @@ class Metrics:
                          ("reused_tokens", gen.reused_tokens), ("steps", len(gen.steps)),
                          ("decode_seconds", gen.decode_s), ("bytes_streamed", stats.get("bytes_streamed", 0))):
                 self.totals[k] += v
-            self.last = {"tokens_per_second": stats.get("decode_tok_s"),
-                         "tokens_per_step": stats.get("tokens_per_step"),
-                         "effective_gb_s": stats.get("effective_gbps")}
+            self.last.update({"tokens_per_second": stats.get("decode_tok_s"),
+                              "tokens_per_step": stats.get("tokens_per_step"),
+                              "effective_gb_s": stats.get("effective_gbps")})
         return stats
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             totals, last = dict(self.totals), dict(self.last)
         steps, secs = totals["steps"], totals["decode_seconds"]
+        started = totals["jobs_started"]
         return {**totals, "tokens_per_step": round(totals["generated_tokens"] / steps, 3) if steps else None,
                 "tokens_per_second": round(totals["generated_tokens"] / secs, 2) if secs else None,
+                "queue_wait_ms_mean": round(1000 * totals["queue_seconds"] / started, 2) if started else None,
                 "last": last}
 
 
@@ -170,13 +181,14 @@ def run_choice(runtime: Runtime, job: Job, choice: int, ticket: Ticket, metrics:
     if ticket.cancelled.is_set():
         return False
     reason = _finish_reason(ids, limit, runtime.engine.eos_ids)
-    ticket.emit(Finished(choice, reason, len(prompt), len(ids), stats))
+    ticket.emit(Finished(choice, reason, len(prompt), len(ids), stats, tuple(ids)))
     return True
 
 
 def run_job(runtime: Runtime, ticket: Ticket, metrics: Metrics) -> None:
     """Every choice of the ticket's job in order; ends with End (after Failed if it raised)."""
     queue_ms = 1000 * (time.perf_counter() - ticket.submitted)
+    metrics.started(queue_ms)
     outcome = "jobs_completed"
     try:
         for choice in range(ticket.job.choices):

@@ -60,3 +60,20 @@ def raw(url: str, method: str, path: str, body: Any = None, headers: dict | None
         return resp.status, json.loads(text) if is_json else text
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def served(runtime, model: str, max_tokens: int) -> Iterator[tuple[str, Any]]:
+    """`runtime` served as `model` (default max_tokens `max_tokens`): (base URL, an openai.OpenAI client on it)."""
+    import openai
+
+    from cli.serve.app import build_app
+    from specexec.config import SamplingParams
+    from specexec.serving.openai_api import ServerDefaults
+
+    with running(build_app(runtime, ServerDefaults(model, SamplingParams(), max_tokens))) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            yield base, client
+        finally:
+            client.close()

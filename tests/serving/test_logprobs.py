@@ -12,14 +12,12 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 openai = pytest.importorskip("openai")
 
-from cli.serve.app import build_app  # noqa: E402
 from specexec.config import EngineConfig, SamplingParams  # noqa: E402
 from specexec.generation import TokenLogprob  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
 from specexec.sampling import apply_logit_bias  # noqa: E402
 from specexec.serving import logprobs as lp  # noqa: E402
-from specexec.serving.openai_api import ServerDefaults  # noqa: E402
-from tests.serving.live_server import running  # noqa: E402
+from tests.serving.live_server import served  # noqa: E402
 
 MODEL, TOKENS = "tiny", 24
 
@@ -32,8 +30,8 @@ def runtime(tiny_pair, tiny_perturbed_draft) -> Runtime:
 
 @pytest.fixture(scope="module")
 def client(runtime) -> Iterator[openai.OpenAI]:
-    with running(build_app(runtime, ServerDefaults(MODEL, SamplingParams(), TOKENS))) as base:
-        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with served(runtime, MODEL, TOKENS) as (_, client):
+        yield client
 
 
 def alone(runtime: Runtime, content: str, sampling: SamplingParams, top: int) -> list[TokenLogprob]:

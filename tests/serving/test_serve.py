@@ -85,8 +85,9 @@ def cli_generate(capsys, tiny_pair, draft, *argv: str) -> dict:
 def test_models_health_and_metrics(client, url) -> None:
     openai = pytest.importorskip("openai")
     assert [m.id for m in client.models.list().data] == [MODEL]
-    other = client.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-    assert other.model == MODEL                                   # any name is accepted; the served one answers
+    with pytest.raises(openai.NotFoundError) as e:                # a model this server does not serve
+        client.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert client.models.retrieve(MODEL).owned_by == "specexec"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
@@ -96,6 +97,7 @@ def test_models_health_and_metrics(client, url) -> None:
     text = raw(url, "GET", "/metrics")[1]
     for name in ("specexec_queue_depth 0", "specexec_tokens_per_step ", "specexec_tokens_per_second ",
                  "specexec_generated_tokens_total ", 'specexec_jobs_total{outcome="completed"}',
+                 "specexec_queue_wait_seconds_total ", "specexec_jobs_started_total ", "specexec_last_queue_ms ",
                  'specexec_requests_total{path="/v1/chat/completions",status="200"}'):
         assert name in text, text
     snap = metrics(url)
@@ -431,6 +433,23 @@ BAD = [
 ]
 
 
+def test_access_log_one_line_per_request(runtime) -> None:
+    lines: list[str] = []
+    app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), 8), ServeSettings(access_log=lines.append))
+    openai = pytest.importorskip("openai")
+    with running(app) as base:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6)
+        parts = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=6, stream=True))
+        raw(base, "GET", "/health")
+    assert parts and len(lines) == 3, lines
+    n = r.usage.completion_tokens
+    assert re.fullmatch(rf"POST /v1/chat/completions 200 tokens={n} wait=\d+\.\d\ds \d+\.\d\ds queue=0", lines[0])
+    assert lines[1].startswith(f"POST /v1/chat/completions 200 tokens={n} ")      # the stream's, at its end
+    assert lines[2].startswith("GET /health 200 tokens=- ")
+
+
 def test_malformed_requests_get_openai_error_bodies(url) -> None:
     base = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
     for body, status, param in BAD:
@@ -506,7 +525,8 @@ def _env() -> dict:
 def test_serve_command_end_to_end(tiny_pair, tiny_perturbed_draft) -> None:
     openai = pytest.importorskip("openai")
     cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_pair[0]), "--draft",
-           str(tiny_perturbed_draft), "--budget", "8", "--port", "0", "--api-key", "k3y", "--max-new-tokens", "8"]
+           str(tiny_perturbed_draft), "--budget", "8", "--port", "0", "--api-key", "k3y", "--max-new-tokens", "8",
+           "--served-model-name", "tiny-served", "alias-a"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         base = None
@@ -516,14 +536,20 @@ def test_serve_command_end_to_end(tiny_pair, tiny_perturbed_draft) -> None:
             assert line or proc.poll() is None, "serve exited early"
             m = re.search(r"serving (\S+) on (http://127\.0\.0\.1:\d+)/v1", line)
             if m:
-                assert m.group(1) == tiny_pair[0].name
+                assert m.group(1) == "tiny-served"
                 base = m.group(2)
         assert base is not None
         assert raw(base, "GET", "/v1/models")[0] == 401
         c = openai.OpenAI(base_url=base + "/v1", api_key="k3y", max_retries=0, timeout=60)
-        r = c.completions.create(model=tiny_pair[0].name, prompt="Hello", max_tokens=5)
-        assert r.usage.completion_tokens >= 1
+        r = c.completions.create(model="alias-a", prompt="Hello", max_tokens=5)    # an alias answers as the id
+        assert r.usage.completion_tokens >= 1 and r.model == "tiny-served"
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model=tiny_pair[0].name, prompt="Hello", max_tokens=5)
         c.close()
+        log = [proc.stderr.readline() for _ in range(3)]         # one access line per request, in order
+        assert log[0].startswith("GET /v1/models 401 tokens=- ")
+        assert log[1].startswith(f"POST /v1/completions 200 tokens={r.usage.completion_tokens} wait=")
+        assert log[2].startswith("POST /v1/completions 404 ")
         proc.send_signal(signal.SIGINT)                        # Ctrl-C: a clean stop, the CLI's exit code
         assert proc.wait(30) == 130
         assert "Traceback" not in proc.stderr.read()

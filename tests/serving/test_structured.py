@@ -16,11 +16,9 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-from cli.serve.app import build_app  # noqa: E402
 from specexec.config import EngineConfig, SamplingParams  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
-from specexec.serving.openai_api import ServerDefaults  # noqa: E402
-from tests.serving.live_server import raw, running  # noqa: E402
+from tests.serving.live_server import raw, served  # noqa: E402
 
 MODEL, TOKENS = "tiny", 96
 
@@ -38,14 +36,19 @@ def runtime(tiny_pair, tiny_perturbed_draft) -> Runtime:
 
 
 @pytest.fixture(scope="module")
-def url(runtime) -> Iterator[str]:
-    with running(build_app(runtime, ServerDefaults(MODEL, SamplingParams(), TOKENS))) as base:
-        yield base
+def server(runtime) -> Iterator[tuple[str, openai.OpenAI]]:
+    with served(runtime, MODEL, TOKENS) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def url(server) -> str:
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server[1]
 
 
 def test_parse_with_a_pydantic_model_is_the_constrained_target_alone(client, runtime) -> None:
