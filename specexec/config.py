@@ -88,7 +88,7 @@ class MoEArgs:
         return layer not in self.dense_layers
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")   # config.json's layer_types specexec runs
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")  # specexec runs
 LINEAR_LAYOUTS = ("qkvz", "split")
 
 
@@ -121,6 +121,35 @@ class LinearArgs:
     def conv_dim(self) -> int:
         """Channels of the convolution: q and k (k_heads x k_dim each) and v (v_heads x v_dim)."""
         return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+@dataclass(frozen=True)
+class LatentArgs:
+    """Multi-head latent attention (MLA: DeepSeek-V2/V3/R1, Kimi-K2; specexec/network/latent.py), the token mixer of
+    "latent_attention" layers. Each token's keys and values of all heads come from one latent: c = RMSNorm(x
+    W_kv_a)[:kv_rank] expanded per head by kv_b_proj into `nope_dim` key and `v_dim` value dimensions, plus one
+    shared `rope_dim` key part that carries the position (RoPE, pairs interleaved when `interleaved`). The query
+    is x W_q, or low-rank x W_q_a -> RMSNorm -> W_q_b when `q_rank` is set; its nope_dim part meets the keys'
+    expanded part, its rope_dim part the shared rotary key. The cache holds the latent and the rotary key,
+    kv_rank + rope_dim values per token and layer (ModelArgs.head_dim, one KV head, one row read as both key
+    and value). `norm_eps`: the two low-rank RMSNorms' epsilon (transformers keeps them at 1e-6 whatever the
+    model's norm_eps)."""
+
+    kv_rank: int                 # kv_lora_rank
+    rope_dim: int                # qk_rope_head_dim
+    nope_dim: int                # qk_nope_head_dim
+    v_dim: int                   # v_head_dim
+    q_rank: int | None = None    # q_lora_rank (None: a full-rank q_proj)
+    interleaved: bool = True     # rope_interleave: the rotary pairs are (0, 1), (2, 3), ... in the weights
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("kv_rank", "rope_dim", "nope_dim", "v_dim"):
+            check_integer(name, getattr(self, name), low=1, high=1 << 16)
+        if self.rope_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim {self.rope_dim} must be even")
+        if self.q_rank is not None:
+            check_integer("q_lora_rank", self.q_rank, low=1, high=1 << 16)
 MLP_ACTS = ("silu", "gelu_tanh", "gelu")      # the MLP gate's activations (HF: silu, gelu_pytorch_tanh, gelu)
 
 
@@ -187,6 +216,8 @@ class ModelArgs:
     # Qwen3-Next / Qwen3.5
     attn_output_gate: bool = False       # q_proj also yields a per-head gate: attention out x sigmoid(gate)
     linear: LinearArgs | None = None     # the linear_attention layers' shape (layer_types names them)
+    # DeepSeek-V3, Kimi-K2: latent attention in its "latent_attention" layers (None: no such layer)
+    latent: LatentArgs | None = None
 
     def __post_init__(self) -> None:
         check_choice("mlp activation", self.mlp_act, MLP_ACTS)
@@ -205,6 +236,14 @@ class ModelArgs:
                 raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
             if "linear_attention" in self.layer_types and self.linear is None:
                 raise ConfigError("layer_types has linear_attention layers but their shape (linear) is not set")
+        if ("latent_attention" in self.layer_types) != (self.latent is not None):
+            raise ConfigError("latent_attention layers and latent attention's shape (LatentArgs) go together")
+        if self.latent is not None:
+            m = self.latent
+            if (self.n_kv_heads, self.head_dim, self.rope_dim) != (1, m.kv_rank + m.rope_dim, m.rope_dim):
+                raise ConfigError(f"a latent attention model caches one row of kv_lora_rank + qk_rope_head_dim = "
+                                  f"{m.kv_rank + m.rope_dim} values (n_kv_heads 1, head_dim {m.kv_rank + m.rope_dim}, "
+                                  f"rope_dim {m.rope_dim}); got {self.n_kv_heads}, {self.head_dim}, {self.rope_dim}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

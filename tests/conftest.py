@@ -165,6 +165,7 @@ MOE_MODELS: dict[str, tuple[str, int, int, dict]] = {
     "gpt_oss": ("gpt_oss", 23, 2, {}),                                # sinks, sliding/full layers, YaRN, biases
     "glm4_moe": ("glm4_moe", 25, 3, {}),        # layer 0 dense; sigmoid + bias, 4 groups top-2, shared, x2.5
     "minimax_m2": ("minimax_m2", 26, 2, {}),    # q/k norms over the projections, rotary 12 of 16, sigmoid + bias
+    "deepseek_v3": ("deepseek_v3", 27, 3, {}),  # latent attention (ranks 48/32, YaRN + mscale), GLM's routing
 }
 
 
@@ -217,6 +218,13 @@ def tiny_minimax_m2(tiny_root: Path) -> Path:
     """MiniMax-M2, 2 layers, 8 experts of 32, top-2 by sigmoid + score bias; q/k norms over the whole
     projections, rotary 12 of 16."""
     return _moe(tiny_root, "minimax_m2")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tiny_root: Path) -> Path:
+    """DeepSeek-V3, 3 layers (layer 0 dense): latent attention (q rank 48, kv rank 32, 16 + 8 rotary key dims,
+    values of 12, interleaved RoPE, YaRN x4 with mscale 0.7 / 1.0), GLM's routing (16 experts in 4 groups)."""
+    return _moe(tiny_root, "deepseek_v3")
 
 
 @pytest.fixture(scope="session")

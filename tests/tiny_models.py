@@ -119,6 +119,13 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
                        mlp_only_layers=[1]),
     "qwen3_5_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=48),
+    "deepseek_v3": dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+                        num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12, rms_norm_eps=1e-5, rope_interleave=True,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=128, mscale=0.7, mscale_all_dim=1.0,
+                                             beta_fast=32, beta_slow=1)),
 }
 
 # The Qwen hybrids' linear-attention layers at the tiny shape: 2 key heads serving 4 value heads of 16, a

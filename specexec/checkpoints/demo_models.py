@@ -40,7 +40,7 @@ user: tell me a story. assistant: there once was a tree with many branches, and 
 """
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "qwen3_moe", "qwen2_moe",
             "mixtral", "olmoe", "gpt_oss", "glm4_moe", "minimax_m2",
-            "qwen3_next", "qwen3_5", "qwen3_5_mm", "qwen3_5_moe")
+            "qwen3_next", "qwen3_5", "qwen3_5_mm", "qwen3_5_moe", "deepseek_v3")
 LEARNED_BUFFERS = ("e_score_correction_bias",)     # buffers a checkpoint stores that `randomize` fills too
 # The vision tower of a tiny multimodal Gemma 3 (`gemma3_mm`): present in the checkpoint, never run by specexec.
 TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -116,7 +116,8 @@ def model_classes(family: str) -> tuple[Any, type]:
              "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
              "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
              "qwen3_5_mm": (qwen3_5_mm, tf.Qwen3_5ForConditionalGeneration),
-             "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM)}
+             "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+             "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}
 
     if family not in table:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")

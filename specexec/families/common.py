@@ -110,6 +110,24 @@ _RECURRENT_KEYS = ("mamba_d_state", "ssm_state_size", "mamba_expand", "linear_nu
 RUNS = "full and sliding attention, and Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5)"
 
 
+# Architectures whose attention specexec does not compute: it runs full, sliding-window and latent attention.
+SPARSE_ATTENTION = {
+    "DeepseekV32ForCausalLM": "DeepSeek sparse attention (a lightning indexer picks the keys each query sees)",
+    "GlmMoeDsaForCausalLM": "DeepSeek sparse attention (a lightning indexer picks the keys each query sees)",
+    "DeepseekV4ForCausalLM": "compressed sparse attention (keys compressed and picked per query)",
+}
+
+
+def sparse_attention_reason(cfg: dict[str, Any]) -> str | None:
+    """The line for an architecture of SPARSE_ATTENTION (naming its attention kind), else None."""
+    archs = cfg.get("architectures") or []
+    what = next((SPARSE_ATTENTION[a] for a in archs if a in SPARSE_ATTENTION), None)
+    if what is None:
+        return None
+    return (f"unsupported architecture {', '.join(archs)}: its attention is {what}, which this runtime does not "
+            "compute (it runs full, sliding-window and latent attention exactly)")
+
+
 def recurrent_reason(cfg: dict[str, Any]) -> str | None:
     """The line for a model with layers of a kind specexec does not run (an architecture of MISSING_KINDS, a
     layer_types kind outside LAYER_TYPES, or state-space config keys), else None."""

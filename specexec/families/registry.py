@@ -17,12 +17,13 @@ from types import ModuleType
 from typing import Any
 
 from specexec.config import ModelArgs
-from specexec.families import gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, olmoe, phi3, qwen_hybrid, qwen_moe
-from specexec.families.common import recurrent_reason
+from specexec.families import (deepseek, gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, olmoe, phi3,
+                               qwen_hybrid, qwen_moe)
+from specexec.families.common import recurrent_reason, sparse_attention_reason
 from specexec.options import ConfigError
 
 FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3, qwen_moe, mixtral, olmoe, gpt_oss, glm4_moe,
-                                          minimax_m2, qwen_hybrid)
+                                          minimax_m2, qwen_hybrid, deepseek)
 
 
 @functools.cache
@@ -70,7 +71,7 @@ def model_args(cfg: dict[str, Any]) -> ModelArgs:
 def refusal(cfg: dict[str, Any]) -> str:
     """The line for a config whose architecture specexec does not run: which one, that it is not supported
     (for a hybrid / recurrent model also why: common.recurrent_reason), and what is."""
-    why = recurrent_reason(cfg)
+    why = recurrent_reason(cfg) or sparse_attention_reason(cfg)
     if why is not None:
         return f"{why}; supported: {', '.join(architectures())}"
     archs = cfg.get("architectures") or []

@@ -55,7 +55,7 @@ class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, batch: int = 1, quant: str = "none",
                  streamed: Sequence[int] = (), tail: int = 0, windows: Sequence[int | None] = (),
-                 states: Sequence[StateSpec | None] = ()) -> None:
+                 states: Sequence[StateSpec | None] = (), parts: int = 2) -> None:
         if quant not in KV_QUANTS:
             raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(KV_QUANTS)}")
         self.device, self.dtype, self.quant = torch.device(device), dtype, quant
@@ -68,9 +68,10 @@ class KVCache:
         self.where: list[tuple[str, int]] = [("device", resident.index(i)) if i in resident else
                                              ("streamed", streamed.index(i)) if i in streamed else
                                              ("state", self.states[i][1]) for i in range(n_layers)]
-        self.rows = Rows.empty(len(resident), capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device)
+        self.rows = Rows.empty(len(resident), capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device,
+                               parts=parts)
         self.stream = StreamedKV(streamed, capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device,
-                                 tail, [windows[i] if windows else None for i in streamed]) if streamed else None
+                                 tail, [windows[i] if windows else None for i in streamed], parts) if streamed else None
         self.capacity = capacity
         self.length = 0
         self.long_rope = False        # rows computed with LongRoPE's long factors (the engine sets it: rope.py)
@@ -117,12 +118,13 @@ class KVCache:
 
     @property
     def v(self) -> Tensor:
-        return self.rows.data[:, :, 1].permute(0, 2, 3, 1, 4)
+        return self.rows.data[:, :, -1].permute(0, 2, 3, 1, 4)
 
     # ------------------------------------------------------------------------------------- per layer
 
-    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store k, v [B, H_kv, T, D] at slots [T] (each >= length) of one layer."""
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor | None) -> None:
+        """Store k, v [B, H_kv, T, D] at slots [T] (each >= length) of one layer (v None for one-part rows: k
+        is the row, read back as both key and value)."""
         where, j = self.where[layer]
         if where == "streamed":
             self.stream.write(layer, slots, k, v)

@@ -46,14 +46,16 @@ class StreamedKV:
     """Host rows of the streamed layers, their device tail and the device stages (see the module docstring)."""
 
     def __init__(self, layers: Sequence[int], capacity: int, batch: int, heads: int, dim: int, dtype: torch.dtype,
-                 quant: str, device: torch.device, tail: int, windows: Sequence[int | None] = ()) -> None:
-        """windows[j]: the sliding window of streamed layer layers[j] (None or absent: it sees every row)."""
+                 quant: str, device: torch.device, tail: int, windows: Sequence[int | None] = (),
+                 parts: int = 2) -> None:
+        """windows[j]: the sliding window of streamed layer layers[j] (None or absent: it sees every row); parts:
+        2 for K/V rows, 1 for one row read as both (specexec/kv/rows.py)."""
         self.index = {layer: j for j, layer in enumerate(layers)}
         self.windows = {layer: (windows[j] if j < len(windows) else None) for j, layer in enumerate(layers)}
         self.device, self.cuda = device, device.type == "cuda"
-        self.shape = (batch, heads, dim, dtype, quant)
-        self.host = Rows.empty(len(layers), capacity, batch, heads, dim, dtype, quant, "cpu", self._host_alloc)
-        self.tail = Rows.empty(len(layers), tail, batch, heads, dim, dtype, quant, device)
+        self.shape = (batch, heads, dim, dtype, quant, parts)
+        self.host = Rows.empty(len(layers), capacity, batch, heads, dim, dtype, quant, "cpu", self._host_alloc, parts)
+        self.tail = Rows.empty(len(layers), tail, batch, heads, dim, dtype, quant, device, parts=parts)
         self.stages: list[Rows] = []
         self.records: list[tuple[int, int, int]] = []   # per stage: (layer, lo, valid): rows [lo, valid) = the host's
         self.discard: Callable[[], None] | None = None
@@ -84,8 +86,8 @@ class StreamedKV:
         self._make_stages(n_stages)
 
     def _make_stages(self, n: int) -> None:
-        B, H, D, dtype, quant = self.shape
-        self.stages = [Rows.empty(1, self.capacity, B, H, D, dtype, quant, self.device) for _ in range(n)]
+        B, H, D, dtype, quant, P = self.shape
+        self.stages = [Rows.empty(1, self.capacity, B, H, D, dtype, quant, self.device, parts=P) for _ in range(n)]
         self.records = [(-1, 0, 0)] * n
 
     # ------------------------------------------------------------------------------------- copier side
@@ -157,7 +159,7 @@ class StreamedKV:
             return
         self.topped_up += self._copy_in(j, stage, valid, self.length, self.written)
 
-    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor | None) -> None:
         """Rows k, v [B, H, T, D] at `slots` [T] (each >= length): into the layer's stage, and into the tail
         (rows slots - length) or, when T exceeds the tail, straight to the host (slots must then be
         [length, length + T))."""

@@ -7,7 +7,8 @@ config.json's `layer_types` names each layer's mixer with HF's names (ModelArgs.
 - `build(args, layer)`: the mixer module; every mixer is called alike,
   mixer(x [B, T, D], cos, sin, plan, cache, layer, slots) -> [B, T, D];
 - `state(args, layer)`: what the layer's cache holds: None for K/V rows per slot (KVCache's row stores), else
-  a StateSpec of specexec/kv/ whose store the cache builds (specexec/kv/layer_store.py);
+  a StateSpec of specexec/kv/ whose store the cache builds (specexec/kv/layer_store.py); `parts` of a row-keeping
+  kind: 2 (K and V) or 1 (latent attention's one row read as both: specexec/kv/latent.py);
 - `cache_bytes(args, layer, slots, elem, quant)`: one layer's cache for `slots` slots (the planner's one function
   per kind);
 - `plan`: what tells the mixer which tokens each new token sees, built once per forward by the model:
@@ -31,6 +32,8 @@ from specexec.config import LAYER_TYPES, ModelArgs
 from specexec.kv.cache import KVCache
 from specexec.kv.layer_store import StateSpec
 from specexec.kv.rows import row_bytes
+from specexec.kv.latent import PARTS as LATENT_PARTS, latent_row_bytes
+from specexec.network.latent import LatentAttention
 from specexec.network.linear_attention import GatedDeltaNet, spec_of
 from specexec.network.self_attention import Attention
 
@@ -46,6 +49,7 @@ class MixerKind:
     state: Callable[[ModelArgs, int], StateSpec | None]
     cache_bytes: Callable[[ModelArgs, int, int, int, str], int]
     plan: str = "attention"
+    parts: int = 2                     # a K/V-row kind's parts per row: 2 (K and V), 1 (one row read as both)
 
 
 def _rows_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
@@ -60,8 +64,11 @@ ATTENTION = MixerKind("attention", ("full_attention", "sliding_attention"), "sel
                       lambda args, layer: Attention(args), lambda args, layer: None, _rows_bytes)
 LINEAR = MixerKind("linear_attention", ("linear_attention",), "linear_attn",
                    lambda args, layer: GatedDeltaNet(args), lambda args, layer: spec_of(args), _state_bytes, "tree")
+LATENT = MixerKind("latent_attention", ("latent_attention",), "self_attn", lambda args, layer: LatentAttention(args),
+                   lambda args, layer: None, lambda args, layer, slots, elem, quant:
+                   latent_row_bytes(args, slots, elem, quant), parts=LATENT_PARTS)
 
-MIXERS: tuple[MixerKind, ...] = (ATTENTION, LINEAR)
+MIXERS: tuple[MixerKind, ...] = (ATTENTION, LINEAR, LATENT)
 _BY_TYPE = {t: kind for kind in MIXERS for t in kind.layer_types}
 assert set(_BY_TYPE) == set(LAYER_TYPES), "every layer type config.py accepts needs one mixer kind"
 
@@ -100,4 +107,13 @@ def new_cache(args: ModelArgs, capacity: int, dtype: torch.dtype, device: torch.
     """The cache of a model of `args`: K/V rows where the layers' kinds keep rows (`rows`: KVCache's streamed,
     tail and windows), a state store for the rest."""
     return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, capacity, dtype, device, quant=quant,
-                   states=layer_states(args), **rows)
+                   states=layer_states(args), parts=row_parts(args), **rows)
+
+
+def row_parts(args: ModelArgs) -> int:
+    """The parts per K/V row of the model's row-keeping layers (one row layout per model)."""
+    kinds = [mixer_kind(args, i) for i in range(args.n_layers)]
+    parts = {k.parts for i, k in enumerate(kinds) if k.state(args, i) is None}
+    if len(parts) > 1:
+        raise ValueError(f"layers of one model keep rows of one layout; these mix {sorted(parts)} parts per row")
+    return parts.pop() if parts else 2

@@ -32,8 +32,9 @@ def long_switch(args: ModelArgs) -> int | None:
 
 
 def attention_factor(args: ModelArgs, rope: str = "global") -> float:
-    """The factor cos and sin of table `rope` are multiplied by: YaRN's attention temperature (0.1 ln(factor) + 1,
-    or the config's attention_factor), LongRoPE's attention factor, else 1."""
+    """The factor cos and sin of table `rope` are multiplied by: YaRN's attention temperature (the config's
+    attention_factor, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) where the config names both,
+    else mscale(factor) = 0.1 ln(factor) + 1), LongRoPE's attention factor, else 1."""
     scaling = args.rope_params("global" if rope == "long" else rope)[1] or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "longrope":
@@ -42,8 +43,23 @@ def attention_factor(args: ModelArgs, rope: str = "global") -> float:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor = float(scaling["factor"])
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    factor = yarn_factor(args, scaling)
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all))
+    return yarn_mscale(factor)
+
+
+def yarn_factor(args: ModelArgs, scaling: dict[str, Any]) -> float:
+    """YaRN's context factor: the config's, else max_position_embeddings / original_max_position_embeddings."""
+    if scaling.get("factor") is not None:
+        return float(scaling["factor"])
+    return args.max_position_embeddings / float(scaling["original_max_position_embeddings"])
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
@@ -66,7 +82,7 @@ def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
     elif kind == "yarn":
-        inv = _yarn_inv_freq(inv, theta, d, scaling)
+        inv = _yarn_inv_freq(inv, theta, d, scaling, yarn_factor(args, scaling))
     elif kind == "longrope":
         ext = torch.tensor(scaling["long_factor" if rope == "long" else "short_factor"], dtype=torch.float32,
                            device="cpu")
@@ -76,10 +92,10 @@ def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
     return inv
 
 
-def _yarn_inv_freq(inv: torch.Tensor, theta: float, d: int, scaling: dict[str, Any]) -> torch.Tensor:
+def _yarn_inv_freq(inv: torch.Tensor, theta: float, d: int, scaling: dict[str, Any], factor: float) -> torch.Tensor:
     """YaRN (Peng et al. 2023): frequencies blended between extrapolated (inv) and interpolated (inv / factor)
     by a linear ramp over the dimensions whose rotations at the original context lie in [beta_slow, beta_fast]."""
-    factor, orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    orig = float(scaling["original_max_position_embeddings"])
     fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
 
     def dim_of(rotations: float) -> float:
@@ -91,6 +107,13 @@ def _yarn_inv_freq(inv: torch.Tensor, theta: float, d: int, scaling: dict[str, A
     low, high = max(low, 0), min(high, d - 1)
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001)).clamp(0, 1)
     return inv / factor * ramp + inv * (1 - ramp)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """x [..., R] with rotary pairs interleaved, (0, 1), (2, 3), ... (DeepSeek's rope_interleave) -> the halves
+    layout apply_rope rotates, [x0, x2, ..., x1, x3, ...]. Rotating that is transformers' interleaved rotation
+    bit for bit (its output is laid out in halves too), so the cached rotary key and the query agree."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), -1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

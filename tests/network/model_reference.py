@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from specexec.kv.cache import KVCache
+from specexec.network.mixers import new_cache as cache_of
 from specexec.network.model import Transformer, TreeMask, prefix_tree_mask
 
 TOL = 1e-4
@@ -27,8 +28,8 @@ def hf_model(path: Path):
 
 
 def new_cache(model: Transformer, capacity: int = 128) -> KVCache:
-    a = model.args
-    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, "cpu")
+    """An fp32 CPU cache of the model's layer kinds (network/mixers.new_cache)."""
+    return cache_of(model.args, capacity, torch.float32, "cpu")
 
 
 def causal(T: int) -> torch.Tensor:

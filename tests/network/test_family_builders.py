@@ -23,7 +23,7 @@ from specexec.runtime.assembly import Runtime
 from tests.network.model_reference import hf_model
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 
-FAMILIES = ["glm4_moe", "minimax_m2"]
+FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3"]
 N_NEW = 20
 
 

@@ -269,7 +269,8 @@ def test_mxfp4_gpt_oss_equals_transformers(tiny_gpt_oss_mxfp4: Path, cache_root:
 REAL_MOE = {"mixtral-8x7b-instruct-v0.1": ("mixtral", 8, 2, 46.7e9), "gpt-oss-120b": ("gpt_oss", 128, 4, 116.8e9),
             "qwen3-235b-a22b": ("qwen3_moe", 128, 8, 235e9), "qwen3-30b-a3b": ("qwen3_moe", 128, 8, 30.5e9),
             "glm-4.5-air": ("glm4_moe", 128, 8, 106e9), "glm-4.6": ("glm4_moe", 160, 8, 355e9),
-            "minimax-m2": ("minimax_m2", 256, 8, 230e9)}
+            "minimax-m2": ("minimax_m2", 256, 8, 230e9), "deepseek-v3": ("deepseek_v3", 256, 8, 671e9),
+            "kimi-k2-instruct": ("deepseek_v3", 384, 8, 1.026e12)}
 
 
 @pytest.mark.parametrize("name", list(REAL_MOE))

@@ -90,6 +90,19 @@ ROUTING = {
 }
 
 
+def test_a_latent_rank_the_tensors_do_not_have_is_one_line_naming_the_tensor(cli, cache_root, tmp_path,
+                                                                           tiny_deepseek_v3):
+    """config.json's kv_lora_rank 24 where the checkpoint's latent is 32 wide: the first tensor it shapes."""
+    import json
+
+    model = copy_checkpoint(tiny_deepseek_v3, tmp_path / "ckpt")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": 24}))
+    assert_one_line_error(cli(*checkpoint_argv("generate", model, cache_root)), "self_attn.kv_a_proj_with_mqa",
+                          "[40, 64]", "[32, 64]")
+    assert_nothing_cached(cache_root, tmp_path / "xdg-cache")
+
+
 @pytest.mark.parametrize("case", list(ROUTING))
 def test_contradicting_routing_fields_are_one_line_naming_the_field(case, cli, cache_root, tmp_path, tiny_glm4_moe):
     import json
