@@ -27,7 +27,6 @@ from specexec.options import (
     ConfigError, check_chat_options, check_draft_choice, check_number, check_prompt_text, help_list,
     parse_draft_vocab)
 from specexec.runtime.assembly import ModelInfo, Runtime
-from specexec.runtime.detokenizer import Detokenizer
 from specexec.verify import verifier_names
 
 
@@ -149,21 +148,17 @@ def stream(runtime: Runtime, prompt_ids: list[int], sampling: SamplingParams, st
            echo: bool, console: Console | None = None) -> tuple[list[int], str]:
     """Run generation; with echo, write the new text after each step (a long prefill shows a progress bar on
     `console` first). Returns (ids, text)."""
-    detok = Detokenizer(runtime.tokenizer, prompt_ids)
     ids: list[int] = []
-    shown = 0
+    text = ""
     with prefill_bar(console or Console(stderr=True, quiet=True), runtime.engine) as bar:
-        for new in runtime.generate_ids(prompt_ids, runtime.config.max_new_tokens, sampling, stop):
+        for new, piece in runtime.generate_text(prompt_ids, runtime.config.max_new_tokens, sampling, stop):
             bar.stop()
             ids += new
-            if echo:
-                text = detok.stable_text(ids)
-                if len(text) > shown:
-                    write_text(text[shown:])
-                    shown = len(text)
-    text = detok.text(ids)
+            text += piece
+            if echo and piece:
+                write_text(piece)
     if echo:
-        write_text(text[shown:] + "\n")
+        write_text("\n")
     return ids, text
 
 

@@ -3,9 +3,9 @@
 `Runtime.load()` is the one place that turns user-facing choices (model paths, EngineConfig) into running
 objects: it resolves the checkpoint paths, reads their configs (unsupported architectures fail before any
 weight is read), loads and cross-checks the tokenizers, loads both models on the configured device and dtype,
-and makes the tree builder (specexec.builders.registry). `generate_ids()` adds what the engine deliberately
-leaves out: the context-length check and stop strings (which need the tokenizer; the text side is
-specexec/runtime/detokenizer.py).
+and makes the tree builder (specexec.builders.registry). `generate_ids()` and `generate_text()` (the ids with
+their text as it becomes final) add what the engine deliberately leaves out: the context-length check and stop
+strings (which need the tokenizer; the text side is specexec/runtime/detokenizer.py).
 
 Memory plan and offloading: before any weight is loaded, the run is planned from the configs
 (specexec/planning/ledger.py via planning.target.plan_target: the draft counted once in its --draft-quant
@@ -65,7 +65,7 @@ from specexec.runtime.expert_stream import expert_passes
 from specexec.runtime.offloaded import load_target, quantize_head, quantize_layers
 from specexec.runtime.depth_probe import choose_self_depth, probe_window
 from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
-from specexec.runtime.detokenizer import Detokenizer, StopWatcher
+from specexec.runtime.detokenizer import Detokenizer, StopWatcher, stream_text
 from specexec.runtime.draft_vocab import align_vocab
 from specexec.runtime.grammar import Grammars
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
@@ -421,32 +421,39 @@ class Runtime:
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                      sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
                      constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[list[int]]:
-        """Yield new token ids as they are accepted. With stop strings, tokens that could still be the start
-        of one are held back until they cannot; generation ends before the first stop string (excluded).
+        """Yield new token ids as they are accepted. With stop strings: generate_text's ids (held back while
+        their text may still begin a stop string; the last kept token may hold the first one's start).
         constraint and logprobs as Engine.generate takes them (the log-probs land in engine.logprobs)."""
+        if not any(stop):
+            limit = max_new_tokens or self.config.max_new_tokens
+            self._begin(prompt_ids, limit)
+            yield from self.engine.generate(prompt_ids, limit, sampling, constraint=constraint, logprobs=logprobs)
+            return
+        for ids, _ in self.generate_text(prompt_ids, max_new_tokens, sampling, stop, constraint, logprobs):
+            if ids:
+                yield ids
+
+    def generate_text(self, prompt_ids: list[int], max_new_tokens: int | None = None,
+                      sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+                      constraint: Constraint | None = None, logprobs: int | None = None
+                      ) -> Iterator[tuple[list[int], str]]:
+        """(new ids, new text) as they become final: the generated text, an incomplete character held back and,
+        with stop strings, whatever could still begin one; it ends just before the first stop string
+        (excluded) wherever token boundaries fall. The ids: the tokens whose text was shown (with a stop string,
+        up to the one it begins in). constraint and logprobs as generate_ids."""
         limit = max_new_tokens or self.config.max_new_tokens
+        self._begin(prompt_ids, limit)
+        detok = Detokenizer(self.tokenizer, prompt_ids)
+        watcher = StopWatcher(detok, stop) if any(stop) else None
+        steps = self.engine.generate(prompt_ids, limit, sampling, should_stop=watcher, constraint=constraint,
+                                     logprobs=logprobs)
+        yield from stream_text(steps, detok, watcher)
+
+    def _begin(self, prompt_ids: list[int], limit: int) -> None:
+        """A generation starts: the prompt fits, the streamed bytes count from here."""
         self.check_prompt(prompt_ids, limit)
         target = self.engine.target
         self._stream_base = target.pager.counters() if has(target, Streams) else {}
-        stops = [s for s in stop if s]
-        extra = {"constraint": constraint, "logprobs": logprobs}
-        if not stops:
-            yield from self.engine.generate(prompt_ids, limit, sampling, **extra)
-            return
-        watcher = StopWatcher(Detokenizer(self.tokenizer, prompt_ids), stops)
-        ids: list[int] = []
-        emitted = 0
-        for new in self.engine.generate(prompt_ids, limit, sampling, should_stop=watcher, **extra):
-            ids += new
-            if watcher.keep is None:
-                safe = watcher.safe_count(ids, emitted)
-                if safe > emitted:
-                    yield ids[emitted:safe]
-                    emitted = safe
-        if watcher.keep is not None:
-            ids = ids[:max(watcher.keep, emitted)]
-        if len(ids) > emitted:
-            yield ids[emitted:]
 
     def kv_summary(self) -> dict:
         return _kv_cache_summary(self.engine)

@@ -2,7 +2,7 @@
 loop of the request that submitted them, cancellation at the next step, and running totals for /metrics.
 
 `GenerationQueue.submit(job)` (on the event loop) returns a Ticket; the worker runs the ticket's job with
-`run_job`, which calls Runtime.generate_ids once per choice and emits `Delta` (new text of one choice),
+`run_job`, which calls Runtime.generate_text once per choice and emits `Delta` (new text of one choice),
 `Finished` (its finish reason, token counts and the engine's step statistics) and finally `End` (or `Failed`
 when the job raised). `Ticket.cancel()` (a client went away) takes a waiting ticket out of the queue, or stops a
 running one before its next step: the engine's generator is closed and the worker moves on. Consecutive jobs
@@ -25,7 +25,6 @@ import torch
 
 from specexec.serving.openai_api import Job
 from specexec.runtime.assembly import Runtime
-from specexec.runtime.detokenizer import Detokenizer
 from specexec.serving import logprobs as lp
 
 
@@ -137,23 +136,16 @@ class Metrics:
                 "last": last}
 
 
-def _texts(runtime: Runtime, prompt: list[int], ids_iter: Iterator[list[int]], ids: list[int],
-           cancelled: threading.Event) -> Iterator[tuple[str, int]]:
-    """(new text, tokens it covers up to) after each step (held back while a character is incomplete); stops
-    early when cancelled."""
-    detok = Detokenizer(runtime.tokenizer, prompt)
-    shown = 0
-    for new in ids_iter:
+def _texts(pieces: Iterator[tuple[list[int], str]], ids: list[int], cancelled: threading.Event
+           ) -> Iterator[tuple[str, int]]:
+    """(new text, tokens it covers up to) after each step (Runtime.generate_text: held back while a character
+    is incomplete or a stop string may begin, cut before one); collects the ids; stops early when cancelled."""
+    for new, text in pieces:
         ids += new
-        text = detok.stable_text(ids)
-        if len(text) > shown:
-            yield text[shown:], len(ids)
-            shown = len(text)
+        if text:
+            yield text, len(ids)
         if cancelled.is_set():
             return
-    rest = detok.text(ids)[shown:]
-    if rest:
-        yield rest, len(ids)
 
 
 def _finish_reason(ids: list[int], limit: int, eos: set[int]) -> str:
@@ -168,10 +160,10 @@ def run_choice(runtime: Runtime, job: Job, choice: int, ticket: Ticket, metrics:
         ticket.emit(Delta(choice, job.echo_texts[p]))
     ids: list[int] = []
     constraint = runtime.grammars.constraint(job.grammar) if job.grammar is not None else None
-    gen = runtime.generate_ids(prompt, limit, job.sampling_for(choice), job.stop, constraint, job.logprobs)
+    gen = runtime.generate_text(prompt, limit, job.sampling_for(choice), job.stop, constraint, job.logprobs)
     covered = 0
     try:
-        for text, upto in _texts(runtime, prompt, gen, ids, ticket.cancelled):
+        for text, upto in _texts(gen, ids, ticket.cancelled):
             records = runtime.engine.logprobs[covered:upto] if job.logprobs is not None else []
             covered = upto
             ticket.emit(Delta(choice, text, tuple(lp.entries(runtime.tokenizer, records))))

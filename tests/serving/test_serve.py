@@ -30,6 +30,7 @@ from tests.serving.live_server import connect, raw, running, send  # noqa: E402
 from specexec.config import EngineConfig, SamplingParams  # noqa: E402
 from specexec.serving.openai_api import ServerDefaults  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
+from specexec.runtime.detokenizer import Detokenizer  # noqa: E402
 
 if TYPE_CHECKING:
     import openai          # imported by the tests that use it: collecting this file stays cheap
@@ -178,6 +179,59 @@ def test_stop_strings_match_cli(client, capsys, tiny_pair, tiny_perturbed_draft)
     streamed = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24, stop=stop,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def cut_before_first(text: str, stops: list[str]) -> str:
+    hits = [text.find(s) for s in stops if s in text]
+    return text[:min(hits)] if hits else text
+
+
+def mid_token_stops(runtime, prompt_ids: list[int], n: int, sampling: SamplingParams) -> tuple[str, str]:
+    """Two stop strings of this output: one that begins inside a token of two or more characters, one that
+    spans a token boundary."""
+    ids = [t for new, _ in runtime.generate_text(prompt_ids, n, sampling) for t in new]
+    detok = Detokenizer(runtime.tokenizer, prompt_ids)
+    full = detok.text(ids)
+    ends = [len(detok.text(ids[:k])) for k in range(len(ids) + 1)]
+    mid = next(ends[k] + 1 for k in range(len(ids)) if ends[k + 1] - ends[k] >= 2 and full[ends[k] + 1:].strip())
+    span = next(e - 1 for e in ends[1:-1] if full[e - 1:e + 1].strip() and e > mid + 2)
+    return full[mid:mid + 2], full[span:span + 3]
+
+
+def test_stop_strings_keep_the_text_before_them_in_the_same_token(client, runtime) -> None:
+    """OpenAI's contract over loopback through the official client: the text up to the first stop string,
+    wherever token boundaries fall (a stop beginning mid-token keeps that token's text before it), for text and
+    chat completions, streamed and not, n = 2 (each choice cut at its own first stop), and the prompt's echo
+    (a stop string in the prompt does not cut it)."""
+    prompt = "The quick brown fox"
+    kw = dict(model=MODEL, max_tokens=24, temperature=0)
+    full = client.completions.create(prompt=prompt, **kw).choices[0].text
+    stops = list(mid_token_stops(runtime, runtime.encode(prompt), 24, SamplingParams()))
+    for stop in ([stops[0]], [stops[1]], ["@@@", *stops]):
+        want = cut_before_first(full, stop)
+        assert len(want) < len(full)
+        assert client.completions.create(prompt=prompt, stop=stop, **kw).choices[0].text == want, stop
+        streamed = client.completions.create(prompt=prompt, stop=stop, stream=True, **kw)
+        assert "".join(c.choices[0].text for c in streamed) == want
+    echoed = client.completions.create(prompt=prompt, stop=["quick", stops[0]], echo=True, **kw)
+    assert echoed.choices[0].text == prompt + cut_before_first(full, ["quick", stops[0]])
+
+    kw = dict(max_tokens=24, temperature=0)
+    chat_full = chat(client, "Hello", **kw).choices[0].message.content
+    chat_stops = list(mid_token_stops(runtime, runtime.encode("Hello", chat=True), 24, SamplingParams()))
+    want = cut_before_first(chat_full, chat_stops)
+    assert len(want) < len(chat_full)
+    assert chat(client, "Hello", stop=chat_stops, **kw).choices[0].message.content == want
+    pieces = chat(client, "Hello", stop=chat_stops, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == want
+
+    sampled = dict(model=MODEL, max_tokens=24, temperature=1.0, seed=77, n=2)
+    fulls = [c.text for c in sorted(client.completions.create(prompt=prompt, **sampled).choices,
+                                    key=lambda c: c.index)]
+    both = [mid_token_stops(runtime, runtime.encode(prompt), 24, SamplingParams(temperature=1.0, seed=77 + i))[0]
+            for i in range(2)]
+    got = sorted(client.completions.create(prompt=prompt, stop=both, **sampled).choices, key=lambda c: c.index)
+    assert [c.text for c in got] == [cut_before_first(f, both) for f in fulls]
 
 
 def test_greedy_over_http_equals_cli_generate(client, capsys, tiny_pair, tiny_perturbed_draft) -> None:
@@ -386,7 +440,7 @@ def test_a_failing_generation_is_a_500_body_and_the_server_lives_on(client, url,
         raise RuntimeError("simulated engine failure")
         yield                                                     # a generator, like the real one
 
-    monkeypatch.setattr(runtime, "generate_ids", boom)
+    monkeypatch.setattr(runtime, "generate_text", boom)
     code, reply = raw(url, "POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4})
     assert code == 500 and reply["error"]["type"] == "server_error", reply
     assert "simulated engine failure" in reply["error"]["message"]
