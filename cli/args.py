@@ -29,6 +29,7 @@ from specexec.planning.target import TargetPlan
 from specexec.builders.registry import builder_needs_draft, names as builder_names
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SELF
+from specexec.drafters.mtp import has_mtp_layer
 
 # SamplingParams fields that get a flag here: name -> (type, metavar, help)
 SAMPLING_FLAGS = {
@@ -63,9 +64,10 @@ def _flags() -> dict[str, Flag]:
                         kwargs={"metavar": "PATH|NAME"}),
         "--draft": Flag("draft checkpoint (same tokenizer as the target), or self: the target's own layers "
                         "(resident low-bit copies of the ones it streams, FMT default int4 on a CPU, nf4 on CUDA; "
-                        "see --draft-layers), or eagle3:PATH|ORG/NAME: an EAGLE-3 head trained for this target "
-                        "(drafts from the target's hidden states)", "for a models.yaml target: its recommended draft",
-                        {"metavar": "PATH|NAME|self[:FMT]|eagle3:PATH"}),
+                        "see --draft-layers), or eagle3:PATH|ORG/NAME: an EAGLE-3 head trained for this target, "
+                        "or mtp: the MTP layer in the target's own checkpoint (both draft from the target's hidden "
+                        "states)", "for a models.yaml target: its recommended draft",
+                        {"metavar": "PATH|NAME|self[:FMT]|eagle3:PATH|mtp"}),
         "--max-new-tokens": Flag("at most N new tokens", "128", {"type": int, "metavar": "N"}),
         "--budget": Flag("draft tree size in tokens, or auto: picked per step from measured pass costs and "
                          "acceptance", "64, or the models.yaml entry's", {"metavar": "N|auto"}),
@@ -242,10 +244,11 @@ def _entry_defaults(args: argparse.Namespace, entry, console: Console | None) ->
 
 def check_draft(args: argparse.Namespace, config: EngineConfig, default_self: bool = False) -> bool:
     """--draft/--no-draft against the builder. default_self (chat): no draft named and none recommended means
-    the self-draft (args.draft = "self", shown in the plan) instead of a refusal; returns whether it did so."""
+    the model's own MTP layer when its checkpoint has one (args.draft = "mtp"), else the self-draft ("self"),
+    shown in the plan, instead of a refusal; returns whether it did so."""
     chosen = default_self and not args.draft and not args.no_draft and builder_needs_draft(config.builder)
     if chosen:
-        args.draft = SELF
+        args.draft = "mtp" if has_mtp_layer(args.model) else SELF
     check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
     return chosen
 

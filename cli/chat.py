@@ -414,8 +414,10 @@ def run(args: argparse.Namespace) -> int:
     sampling = common.sampling_params(args)
     offload = common.offload_config(args)
     if common.check_draft(args, config, default_self=True) and interactive:
-        console.print("no draft named or recommended: drafting with the target itself (--draft self; --no-draft "
-                      "decodes with the target alone)", style="dim", highlight=False, markup=False)
+        how = ("the model's own MTP layer (--draft mtp" if args.draft == "mtp" else
+               "the target itself (--draft self")
+        console.print(f"no draft named or recommended: drafting with {how}; --no-draft decodes with the target "
+                      "alone)", style="dim", highlight=False, markup=False)
     runtime = common.load_runtime(args, config, console if interactive else None, offload)
     try:
         return _session(args, runtime, sampling, console, interactive)

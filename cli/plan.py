@@ -132,9 +132,16 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     from specexec.planning.run_shape import with_self_draft
     from specexec.runtime.self_draft import self_draft_shape
 
-    target = read_args(resolve_model_path(ns.model))
+    from specexec.drafters.choose import choose
+
+    t_path = resolve_model_path(ns.model)
+    target = read_args(t_path)
     own = is_self_draft(ns.draft)
-    draft = read_args(resolve_model_path(ns.draft)) if ns.draft and not own else None
+    drafter = choose(ns.draft, t_path, target, headers=False) if ns.draft and not own else None
+    if drafter is not None and ns.draft_quant is not None:
+        raise ConfigError(f"--draft-quant is for a draft model; the {drafter.kind} drafter runs in the run dtype")
+    draft = (drafter.plan_args(target) if drafter is not None else
+             read_args(resolve_model_path(ns.draft)) if ns.draft and not own else None)
     layers = parse_draft_layers(ns.draft_layers) if ns.draft_layers is not None else None
     if layers is not None and not own:
         raise ConfigError("--draft-layers applies to --draft self (a draft made of the target's own layers)")
@@ -151,7 +158,8 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     dtype = resolve_dtype(ns.dtype or "auto", torch.device(device))
     shape = RunShape(target, draft, dtype, device, budget, plan_context(ns.context, target, draft),
                      (ns.draft_quant or "none") if draft is not None else "none", draft_kv,
-                     kv_quant=ns.kv_quant or "none", kv_offload=ns.kv_offload or "auto")
+                     kv_quant=ns.kv_quant or "none", kv_offload=ns.kv_offload or "auto",
+                     drafter=drafter.size() if drafter is not None else None)
     if not own:
         return shape
     if ns.draft_quant is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -213,7 +213,9 @@ class Engine:
         rule = self.rule_for(sampling)
         self._trims = (self.experts is not None and self.builder is not None and not rule.needs_draft
                        and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
-        self.target.taps = self.draft.taps if self.reads_target else ()    # what the drafter reads of each pass
+        taps = self.draft.taps if self.reads_target else ()              # what the drafter reads of each pass
+        if self.target.execution.taps != taps:
+            self.target.run_as(replace(self.target.execution, taps=taps))
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
             generated: list[int] = []
@@ -399,7 +401,7 @@ class Engine:
         if draft is not None:
             states = self._target_states(hidden, acc.nodes) if draft.reads_target else None
             draft.commit(tree, acc.nodes, acc.tokens[-1], states)
-        self.target.tapped = None
+        self.target.drop_tapped()
 
     def _observe(self, tree: TokenTree, acc: Accepted, hidden: torch.Tensor) -> None:
         """Stage 4: the builder learns from the step: the target's top-k after every node (builders that

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from offload.formats.refs import TensorRef
 from offload.formats.sources import tensor_specs
 from specexec.checkpoints.loading import open_weights
 from specexec.config import ModelArgs
@@ -90,7 +91,7 @@ def shape_of(cfg: dict[str, Any], target: ModelArgs, path: Path) -> tuple[ModelA
     return replace(args, vocab_size=vocab, tie_word_embeddings=False), shape
 
 
-def stored_names(drafter: Drafter, specs: dict) -> dict[str, str]:
+def stored_names(drafter: Drafter, specs: dict) -> dict[str, TensorRef]:
     """Our name -> the stored tensor's: midlayer.X (or layers.0.X) -> layers.0.X, fc -> fuse, the rest alike;
     a leading "model." is allowed."""
     stored = {n.removeprefix("model."): n for n in specs}
@@ -99,13 +100,13 @@ def stored_names(drafter: Drafter, specs: dict) -> dict[str, str]:
         key = ours.replace("fuse.", "fc.", 1)
         for candidate in (key.replace("layers.0.", "midlayer.", 1), key):
             if candidate in stored:
-                names[ours] = stored[candidate]
+                names[ours] = TensorRef(stored[candidate])
                 break
     return names
 
 
 def layout(path: Path, args: ModelArgs, shape: DrafterShape, allow_pickle: bool = False
-           ) -> tuple[Drafter, dict[str, str], object]:
+           ) -> tuple[Drafter, dict[str, TensorRef], object]:
     """The meta-built drafter, our name -> stored tensor, and the open source; checked against the stored
     headers (one line each), nothing read."""
     source = open_weights(path, allow_pickle)

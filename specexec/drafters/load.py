@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from offload.formats.refs import TensorRef, read_ref, ref_shape
 from offload.formats.sources import tensor_specs
 from specexec.checkpoints.loading import open_weights
 from specexec.network.drafter import Drafter
@@ -29,30 +30,34 @@ def expected(drafter: Drafter, shared: tuple[str, ...]) -> dict[str, tuple[int, 
 
 
 def check_layout(path: Path, specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                 names: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]]) -> None:
+                 refs: Mapping[str, TensorRef], shapes: Mapping[str, tuple[int, ...]]) -> None:
     """ConfigError (one line, naming the stored tensor) unless every expected parameter has its stored tensor
-    (names: ours -> stored) with the expected shape."""
+    (refs: ours -> the stored tensor or a piece of it) with the expected shape."""
     for ours, shape in shapes.items():
-        stored = names.get(ours)
-        if stored is None or stored not in specs:
-            raise ConfigError(f"{path}: missing tensor {stored or ours!r} of the drafter's {ours}")
-        got = specs[stored][1]
+        ref = refs.get(ours)
+        if ref is None or ref.name not in specs:
+            raise ConfigError(f"{path}: missing tensor {ref.name if ref else ours!r} of the drafter's {ours}")
+        try:
+            got = ref_shape(ref, tuple(specs[ref.name][1]))
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
         if tuple(got) != tuple(shape):
-            raise ConfigError(f"{path}: {stored} has shape {list(got)}, the drafter's config implies {list(shape)}")
+            raise ConfigError(f"{path}: {ref.describe()} has shape {list(got)}, the drafter's config implies "
+                              f"{list(shape)}")
 
 
-def load_weights(drafter: Drafter, path: Path, names: Mapping[str, str], target: Transformer,
+def load_weights(drafter: Drafter, path: Path, refs: Mapping[str, TensorRef], target: Transformer,
                  dtype: torch.dtype, device: torch.device, share_embed: bool, share_head: bool,
                  allow_pickle: bool = False, source=None) -> Drafter:
-    """Read the stored tensors `names` (ours -> stored) into the meta-built `drafter` (cast to dtype on device;
+    """Read the stored tensors `refs` (ours -> stored) into the meta-built `drafter` (cast to dtype on device;
     index buffers as long), share the target's embedding / LM head as told, set RoPE. Returns it in eval mode."""
     source = source if source is not None else open_weights(path, allow_pickle)
     shared = (("embed_tokens",) if share_embed else ()) + (("lm_head",) if share_head else ())
     shapes = expected(drafter, shared)
-    check_layout(path, tensor_specs(source), names, shapes)
+    check_layout(path, tensor_specs(source), refs, shapes)
     state = {}
     for ours in shapes:
-        t = source.get(names[ours])
+        t = read_ref(source, refs[ours])
         state[ours] = t.to(device=device, dtype=torch.long if ours in INDEX_BUFFERS else dtype)
     drafter.load_state_dict(state, strict=False, assign=True)
     drafter.share(target, embed=share_embed, head=share_head)

@@ -95,11 +95,14 @@ class Execution:
         tree pass gives every token its one-token bits (runtime/cpu_blocks.py, runtime/offloaded.py).
     stack: the whole decoder stack in one call where it serves a pass (a StackPath: cpu_blocks.fast_stack).
     routing: where each sparse layer's routing goes between its router and its experts (a RoutingLog; an
-        ExpertStream also fetches the routed experts: runtime/expert_stream.py); None records nothing."""
+        ExpertStream also fetches the routed experts: runtime/expert_stream.py); None records nothing.
+    taps: decoder layers whose input each pass keeps in the model's `tapped` (tap n_layers: the last layer's
+        output before the norm), for a drafter that reads them (network/drafter.py); the stack path steps aside."""
 
     row_exact: bool = False
     stack: StackPath | None = None
     routing: RoutingLog | None = None
+    taps: tuple[int, ...] = ()
 
 
 class Block(nn.Module):
@@ -170,8 +173,7 @@ class Transformer(nn.Module):
     """Embedding, decoder blocks, final norm and LM head. See the module docstring for the call contract; how it
     runs besides its modules is its `execution` (Execution), told through `run_as`."""
 
-    taps: tuple[int, ...] = ()       # layers whose input each pass records in `tapped` (a drafter reads them)
-    tapped: list[torch.Tensor] | None = None
+    tapped: list[torch.Tensor] | None = None       # the last pass's tapped layer inputs (Execution.taps)
 
     def __init__(self, args: ModelArgs, execution: Execution = Execution()) -> None:
         super().__init__()
@@ -189,6 +191,10 @@ class Transformer(nn.Module):
         """Run as `execution` says from the next forward on (Execution: row-exactness, a whole-stack path, where
         routing goes). The layers are told their own part through Block.run_as."""
         self.execution = execution
+
+    def drop_tapped(self) -> None:
+        """Let go of the last pass's tapped layer inputs (the caller has read what it needs)."""
+        self.tapped = None
 
     @property
     def routing(self) -> RoutingLog | None:
@@ -265,7 +271,7 @@ class Transformer(nn.Module):
                cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
         """forward after the embedding: x [B, T, D] through every decoder layer and the final norm -> hidden
         [B, T, D]. forward checks the arguments; a CUDA graph of the draft captures this part alone
-        (builders/draft_graphs.py: an embedding may live on the host). With `taps` the input of each tapped
+        (builders/draft_graphs.py: an embedding may live on the host). With Execution.taps the input of each tapped
         layer (tap n_layers: the last layer's output, before the norm) is kept in `tapped`, in layer order
         (each [B, T, D]), and the whole-stack fast path steps aside."""
         if cache is not None:
@@ -279,11 +285,11 @@ class Transformer(nn.Module):
         run = self.execution
         if run.routing is not None:
             run.routing.begin()
-        if run.stack is not None and not self.taps:
+        if run.stack is not None and not run.taps:
             y = run.stack(x, ropes, plans, cache, slots)
             if y is not None:
                 return self.norm(y)
-        taps, tapped = self.taps, []
+        taps, tapped = run.taps, []
         for i, layer in self.layer_modules():
             if i in taps:
                 tapped.append(x)

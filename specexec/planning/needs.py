@@ -97,6 +97,11 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
         device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv)))
         notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
             "none: the builder drafts without it"
+    if shape.drafter is not None:
+        device.append(("drafter states", drafter_states(shape)))
+        notes["drafter states"] = (f"{shape.drafter.taps} tapped target layers x {shape.budget + 1} tree rows a pass, "
+                                   f"and its own state per tree node" if shape.drafter.taps else
+                                   "its own state per tree node (it reads the target's output)")
     device.append(("activations", act))
     sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
     kv = tuple(kv_layer_bytes(t, t_slots, elem, shape.kv_quant, i) for i in range(t.n_layers))
@@ -114,10 +119,24 @@ def _draft_kv_note(shape: RunShape) -> str:
     return ", int8: the draft's own cache, to fit (the target verifies: output unchanged)"
 
 
+def drafter_states(shape: RunShape) -> int:
+    """Bytes a drafter's states take: the tapped target layers' inputs at every row of one verification pass
+    (kept until the accepted rows are read), and its own output state per processed tree node."""
+    d = shape.drafter
+    scratch = (shape.draft_scratch or 0) + 1
+    return (d.taps * (shape.budget + 1) * shape.target.dim + scratch * shape.draft.dim) * shape.elem
+
+
 def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tuple[int, str]:
     """(bytes, note) of the draft weights line: a model draft counted once in its format; a self-draft only
     its copies of the layers it runs that are not `shared` (resident in the target): embed/norm/head and
-    shared layers are the target's, counted on their own lines."""
+    shared layers are the target's, counted on their own lines; a drafter what it holds itself, in the run
+    dtype."""
+    if shape.drafter is not None:
+        d = shape.drafter
+        experts = f", all {d.experts} experts" if d.experts else ""
+        return d.params * shape.elem, (f"{d.kind}: 1 decoder layer{experts} {dtype_name(shape.dtype)}; what it "
+                                       f"shares with the target is on the target's lines")
     sd = shape.self_draft
     if sd is None:
         dw = weight_bytes(shape.draft, shape.draft_fmt, shape.dtype, shape.device)

@@ -32,6 +32,20 @@ class SelfDraftShape:
 
 
 @dataclass(frozen=True)
+class DrafterSize:
+    """A drafter that reads the target (--draft eagle3:PATH, --draft mtp), for the ledger: its kind, the
+    parameters it holds itself (its decoder layer, with every expert of a sparse one; its input projection,
+    norms, and its own head or embedding where it has them: what it shares with the target is counted on the
+    target's lines), and how many target layers' inputs each verification pass keeps for it (0: it reads the
+    target's output, which the pass holds anyway). RunShape.draft is then its decoder layer's args."""
+
+    kind: str
+    params: int
+    taps: int = 0
+    experts: int = 0
+
+
+@dataclass(frozen=True)
 class RunShape:
     """Everything the ledger depends on besides the budgets.
 
@@ -51,6 +65,7 @@ class RunShape:
     draft_kv_quant: str = "none"                  # the draft cache's own (int8 when the plan needs it: exact)
     kv_offload: str = "auto"                      # target KV rows: auto | device | stream (planner companions)
     self_draft: SelfDraftShape | None = None
+    drafter: DrafterSize | None = None
 
     @property
     def elem(self) -> int:
@@ -81,15 +96,16 @@ def plan_context(requested: int | None, target: ModelArgs, draft: ModelArgs | No
 
 def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, offload: OffloadConfig,
               device_type: str, dtype: torch.dtype, draft_kv: Callable[[int], int] | None = None,
-              self_draft: SelfDraftShape | None = None) -> RunShape:
+              self_draft: SelfDraftShape | None = None, drafter: DrafterSize | None = None) -> RunShape:
     """The ledger's view of a run: the models, run dtype, tree budget, planned context (--context, default
     DEFAULT_CONTEXT, at most what the models support), the draft's format and KV scratch, and the KV caches'
     format (--kv-quant) and where the target's KV rows may live (--kv-offload). With self_draft (the target
     itself as the draft; `draft` is then None) its format and layer count."""
     context = plan_context(offload.context, args, draft)
     shape = RunShape(args, draft, dtype, device_type, engine.budget, context,
-                     offload.draft_quant if draft is not None else "none", draft_kv if draft is not None else None,
-                     kv_quant=engine.kv_quant, kv_offload=offload.kv_offload)
+                     offload.draft_quant if draft is not None and drafter is None else "none",
+                     draft_kv if draft is not None else None, kv_quant=engine.kv_quant, kv_offload=offload.kv_offload,
+                     drafter=drafter)
     if self_draft is None:
         return shape
     return with_self_draft(replace(shape, draft_kv=draft_kv), self_draft.fmt, self_draft.layers)

@@ -25,7 +25,7 @@ from specexec.options import ConfigError, check_budget_fits
 from specexec.planning import ledger
 from specexec.planning.expert_place import ExpertPlacement, place_experts
 from specexec.planning.ledger import ASSUMED, MemoryPlan, plan_memory, what_fits
-from specexec.planning.run_shape import SelfDraftShape, run_shape
+from specexec.planning.run_shape import DrafterSize, SelfDraftShape, run_shape
 
 
 def target_formats(quant: str, device_type: str) -> tuple[str, ...]:
@@ -72,8 +72,8 @@ class TargetPlan:
 
 def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: OffloadConfig,
                 engine: EngineConfig, device: torch.device, dtype: torch.dtype,
-                draft_kv: Callable[[int], int] | None = None, self_draft: SelfDraftShape | None = None
-                ) -> TargetPlan:
+                draft_kv: Callable[[int], int] | None = None, self_draft: SelfDraftShape | None = None,
+                drafter: DrafterSize | None = None) -> TargetPlan:
     """Plan the run from the configs (no weight is read; the checkpoint's tensor names and shapes are
     checked): layer format, each layer's tier, the ledger. `draft` is the draft's config (counted once, in
     --draft-quant's format), draft_kv its builder's kv_slots (None: no draft cache); self_draft: the draft is
@@ -85,7 +85,7 @@ def plan_target(path: Path, args: ModelArgs, draft: ModelArgs | None, offload: O
     budgets = default_budgets(str(device))
     gpu = offload.gpu_budget if offload.gpu_budget is not None else budgets.gpu      # None on CPU unless given
     ram = offload.ram_budget if offload.ram_budget is not None else budgets.ram
-    shape = run_shape(args, draft, engine, offload, device.type, dtype, draft_kv, self_draft)
+    shape = run_shape(args, draft, engine, offload, device.type, dtype, draft_kv, self_draft, drafter)
     formats = target_formats(offload.quant, device.type)
     try:
         memory = plan_memory(shape, formats, ram, gpu, offload.offload, ASSUMED[device.type])

@@ -58,7 +58,7 @@ from specexec.network.drafter import Drafter
 from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
                                       resolve_model_path)
 from specexec.network.model import Streams, Transformer
-from specexec.planning.run_shape import MIN_SELF_LAYERS, SelfDraftShape, check_self_layers, spaced_layers
+from specexec.planning.run_shape import MIN_SELF_LAYERS, DrafterSize, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.planning.target import TargetPlan, plan_target
 from specexec.runtime.cpu_blocks import fuse_cpu_blocks
 from specexec.runtime.expert_stream import expert_passes
@@ -137,7 +137,7 @@ def _plannable(path: Path, offload: OffloadConfig) -> bool:
 
 
 def _plan(path: Path, args: ModelArgs, d_args: ModelArgs | None, config: EngineConfig, offload: OffloadConfig,
-          self_spec: SelfDraftShape | None = None) -> TargetPlan | None:
+          self_spec: SelfDraftShape | None = None, drafter: DrafterSize | None = None) -> TargetPlan | None:
     """The run's memory plan from the configs, before anything is loaded (None: a resident pickle target)."""
     if not _plannable(path, offload):
         return None
@@ -146,7 +146,7 @@ def _plan(path: Path, args: ModelArgs, d_args: ModelArgs | None, config: EngineC
     drafts = d_args is not None or self_spec is not None
     draft_kv = builder.kv_slots if drafts and builder.needs_draft else None
     return plan_target(path, args, d_args, offload, config, device, resolve_dtype(config.dtype, device), draft_kv,
-                       self_spec)
+                       self_spec, drafter)
 
 
 def _self_spec(draft: str | None, config: EngineConfig, offload: OffloadConfig) -> SelfDraftShape | None:
@@ -210,8 +210,7 @@ def _load_drafter(choice: DrafterChoice, target: Transformer, t_args: ModelArgs,
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model, params = load_drafter(choice, target, dtype, device, allow_pickle)
-    args = replace(choice.args, max_position_embeddings=t_args.max_position_embeddings)
-    return model, ModelInfo(choice.path, args, params, f"{str(dtype).removeprefix('torch.')} ({choice.kind})",
+    return model, ModelInfo(choice.path, choice.plan_args(t_args), params, f"{str(dtype).removeprefix('torch.')} ({choice.kind})",
                             config.device, time.perf_counter() - t0)
 
 
@@ -342,7 +341,8 @@ class Runtime:
         if d_path is not None:                  # a broken draft fails before the plan is shown
             check_checkpoint(d_path, d_args, allow_pickle)
         say("planning memory")
-        plan = _plan(t_path, t_args, d_args, config, offload, self_spec)    # nothing of ours is loaded yet
+        plan = _plan(t_path, t_args, drafter.plan_args(t_args) if drafter is not None else d_args, config, offload,
+                     self_spec, drafter.size() if drafter is not None else None)    # nothing of ours loaded yet
         if plan is not None and on_plan is not None:
             on_plan(plan)
         draft_model, d_info = None, None

@@ -18,10 +18,33 @@ STD = 0.2
 
 def write_eagle3(dest: Path, target_dim: int = 64, vocab: int = 320, draft_vocab: int = 200, taps=(0, 2, 4),
                  dim: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, inter: int = 128,
-                 own_embed: bool = False, seed: int = 0, speculators: bool = False, **extra) -> Path:
+                 own_embed: bool = False, seed: int = 0, speculators: bool = False, materialize: bool = True,
+                 **extra) -> Path:
     """An EAGLE-3 head reading `taps` of a target of hidden size target_dim and vocabulary `vocab`, its own
-    head over `draft_vocab` tokens (a random sorted subset of the target's, always including the first 8)."""
+    head over `draft_vocab` tokens (a random sorted subset of the target's, always including the first 8).
+    materialize=False: config.json only (what `specexec plan` reads)."""
     dest.mkdir(parents=True, exist_ok=True)
+    if materialize:
+        _eagle3_tensors(dest, target_dim, vocab, draft_vocab, len(taps), dim, heads, kv_heads, head_dim, inter,
+                        own_embed, seed, speculators)
+    layer_cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=dim,
+                     intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                     head_dim=head_dim, num_hidden_layers=1, vocab_size=vocab, rms_norm_eps=1e-6,
+                     rope_theta=10000.0, max_position_embeddings=256, hidden_act="silu", tie_word_embeddings=False)
+    eagle = dict(draft_vocab_size=draft_vocab, target_hidden_size=target_dim)
+    if speculators:
+        cfg = dict(architectures=["Eagle3Speculator"], speculators_model_type="eagle3",
+                   transformer_layer_config=layer_cfg, eagle_aux_hidden_state_layer_ids=list(taps), **eagle)
+    else:
+        cfg = dict(layer_cfg, eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps),
+                                            "use_aux_hidden_state": True}, **eagle)
+    cfg.update(extra)
+    (dest / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dest
+
+
+def _eagle3_tensors(dest: Path, target_dim: int, vocab: int, draft_vocab: int, n_taps: int, dim: int, heads: int,
+                    kv_heads: int, head_dim: int, inter: int, own_embed: bool, seed: int, speculators: bool) -> None:
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -42,26 +65,12 @@ def write_eagle3(dest: Path, target_dim: int = 64, vocab: int = 320, draft_vocab
     keep = torch.cat([torch.arange(8), 8 + torch.randperm(vocab - 8, generator=g)[: draft_vocab - 8].sort().values])
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[keep] = True
-    tensors |= {"fc.weight": rnd(dim, len(taps) * target_dim, scale=1 / math.sqrt(len(taps))), "norm.weight": norm_w(),
+    tensors |= {"fc.weight": rnd(dim, n_taps * target_dim, scale=1 / math.sqrt(n_taps)), "norm.weight": norm_w(),
                 "lm_head.weight": rnd(draft_vocab, dim, scale=2.5), "d2t": keep - torch.arange(draft_vocab),
                 "t2d": t2d}
     if own_embed:
         tensors["embed_tokens.weight"] = rnd(vocab, dim, scale=5.0)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"))
-    layer_cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=dim,
-                     intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                     head_dim=head_dim, num_hidden_layers=1, vocab_size=vocab, rms_norm_eps=1e-6,
-                     rope_theta=10000.0, max_position_embeddings=256, hidden_act="silu", tie_word_embeddings=False)
-    eagle = dict(draft_vocab_size=draft_vocab, target_hidden_size=target_dim)
-    if speculators:
-        cfg = dict(architectures=["Eagle3Speculator"], speculators_model_type="eagle3",
-                   transformer_layer_config=layer_cfg, eagle_aux_hidden_state_layer_ids=list(taps), **eagle)
-    else:
-        cfg = dict(layer_cfg, eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps),
-                                            "use_aux_hidden_state": True}, **eagle)
-    cfg.update(extra)
-    (dest / "config.json").write_text(json.dumps(cfg, indent=1))
-    return dest
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -106,3 +115,34 @@ def eagle3_reference(path: Path, embed: torch.Tensor, tokens: torch.Tensor, taps
     full = torch.full((T, w["t2d"].numel()), float("-inf"))
     full[:, torch.arange(w["d2t"].numel()) + w["d2t"]] = logits
     return full
+
+
+def write_nextn(src: Path, dest: Path, seed: int = 0, copy_of: int | None = None) -> Path:
+    """A copy of the checkpoint at `src` (a next-n family: GLM-4.5, DeepSeek-V3) with its MTP layer stored as
+    published: layer N = num_hidden_layers of the decoder holds eh_proj, enorm, hnorm, shared_head.norm,
+    shared_head.head and embed_tokens (copies of the target's), and a decoder layer under the family's own names
+    (decoder layer `copy_of`'s tensors, default the last, with noise)."""
+    import shutil
+    from safetensors.torch import load_file
+
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    n, dim = cfg["num_hidden_layers"], cfg["hidden_size"]
+    cfg["num_nextn_predict_layers"] = 1
+    (dest / "config.json").write_text(json.dumps(cfg, indent=1))
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(dest / "model.safetensors"))
+    at, new = f"model.layers.{copy_of if copy_of is not None else n - 1}.", f"model.layers.{n}."
+    for name, t in list(tensors.items()):
+        if name.startswith(at):
+            tensors[new + name[len(at):]] = t + 0.3 * t.std() * torch.randn(t.shape, generator=g)
+    tensors |= {new + "eh_proj.weight": torch.randn(dim, 2 * dim, generator=g) * STD,
+                new + "enorm.weight": 1 + 0.1 * torch.randn(dim, generator=g),
+                new + "hnorm.weight": 1 + 0.1 * torch.randn(dim, generator=g),
+                new + "shared_head.norm.weight": 1 + 0.1 * torch.randn(dim, generator=g),
+                new + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                new + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
+    for f in dest.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"))
+    return dest

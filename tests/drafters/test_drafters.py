@@ -11,6 +11,7 @@ loads.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def test_eagle3_logits_are_the_published_computation(tiny_pair, tmp_path, layout
     drafter = _drafter(target, path)
     assert drafter.taps == (0, 2, 4) and drafter.embed_tokens is target.embed_tokens
     ids = torch.tensor(prompt(0))
-    target.taps = drafter.taps
+    target.run_as(replace(target.execution, taps=drafter.taps))
     hidden = target(ids[None], torch.arange(ids.numel())[None])[0]
     taps = [t[0] for t in target.tapped]
     assert torch.equal(taps[0], target.embed(ids[None])[0])
