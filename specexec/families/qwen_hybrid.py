@@ -14,8 +14,9 @@
   Qwen3.5-MoE, norm_topk_prob for Qwen3-Next), plus a shared expert of shared_expert_intermediate_size behind a
   sigmoid gate; Qwen3-Next has dense layers where mlp_only_layers / decoder_sparse_step say, Qwen3.5-MoE none.
 
-The multi-token-prediction layer the checkpoints carry (mtp.*) and the vision tower (model.visual.*) are stored,
-never read (UNUSED).
+The multi-token-prediction layer the checkpoints carry (mtp.*: mtp_num_hidden_layers, ModelArgs.mtp_layers; only
+--draft mtp reads it, specexec/drafters/mtp.py) and the vision tower (model.visual.*) are stored, never read by the
+target (UNUSED).
 
 Does not know: the network (specexec/network/linear_attention.py, self_attention.py, moe.py), tensors' data.
 """
@@ -77,7 +78,7 @@ def model_args(family: str, cfg: dict[str, Any]) -> ModelArgs:
     bias = bool(cfg.get("attention_bias", False))
     return ModelArgs(family=family, **fields, qkv_bias=bias, o_bias=bias, qk_norm=True, norm_plus_one=True,
                      attn_output_gate=True, rope_dim=int(fields["head_dim"] * partial) if partial != 1.0 else None,
-                     layer_types=kinds, linear=linear, moe=moe)
+                     layer_types=kinds, linear=linear, moe=moe, mtp_layers=int(cfg.get("mtp_num_hidden_layers") or 0))
 
 
 def _moe(family: str, cfg: dict[str, Any]) -> MoEArgs | None:

@@ -146,3 +146,34 @@ def write_nextn(src: Path, dest: Path, seed: int = 0, copy_of: int | None = None
         f.unlink()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"))
     return dest
+
+
+def write_qwen_mtp(src: Path, dest: Path, seed: int = 0) -> Path:
+    """A copy of the Qwen3.5 / Qwen3-Next checkpoint at `src` with its MTP layer stored as published: mtp.fc
+    [D, 2D], mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.0.* (the last full-attention decoder
+    layer's tensors with noise) and mtp.norm; config mtp_num_hidden_layers 1. Norms are stored as (1 + w)
+    norms store them: w near 0."""
+    import shutil
+    from safetensors.torch import load_file
+
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["mtp_num_hidden_layers"] = 1
+    (dest / "config.json").write_text(json.dumps(cfg, indent=1))
+    dim = text["hidden_size"]
+    full = max(i for i, t in enumerate(text["layer_types"]) if t == "full_attention")
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(dest / "model.safetensors"))
+    at = next(n[: n.index(f"layers.{full}.") + len(f"layers.{full}.")] for n in tensors if f"layers.{full}." in n)
+    for name, t in list(tensors.items()):
+        if name.startswith(at):
+            tensors["mtp.layers.0." + name[len(at):]] = t + 0.3 * t.std() * torch.randn(t.shape, generator=g)
+    tensors |= {"mtp.fc.weight": torch.randn(dim, 2 * dim, generator=g) * STD,
+                "mtp.pre_fc_norm_embedding.weight": 0.1 * torch.randn(dim, generator=g),
+                "mtp.pre_fc_norm_hidden.weight": 0.1 * torch.randn(dim, generator=g),
+                "mtp.norm.weight": 0.1 * torch.randn(dim, generator=g)}
+    for f in dest.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"))
+    return dest

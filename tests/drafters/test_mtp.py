@@ -1,10 +1,11 @@
 """--draft mtp: the MTP layer stored in the target's own checkpoint drafts for it (specexec/drafters/mtp.py).
 
 A tiny GLM-4.5 (the next-n layout: layer N = num_hidden_layers holds eh_proj, enorm, hnorm, shared_head and a
-sparse decoder layer under the family's own names; tests/drafter_writer.write_nextn): the drafter is that layer
-with all its experts, the target's embedding and LM head shared; fp32 greedy output equals the target alone with
-every drafting builder, resident and --offload ssd. A checkpoint without MTP tensors (transformers drops them on
-save, so the plain tiny GLM is one) is one line, exit 2, before any weight loads.
+sparse decoder layer under the family's own names; drafter_writer.write_nextn) and a tiny Qwen3.5-MoE and
+Qwen3-Next (mtp.*: fc, the two pre-fc norms, a gated full-attention MoE layer, mtp.norm; write_qwen_mtp): the
+drafter is that layer with all its experts, the target's embedding and LM head shared; fp32 greedy output equals
+the target alone with every drafting builder, resident and --offload ssd. A checkpoint without MTP tensors
+(transformers drops them on save, so the plain tiny GLM is one) is one line, exit 2, before any weight loads.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from cli.main import main
 from specexec.builders.registry import builder_needs_draft, names
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.runtime.assembly import Runtime
-from tests.drafters.drafter_writer import write_nextn
-from tests.tiny_models import prompt
+from tests.drafters.drafter_writer import write_nextn, write_qwen_mtp
+from tests.tiny_models import hybrid_model, prompt
 
 F32 = EngineConfig(budget=8, dtype="float32")
 DRAFTING = [n for n in names() if builder_needs_draft(n)]
@@ -27,6 +28,12 @@ DRAFTING = [n for n in names() if builder_needs_draft(n)]
 @pytest.fixture(scope="module")
 def glm_mtp(tiny_glm4_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_nextn(tiny_glm4_moe, tmp_path_factory.mktemp("mtp") / "glm")
+
+
+@pytest.fixture(scope="module")
+def qwen_mtp(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen-mtp")
+    return {name: write_qwen_mtp(hybrid_model(tiny_root, name), root / name) for name in ("qwen3_5_moe", "qwen3_next")}
 
 
 def test_the_drafter_is_the_next_n_layer_with_the_targets_embedding_and_head(glm_mtp) -> None:
@@ -43,18 +50,31 @@ CASES = [(b, "none") for b in DRAFTING] + [pytest.param(b, "ssd", marks=() if b 
                                            for b in DRAFTING]
 
 
-@pytest.mark.parametrize("builder,offload", CASES)
-def test_greedy_equals_the_target_alone(glm_mtp, tmp_path, builder: str, offload: str) -> None:
-    config = F32.replace(builder=builder)
-    rt = Runtime.load(str(glm_mtp), "mtp", config, offload=OffloadConfig(offload=offload, cache_dir=str(tmp_path),
-                                                                         quant="none"))
+def _same_as_alone(path: Path, config: EngineConfig, offload: OffloadConfig, prompts) -> None:
+    rt = Runtime.load(str(path), "mtp", config, offload=offload)
     try:
         alone = rt.variant(config, use_draft=False)
-        for ids in (prompt(21), [prompt(22)[0]]):
+        for ids in prompts:
             assert [t for s in rt.generate_ids(ids, 16) for t in s] == [t for s in alone.generate_ids(ids, 16)
                                                                         for t in s]
     finally:
         rt.engine.close()
+
+
+@pytest.mark.parametrize("builder,offload", CASES)
+def test_greedy_equals_the_target_alone(glm_mtp, tmp_path, builder: str, offload: str) -> None:
+    _same_as_alone(glm_mtp, F32.replace(builder=builder), OffloadConfig(offload=offload, cache_dir=str(tmp_path),
+                                                                        quant="none"), (prompt(21), [prompt(22)[0]]))
+
+
+QWEN = [pytest.param("qwen3_5_moe", *c.values, marks=c.marks) if hasattr(c, "values") else ("qwen3_5_moe", *c)
+        for c in CASES] + [("qwen3_next", "specexec", "none"), ("qwen3_next", "rsd", "none")]
+
+
+@pytest.mark.parametrize("name,builder,offload", QWEN)
+def test_qwen_mtp_greedy_equals_the_target_alone(qwen_mtp, tmp_path, name: str, builder: str, offload: str) -> None:
+    _same_as_alone(qwen_mtp[name], F32.replace(builder=builder),
+                   OffloadConfig(offload=offload, cache_dir=str(tmp_path), quant="none"), (prompt(23),))
 
 
 @pytest.mark.parametrize("spec,needle", [
