@@ -46,9 +46,9 @@ def fetch_model(args: argparse.Namespace, attr: str, reserve: Reserve | None = N
     if drafter is not None:                  # eagle3:ORG/NAME: fetch the head, keep its kind
         kind, where = drafter
         if is_remote_name(where):
-            ns = argparse.Namespace(**{**vars(args), "draft": where})
-            fetch_model(ns, "draft", reserve)
-            setattr(args, attr, f"{kind}:{ns.draft}")
+            with download_bar(Console(stderr=True, soft_wrap=True), where) as progress:
+                opts = HubOptions(offline=bool(getattr(args, "offline", False)), progress=progress, model=False)
+                setattr(args, attr, f"{kind}:{resolve_model_path(where, opts)}")
         return
     if not is_remote_name(spec):
         return

@@ -47,7 +47,9 @@ Reserve = Callable[[Path], Sequence[tuple[Path, int]]]        # snapshot dir -> 
 @dataclass(frozen=True)
 class HubOptions:
     """How to reach the Hub. endpoint: default $HF_ENDPOINT or huggingface.co; cache_dir: default
-    huggingface_hub's cache ($HF_HUB_CACHE, $HF_HOME/hub); offline also when HF_HUB_OFFLINE=1."""
+    huggingface_hub's cache ($HF_HUB_CACHE, $HF_HOME/hub); offline also when HF_HUB_OFFLINE=1. model: the repo
+    is a model whose architecture must be one this runtime runs (False: a drafter's head, checked by its own
+    loader)."""
 
     offline: bool = False
     gguf_file: str | None = None
@@ -56,6 +58,7 @@ class HubOptions:
     reserve: Reserve | None = None
     endpoint: str | None = None
     cache_dir: Path | None = None
+    model: bool = True
 
     def is_offline(self) -> bool:
         from huggingface_hub import constants
@@ -228,7 +231,7 @@ def fetch(repo: str, opts: HubOptions) -> Path:
     ticker.total = sum(f.size for f in first)
     for f in first:
         fetch_file(listing, f, storage, opts, ticker)
-    if not opts.gguf_file:
+    if not opts.gguf_file and opts.model:
         check_architecture(snapshot / "config.json")
     weights = weight_files(listing, snapshot, opts.gguf_file)
     ticker.total += sum(f.size for f in weights)

@@ -201,3 +201,37 @@ def test_plain_steps_between_drafted_ones_keep_the_target_output(tiny_pair, head
     for ids in (prompt(12), [prompt(13)[0]]):
         assert [t for s in engine.generate(ids, 24) for t in s] == [t for s in alone.generate(ids, 24) for t in s]
     assert engine.stats.summary(8, "specexec")["gate"]["speculative_steps"] > 3
+
+
+def test_a_head_by_hub_name_is_fetched_then_loaded(capsys, tiny_pair, head, tmp_path, monkeypatch) -> None:
+    """--draft eagle3:ORG/NAME downloads the head (from a Hub stand-in on 127.0.0.1) into the Hugging Face cache
+    and keeps its kind: the output is the target alone's."""
+    from huggingface_hub import constants
+
+    from tests.checkpoints.hub_server import LocalHub, serve, stop
+
+    hub = LocalHub()
+    hub.add_dir("tiny-org/eagle3-head", head)
+    server, thread = serve(hub)
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HF_HUB_CACHE"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        common = ["generate", "--model", str(tiny_pair[0]), "--prompt", "the cat", "--max-new-tokens", "8",
+                  "--dtype", "float32", "--json"]
+        assert main([*common, "--draft", "eagle3:tiny-org/eagle3-head"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert any("model.safetensors" in r.path for r in hub.log)
+        assert main([*common, "--no-draft"]) == 0
+        assert out["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
+    finally:
+        stop(server, thread)
+
+
+def test_draft_vocab_does_not_apply_to_a_head(capsys, tiny_pair, head) -> None:
+    code = main(["generate", "--model", str(tiny_pair[0]), "--draft", f"eagle3:{head}", "--draft-vocab", "64",
+                 "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--draft-vocab trims a draft model's head" in err and "\n" not in err, err

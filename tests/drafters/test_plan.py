@@ -19,7 +19,8 @@ from specexec.checkpoints.loading import read_args
 from specexec.drafters.choose import choose
 from specexec.planning.ledger import plan_memory
 from specexec.planning.run_shape import RunShape
-from specexec.planning.sizes import kind_specs, kv_bytes
+from specexec.checkpoints.naming import block_specs
+from specexec.planning.sizes import kv_bytes
 from tests.drafters.drafter_writer import write_eagle3
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -41,7 +42,7 @@ def test_an_moe_mtp_layer_counts_every_expert_once() -> None:
     enorm, hnorm and shared_head.norm; the embedding and LM head are the target's lines, not again."""
     choice, shape, m = _plan(AIR, "mtp")
     t = read_args(AIR)
-    sparse = sum(math.prod(s) for _, s in kind_specs(t, True)[0])          # a sparse layer of the target
+    sparse = sum(math.prod(s) for _, s in block_specs(t, t.n_layers - 1)[0])    # a sparse layer of the target
     own = 2 * t.dim * t.dim + 3 * t.dim
     ledger = m.ledger()
     assert ledger["draft weights"] == (sparse + own) * 2 and choice.size().experts == 128
