@@ -221,7 +221,11 @@ class Engine:
             generated: list[int] = []
             root = prompt_ids[-1]
             while len(generated) < limit:
-                acc = self._step(state, root, sampling, rule, rng)
+                try:
+                    acc = self._step(state, root, sampling, rule, rng)
+                except BaseException:                # Ctrl-C mid-step: the step is counted nowhere
+                    self.profiler.abandon()
+                    raise
                 new, stop = self._trim(acc.tokens, generated, limit, should_stop)
                 del self.logprobs[len(generated) + len(new):]
                 generated += new
@@ -269,6 +273,7 @@ class Engine:
         if self.tuner is not None and not self.tuner.costs.target.points:
             self._calibrate(target_cache)
         self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
+        self.profiler.keep()
         return StepState(target_cache, draft)
 
     def _prefill_both(self, prompt_ids: list[int], shared: int, target_cache: KVCache,

@@ -116,6 +116,7 @@ class Profiler:
         self.notes: list[str] = []              # one-line events of this generation (the gate's switches)
         self._steps: list[StepStat] = []
         self._pending: deque[tuple[int, Span | float, Span | float, OnTimed | None]] = deque()
+        self._kept = 0                          # spans before this index belong to finished work (keep())
         self._t0 = time.perf_counter()
         self._first: float | None = None
         self._last: float | None = None
@@ -132,6 +133,15 @@ class Profiler:
     def span(self, name: str) -> Span:
         """Context-manager form: `with profiler.span("draft"): ...`."""
         return self.start(name)
+
+    def keep(self) -> None:
+        """Every span so far belongs to finished work (a prefill done; step() marks its own)."""
+        self._kept = len(self.spans)
+
+    def abandon(self) -> None:
+        """A step cut short (Ctrl-C, an error): its spans go, so every figure counts the same steps: a phase's
+        calls, the steps and the total time (which ends at the last step's tokens)."""
+        del self.spans[self._kept:]
 
     def count(self, **values: float) -> None:
         """Add to named counters: count(prompt_tokens=12, generated=3)."""
@@ -171,6 +181,7 @@ class Profiler:
                                     int(delta["bytes_streamed"]) if "bytes_streamed" in delta else None,
                                     1000 * stall if stall is not None else None, budget))
         self._pending.append((len(self._steps) - 1, draft_s, target_s, on_timed))
+        self.keep()
         self.settle()
         index = len(self._steps) - 1
         return None if self._pending and self._pending[-1][0] == index else self._steps[index]

@@ -118,6 +118,33 @@ def test_engine_feeds_the_profiler(tiny_pair, tiny_perturbed_draft) -> None:
     assert rt.engine.profiler.summary()["generated"] <= 4
 
 
+@pytest.mark.parametrize("cut_in", ["draft", "target"])
+def test_a_step_cut_by_ctrl_c_is_counted_nowhere(tiny_pair, tiny_perturbed_draft, cut_in) -> None:
+    """Ctrl-C in the middle of a step (in its draft or its target pass): every figure of the profile counts the
+    same steps: each phase's calls, the steps, and a total time that is not below the phases' sum."""
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), EngineConfig(budget=8))
+    prompt = rt.encode("The quick brown fox")
+    model = rt.engine.target if cut_in == "target" else rt.engine.draft
+    armed, real = [False], model.forward
+
+    def forward(*args, **kwargs):
+        if armed[0]:                                   # the first pass of the third step
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    model.forward = forward
+    ids: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        for i, step in enumerate(rt.generate_ids(prompt, 64)):
+            ids += step
+            armed[0] = i == 1
+    s = rt.engine.profiler.summary()
+    assert s["steps"] == 2 and s["generated"] == len(ids)
+    assert s["spans"]["draft"]["calls"] == s["spans"]["target"]["calls"] == s["steps"]
+    phases = sum(t["ms"] for t in s["spans"].values())
+    assert 1000 * s["wall_s"] >= phases
+
+
 def test_peak_memory_sees_an_allocation() -> None:
     with PeakMemory("cpu", interval=0.001) as before:
         time.sleep(0.01)
