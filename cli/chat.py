@@ -26,11 +26,13 @@ Does not know: how a step works or how models load (specexec.runtime.assembly), 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from rich.console import Console
 
@@ -377,8 +379,43 @@ def _read_block(read_line: Callable[[str], str]) -> str:
     return "\n".join(lines)
 
 
-def repl(session: ChatSession, read_line: Callable[[str], str] = input) -> int:
-    """Read and handle messages until /exit or end of input; Ctrl-C at the prompt only clears the line."""
+def _terminal_modes(stream: TextIO) -> list | None:
+    """termios' attributes of `stream`; None where it is no terminal or the platform has no termios."""
+    try:
+        import termios
+    except ImportError:
+        return None
+    try:
+        return termios.tcgetattr(stream.fileno())
+    except (AttributeError, ValueError, OSError, termios.error):      # a test's stdin, a pipe, a file
+        return None
+
+
+@contextlib.contextmanager
+def input_held(stream: TextIO | None = None) -> Iterator[None]:
+    """While inside (an answer streaming): the terminal does not echo what the user types, so it never lands in
+    the answer; it stays in the terminal's input queue (TCSANOW discards nothing) and the next prompt reads and
+    shows it. No change where `stream` (default stdin) is not a terminal or the platform has no termios."""
+    before = _terminal_modes(stream or sys.stdin)
+    if before is None:
+        yield
+        return
+    import termios
+
+    fd = (stream or sys.stdin).fileno()
+    quiet = list(before)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, before)
+
+
+def repl(session: ChatSession, read_line: Callable[[str], str] = input,
+         hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> int:
+    """Read and handle messages until /exit or end of input; Ctrl-C at the prompt only clears the line. `hold`:
+    what surrounds handling a message (the terminal: input_held)."""
     while True:
         try:
             message = read_message(read_line)
@@ -389,8 +426,9 @@ def repl(session: ChatSession, read_line: Callable[[str], str] = input) -> int:
             session.write("\n")
             return 0
         try:
-            if not session.handle(message):
-                return 0
+            with hold():
+                if not session.handle(message):
+                    return 0
         except KeyboardInterrupt:
             session.console.print("^C", style="dim", highlight=False, markup=False)
 
@@ -441,4 +479,4 @@ def _session(args: argparse.Namespace, runtime: Runtime, sampling: SamplingParam
         import readline  # noqa: F401 -- line editing and history for input()
     except ImportError:
         pass
-    return repl(session)
+    return repl(session, hold=input_held)

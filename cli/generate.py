@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import unicodedata
 from dataclasses import replace
 from pathlib import Path
 
@@ -134,8 +135,18 @@ def print_load_summary(console: Console, runtime: Runtime) -> None:
                       "(no exactness claim holds)", style="yellow", highlight=False)
 
 
+def shown(text: str) -> str:
+    """Model text as a terminal shows it: control characters other than newline and tab (ESC, CR, BEL, the C1
+    controls, ...) escaped (\\x1b), so a model's output can never move the cursor, recolour or clear the screen."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else c.encode("unicode_escape").decode()
+                   for c in text)
+
+
 def write_text(text: str) -> None:
-    """Write model text to stdout, flushed; characters the terminal cannot encode become '?'."""
+    """Write model text to stdout, flushed; to a terminal with control characters escaped (shown); characters
+    the terminal cannot encode become '?'."""
+    if sys.stdout.isatty():
+        text = shown(text)
     try:
         sys.stdout.write(text)
     except UnicodeEncodeError:

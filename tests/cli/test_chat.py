@@ -248,3 +248,58 @@ def test_ctrl_c_in_a_terminal_returns_to_the_prompt(tiny_pair, tiny_perturbed_dr
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+@pytest.mark.slow
+def test_text_typed_during_an_answer_is_held_for_the_next_prompt(tiny_pair, tiny_perturbed_draft) -> None:
+    """Typed while an answer streams: not echoed into the answer; the next prompt shows it and Enter sends it."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-c", SLOW_CHAT, "chat", "--model", str(tiny_pair[0]), "--draft",
+                                           str(tiny_perturbed_draft), "--budget", "4", "--max-new-tokens", "60"],
+                          cwd=str(ROOT), env=ENV, encoding="utf-8", timeout=120, dimensions=(40, 160))
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("Hello there")
+        child.expect_exact("Hello there\r\n")                  # the terminal's echo of the prompt line
+        child.expect(r"[^\r\n]")                                # the answer has started
+        child.send("typed ahead")
+        child.expect_exact("tokens/pass")                       # the answer's end (its stats line)
+        answer = child.before
+        child.expect_exact(">>> ")
+        child.expect_exact("typed ahead")                       # held: the next prompt shows it
+        assert "typed ahead" not in answer
+        child.sendline("")
+        child.expect_exact("tokens/pass")                       # and Enter sends it as the next message
+        child.expect_exact(">>> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+
+
+def test_input_held_is_a_no_op_without_a_terminal(tmp_path) -> None:
+    from cli.chat import input_held
+
+    with open(tmp_path / "f", "w") as f, input_held(f):
+        f.write("x")
+    with input_held(io.StringIO()):
+        pass
+
+
+def test_control_characters_of_a_model_reach_a_terminal_escaped(monkeypatch) -> None:
+    """ESC, CR, BEL and the C1 controls would move the cursor, clear or recolour the screen: a terminal gets them
+    escaped; newlines and tabs stay; a pipe or a file gets the text as it is."""
+    from cli import generate
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    text = "a\x1b[2Jb\rc\td\ne\x07\x85é"
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    generate.write_text(text)
+    assert sys.stdout.getvalue() == "a\\x1b[2Jb\\rc\td\ne\\x07\\x85é"
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    generate.write_text(text)
+    assert sys.stdout.getvalue() == text
