@@ -3,9 +3,13 @@
 Plans the target (+ draft) from config.json alone (a directory holding only config.json is enough; a GGUF
 file's metadata also serves) for a GPU given by its memory (--gpu-memory: a card this machine need not have;
 omitted: this machine's GPU, or the CPU without one) and a RAM budget, and prints the memory ledger (every
-item each tier holds and its bytes), the layers per tier and the predicted seconds per target pass; exit 0.
+item each tier holds and its bytes), the layers per tier and the predicted seconds per target pass (on a CPU:
+the longer of streaming and compute, compute priced by this CPU's kernels as `specexec bench kernels` measured
+them, or said to be unknown: specexec/planning/cpu_compute.py), a warning when the plan holds more RAM than
+this machine has; exit 0.
 When nothing fits: one line saying what falls short and what would fit, exit 2. `--json` prints one line:
-{"resident_layers", "streamed_layers": {"ram", "ssd"}, "ledger": {item: bytes}, "predicted_seconds_per_pass",
+{"resident_layers", "streamed_layers": {"ram", "ssd"}, "ledger": {item: bytes}, "predicted_seconds_per_pass" (the
+streaming; on a CPU "compute": {"seconds", "pass_seconds", ...}, None where not measured),
 "link_gbps", "kv": {where the target's KV rows live, int8 flagged "lossy"}, ...} (plus the ledger by tier, formats,
 budgets, prefill tokens, read-ahead depth; for an MoE target "moe": its experts, the expert cache and the
 predicted seconds per pass at tree budgets 0 / 16 / 64 / 256 from the expected expert union,
@@ -29,6 +33,7 @@ from specexec.options import (ConfigError, budget_options, check_choice, check_e
 from specexec.planning.expert_place import CPU_GBPS_ENV, DEFAULT_CPU_GBPS, cpu_gemv_bps
 from specexec.planning.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
                                      with_warnings)
+from specexec.planning.cpu_compute import CpuCompute, cpu_compute, ram_warning
 from specexec.planning.run_shape import RunShape, plan_context
 from specexec.tuning.plan_pick import AutoStart, auto_start
 from specexec.checkpoints.loading import read_args, resolve_model_path
@@ -188,8 +193,12 @@ def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
     except PlanError as e:
         hint = what_fits(shape, formats, ram, gpu, mode, bandwidths)
         raise ConfigError(_explain(e, ns) + (f"; {hint}" if hint else "; nothing smaller fits either")) from None
+    import psutil
+
     cache = default_cache_root() if memory.fmt != "none" or memory.plan.streams else None
-    return with_warnings(memory, slow_mount_warnings(resolve_model_path(ns.model), cache)), source
+    too_big = ram_warning(memory, psutil.virtual_memory().total)
+    warnings = (*slow_mount_warnings(resolve_model_path(ns.model), cache), *([too_big] if too_big else []))
+    return with_warnings(memory, warnings), source
 
 
 def _explain(e: PlanError, ns: argparse.Namespace) -> str:
@@ -209,10 +218,35 @@ def _auto_start(ns: argparse.Namespace, memory: MemoryPlan) -> AutoStart | None:
     return auto_start(budget_options("auto")["budget"], memory.plan.expected_s)
 
 
+def _compute(memory: MemoryPlan) -> CpuCompute | None:
+    """A CPU plan's compute, priced by this CPU's measured kernels (None on CUDA: hidden behind the copies)."""
+    import torch
+
+    return cpu_compute(memory, torch.get_num_threads()) if memory.plan.device == "cpu" else None
+
+
+def _predicted_line(memory: MemoryPlan, compute: CpuCompute | None) -> str:
+    p = memory.plan
+    kv = p.companion_bytes(True)
+    moved = f"{(p.pass_bytes('ram') + p.pass_bytes('ssd')) / GB:.2f} GB" + (
+        f" of weights and {kv / GB:.2f} GB of KV cache ({len(p.companions_streamed)} layers)" if kv else "")
+    layers = f"{len(p.layers_in('resident'))} of {len(p.tiers)} layers resident"
+    if compute is None:
+        return (f"predicted {p.expected_s:.3f} s per target pass ({layers}; streaming {moved} per pass, compute "
+                "assumed hidden behind the copies)")
+    total = compute.pass_seconds(p.expected_s)
+    if total is None:
+        return (f"predicted at least {p.expected_s:.3f} s per target pass, the streaming alone ({layers}; streaming "
+                f"{moved} per pass); {compute.describe()}")
+    return (f"predicted {total:.3f} s per target pass, the longer of streaming and compute ({layers}; streaming "
+            f"{moved} per pass: {p.expected_s:.3f} s; {compute.describe()})")
+
+
 def run(ns: argparse.Namespace) -> int:
     memory, source = plan_for(ns)
     start = _auto_start(ns, memory)
     placement = _placement(ns, memory)
+    compute = _compute(memory)
     if ns.json:
         out = {**memory.to_json(), "by_tier": memory.plan.ledger(),
                **({"experts": placement.to_json()} if placement is not None else {}),
@@ -220,6 +254,9 @@ def run(ns: argparse.Namespace) -> int:
                "ssd_bytes": memory.plan.tier_bytes("ssd")}
         if start is not None:
             out["auto_budget"] = start.to_json()
+        if compute is not None:                   # a CPU: the pass is the longer of streaming and compute
+            whole = compute.pass_seconds(memory.plan.expected_s)
+            out["compute"] = {**compute.to_json(), "pass_seconds": None if whole is None else round(whole, 4)}
         print(json.dumps(out, separators=(",", ":")), flush=True)
         return 0
     out = sys.stdout
@@ -228,12 +265,7 @@ def run(ns: argparse.Namespace) -> int:
         out.write(line + "\n")
     if source:
         out.write(f"  GPU budget from {source}\n")
-    p = memory.plan
-    kv = p.companion_bytes(True)
-    moved = f"{(p.pass_bytes('ram') + p.pass_bytes('ssd')) / GB:.2f} GB" + (
-        f" of weights and {kv / GB:.2f} GB of KV cache ({len(p.companions_streamed)} layers)" if kv else "")
-    out.write(f"predicted {p.expected_s:.3f} s per target pass ({len(p.layers_in('resident'))} of {len(p.tiers)} "
-              f"layers resident; streaming {moved} per pass, compute assumed hidden behind the copies)\n")
+    out.write(_predicted_line(memory, compute) + "\n")
     if start is not None:
         out.write(start.describe() + "\n")
     out.flush()

@@ -7,9 +7,12 @@ weight-only kernels (aten._weight_int4pack_mm_for_cpu / _weight_int8pack_mm, bf1
 quantized linear (int8 weights and activations: fbgemm, x86, onednn where this build has the engine), bf16 and fp32
 F.linear (oneDNN / MKL). Each is timed over enough copies of its weight to overflow the last-level cache (a decode
 step reads every weight once), best of --reps, back to back in one process; GB/s = weight bytes / seconds.
-`--json` prints one line.
+`--json` prints one line. The rates of the kernels a CPU target runs (ours for int4/int8 layers, fp32 F.linear
+for unquantized ones) are kept for `specexec plan` (specexec/tuning/cpu_rates.py), which prices a CPU pass's
+compute with them.
 
-Does not know: models, layers, the runtime; which kernel the runtime picks (offload/quant/linear.py).
+Does not know: models, layers, the runtime; how the runtime picks a kernel (offload/quant/linear.py; RUNTIME_KERNELS
+names its picks by format).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from cpu_kernels import ops
 from cpu_kernels.build import library, status
 from offload.quant import int4 as q_int4
 from specexec.options import ConfigError, check_choice, check_integer
+from specexec.tuning.cpu_rates import save_rates
 
 SHAPES = {"1.5b": [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)],
           "0.5b": [(896, 896), (128, 896), (4864, 896), (896, 4864)],
@@ -155,6 +159,25 @@ def parse_rows(text: str, flag: str = "--rows") -> list[int]:
     return rows
 
 
+# the candidates a CPU target runs, by its layers' format (offload/quant/linear.py picks them)
+RUNTIME_KERNELS = {"int4": "specexec q4 (int8 act)", "int8": "specexec q8 (int8 act)", "none": "fp32 F.linear"}
+
+
+def keep_rates(results: list[dict]) -> list[str]:
+    """Save, per format a CPU target runs, the weight bytes per second of its kernel at each row count (all the
+    shapes' bytes over all their seconds), for `specexec plan` (specexec/tuning/cpu_rates.py); the formats kept."""
+    kept = []
+    for fmt, name in RUNTIME_KERNELS.items():
+        mine = [r for r in results if r["kernel"] == name]
+        by_rows = {m: [r for r in mine if r["rows"] == m] for m in {r["rows"] for r in mine}}
+        rates = {m: sum(r["weight_bytes"] for r in rs) / (sum(r["us"] for r in rs) / 1e6)
+                 for m, rs in by_rows.items() if sum(r["us"] for r in rs) > 0}
+        if rates:
+            save_rates(fmt, torch.get_num_threads(), rates)
+            kept.append(fmt)
+    return kept
+
+
 def run(ns: argparse.Namespace) -> int:
     check_choice("--shapes", ns.shapes, tuple(SHAPES))
     rows = parse_rows(ns.rows)
@@ -167,6 +190,7 @@ def run(ns: argparse.Namespace) -> int:
     gbps = read_gbps(min(1 << 30, 4 * ns.copies_mb << 20))
     check_integer("--copies-mb", ns.copies_mb, low=1, high=1 << 16)
     results = measure(SHAPES[ns.shapes], rows, ns.reps, ns.copies_mb << 20)
+    kept = keep_rates(results)
     t = Table(title=f"CPU linears · {torch.get_num_threads()} threads · memory read {gbps:.1f} GB/s",
               title_justify="left", show_edge=False, pad_edge=False)
     for col in ("shape", "rows", "kernel", "µs", "GB/s", "% of bandwidth", "× ours q4"):
@@ -175,6 +199,8 @@ def run(ns: argparse.Namespace) -> int:
         t.add_row(f"{r['shape'][0]}x{r['shape'][1]}", str(r["rows"]), r["kernel"], f"{r['us']:.0f}",
                   f"{r['gbps']:.1f}", f"{100 * r['gbps'] / gbps:.0f}", f"{r['x_ours_q4']:.2f}")
     (console if ns.json else Console(soft_wrap=True)).print(t)
+    console.print(f"kept for `specexec plan` on this CPU: {', '.join(kept)} weight bytes per second by rows",
+                  style="dim", highlight=False, markup=False)
     if ns.json:
         print(json.dumps({"read_gbps": round(gbps, 2), "threads": torch.get_num_threads(), "rows": results,
                           "kernels": status(), "q4_group": q_int4.DEFAULT_GROUP}, separators=(",", ":")))
