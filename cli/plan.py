@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from cpu_kernels.cache_root import default_cache_root
 from offload.memory_plan import GB, Bandwidths, PlanError
@@ -127,6 +128,25 @@ def _bandwidths(ns: argparse.Namespace, device: str) -> Bandwidths:
     return Bandwidths(ram=link * GB, ssd=ssd * GB)
 
 
+def _local(spec: str, flag: str) -> Path:
+    """The checkpoint `spec` names on this machine (plan downloads nothing). A Hub id or catalogue name that is
+    not here: one line with the commands that fetch the config.json plan needs, and plan it."""
+    from specexec.checkpoints.catalog import find
+    from specexec.checkpoints.loading import HUB_ID
+
+    try:
+        return resolve_model_path(spec)
+    except ConfigError:
+        entry = find(spec)
+        repo = entry.hub if entry is not None else spec if HUB_ID.match(spec) and not Path(spec).exists() else None
+        if repo is None:
+            raise
+    name = repo.rsplit("/", 1)[-1]
+    raise ConfigError(f"{flag} {spec}: {repo} is not on this machine and plan downloads nothing; it needs only the "
+                      f"config.json: run `hf download {repo} config.json --local-dir {name}` (a gated model needs "
+                      f"HF_TOKEN), then `specexec plan {flag} {name}`") from None
+
+
 def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     import torch
 
@@ -139,14 +159,14 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
 
     from specexec.drafters.choose import choose
 
-    t_path = resolve_model_path(ns.model)
+    t_path = _local(ns.model, "--model")
     target = read_args(t_path)
     own = is_self_draft(ns.draft)
     drafter = choose(ns.draft, t_path, target, headers=False) if ns.draft and not own else None
     if drafter is not None and ns.draft_quant is not None:
         raise ConfigError(f"--draft-quant is for a draft model; the {drafter.kind} drafter runs in the run dtype")
     draft = (drafter.plan_args(target) if drafter is not None else
-             read_args(resolve_model_path(ns.draft)) if ns.draft and not own else None)
+             read_args(_local(ns.draft, "--draft")) if ns.draft and not own else None)
     layers = parse_draft_layers(ns.draft_layers) if ns.draft_layers is not None else None
     if layers is not None and not own:
         raise ConfigError("--draft-layers applies to --draft self (a draft made of the target's own layers)")
@@ -197,7 +217,7 @@ def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
 
     cache = default_cache_root() if memory.fmt != "none" or memory.plan.streams else None
     too_big = ram_warning(memory, psutil.virtual_memory().total)
-    warnings = (*slow_mount_warnings(resolve_model_path(ns.model), cache), *([too_big] if too_big else []))
+    warnings = (*slow_mount_warnings(_local(ns.model, "--model"), cache), *([too_big] if too_big else []))
     return with_warnings(memory, warnings), source
 
 

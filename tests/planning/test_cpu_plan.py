@@ -81,3 +81,23 @@ def test_bench_kernels_keeps_the_runtimes_kernels_rates() -> None:
             {"kernel": "torch int4pack (bf16 act)", "rows": 1, "us": 1.0, "weight_bytes": 10**9}]
     assert keep_rates(rows) == ["int4"]
     assert load_rates("int4", torch.get_num_threads()) == {1: pytest.approx(4000 / 400e-6)}
+
+
+def test_plan_by_a_name_not_here_says_what_to_run(capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catalogue name (or Hub id) that is not on this machine: the line gives the commands that fetch the one
+    file plan needs and plan it; run as given, they work."""
+    import re
+    import shlex
+    import shutil
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("SPECEXEC_MODEL_DIRS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "llama-3.1-70b-instruct"]) == 2
+    err = capsys.readouterr().err.strip()
+    fetch, again = re.findall(r"`([^`]+)`", err)
+    assert fetch.startswith("hf download meta-llama/Llama-3.1-70B-Instruct config.json --local-dir ")
+    local = Path(shlex.split(fetch)[-1])
+    local.mkdir()                                       # what `hf download ... --local-dir` leaves
+    shutil.copy(Path(LLAMA_70B) / "config.json", local / "config.json")
+    assert main(shlex.split(again)[1:] + ["--ram-budget", "24GB"]) == 0
