@@ -28,6 +28,7 @@ import torch
 from cpu_kernels.cache_root import default_cache_root
 from offload.platform.facilities import missing
 from offload.platform.mounts import slow_mount_warnings
+from offload.quant.weights import bnb_functional
 from specexec.options import ConfigError, check_integer
 
 PROMPT = "The quick brown fox"
@@ -101,8 +102,8 @@ def bnb_report() -> dict:
     missing or broken bitsandbytes is a failure (cuda_kernels False): --quant auto means NF4 there."""
     cuda = torch.cuda.is_available()
     try:
+        bnbf = bnb_functional()                            # the one import, its foreign warnings silenced
         import bitsandbytes
-        import bitsandbytes.functional as bnbf
     except Exception as e:                                 # noqa: BLE001 -- any import failure is the finding
         out = {"version": None, "cuda_kernels": False if cuda else None, "error": f"{type(e).__name__}: {e}"}
         return {**out, "hint": BNB_HINT} if cuda else out
@@ -181,6 +182,22 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+RUN_WORDS = {"cpu resident": "the CPU with every layer resident",
+             "cpu streamed (ssd)": "the CPU streaming its layers from the SSD tier",
+             "cuda resident": "the GPU with every layer resident",
+             "cuda streamed (ssd)": "the GPU streaming its layers from the SSD tier"}
+
+
+def tiny_model_words(t: dict) -> str:
+    """What the tiny model's runs found, in words: each run against the reference (the first: CPU resident)."""
+    words = {name: RUN_WORDS.get(name, name) for name in t["equal"]}
+    reference = next(iter(words.values()))
+    said = [f"{words[name]} gives the same {t['tokens']} greedy tokens as {reference}" if same else
+            f"{words[name]} gives OTHER tokens than {reference} (a bug: please report it)"
+            for name, same in list(t["equal"].items())[1:]]
+    return "; ".join(said) if said else f"{reference} gave {t['tokens']} greedy tokens"
+
+
 def describe(r: dict) -> str:
     c, d, b, m, t = r["cuda"], r["disk"], r["bitsandbytes"], r["ram"], r["tiny_model"]
     lines = [f"specexec {r['version']['specexec']}, torch {c['torch']} (python {c['python']})"]
@@ -204,8 +221,7 @@ def describe(r: dict) -> str:
     lines.append(f"bitsandbytes {b['version'] or 'missing'}: CUDA kernels {kern[b['cuda_kernels']]}"
                  + (f"; {b['hint']}" if b.get("hint") else ""))
     lines.append(f"RAM: {_gb(m['available_bytes'])} available of {_gb(m['total_bytes'])}")
-    runs = ", ".join(f"{k} {'=' if v else 'DIFFERS'}" for k, v in t["equal"].items())
-    lines.append(f"tiny model ({t['tokens']} greedy tokens, {t['seconds']:.1f} s): {runs}")
+    lines.append(f"tiny model ({t['seconds']:.1f} s): {tiny_model_words(t)}")
     lines.append("all checks passed" if r["ok"] else "some checks FAILED (see above)")
     return "\n".join(lines)
 

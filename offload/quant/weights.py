@@ -68,9 +68,11 @@ DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 @functools.cache
 def bnb_functional():
     """bitsandbytes.functional, imported lazily (only needed once a weight is (de)quantized), set up once."""
-    # bitsandbytes' CPU backend warns at import that an optional hub kernel for its own 4-bit GEMV is not
-    # installed; this module never calls that kernel (it dequantizes and runs F.linear), so the warning is noise.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # bitsandbytes' CPU backend tries at import to fetch an optional hub kernel for its own 4-bit GEMV (through
+    # the `kernels` package) and warns when it is missing, untrusted or offline; this module never calls that
+    # kernel (it dequantizes and runs F.linear), so both packages' warnings are noise here.
+    for name in ("bitsandbytes.backends.cpu.ops", "kernels"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     import bitsandbytes.functional as bnbf
 
     return bnbf
