@@ -111,7 +111,9 @@ def _human(n: float) -> str:
     return str(int(n))
 
 
-def print_load_summary(console: Console, runtime: Runtime) -> None:
+def print_load_summary(console: Console, runtime: Runtime, sweep: str | None = None) -> None:
+    """The loaded models, one line each, then the builder and budget (`sweep`: what a benchmark sweeps instead,
+    e.g. "sweeping 40 prompts over budgets 8, 32, no-draft")."""
     def line(role: str, info: ModelInfo) -> None:
         console.print(f"[bold]{role}[/] {info.path} · {info.args.family} · {info.args.n_layers} layers · "
                       f"{_human(info.params)} params · {info.dtype} · {info.device} · loaded in {info.load_s:.2f} s",
@@ -125,11 +127,11 @@ def print_load_summary(console: Console, runtime: Runtime) -> None:
         if runtime.depth is not None:              # --draft-layers auto: the depth the probe chose
             console.print(runtime.depth.line(), highlight=False)
     if runtime.engine.builder is None:
-        console.print("no draft: decoding with the target alone", highlight=False)
+        console.print("no draft: decoding with the target alone" + (f" · {sweep}" if sweep else ""), highlight=False)
     else:
         c = runtime.config
         budget = f"auto (up to {c.budget} tokens)" if c.auto_budget else f"{c.budget} tokens"
-        console.print(f"builder {runtime.builder_name} · budget {budget}", highlight=False)
+        console.print(f"builder {runtime.builder_name} · " + (sweep or f"budget {budget}"), highlight=False)
     if runtime.config.kv_quant != "none":
         console.print(f"KV cache {runtime.config.kv_quant}: LOSSY, the output may differ from the target's own "
                       "(no exactness claim holds)", style="yellow", highlight=False)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 
+from cli.bench.progress import tell
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.options import ConfigError
 from specexec.profiler import PeakMemory
@@ -134,8 +135,8 @@ def run_variant(name: str, rt: Runtime, budget: int | str | None, plan: Plan, pr
             pass
     res = Result(name, budget=budget, builder=rt.builder_name if budget is not None else None)
     with PeakMemory(rt.engine.device) as mem:
-        for j, ids in enumerate(prompt_ids, 1):
-            progress(f"{name} · prompt {j}/{len(prompt_ids)}")
+        for j, ids in enumerate(prompt_ids):
+            tell(progress, name, j, len(prompt_ids))
             rt.engine.reset()
             out = [t for step in rt.generate_ids(ids, max_new, sampling) for t in step]
             steps = rt.engine.profiler.steps
@@ -145,6 +146,7 @@ def run_variant(name: str, rt: Runtime, budget: int | str | None, plan: Plan, pr
             res.budgets += [x.budget for x in steps if x.budget is not None]
             res.moe_runs.append(s["moe"])
             res.gate_runs.append(s["gate"])
+        tell(progress, name, len(prompt_ids), len(prompt_ids))
     res.peak_ram, res.peak_vram = mem.ram_bytes, mem.vram_bytes
     return res
 

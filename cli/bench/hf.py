@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from cli.bench.common import Plan, Result
+from cli.bench.progress import tell
 from specexec.config import OffloadConfig, SamplingParams
 from specexec.profiler import PeakMemory, Profiler
 
@@ -144,14 +145,15 @@ def _run_hf_kind(kind: str, target, draft, plan: Plan, prompt_ids: list[list[int
                          prof_ref[0], plan.sampling.seed, device)
         res = Result(kind, note="transformers generate(), unquantized")
         with PeakMemory(device) as mem:
-            for j, ids in enumerate(prompt_ids, 1):
-                progress(f"{kind} · prompt {j}/{len(prompt_ids)}")
+            for j, ids in enumerate(prompt_ids):
+                tell(progress, kind, j, len(prompt_ids))
                 prof = prof_ref[0] = Profiler(device)
                 new = _hf_generate(target, draft, ids, gen_cfg, prof, plan.sampling.seed, device)
                 spans = prof.totals()
                 prefill_s = spans.get("prefill", {}).get("ms", 0.0) / 1000
                 passes = int(sum(t["calls"] for t in spans.values()))
                 res.add(new, passes, max(prof.wall_s - prefill_s, 0.0), prof.ttft_s)
+            tell(progress, kind, len(prompt_ids), len(prompt_ids))
         res.peak_ram, res.peak_vram = mem.ram_bytes, mem.vram_bytes
         return res
     finally:

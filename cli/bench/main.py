@@ -52,6 +52,7 @@ from rich.console import Console
 from cli import args as common
 from cli.bench import llamacpp
 from cli.bench import plot
+from cli.bench.progress import PromptBars
 from cli.bench.common import Plan, Result, config_name, encode_prompts, run_variant, wide
 from cli.bench.context import context_rows, context_table, parse_contexts, run_contexts
 from cli.bench.hf import run_hf
@@ -237,6 +238,13 @@ def release(runtime: Runtime) -> None:
 
 # -------------------------------------------------------------------- entry point
 
+def swept(plan: Plan) -> str:
+    """What the run sweeps, for the header: the budgets (the runtime's own budget is only where they start)."""
+    rows = ([f"budgets {', '.join(map(str, plan.budgets))}"] if "specexec" in plan.kinds else []) + \
+        [k for k in plan.kinds if k != "specexec"]
+    return f"sweeping {len(plan.prompts)} prompts over " + (", ".join(rows) or "nothing")
+
+
 def _done_line(console: Console) -> Callable[[Result], None]:
     """One dim line per finished configuration (long runs show progress in a log file too)."""
     def done(r: Result) -> None:
@@ -282,16 +290,15 @@ def run(args: argparse.Namespace) -> int:
         return _run_contexts(args, runtime, plan, console)
     ours, prompt_ids, hf = run_drafts(args, plan, console)
     results = [r for r in ours if r.config not in BASELINES] + [r for r in ours if r.config in BASELINES]
-    with console.status("benchmarking") as status:
-        results += run_hf(hf[0], hf[1], plan, prompt_ids, hf[2], hf[3], args.warmup, lambda msg: status.update(msg),
-                          _done_line(console))
+    with PromptBars(console) as bars:
+        results += run_hf(hf[0], hf[1], plan, prompt_ids, hf[2], hf[3], args.warmup, bars, _done_line(console))
         if "llama.cpp" in plan.kinds:
             skip = llamacpp.skip_reason(args.model, args.gguf)
             if skip:
                 console.print(skip, style="yellow", highlight=False, markup=False)
             else:
                 results += llamacpp.run_llamacpp(llamacpp.gguf_for(args.model, args.gguf), plan, prompt_ids, hf[2],
-                                                 args.warmup, lambda msg: status.update(msg), _done_line(console),
+                                                 args.warmup, bars, _done_line(console),
                                                  lambda line: console.print(line, style="yellow", highlight=False,
                                                                             markup=False))
     rows = make_rows(results, plan.sampling.greedy)
@@ -332,7 +339,7 @@ def run_drafts(args: argparse.Namespace, plan: Plan, console: Console) -> tuple[
                 fetch_model(args, "draft")
         exact = plan.config.replace(kv_quant="none")   # planned for the exact cache; int8 rows are variants of it
         runtime = common.load_runtime(args, exact, console, plan.offload)
-        print_load_summary(console, runtime)
+        print_load_summary(console, runtime, swept(plan))
         if k == 0:
             warn = lambda msg: console.print(f"warning: {msg}", style="yellow", highlight=False,  # noqa: E731
                                              markup=False)
@@ -342,9 +349,9 @@ def run_drafts(args: argparse.Namespace, plan: Plan, console: Console) -> tuple[
         if draft_path is None and spec is not None and not is_self_draft(spec):
             draft_path = runtime.draft_info.path
         kinds = plan.kinds if k == 0 else tuple(x for x in plan.kinds if x == "specexec")
-        with console.status("benchmarking") as status:
-            results += run_ours(runtime, replace(plan, kinds=kinds), prompt_ids, args.warmup,
-                                lambda msg: status.update(msg), _done_line(console), draft=spec)
+        with PromptBars(console) as bars:
+            results += run_ours(runtime, replace(plan, kinds=kinds), prompt_ids, args.warmup, bars,
+                                _done_line(console), draft=spec)
         release(runtime)
         del runtime
         gc.collect()

@@ -60,6 +60,52 @@ def test_table_on_stdout_without_json(capsys, tiny_pair, tiny_perturbed_draft) -
     assert "hf-offload" not in captured.out
 
 
+def test_header_names_the_budgets_swept(capsys, tiny_pair, tiny_perturbed_draft) -> None:
+    _, err = _bench(capsys, (tiny_pair[0], tiny_perturbed_draft), "--budgets", "8,32", "--configs",
+                    "specexec,no-draft", "--json")
+    assert "builder specexec · sweeping 2 prompts over budgets 8, 32, no-draft" in err
+    assert "budget 64" not in err
+
+
+def test_each_configuration_reports_its_prompts(tiny_pair, tiny_perturbed_draft) -> None:
+    """run_variant tells the progress its prompts done of all, from 0 to all (a bar with an ETA on stderr)."""
+    from cli.bench.common import Plan, run_variant
+    from specexec.config import EngineConfig, OffloadConfig, SamplingParams
+    from specexec.runtime.assembly import Runtime
+
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), EngineConfig(budget=4, max_new_tokens=4))
+    plan = Plan(rt.config, SamplingParams(), OffloadConfig(), (4,), None, ("specexec",), (), 1)
+    heard: list[tuple[str, int, int]] = []
+
+    class Bars:
+        def __call__(self, message: str) -> None:
+            heard.append((message, -1, -1))
+
+        def prompts(self, name: str, done: int, total: int) -> None:
+            heard.append((name, done, total))
+
+    run_variant("x", rt, 4, plan, [rt.encode("a b"), rt.encode("c d"), rt.encode("e")], 0, Bars())
+    assert heard == [("x", 0, 3), ("x", 1, 3), ("x", 2, 3), ("x", 3, 3)]
+
+
+def test_prompt_bars_show_prompts_done_and_time_left() -> None:
+    import io
+
+    from rich.console import Console
+
+    from cli.bench.progress import PromptBars
+
+    out = io.StringIO()
+    with PromptBars(Console(file=out, force_terminal=True, width=120)) as bars:
+        bars("loading the transformers target")
+        bars.prompts("specexec budget=8", 1, 4)
+        bars.progress.refresh()
+        shown = out.getvalue()
+        bars.prompts("specexec budget=8", 4, 4)
+        assert not bars.bars                                  # a finished configuration's bar goes
+    assert "specexec budget=8" in shown and "1/4" in shown and "prompts" in shown and "left" in shown
+
+
 def test_sampling_rows_have_no_identity_check(capsys, tiny_pair, tiny_perturbed_draft) -> None:
     captured, _ = _bench(capsys, (tiny_pair[0], tiny_perturbed_draft), "--budgets", "8", "--configs",
                          "specexec,no-draft", "--temperature", "0.8", "--seed", "1", "--json")
