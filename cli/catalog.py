@@ -51,7 +51,7 @@ def table(found: list[dict], source: str) -> Table:
     for r in found:
         local = f"[green]yes[/] {r['local_path']}" if r["local_path"] else "[dim]no[/]"
         t.add_row(r["name"], r["params"], r["family"], ", ".join(r["drafts"]) or "[dim]-[/]", str(r["budget"]),
-                  r["quant"], local, r["hub"])
+                  r["quant"], local, r["hub"] or "[dim]local only[/]")
     return t
 
 

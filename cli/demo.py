@@ -24,9 +24,8 @@ from rich.table import Table
 
 from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
-from specexec.tuning import store
+from specexec.checkpoints.catalog import demo_dir
 
-VERSION = "v1"                     # bump when the recipe below changes: a new cache directory is built
 TARGET_SHAPE = dict(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, intermediate=688, vocab_size=320)
 DRAFT_NOISE = 0.01                 # relative weight noise: ~90% top-1 agreement with the target
 PROMPT = "The quick brown fox"
@@ -44,8 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def cache_dir() -> Path:
-    """<cache root>/demo/<version> (the cache root of every cache: specexec/tuning/store.py)."""
-    return store.cache_dir("demo") / VERSION
+    """<cache root>/demo/<version>, where `--model demo` finds it too (specexec/checkpoints/catalog.py: bump its
+    DEMO_VERSION when the recipe below changes)."""
+    return demo_dir()
 
 
 def ensure_models(root: Path, rebuild: bool = False) -> tuple[Path, Path, bool]:
@@ -116,6 +116,8 @@ NOTE = ("The weights are random, so the text is meaningless; the numbers show th
         "pass above 1 means one target pass emitted several tokens. Both models here are tiny, so a target pass "
         "costs little and tokens/s need not improve; the gain comes when the target is large or offloaded and "
         "each pass is expensive. On real models: specexec generate --model PATH --draft PATH --prompt TEXT")
+NEXT = ("Next, with these checkpoints (`specexec models` lists them as demo and demo-draft): specexec chat --model "
+        "demo, or specexec generate --model demo --prompt 'The quick brown fox'")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,4 +150,5 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         console.print("error: in float32 speculative decoding must emit exactly the target-alone tokens; "
                       "it did not (a bug: please report it)", highlight=False, markup=False)
         return 1
+    console.print(NEXT, highlight=False, markup=False)
     return 0

@@ -1,7 +1,8 @@
 """models.yaml: the catalogue of known models with their recommended drafts, and model name -> local directory.
 
 An entry's drafts name other entries, or `self` / `self:FORMAT`: the target drafting with its own layers
-(`drafts: self` alone is a one-item list).
+(`drafts: self` alone is a one-item list). An entry with `local: DIR` exists only on this machine (no Hub id):
+`demo` and `demo-draft`, the pair `specexec demo` builds, are two such entries every catalogue has.
 
 The catalogue is one YAML file, specexec/checkpoints/models.yaml, shipped in the package ($SPECEXEC_MODELS_YAML
 points at another file). Each entry becomes a frozen `ModelEntry`; unknown keys,
@@ -22,6 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from cpu_kernels.cache_root import default_cache_root
 from specexec.families import family_names
 from specexec.options import MAX_BUDGET, ConfigError, check_number, choices, is_self_draft
 
@@ -45,6 +47,7 @@ class ModelEntry:
     quant: str = "none"
     notes: str = ""
     tokenizer: str = ""             # entries naming the same tokenizer share it exactly; "" = the family's own
+    local: str = ""                 # a checkpoint that exists only on this machine: its directory (hub unused)
 
     @property
     def tokenizer_name(self) -> str:
@@ -81,7 +84,7 @@ class ModelEntry:
             check_number("budget", self.budget, low=1, high=MAX_BUDGET)
         except ConfigError as e:
             raise ConfigError(f"{at}: {e}") from None
-        if "/" not in self.hub:
+        if "/" not in self.hub and not self.local:
             raise ConfigError(f"{at}: hub {self.hub!r} is not a Hub id like org/name")
 
     @property
@@ -90,6 +93,9 @@ class ModelEntry:
 
     def local_path(self) -> Path | None:
         """The checkpoint directory on this machine, or None (searched offline only)."""
+        if self.local:
+            path = Path(self.local).expanduser()
+            return path.resolve() if (path / "config.json").is_file() else None
         for root in model_dirs():
             for candidate in dict.fromkeys((self.name, self.hub_name, self.hub_name.lower())):
                 if (root / candidate / "config.json").is_file():
@@ -98,7 +104,7 @@ class ModelEntry:
 
 
 _TYPES: dict[str, type] = {"hub": str, "family": str, "params": str, "drafts": list, "budget": int,
-                           "quant": str, "notes": str, "tokenizer": str}
+                           "quant": str, "notes": str, "tokenizer": str, "local": str}
 
 
 def _typed(at: str, key: str, value: Any) -> Any:
@@ -183,6 +189,21 @@ def _check_self(spec: str, at: str) -> None:
                           f"FORMAT one of: {', '.join(formats)}")
 
 
+DEMO_VERSION = "v1"                 # bump when `specexec demo`'s recipe (cli/demo.py) changes: a new directory
+
+
+def demo_dir() -> Path:
+    """Where `specexec demo` keeps its random-weight pair: <cache root>/demo/<version>/{target,draft}."""
+    return default_cache_root() / "demo" / DEMO_VERSION
+
+
+def demo_entries() -> tuple[ModelEntry, ...]:
+    """`demo` and `demo-draft`: the demo's checkpoints by name, once `specexec demo` has built them."""
+    note = "random weights, built by `specexec demo`: the whole path with nothing to download"
+    return (ModelEntry("demo", "", "llama", "3M", ("demo-draft",), 8, "none", note, "demo", str(demo_dir() / "target")),
+            ModelEntry("demo-draft", "", "llama", "3M", (), 8, "none", note, "demo", str(demo_dir() / "draft")))
+
+
 def default_catalog_path() -> Path:
     """$SPECEXEC_MODELS_YAML, else the shipped catalogue beside this module (specexec/checkpoints/models.yaml)."""
     env = os.environ.get(CATALOG_ENV)
@@ -192,14 +213,17 @@ def default_catalog_path() -> Path:
 
 
 def load_catalog(path: Path | str | None = None) -> Catalog:
-    """The catalogue at `path` (default: default_catalog_path()), parsed once per file version."""
+    """The catalogue at `path` (default: default_catalog_path()), parsed once per file version, and the demo's
+    entries (demo_entries) unless it names its own."""
     p = Path(path) if path is not None else default_catalog_path()
     try:
         stamp = p.stat().st_mtime_ns
     except OSError:
         raise ConfigError(f"models catalogue {p} does not exist" +
                           (f" (set by ${CATALOG_ENV})" if os.environ.get(CATALOG_ENV) else "")) from None
-    return _load(str(p), stamp)
+    catalog = _load(str(p), stamp)
+    named = {e.name for e in catalog}             # the demo's entries, where the cache root is now
+    return Catalog(catalog.source, catalog.entries + tuple(e for e in demo_entries() if e.name not in named))
 
 
 @functools.lru_cache(maxsize=8)

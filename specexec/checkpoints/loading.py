@@ -57,6 +57,9 @@ def resolve_model_path(spec: str, hub: HubOptions | None = None) -> Path:
         local = entry.local_path() if hub is None or not hub.gguf_file else None
         if local is not None:
             return local
+        if entry.local:                                   # only ever on this machine: nothing to download
+            made = " (`specexec demo` builds it)" if entry.name.startswith("demo") else ""
+            raise ConfigError(f"model {spec!r} is not on this machine yet: {entry.local} has no config.json{made}")
         repo = entry.hub
     elif HUB_ID.match(spec) and not spec.startswith((".", "/")):
         repo = spec

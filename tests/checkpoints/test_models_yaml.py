@@ -125,7 +125,7 @@ def test_models_command_lists_local_presence(catalogue, capsys) -> None:
     assert main(["models", "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     rows = {r["name"]: r for r in obj["models"]}
-    assert set(rows) == {"tiny-target", "tiny-draft"}
+    assert set(rows) == {"tiny-target", "tiny-draft", "demo", "demo-draft"}        # the demo's pair, always
     assert rows["tiny-target"]["local_path"] and rows["tiny-target"]["drafts"] == ["tiny-draft"]
     assert main(["models"]) == 0
     out = capsys.readouterr().out

@@ -259,8 +259,26 @@ def test_demo_runs_and_caches(capsys, tmp_path, monkeypatch) -> None:
                    "specexec generate --model PATH --draft PATH"):
         assert needle in err, needle
     assert "NO" not in err.split("greedy decoding")[1]
+    assert err.strip().splitlines()[-1].startswith("Next, with these checkpoints")
+    assert "specexec chat --model demo" in err.strip().splitlines()[-1]
     assert cache_dir() == tmp_path / "specexec" / "demo" / cache_dir().name
     assert ensure_models(cache_dir())[2] is False                # built once, then reused
+    assert main(["models", "--json", "--local"]) == 0           # the demo's pair by name
+    local = {m["name"]: m for m in json.loads(capsys.readouterr().out)["models"]}
+    assert local["demo"]["local_path"] == str(cache_dir() / "target") and local["demo"]["drafts"] == ["demo-draft"]
+    assert local["demo-draft"]["local_path"] == str(cache_dir() / "draft")
+    assert main(["generate", "--model", "demo", "--prompt", "The quick brown fox", "--max-new-tokens", "4",
+                 "--json"]) == 0                                  # what the last line says to run, drafting
+    out = json.loads(capsys.readouterr().out)                    # with demo-draft (the entry's draft)
+    assert len(out["token_ids"]) == 4 and out["stats"]["builder"] == "specexec"
+
+
+def test_demo_by_name_before_the_demo_says_what_builds_it(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
+    code = main(["generate", "--model", "demo", "--prompt", "x"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (f"error: model 'demo' is not on this machine yet: {tmp_path}/demo/v1/target has no "
+                                 "config.json (`specexec demo` builds it)")
 
 
 def test_streamed_pieces_rebuild_multibyte_text(tiny_llama) -> None:
