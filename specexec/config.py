@@ -220,6 +220,15 @@ class ModelArgs:
     latent: LatentArgs | None = None
 
     def __post_init__(self) -> None:
+        for name, high in (("n_layers", 4096), ("dim", 1 << 18), ("n_heads", 4096), ("head_dim", 4096),
+                           ("intermediate_size", 1 << 20), ("vocab_size", 1 << 24),
+                           ("max_position_embeddings", 1 << 25)):
+            check_integer(name, getattr(self, name), low=1, high=high)
+        check_integer("n_kv_heads", self.n_kv_heads, low=1, high=self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"{self.n_heads} attention heads do not share {self.n_kv_heads} KV heads evenly")
+        check_number("norm_eps", self.norm_eps, low=0.0, high=1.0, low_open=True)
+        check_number("rope_theta", self.rope_theta, low=0.0, high=1e15, low_open=True)
         check_choice("mlp activation", self.mlp_act, MLP_ACTS)
         if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
             raise ConfigError(f"rotary dimensions {self.rope_dim} must be even and in (0, head_dim {self.head_dim}]")

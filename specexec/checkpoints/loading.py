@@ -138,8 +138,9 @@ def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: Mo
     are not), the right shapes (of each expert's piece of a fused tensor too), floating-point dtypes, nothing
     missing. Headers only, nothing read: the resident loader, the offload planner and `convert` all
     call it before they load, plan or cache anything. Messages name the checkpoint's own tensor."""
-    expected = expected_shapes(args)
     specs = tensor_specs(source)
+    _check_layer_count(path, specs, args)            # before the meta model of args is built
+    expected = expected_shapes(args)
     refs = checkpoint_refs(args, expected, specs)
     known = {r.name for r in refs.values()} | unused_tensors(args, specs)
     for raw in specs:
@@ -164,6 +165,18 @@ def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: Mo
         missing = sorted(set(missing))
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
     return refs
+
+
+LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blk|h)\.(\d+)\.")
+
+
+def _check_layer_count(path: Path, specs: dict, args: ModelArgs) -> None:
+    """CheckpointError when config.json names more decoder layers than the checkpoint's tensors hold (its MTP
+    layers stored after them count), said before a model of that size is built even on meta."""
+    found = [int(m.group(1)) for name in specs if (m := LAYER_INDEX.search(name))]
+    if found and max(found) + 1 < args.n_layers:
+        raise CheckpointError(f"{path}: config.json says {args.n_layers} decoder layers; the checkpoint's tensors "
+                              f"hold {max(found) + 1}")
 
 
 def check_checkpoint(path: Path, args: ModelArgs, allow_pickle: bool = False) -> None:

@@ -20,6 +20,7 @@ from specexec.config import ModelArgs
 from specexec.families import (deepseek, gemma, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, olmoe, phi3,
                                qwen_hybrid, qwen_moe)
 from specexec.families.common import recurrent_reason, sparse_attention_reason
+from specexec.families.config_values import check_config_values
 from specexec.options import ConfigError
 
 FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3, qwen_moe, mixtral, olmoe, gpt_oss, glm4_moe,
@@ -56,16 +57,24 @@ def model_args(cfg: dict[str, Any]) -> ModelArgs:
     """ModelArgs from a parsed config.json; ConfigError (one line) for an architecture outside the table or a
     config lacking a field its family needs."""
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"config.json: architectures must be a list of names, got {archs!r}")
     found = next((architectures()[a] for a in archs if a in architectures()), None)
     if found is None:
         raise ConfigError(refusal(cfg))
     family, module = found
     if recurrent_reason(cfg) is not None and not getattr(module, "HYBRID", False):
         raise ConfigError(refusal(cfg))                 # a supported name with recurrent layers it cannot run
+    check_config_values(cfg)                          # every size and float before a family reads one
     try:
         return module.model_args(family, cfg)
+    except ConfigError:
+        raise
     except KeyError as e:
         raise ConfigError(f"config.json lacks the field {e.args[0]!r} needed for a {family} model") from None
+    except (TypeError, ValueError, AttributeError) as e:          # a field of a type the family cannot read
+        raise ConfigError(f"config.json holds a value a {family} model cannot read ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]})") from None
 
 
 def refusal(cfg: dict[str, Any]) -> str:

@@ -1,0 +1,80 @@
+"""The numbers of a config.json, checked before any family reads them: every size is a whole number (4, not
+4.5, "4" or true) within bounds no real model leaves (a layer count of 1e9 would build modules until memory
+runs out), every float field a finite number where the maths needs one (a norm epsilon or RoPE base of 0 gives
+silent empty output), every token id an integer. One ConfigError line names the field, the value and the bound.
+
+The tables name HF's keys as config.json spells them, for every family; a key a config does not have, or holds
+as null, is left to the family's default. A nested text_config (multimodal checkpoints) is checked the same way.
+
+Does not know: which family reads which key (families/), what the checkpoint's tensors hold (checked against
+config.json at load: specexec/checkpoints/loading.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from specexec.options import ConfigError
+
+LAYERS, WIDTH, EXPERTS, POSITIONS = 4096, 1 << 18, 1 << 16, 1 << 25      # 32M positions: past any real context
+
+# key -> (lowest, highest) whole number
+INTEGERS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, LAYERS), "hidden_size": (1, WIDTH), "intermediate_size": (1, 1 << 20),
+    "num_attention_heads": (1, LAYERS), "num_key_value_heads": (1, LAYERS), "head_dim": (1, 4096),
+    "vocab_size": (1, 1 << 24), "max_position_embeddings": (1, POSITIONS),
+    "original_max_position_embeddings": (1, POSITIONS), "sliding_window": (1, POSITIONS),
+    "max_window_layers": (0, LAYERS), "sliding_window_pattern": (1, LAYERS), "decoder_sparse_step": (1, LAYERS),
+    "num_experts": (0, EXPERTS), "num_local_experts": (0, EXPERTS), "n_routed_experts": (0, EXPERTS),
+    "num_experts_per_tok": (1, EXPERTS), "moe_intermediate_size": (1, 1 << 20), "n_shared_experts": (0, EXPERTS),
+    "shared_expert_intermediate_size": (0, 1 << 20), "n_group": (1, EXPERTS), "topk_group": (1, EXPERTS),
+    "first_k_dense_replace": (0, LAYERS), "num_nextn_predict_layers": (0, LAYERS), "num_mtp_layers": (0, LAYERS),
+    "rotary_dim": (1, 4096), "kv_lora_rank": (1, WIDTH), "q_lora_rank": (1, WIDTH), "qk_rope_head_dim": (1, 4096),
+    "qk_nope_head_dim": (1, 4096), "v_head_dim": (1, 4096), "linear_num_value_heads": (1, LAYERS),
+    "linear_num_key_heads": (1, LAYERS), "linear_key_head_dim": (1, 4096), "linear_value_head_dim": (1, 4096),
+    "linear_conv_kernel_dim": (1, 4096),
+}
+# key -> (lowest, highest, lowest excluded): a finite number
+FLOATS: dict[str, tuple[float, float, bool]] = {
+    "rms_norm_eps": (0.0, 1.0, True), "layer_norm_eps": (0.0, 1.0, True), "rope_theta": (0.0, 1e15, True),
+    "rope_local_base_freq": (0.0, 1e15, True), "partial_rotary_factor": (0.0, 1.0, True),
+    "routed_scaling_factor": (0.0, 1e6, True), "query_pre_attn_scalar": (0.0, 1e9, True),
+    "attn_logit_softcapping": (0.0, 1e9, True), "final_logit_softcapping": (0.0, 1e9, True),
+    "clip_qkv": (0.0, 1e9, True), "swiglu_limit": (0.0, 1e9, True), "swiglu_alpha": (-1e9, 1e9, False),
+}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def whole(value: Any) -> bool:
+    """An integer (or a float with no fraction, as some writers store 4096.0); never a bool or a string."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer())
+
+
+def check_config_values(cfg: dict[str, Any], where: str = "config.json") -> None:
+    """ConfigError (one line) for the first number in `cfg` (and its text_config) outside its type or bound."""
+    for key, (low, high) in INTEGERS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not whole(value):
+            raise ConfigError(f"{where}: {key} must be a whole number, got {value!r}")
+        if not low <= value <= high:
+            raise ConfigError(f"{where}: {key} {value!r} is outside [{low}, {high}]; is this a real model's config?")
+    for key, (low, high, low_open) in FLOATS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}: {key} must be a finite number, got {value!r}")
+        if value > high or value < low or (low_open and value == low):
+            bound = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+            raise ConfigError(f"{where}: {key} {value!r} is outside {bound}; the model cannot compute with it")
+    for key in TOKEN_IDS:
+        value = cfg.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(whole(i) and 0 <= i < 1 << 24 for i in ids if i is not None):
+            raise ConfigError(f"{where}: {key} must be a token id (or a list of them), got {value!r}")
+    if isinstance(cfg.get("text_config"), dict):
+        check_config_values(cfg["text_config"], f"{where} text_config")
