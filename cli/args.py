@@ -129,6 +129,8 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read pickle (.bin) weights with torch.load(weights_only=True)")
+    p.add_argument("--allow-outside-shards", action="store_true",
+                   help="read weight files that an index or a symlink places outside the checkpoint directory")
     add_hub_args(p)
 
 

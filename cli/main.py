@@ -20,6 +20,7 @@ import specexec
 from specexec.options import choice_error
 from cli import chat, convert, demo, doctor, generate, plan
 from cli.serve import command as serve
+from offload.formats.checkpoint import allow_outside_shards
 from cli.bench import main as bench
 from cli import catalog as models_cmd
 from cli.bench import accept as bench_accept
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             args, unknown = build_parser().parse_known_args(argv)
             if unknown:                           # said by the subcommand's parser: its --help is the one to read
                 args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            if getattr(args, "allow_outside_shards", False):
+                allow_outside_shards()            # the user means it: weight files outside the checkpoint
             return int(args.handler(args) or 0)
     except Exception as e:                        # noqa: BLE001 -- the one place exceptions become exit codes
         if closed_stdout(e):                      # the reader went away (`| head`): a normal end, as for any tool

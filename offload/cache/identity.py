@@ -20,7 +20,8 @@ from pathlib import Path, PurePath
 import torch
 
 from offload.cache.manifest import VERSION, CacheError
-from offload.formats.checkpoint import INDEX, SINGLE, ST_DTYPES
+from offload.formats.checkpoint import INDEX, SINGLE, ST_DTYPES, read_header, shard_path
+from offload.formats.json_files import weight_map
 from offload.formats.refs import TensorRef, as_ref
 from offload.formats.sources import detect_format, is_gguf, open_source, tensor_specs
 from offload.quant.weights import dtype_name, packing
@@ -51,20 +52,14 @@ class LayerNames:
 
 def _header(path: Path) -> tuple[bytes, dict]:
     """(raw header bytes, parsed header) of a safetensors file."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        raw = f.read(n)
-    try:
-        return raw, json.loads(raw)
-    except ValueError as e:
-        raise CacheError(f"{path}: unreadable safetensors header ({e})") from None
+    return read_header(path, CacheError)
 
 
 def _weight_files(checkpoint_dir: Path) -> list[Path]:
     index = checkpoint_dir / INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [checkpoint_dir / n for n in names]
+        names = sorted(set(weight_map(index, CacheError).values()))
+        return [shard_path(checkpoint_dir, n, index) for n in names]
     return [checkpoint_dir / SINGLE]
 
 

@@ -8,13 +8,14 @@ Does not know: model architectures, tokens, or what the tensors mean.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from offload.formats.json_files import parse_json, weight_map
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -37,6 +38,31 @@ def pickle_files(directory: Path) -> list[Path]:
     return found
 
 
+OUTSIDE_ENV = "SPECEXEC_ALLOW_OUTSIDE_SHARDS"      # set (to 1) by --allow-outside-shards
+
+
+def allow_outside_shards() -> None:
+    """Let weight files lie outside their checkpoint directory from now on (the user said they mean it)."""
+    os.environ[OUTSIDE_ENV] = "1"
+
+
+def shard_path(directory: Path, name: str, named_by: Path) -> Path:
+    """directory/name, after CheckpointError unless it stays inside `directory` once symlinks are resolved (a
+    Hugging Face cache snapshot's links into its repo's blobs/ count as inside) or $SPECEXEC_ALLOW_OUTSIDE_SHARDS
+    is 1: a checkpoint's index or symlink must not make specexec open any file on the machine."""
+    path = directory / name
+    if os.environ.get(OUTSIDE_ENV) == "1":
+        return path
+    real = path.resolve()
+    roots = [directory.resolve()]
+    if directory.parent.name == "snapshots":          # <hub cache>/models--org--name/snapshots/<commit>/
+        roots.append((directory.parent.parent / "blobs").resolve())
+    if not any(real.is_relative_to(root) for root in roots):
+        raise CheckpointError(f"{named_by} names the weight file {name!r}, which lies outside {directory} ({real}); "
+                              "refused: pass --allow-outside-shards if you mean it")
+    return path
+
+
 class SafetensorsCheckpoint:
     """Name -> tensor access over one or more safetensors files."""
 
@@ -49,16 +75,14 @@ class SafetensorsCheckpoint:
     def _index(self) -> dict[str, Path]:
         index, single = self.directory / INDEX, self.directory / SINGLE
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-            where = {name: self.directory / fname for name, fname in weight_map.items()}
+            where = {name: shard_path(self.directory, fname, index)
+                     for name, fname in weight_map(index, CheckpointError).items()}
             for f in sorted(set(where.values())):
                 if not f.is_file():
                     raise CheckpointError(f"{index} names the shard {f.name}, which is missing in {self.directory}")
             return where
         if single.is_file():
+            shard_path(self.directory, SINGLE, single)
             return {name: single for name in self._open(single).keys()}
         pickles = pickle_files(self.directory)
         if pickles:
@@ -118,10 +142,30 @@ class SafetensorsCheckpoint:
             yield name, self.get(name)
 
 
+MAX_HEADER = 100 << 20                   # safetensors' own limit on a header's size
+
+
+def read_header(path: Path, error: type[Exception] = CheckpointError) -> tuple[bytes, dict]:
+    """(raw header bytes, parsed header) of a safetensors file; error(one line) when its length field or its
+    JSON is not a real header's (a length past the file or 100 MB is never read)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        if len(head) < 8 or n > min(MAX_HEADER, max(path.stat().st_size - 8, 0)):
+            raise error(f"{path}: not a safetensors file (its header length {n} does not fit the file)")
+        raw = f.read(n)
+    header = parse_json(raw, f"{path}'s safetensors header", error)
+    if not isinstance(header, dict):
+        raise error(f"{path}: its safetensors header is not a JSON object")
+    return raw, header
+
+
 def _data_end(path: Path) -> int:
     """Byte offset where the last tensor of a safetensors file ends, from its header."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    raw, header = read_header(path, CheckpointError)
+    n = len(raw)
+    try:
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise CheckpointError(f"{path}: its safetensors header gives no data offsets") from None
     return 8 + n + max(ends, default=0)

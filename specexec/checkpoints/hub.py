@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from offload.formats.json_files import read_json, weight_map
 from offload.memory_plan import gb_text
 from specexec.options import ConfigError
 from specexec.checkpoints.hub_files import COMMIT, PART, Progress, Ticker, download, link_blob, write_ref
@@ -141,9 +142,8 @@ def missing(snapshot: Path, gguf_file: str | None = None) -> list[str]:
 
 def _shards(index: Path) -> list[str]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return sorted(set(weight_map(index, ConfigError).values()))
+    except OSError:
         raise ConfigError(f"{index} is not a valid weight index (JSON with a weight_map)") from None
 
 
@@ -248,10 +248,9 @@ def check_architecture(config: Path) -> None:
     hybrid) when the fetched config.json is not a model this runtime runs: before a byte of weights moves."""
     from specexec.families import model_args
 
-    try:
-        cfg = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{config} is not readable JSON ({e})") from None
+    cfg = read_json(config, str(config), ConfigError)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{config} must hold a JSON object")
     model_args(cfg)
 
 

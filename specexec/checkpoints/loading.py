@@ -13,7 +13,6 @@ Does not know: offloading (the offload runtime builds on the same checkpoint rea
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from offload.formats.checkpoint import CheckpointError, pickle_files
+from offload.formats.json_files import read_json
 from offload.formats.refs import TensorRef, read_ref, ref_shape
 from offload.formats.sources import CheckpointSource, is_gguf, open_source, tensor_specs
 
@@ -101,10 +101,7 @@ def read_args(path: Path) -> ModelArgs:
         raise ConfigError(f"{cfg_file} is a symlink that leads nowhere (dangling, or a loop)")
     if not cfg_file.is_file():
         raise ConfigError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cfg_file} is not valid JSON ({e})") from None
+    cfg = read_json(cfg_file, str(cfg_file), ConfigError)
     if not isinstance(cfg, dict):
         raise ConfigError(f"{cfg_file} must hold a JSON object")
     return model_args(cfg)

@@ -53,7 +53,7 @@ def _named_class_config(path: Path):
     try:
         declared = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
         model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     if not isinstance(declared, dict) or not declared.get("tokenizer_class") or "auto_map" in declared \
             or not isinstance(model_type, str) or not model_type:
@@ -224,8 +224,16 @@ def encode_messages(tokenizer, messages: list[dict], add_generation_prompt: bool
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("this model has no chat template; chat needs an instruct/chat checkpoint")
     extra = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **extra)
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **extra)
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        # the checkpoint's template is code: whatever it raises (jinja's sandbox refusing an attribute, its own
+        # raise_exception, a bad type) is said in one line, as the checkpoint's
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ConfigError(f"the model's chat template failed ({type(e).__name__}: {reason})") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):       # transformers >= 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
