@@ -39,8 +39,9 @@ from rich.console import Console
 from cli import args as common
 from cli.generate import read_stdin, write_text
 from cli.prefill_bar import PrefillBar
+from offload.formats.json_files import read_json
 from specexec.config import SamplingParams, with_field
-from specexec.options import ConfigError, budget_options
+from specexec.options import ConfigError, budget_options, check_prompt_text
 from specexec.profiler import summary_table
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.detokenizer import Detokenizer
@@ -193,6 +194,7 @@ class ChatSession:
         text = line.strip()
         if not text:
             return True
+        check_prompt_text(line, "this message", allow_empty=True)    # a stray byte: one line, the session stays
         if text.startswith("//"):
             self.ask(line.lstrip()[1:])
             return True
@@ -221,6 +223,7 @@ class ChatSession:
             self.console.print(f"system message: {self.system!r}" if self.system else "no system message",
                                highlight=False, markup=False)
             return
+        check_prompt_text(rest, "the system message")
         self.system = None if rest == "-" else rest
         self.console.print("system message cleared" if self.system is None else "system message set",
                            style="dim")
@@ -269,7 +272,11 @@ class ChatSession:
             raise ConfigError("/save needs a file name, e.g. /save chat.json")
         obj = {"format": SAVE_FORMAT, "version": 1, "system": self.system, "messages": self.messages,
                "sampling": asdict(self.sampling)}
-        Path(rest).expanduser().write_text(json.dumps(obj, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        path = Path(rest).expanduser()
+        try:
+            path.write_text(json.dumps(obj, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"/save cannot write {path}: {e.strerror or type(e).__name__}") from None
         self.console.print(f"saved {len(self.messages)} messages to {rest}", style="dim", highlight=False)
 
     def cmd_load(self, rest: str) -> None:
@@ -314,10 +321,7 @@ def _free_cuda_cache() -> None:
 
 def read_conversation(path: Path) -> tuple[str | None, list[dict[str, str]]]:
     """(system, messages) from a /save file; ConfigError naming the file for anything malformed."""
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ConfigError(f"{path} is not a saved conversation (invalid JSON: {e})") from None
+    obj = read_json(path, f"{path} (a saved conversation?)", ConfigError)   # bad bytes, depth, lone surrogates
     if not isinstance(obj, dict) or obj.get("format") != SAVE_FORMAT:
         raise ConfigError(f"{path} is not a conversation written by /save (format {SAVE_FORMAT!r})")
     system, messages = obj.get("system"), obj.get("messages")
@@ -331,6 +335,7 @@ def read_conversation(path: Path) -> tuple[str | None, list[dict[str, str]]]:
                 or not isinstance(m["content"], str):
             raise ConfigError(f"{path}: message {i} must be {{\"role\": \"{role}\", \"content\": TEXT}} "
                               "(user and assistant turns alternate, user first)")
+        check_prompt_text(m["content"], f"{path}: message {i}", allow_empty=True)
     if messages and messages[-1]["role"] != "assistant":
         raise ConfigError(f"{path}: the last message must be an answer (role assistant)")
     return system, [dict(m) for m in messages]
@@ -421,6 +426,10 @@ def repl(session: ChatSession, read_line: Callable[[str], str] = input,
             message = read_message(read_line)
         except KeyboardInterrupt:
             session.console.print("^C (Ctrl-D or /exit leaves)", style="dim", highlight=False, markup=False)
+            continue
+        except UnicodeDecodeError as e:              # the terminal sent bytes that are not UTF-8 (a paste)
+            session.console.print(f"error: that input is not UTF-8 text (byte {e.object[e.start]:#04x}); type or "
+                                  "paste UTF-8", style="red", highlight=False, markup=False)
             continue
         if message is None:
             session.write("\n")

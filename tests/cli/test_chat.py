@@ -303,3 +303,44 @@ def test_control_characters_of_a_model_reach_a_terminal_escaped(monkeypatch) -> 
     monkeypatch.setattr(sys, "stdout", io.StringIO())
     generate.write_text(text)
     assert sys.stdout.getvalue() == text
+
+
+def _bad_inputs(tmp_path):
+    """What a user may type, paste or /load that is not a conversation: each must cost one line, not the session."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    surrogate = tmp_path / "surrogate.json"
+    surrogate.write_text('{"format": "specexec-chat", "version": 1, "system": null, "messages": '
+                         '[{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "x"}]}')
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b'{"format": "\xff\xfe"}')
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"format": "specexec-chat", "version": ' + "9" * 5000 + "}")
+    unwritable = tmp_path / "file"
+    unwritable.write_text("x")
+    return [("hi \udcff", "not valid UTF-8"), (UnicodeDecodeError("utf-8", b"hi \xff", 3, 4, "invalid"), "not UTF-8"),
+            (f"/load {deep}", "nests"), (f"/load {surrogate}", "not valid Unicode"),
+            (f"/load {binary}", "not UTF-8"), (f"/load {huge}", "not valid JSON"),
+            (f"/load {tmp_path}", str(tmp_path)), (f"/save {unwritable}/chat.json", f"{unwritable}/chat.json"),
+            ("/system \udcff", "not valid UTF-8")]
+
+
+def test_nothing_typed_or_loaded_ends_a_session(runtime, tmp_path) -> None:
+    """A stray byte typed or pasted, a /load of a deeply nested, non-Unicode, non-UTF-8 or oversized-number file, a
+    /save where nothing can be written: one line each; the session reads on, and /exit still ends it."""
+    chat, screen = _session(runtime, max_new=4)
+    cases = _bad_inputs(tmp_path)
+    feed = iter([c for c, _ in cases] + ["Hello", "/exit"])
+
+    def read(_prompt: str) -> str:
+        item = next(feed)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    assert repl(chat, read) == 0
+    errors = [line for line in screen.err.getvalue().splitlines() if line.startswith("error: ")]
+    assert len(errors) == len(cases), errors
+    for (_, needle), line in zip(cases, errors):
+        assert needle in line, (needle, line)
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["Hello"]
