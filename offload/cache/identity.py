@@ -63,20 +63,40 @@ def _weight_files(checkpoint_dir: Path) -> list[Path]:
     return [checkpoint_dir / SINGLE]
 
 
+SAMPLES, SAMPLE_BYTES = 64, 4096       # blocks of a weight file's bytes hashed into its fingerprint
+
+
+def sampled_digest(path: Path) -> str:
+    """sha256 of SAMPLES blocks of SAMPLE_BYTES spread evenly over the file (its first and last included): the
+    weights themselves, cheaply. A file whose weights were swapped keeps its size and can keep its mtime (touch
+    -r, a copy with preserved times); its sampled bytes do not stay the same."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        last = max(size - SAMPLE_BYTES, 0)
+        for k in range(SAMPLES):
+            f.seek(last * k // (SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
 def fingerprint(checkpoint_dir: str | os.PathLike) -> list[list]:
-    """[[file name, size, mtime_ns, sha256 of its header or whole text]] for config.json, the safetensors index
-    and every weight file: changes whenever the checkpoint is rewritten, costs a few header reads. A .gguf
-    file: its own name, size, mtime and header hash."""
+    """[[file name, size, mtime_ns, sha256 of its header or whole text(, sampled_digest of a weight file)]] for
+    config.json, the safetensors index and every weight file: changes whenever the checkpoint is rewritten,
+    its weights included (sampled), and costs a few header reads and SAMPLES small reads per weight file. A .gguf
+    file: its own name, size, mtime, header hash and sampled digest."""
     d = Path(checkpoint_dir)
     if is_gguf(d):
-        return open_source(d).fingerprint()
+        return [entry + [sampled_digest(d)] for entry in open_source(d).fingerprint()]
     out = []
     for p in [d / "config.json", d / INDEX] + _weight_files(d):
         if not p.is_file():
             continue
         st = p.stat()
-        head = _header(p)[0] if p.suffix == ".safetensors" else p.read_bytes()
-        out.append([p.name, st.st_size, st.st_mtime_ns, hashlib.sha256(head).hexdigest()])
+        weights = p.suffix == ".safetensors"
+        head = _header(p)[0] if weights else p.read_bytes()
+        out.append([p.name, st.st_size, st.st_mtime_ns, hashlib.sha256(head).hexdigest()]
+                   + ([sampled_digest(p)] if weights else []))
     return out
 
 

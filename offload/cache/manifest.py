@@ -64,8 +64,27 @@ def check_expected(path: Path, manifest: dict, expect: dict) -> None:
     """CacheError when the manifest was built from other source files or with other options (stale)."""
     for key, want in expect.items():
         if manifest.get(key) != want:
-            what = "the checkpoint's files changed" if key == "fingerprint" else f"its {key} differs"
-            raise CacheError(f"{path} is stale: {what} since it was built")
+            what = (fingerprint_change(manifest.get(key), want) if key == "fingerprint" else
+                    f"its {key} differs since it was built")
+            raise CacheError(f"{path} is stale: {what}")
+
+
+def fingerprint_change(built: list, now: list) -> str:
+    """What differs between a cache's recorded fingerprint and the checkpoint's now, in words."""
+    if not isinstance(built, list):
+        return "the checkpoint's files changed since it was built"
+    old = {e[0]: e for e in built if isinstance(e, list) and e}
+    for entry in now:
+        before = old.pop(entry[0], None)
+        if before is None:
+            return f"{entry[0]} is new since it was built"
+        if before == entry:
+            continue
+        if before[1:3] == entry[1:3] and len(before) == len(entry):
+            return (f"{entry[0]}'s bytes changed since it was built, though its size and modification time did not "
+                    "(the file was swapped)")
+        return f"{entry[0]} changed since it was built"
+    return f"{next(iter(old))} is gone since it was built" if old else "the checkpoint's files changed since it was built"
 
 
 def mark_corrupt(path: Path, why: str) -> None:

@@ -5,7 +5,8 @@ One directory per (checkpoint path, format, dtype, double quant, packing, layer 
   layers.bin     every layer packed by offload.streaming.storage, each at a 4 KiB-aligned offset and padded to 4 KiB, so
                  it can be read with O_DIRECT straight into aligned (pinned) buffers
   manifest.json  version, source fingerprint (name, size, mtime and header hash of config.json, the index and
-                 every safetensors file), format, dtype, and per layer: offset, nbytes, sha256, packed layout
+                 every safetensors file, and each weight file's sampled digest: 64 blocks of its bytes, so weights
+                 swapped under the same size and mtime are seen), format, dtype, and per layer: offset, nbytes, sha256, packed layout
                  (with its named regions: a sub-region, e.g. one expert, starts 4 KiB-aligned at file offset
                  + region offset and can be read with O_DIRECT alone)
 

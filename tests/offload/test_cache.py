@@ -249,7 +249,31 @@ def test_changed_checkpoint_makes_the_cache_stale(model: Path, tmp_path: Path) -
     log: list[str] = []
     again = build(model, tmp_path, log=log)
     assert again.built and again.path == cache.path
-    assert log == [f"{cache.path} is stale: the checkpoint's files changed since it was built; rebuilding it"]
+    assert log == [f"{cache.path} is stale: model.safetensors changed since it was built; rebuilding it"]
+
+
+def test_weights_swapped_with_the_same_size_and_mtime_make_the_cache_stale(model: Path, tmp_path: Path) -> None:
+    """Other weights of the same shapes written over model.safetensors, its size and mtime kept: the cache's
+    fingerprint samples the bytes, so it is rebuilt (with one line saying why) instead of serving the old layers
+    beside the new embedding and head."""
+    cache = build(model, tmp_path)
+    first = cache.read_layer(0).clone()
+    from safetensors.torch import load_file, save_file
+
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    other = {k: v + 0.01 * torch.randn_like(v) for k, v in load_file(weights).items()}
+    save_file(other, tmp_path / "other.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "other.safetensors").stat().st_size == st.st_size     # same names and shapes: same size
+    os.replace(tmp_path / "other.safetensors", weights)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    log: list[str] = []
+    again = build(model, tmp_path, log=log)
+    assert again.built and again.path == cache.path
+    assert log == [f"{cache.path} is stale: model.safetensors's bytes changed since it was built, though its size "
+                   "and modification time did not (the file was swapped); rebuilding it"]
+    assert not torch.equal(again.read_layer(0), first)
 
 
 def test_other_options_get_their_own_cache(model: Path, tmp_path: Path) -> None:
