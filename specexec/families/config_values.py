@@ -23,7 +23,7 @@ INTEGERS: dict[str, tuple[int, int]] = {
     "num_hidden_layers": (1, LAYERS), "hidden_size": (1, WIDTH), "intermediate_size": (1, 1 << 20),
     "num_attention_heads": (1, LAYERS), "num_key_value_heads": (1, LAYERS), "head_dim": (1, 4096),
     "vocab_size": (1, 1 << 24), "max_position_embeddings": (1, POSITIONS),
-    "original_max_position_embeddings": (1, POSITIONS), "sliding_window": (1, POSITIONS),
+    "original_max_position_embeddings": (1, POSITIONS), "sliding_window": (0, POSITIONS),
     "max_window_layers": (0, LAYERS), "sliding_window_pattern": (1, LAYERS), "decoder_sparse_step": (1, LAYERS),
     "num_experts": (0, EXPERTS), "num_local_experts": (0, EXPERTS), "n_routed_experts": (0, EXPERTS),
     "num_experts_per_tok": (1, EXPERTS), "moe_intermediate_size": (1, 1 << 20), "n_shared_experts": (0, EXPERTS),
