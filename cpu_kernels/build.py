@@ -2,9 +2,11 @@
 not when it cannot.
 
 The library is built with the machine's C compiler ($CC, else cc, gcc or clang) for this very CPU (-march=native)
-with OpenMP, into `<cache root>/cpu_kernels/` ($SPECEXEC_CACHE, like the layer cache), named after a hash of the
-source, the compiler's version, the flags and the CPU's feature flags: a copy made on another machine or from
-another source is never loaded. Two processes building at once each write their own temporary file and rename it
+with OpenMP, into `<cache root>/kernels/` ($SPECEXEC_CACHE, like the layer cache; readable by this user alone),
+named after a hash of the source, the compiler's version, the flags and the CPU's feature flags: a copy made on
+another machine or from another source is never loaded. Beside each library, the sha256 of the bytes the build
+wrote: a library that does not match it (truncated, overwritten, planted) is rebuilt before it is opened, and one
+the loader refuses (a missing symbol) leaves the pure-torch path with one line. Two processes building at once each write their own temporary file and rename it
 into place (the same bytes either way). $SPECEXEC_CPU_KERNELS=0 turns the library off (the pure-torch path runs).
 
 Does not know: what the kernels compute (csrc/, ops.py), the functions' signatures (abi.py), tensors, formats.
@@ -60,7 +62,27 @@ def _key(cc: str) -> str:
 
 
 def _kernel_dir() -> Path:
-    return default_cache_root() / "kernels"
+    """<cache root>/kernels, made (and kept, when it is ours) readable and writable by this user alone: a library
+    there is loaded into the process, so no one else may put one there."""
+    path = default_cache_root() / "kernels"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if hasattr(os, "getuid") and path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(path: Path) -> bool:
+    """Whether `path` holds the bytes this machine's build wrote (its sha256 sidecar, written at build time):
+    a truncated, overwritten or planted library is never opened (a truncated one crashes dlopen with SIGBUS)."""
+    sidecar = path.with_name(path.name + ".sha256")
+    try:
+        return path.is_file() and sidecar.read_text().strip() == _digest(path)
+    except OSError:
+        return False
 
 
 def _compile(cc: str, target: Path) -> None:
@@ -75,6 +97,10 @@ def _compile(cc: str, target: Path) -> None:
         if done.returncode != 0:
             tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
             raise RuntimeError(f"{Path(cc).name} failed on csrc/*.c: {tail}")
+        sidecar = target.with_name(target.name + ".sha256")
+        sidecar_tmp = Path(tmp + ".sha256")
+        sidecar_tmp.write_text(_digest(Path(tmp)) + "\n")
+        os.replace(sidecar_tmp, sidecar)               # the digest first: a library without one is rebuilt
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -102,10 +128,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
                       "pure-torch path; install gcc for the integer kernels")
     try:
         path = _kernel_dir() / f"cpu-kernels-{_key(cc)}.so"
-        if not path.is_file():
+        if not _trusted(path):                     # absent, or not the bytes a build here wrote: build it anew
             _compile(cc, path)
         lib = load(path)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:   # AttributeError: a symbol
         return None, f"CPU kernels unavailable ({e}): int4/int8 CPU linears run the slower pure-torch path"
     return lib, f"CPU kernels: {lib.sx_isa().decode()} ({path})"
 
