@@ -53,6 +53,7 @@ class ServeSettings:
     max_queue: int = 64                    # waiting requests before 429
     max_body: int = 8 * 2**20              # request body bytes before 413
     access_log: Callable[[str], None] | None = None    # hears one line per request (None: no access log)
+    max_choices: int = 64                  # prompts x n of one request before 400 (it holds the only worker)
 
 
 def error_response(err: api.ApiError) -> JSONResponse:
@@ -104,8 +105,9 @@ class Server:
         self.vocab_size = runtime.target_info.args.vocab_size
 
     # ---------------------------------------------------------------- plumbing
-    def route(self, handler: Handler, guarded: bool = True) -> Handler:
-        """Wrap a handler: API key check, ApiError/ConfigError -> OpenAI error body, request counting."""
+    def route(self, handler: Handler, template: str, guarded: bool = True) -> Handler:
+        """Wrap a handler: API key check, ApiError/ConfigError -> OpenAI error body, request counting by the
+        route's `template` (never the raw path: /metrics stays bounded whatever paths clients send)."""
         async def endpoint(request: Request) -> Response:
             request.state.started = time.perf_counter()
             try:
@@ -116,7 +118,7 @@ class Server:
                 response = error_response(e)
             except ConfigError as e:
                 response = error_response(api.ApiError(str(e)))
-            self.requests[(request.url.path, response.status_code)] += 1
+            self.requests[(template, response.status_code)] += 1
             if not isinstance(response, EventStream):         # a stream logs itself when it ends
                 self._access(request, response.status_code)
             return response
@@ -206,6 +208,10 @@ class Server:
         return await self._run(request, job)
 
     async def _run(self, request: Request, job: api.Job) -> Response:
+        if job.choices > self.settings.max_choices:
+            raise api.ApiError(f"this request asks for {len(job.prompts)} prompt(s) x n {job.n} = {job.choices} "
+                               f"choices; this server takes at most {self.settings.max_choices} per request "
+                               "(specexec serve --max-choices)", param="n", code="too_many_choices")
         try:
             self.runtime.engine.rule_for(job.sampling)      # e.g. a verifier that is not exact at T > 0
         except ConfigError as e:
@@ -364,6 +370,11 @@ LAST = {"queue_ms": "How long the last job waited for the worker (ms).",
         "effective_gb_s": "Streamed GB/s of the last generation (offloaded target only)."}
 
 
+def label(value: object) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped (the text format's rules)."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def prometheus_text(snap: dict) -> str:
     """The /metrics snapshot in the Prometheus text exposition format (values that are unknown are left out)."""
     lines = []
@@ -377,9 +388,9 @@ def prometheus_text(snap: dict) -> str:
     lines += ["# HELP specexec_jobs_total Generation jobs by outcome.", "# TYPE specexec_jobs_total counter"]
     lines += [f'specexec_jobs_total{{outcome="{o}"}} {snap[f"jobs_{o}"]:g}'
               for o in ("completed", "cancelled", "failed")]
-    lines += ["# HELP specexec_requests_total HTTP requests by path and status.",
+    lines += ["# HELP specexec_requests_total HTTP requests by route (its template, never the raw path) and status.",
               "# TYPE specexec_requests_total counter"]
-    lines += [f'specexec_requests_total{{path="{r["path"]}",status="{r["status"]}"}} {r["count"]}'
+    lines += [f'specexec_requests_total{{path="{label(r["path"])}",status="{label(r["status"])}"}} {r["count"]}'
               for r in snap["requests"]]
     return "\n".join(lines) + "\n"
 
@@ -399,13 +410,15 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 def build_app(runtime: Runtime, defaults: api.ServerDefaults, settings: ServeSettings = ServeSettings()) -> Starlette:
     """The app; its lifespan starts the generation worker and stops it (cancelling what runs) at shutdown."""
     server = Server(runtime, defaults, settings)
-    r = server.route
-    routes = [Route("/v1/chat/completions", r(server.chat), methods=["POST"]),
-              Route("/v1/completions", r(server.completions), methods=["POST"]),
-              Route("/v1/models", r(server.models), methods=["GET"]),
-              Route("/v1/models/{model_id:path}", r(server.model), methods=["GET"]),
-              Route("/health", r(server.health, guarded=False), methods=["GET"]),
-              Route("/metrics", r(server.metrics), methods=["GET"])]
+    def route(path: str, handler: Handler, method: str, guarded: bool = True) -> Route:
+        return Route(path, server.route(handler, path, guarded), methods=[method])
+
+    routes = [route("/v1/chat/completions", server.chat, "POST"),
+              route("/v1/completions", server.completions, "POST"),
+              route("/v1/models", server.models, "GET"),
+              route("/v1/models/{model_id:path}", server.model, "GET"),
+              route("/health", server.health, "GET", guarded=False),
+              route("/metrics", server.metrics, "GET")]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

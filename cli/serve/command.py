@@ -46,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no access log line per request on stderr")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for the engine before new ones get 429 (default 64)")
+    g.add_argument("--max-choices", type=int, default=64, metavar="N",
+                   help="prompts x n one request may ask for before it gets 400 (default 64): one request holds "
+                        "the only worker until every choice is done")
     return p
 
 
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     require_serve_deps()
     console = Console(stderr=True, soft_wrap=True)
     check_integer("--max-queue", args.max_queue, 1, 100_000)
+    check_integer("--max-choices", args.max_choices, 1, 100_000)
     api_key = args.api_key or os.environ.get("SPECEXEC_API_KEY") or None
     common.apply_catalog_defaults(args, console)
     config = common.engine_config(args, max_new_tokens=DEFAULT_MAX_TOKENS)
@@ -114,11 +118,12 @@ def run(args: argparse.Namespace) -> int:
     runtime = common.load_runtime(args, config, console, offload, spinner=sys.stderr.isatty())
     aliases = tuple((args.served_model_name or [])[1:])
     return serve(runtime, sock, model_id(args.model, args.served_model_name), sampling, api_key, args.max_queue,
-                 console, aliases, args.quiet)
+                 console, aliases, args.quiet, args.max_choices)
 
 
 def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None, max_queue: int,
-          console: Console, aliases: tuple[str, ...] = (), quiet: bool = False) -> int:
+          console: Console, aliases: tuple[str, ...] = (), quiet: bool = False,
+          max_choices: int = 64) -> int:
     """Run the app on `sock` until Ctrl-C / SIGTERM."""
     import uvicorn
 
@@ -129,7 +134,8 @@ def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None
     print_load_summary(console, runtime)
     defaults = ServerDefaults(name, sampling, runtime.config.max_new_tokens, aliases)
     log = None if quiet else (lambda line: console.print(line, highlight=False, markup=False))
-    app = build_app(runtime, defaults, ServeSettings(api_key=api_key, max_queue=max_queue, access_log=log))
+    app = build_app(runtime, defaults, ServeSettings(api_key=api_key, max_queue=max_queue, access_log=log,
+                                                     max_choices=max_choices))
     console.print(f"serving {name} on {url_of(sock)}/v1 (Ctrl-C stops)", highlight=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import specexec
+from offload.formats.json_files import parse_json
 from specexec.config import SamplingParams
 from specexec.options import ConfigError, check_integer, check_prompt_length
 from specexec.serving import logprobs as lp
@@ -126,14 +127,7 @@ class Job:
 
 def read_json(body: bytes) -> dict:
     """The request body as a JSON object; ApiError for anything else."""
-    try:
-        obj = json.loads(body)
-    except UnicodeDecodeError:
-        raise ApiError("the request body is not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise ApiError(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise ApiError("the request body is nested too deeply") from None
+    obj = parse_json(body, "the request body", ApiError)      # every body the parser rejects: a 400
     if not isinstance(obj, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(obj).__name__}")
     return obj

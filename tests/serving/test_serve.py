@@ -484,6 +484,9 @@ BAD = [
     ({"logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"response_format": {"type": "yaml"}}, 400, "response_format"),
+    (b'{"max_tokens": ' + b"9" * 5000 + b"}", 400, None),                # past Python's integer digit limit
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),   # a lone surrogate
+    (b"[" * 20_000 + b"]" * 20_000, 400, None),                                # deeper than Python's recursion
 ]
 
 
@@ -533,6 +536,38 @@ def test_oversized_and_misrouted_requests(url, client) -> None:
         chat(client, "Hello", temperature=-2)
     assert e.value.status_code == 400 and "temperature" in str(e.value)
     assert chat(client, "Hello", max_tokens=4).choices[0].message.content is not None
+
+
+def test_metrics_count_routes_not_paths_and_escape_labels(runtime) -> None:
+    """20 requests to odd paths, unauthorized ones included, add no series (one per route template and status),
+    and whatever the path holds, every sample line of the Prometheus text parses."""
+    app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), 8), ServeSettings(api_key="k"))
+    key = {"Authorization": "Bearer k"}
+    with running(app) as base:
+        for i in range(20):
+            raw(base, "GET", f"/v1/models/odd-{i}%22%7Bx%7D%5C", headers=key if i % 2 else None)
+            raw(base, "GET", f"/nowhere/{i}")
+        snap = raw(base, "GET", "/metrics?format=json", headers=key)[1]
+        text = raw(base, "GET", "/metrics", headers=key)[1]
+    paths = {r["path"] for r in snap["requests"]}
+    assert paths <= {"/v1/models/{model_id:path}", "/metrics"}, paths
+    assert {(r["path"], r["status"], r["count"]) for r in snap["requests"] if r["path"].startswith("/v1")} == {
+        ("/v1/models/{model_id:path}", 401, 10), ("/v1/models/{model_id:path}", 404, 10)}
+    sample = re.compile(r'^[a-z_]+(\{[a-z_]+="(?:[^"\\\n]|\\.)*"(?:,[a-z_]+="(?:[^"\\\n]|\\.)*")*\})? -?[\d.e+-]+$')
+    for line in text.splitlines():
+        assert line.startswith("#") or sample.match(line), line
+
+
+def test_prompts_times_n_past_the_cap_is_a_400(runtime) -> None:
+    app = build_app(runtime, ServerDefaults(MODEL, SamplingParams(), 8), ServeSettings(max_choices=6))
+    with running(app) as base:
+        code, reply = raw(base, "POST", "/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c"], "n": 3,
+                                                            "max_tokens": 2})
+        assert code == 400 and reply["error"]["code"] == "too_many_choices", reply
+        assert "3 prompt(s) x n 3 = 9 choices" in reply["error"]["message"] and "--max-choices" in reply["error"]["message"]
+        code, reply = raw(base, "POST", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 3,
+                                                            "max_tokens": 2})
+        assert code == 200 and len(reply["choices"]) == 6, reply
 
 
 def test_api_key(runtime) -> None:
