@@ -45,7 +45,8 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("argv", [
-    ["--help"], ["models"], ["models", "--json"], ["plan", "--model", CONFIG, "--json"], ["plan", "--model", CONFIG],
+    ["--help"], ["models"], ["models", "--json"], ["plan", "--model", CONFIG, "--ram-budget", "24GB", "--json"],
+    ["plan", "--model", CONFIG, "--ram-budget", "24GB"],
 ], ids=["help", "models", "models-json", "plan-json", "plan"])
 def test_closed_stdout_is_exit_0_and_no_error(capsys, argv) -> None:
     with reader_gone():
