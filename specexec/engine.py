@@ -31,6 +31,7 @@ from specexec.network import longrope, mixers
 from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
 from specexec.constraint import Constraint, tree_paths
 from specexec.expert_passes import CountsExperts, ExpertPasses
+from specexec.finite import checked_pass
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.drafter import Drafter
 from specexec.network.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
@@ -124,6 +125,7 @@ class Engine:
             if self.tuner is not None:               # the one cost model gains the MoE term
                 self.tuner.costs.experts = self.experts.expected_seconds
         self._trims = False                  # this call's trees are trimmed to their experts' worth (generate)
+        self._check_finite = False           # the next verification pass counts NaN/Inf (specexec/finite.py)
         self._constraint: Constraint | None = None   # this call's grammar (generate)
         self._top_logprobs: int | None = None        # this call's top_logprobs (None: no logprobs)
         self.logprobs: list[TokenLogprob] = []       # the last call's tokens' target log-probs, when asked
@@ -208,6 +210,7 @@ class Engine:
         limit = max_new_tokens or self.config.max_new_tokens
         rng = make_generator(sampling.seed, self.device)
         self.profiler.begin()
+        self._check_finite = True
         self.stats = stats = GenerationStats(ledger=self.profiler, constraint=constraint)
         self._constraint, self._top_logprobs, self.logprobs = constraint, logprobs, []
         rule = self.rule_for(sampling)
@@ -465,7 +468,12 @@ class Engine:
         positions = tree.positions(L)
         slots = torch.arange(L, L + tree.tokens.numel(), device=self.device)
         mask = TreeMask(L, tree.ancestor_mask())                 # the whole prefix + each node's ancestors
-        hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
+        if self._check_finite:                   # the generation's first pass: NaN/Inf named at their layer
+            self._check_finite = False
+            hidden = checked_pass(self.target, lambda: self.target(tree.tokens[None], positions[None], mask, cache,
+                                                                   slots), self.target.args.n_layers)[0]
+        else:
+            hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
         history, gen_from = self._histories(tree, L, sampling)
         allowed = (constraint.allowed(tree_paths(tree), self.target.args.vocab_size, self.device)
                    if constraint is not None else None)

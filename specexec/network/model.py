@@ -173,6 +173,8 @@ class Transformer(nn.Module):
     """Embedding, decoder blocks, final norm and LM head. See the module docstring for the call contract; how it
     runs besides its modules is its `execution` (Execution), told through `run_as`."""
 
+    finite_probe: list | None = None  # when a list: each layer's input, then the stack's output, adds its count of
+    #                                  non-finite values to it as a device scalar (no host sync; the engine reads it)
     tapped: list[torch.Tensor] | None = None       # the last pass's tapped layer inputs (Execution.taps)
 
     def __init__(self, args: ModelArgs, execution: Execution = Execution()) -> None:
@@ -285,7 +287,8 @@ class Transformer(nn.Module):
         run = self.execution
         if run.routing is not None:
             run.routing.begin()
-        if run.stack is not None and not run.taps:
+        probe = self.finite_probe
+        if run.stack is not None and not run.taps and probe is None:
             y = run.stack(x, ropes, plans, cache, slots)
             if y is not None:
                 return self.norm(y)
@@ -293,11 +296,15 @@ class Transformer(nn.Module):
         for i, layer in self.layer_modules():
             if i in taps:
                 tapped.append(x)
+            if probe is not None:
+                probe.append(x.isfinite().logical_not().sum())
             kind = kinds[i]
             plan = tree if mixer_kind(self.args, i).plan == "tree" else plans[kind.window]
             x = layer(x, *ropes[kind.rope], plan, cache, i, slots, run.routing)
         if taps:
             self.tapped = tapped + ([x] if self.args.n_layers in taps else [])
+        if probe is not None:
+            probe.append(x.isfinite().logical_not().sum())
         return self.norm(x)
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:

@@ -71,3 +71,29 @@ def test_more_layers_than_the_tensors_hold(cli, cache_root, tiny_llama, tmp_path
                                      cache_root), "config.json says 4000 decoder layers", "hold 2")
     assert line
     assert_nothing_cached(cache_root)
+
+
+@pytest.mark.parametrize("mode", [[], ["--quant", "none", "--offload", "ssd"]], ids=["resident", "streamed"])
+def test_nan_weights_stop_at_the_first_pass_naming_the_layer(mode, cli, cache_root, tiny_llama, tmp_path) -> None:
+    """NaN in layer 1's weights: rc 2 and one line naming layer 1 (it had been rc 0, one token, empty text)."""
+    from safetensors.torch import load_file, save_file
+
+    path = copy_checkpoint(tiny_llama, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = math.nan
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    result = cli("generate", "--model", path, "--no-draft", "--prompt", "Hello", "--max-new-tokens", "4",
+                 "--cache-dir", cache_root, *mode)
+    assert result.code == 2 and "Traceback" not in result.err and result.out == "", result.err
+    last = result.err.rstrip("\n").splitlines()[-1]                  # after the load lines: one error line
+    assert last.startswith("error: the target's first pass gives non-finite values (NaN or Inf) in the output of "
+                           "decoder layer 1 (of 2)"), last
+
+
+def test_where_names_the_first_place() -> None:
+    from specexec.finite import where
+
+    assert where([0, 0, 0, 0, 0], 3) is None
+    assert where([3, 3, 3, 3, 3], 3) == "in the token embeddings"
+    assert where([0, 0, 5, 5, 5], 3) == "in the output of decoder layer 1 (of 3)"
+    assert where([0, 0, 0, 0, 1], 3) == "in the final norm"
