@@ -229,7 +229,8 @@ def encode_messages(tokenizer, messages: list[dict], add_generation_prompt: bool
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             **extra)
-    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError,
+            RecursionError) as e:
         # the checkpoint's template is code: whatever it raises (jinja's sandbox refusing an attribute, its own
         # raise_exception, a bad type) is said in one line, as the checkpoint's
         reason = " ".join(str(e).split())[:200] or type(e).__name__
