@@ -239,9 +239,10 @@ def release(runtime: Runtime) -> None:
 # -------------------------------------------------------------------- entry point
 
 def swept(plan: Plan) -> str:
-    """What the run sweeps, for the header: the budgets (the runtime's own budget is only where they start)."""
+    """What this runtime sweeps, for the header: the budgets (the runtime's own budget is only where they start)
+    and the target alone; the baselines' rows (transformers, llama.cpp) say their own lines when they run."""
     rows = ([f"budgets {', '.join(map(str, plan.budgets))}"] if "specexec" in plan.kinds else []) + \
-        [k for k in plan.kinds if k != "specexec"]
+        [k for k in plan.kinds if k == "no-draft"]
     return f"sweeping {len(plan.prompts)} prompts over " + (", ".join(rows) or "nothing")
 
 

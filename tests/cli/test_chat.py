@@ -225,17 +225,27 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.slow
-def test_ctrl_c_in_a_terminal_returns_to_the_prompt(tiny_pair, tiny_perturbed_draft) -> None:
-    pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(sys.executable, ["-c", SLOW_CHAT, "chat", "--model", str(tiny_pair[0]), "--draft",
-                                           str(tiny_perturbed_draft), "--budget", "4", "--max-new-tokens", "400"],
+def _answering(pexpect, target: Path, draft: Path, max_new: int):
+    """A slowed `specexec chat` in a pseudo-terminal, its first answer started (to "Hello there")."""
+    child = pexpect.spawn(sys.executable, ["-c", SLOW_CHAT, "chat", "--model", str(target), "--draft", str(draft),
+                                           "--budget", "4", "--max-new-tokens", str(max_new)],
                           cwd=str(ROOT), env=ENV, encoding="utf-8", timeout=120, dimensions=(40, 160))
     try:
         child.expect_exact(">>> ")
         child.sendline("Hello there")
-        child.expect_exact("Hello there\r\n")                  # the terminal's echo
+        child.expect_exact("Hello there\r\n")                  # the terminal's echo of the prompt line
         child.expect(r"[^\r\n]")                                # the first piece of the answer
+    except BaseException:
+        child.close(force=True)
+        raise
+    return child
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_returns_to_the_prompt(tiny_pair, tiny_perturbed_draft) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    child = _answering(pexpect, tiny_pair[0], tiny_perturbed_draft, 400)
+    try:
         child.sendintr()
         child.expect_exact("interrupted")
         child.expect_exact("tokens/pass")
@@ -254,14 +264,8 @@ def test_ctrl_c_in_a_terminal_returns_to_the_prompt(tiny_pair, tiny_perturbed_dr
 def test_text_typed_during_an_answer_is_held_for_the_next_prompt(tiny_pair, tiny_perturbed_draft) -> None:
     """Typed while an answer streams: not echoed into the answer; the next prompt shows it and Enter sends it."""
     pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(sys.executable, ["-c", SLOW_CHAT, "chat", "--model", str(tiny_pair[0]), "--draft",
-                                           str(tiny_perturbed_draft), "--budget", "4", "--max-new-tokens", "60"],
-                          cwd=str(ROOT), env=ENV, encoding="utf-8", timeout=120, dimensions=(40, 160))
+    child = _answering(pexpect, tiny_pair[0], tiny_perturbed_draft, 60)
     try:
-        child.expect_exact(">>> ")
-        child.sendline("Hello there")
-        child.expect_exact("Hello there\r\n")                  # the terminal's echo of the prompt line
-        child.expect(r"[^\r\n]")                                # the answer has started
         child.send("typed ahead")
         child.expect_exact("tokens/pass")                       # the answer's end (its stats line)
         answer = child.before
