@@ -3,7 +3,7 @@ plans with), defined once (`add_flag`: the text, the default said, the argparse 
 into the frozen configs of specexec.config.
 
 Groups: model (--model --draft PATH|NAME|self[:FMT] / --no-draft --allow-pickle --offline --gguf-file), engine
-(--budget N|auto --max-budget --builder --device --dtype --kv-quant --expert-trim --gate --max-new-tokens),
+(--budget N|auto --max-budget --builder --device --dtype --kv-quant --expert-trim --gate --accept --max-new-tokens),
 sampling (--temperature --top-p --top-k --seed and the other SamplingParams fields), offload (--quant --draft-quant --offload --gpu-budget
 --ram-budget --cache-dir --context --kv-offload --draft-layers --experts). `apply_catalog_defaults` fills what a
 models.yaml name implies (the recommended draft, budget and quantization) when the user left it out, and says so;
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 
 from rich.console import Console
 
-from specexec.config import EngineConfig, OffloadConfig, SamplingParams
+from specexec.config import Acceptance, EngineConfig, OffloadConfig, SamplingParams
 from cli.fetch import add_hub_args, fetch_model
 from specexec.checkpoints.hub import Reserve
 from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, help_list, is_self_draft
@@ -100,6 +100,10 @@ def _flags() -> dict[str, Flag]:
         "--gate": Flag(f"stop drafting while the target alone is measured faster, probing now and then to "
                        f"resume: {choices_help('--gate')}", "auto: on with --budget auto, off with a fixed "
                        "--budget N", {"metavar": "MODE"}),
+        "--accept": Flag("how drafted tokens are judged: exact, or relaxed[:delta=D,k=K]: LOSSY, a drafted token also "
+                         "passes when the target's mass on its K nearest tokens (input-embedding cosine) lifts it, "
+                         "keeping the total variation from the target's distribution at each node <= D; labelled in "
+                         "every output", "exact; relaxed's delta 0.1, k 10", {"metavar": "MODE"}),
         "--experts": Flag("MoE targets: where the routed experts of streamed sparse layers compute: stream (copied "
                           "to the device as routed), cpu (in RAM on the CPU, only hidden states cross the link), "
                           "cpu:N (the last N such layers), auto (per layer, whichever the planner prices lower)",
@@ -137,7 +141,7 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") -> None:
     add_flag(p, "--max-new-tokens", max_new_default)
     for flag in ("--budget", "--max-budget", "--builder", "--device", "--dtype", "--kv-quant", "--expert-trim",
-                 "--gate"):
+                 "--gate", "--accept"):
         add_flag(p, flag)
 
 
@@ -176,6 +180,8 @@ def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
     given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant",
                                                  "expert_trim", "gate")}
     budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
+    if getattr(args, "accept", None) is not None:
+        given["accept"] = Acceptance.parse(args.accept)
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
 
 
@@ -189,7 +195,11 @@ def target_reserve(args: argparse.Namespace) -> Reserve | None:
 
 
 def refuse_lossy_kv(config: EngineConfig, command: str) -> None:
-    """Benchmarks that check exactness take no lossy cache (--kv-quant int8 belongs to `specexec bench`)."""
+    """Benchmarks that check exactness take no lossy cache (--kv-quant int8 belongs to `specexec bench`) and no
+    relaxed acceptance (`specexec bench relaxed` measures it)."""
+    if config.accept.relaxed:
+        raise ConfigError(f"{command} measures on the target's own text; --accept {config.accept.label} is lossy: "
+                          "drop it (`specexec bench relaxed` measures what it costs)")
     if config.kv_quant != "none":
         raise ConfigError(f"{command} checks that outputs are exact; --kv-quant {config.kv_quant} is lossy: drop it "
                           "(`specexec bench --kv-quant int8` reports its effect)")

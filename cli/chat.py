@@ -37,7 +37,7 @@ from typing import TextIO
 from rich.console import Console
 
 from cli import args as common
-from cli.generate import read_stdin, write_text
+from cli.generate import read_stdin, relaxed_note, write_text
 from cli.prefill_bar import PrefillBar
 from offload.formats.json_files import read_json
 from specexec.config import SamplingParams, with_field
@@ -158,7 +158,8 @@ class ChatSession:
             bar.stop()
             self.runtime.engine.on_prefill = None
             steps.close()
-        return Answer(ids, shown, interrupted, self.runtime.engine.profiler.summary())
+        engine = self.runtime.engine
+        return Answer(ids, shown, interrupted, {**engine.profiler.summary(), **engine.stats.acceptance()})
 
     def _report(self, answer: Answer) -> None:
         if answer.interrupted:
@@ -259,7 +260,8 @@ class ChatSession:
         return (f"temperature {s.temperature} · top_p {s.top_p} · top_k {s.top_k} · min_p {s.min_p} · "
                 f"repetition_penalty {s.repetition_penalty} · presence_penalty {s.presence_penalty} · "
                 f"frequency_penalty {s.frequency_penalty} · seed {s.seed} · max_new_tokens "
-                f"{self.max_new_tokens} · budget {budget}")
+                f"{self.max_new_tokens} · budget {budget} · accept {c.accept.label}"
+                + (" (LOSSY)" if c.accept.relaxed else ""))
 
     def cmd_stats(self, _rest: str) -> None:
         if self.last is None:
@@ -347,7 +349,7 @@ def stats_line(p: dict) -> str:
     ttft = f"{p['ttft_s']:.2f} s" if p.get("ttft_s") is not None else "–"
     per = f"{p['tokens_per_step']:.2f}" if p.get("tokens_per_step") else "–"
     return (f"{p.get('generated', 0)} tokens · {rate} · {per} tokens/pass · first token {ttft} · prefill "
-            f"{p.get('prompt_tokens', 0)} tokens ({p.get('reused_tokens', 0)} reused)")
+            f"{p.get('prompt_tokens', 0)} tokens ({p.get('reused_tokens', 0)} reused)" + relaxed_note(p))
 
 
 # -------------------------------------------------------------------- terminal input

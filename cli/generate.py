@@ -3,7 +3,9 @@
 Contract (scripts and benchmarks rely on it): plain mode writes the continuation to stdout as it is produced,
 flushed per step, and everything else (load summary, stats, warnings) to stderr. `--json` writes ONE compact
 JSON line to stdout: {"text", "token_ids" (generated ids only, EOS kept, at most --max-new-tokens), "stats":
-{steps, tokens_per_step, prefill_tok_s, decode_tok_s, draft_ms, target_ms, tree_size, budget, builder}}.
+{steps, tokens_per_step, prefill_tok_s, decode_tok_s, draft_ms, target_ms, tree_size, budget, builder, accept}};
+with --accept relaxed (LOSSY) also delta, k and relaxed_tokens (emitted tokens exact acceptance would not have
+chosen at their node), and the stats line says so.
 
 Does not know: how models load or how a step works (specexec.runtime.assembly), what values are valid
 (specexec.options checks every one of them).
@@ -132,6 +134,9 @@ def print_load_summary(console: Console, runtime: Runtime, sweep: str | None = N
         c = runtime.config
         budget = f"auto (up to {c.budget} tokens)" if c.auto_budget else f"{c.budget} tokens"
         console.print(f"builder {runtime.builder_name} · " + (sweep or f"budget {budget}"), highlight=False)
+    if runtime.config.accept.relaxed:
+        console.print(f"acceptance {runtime.config.accept.label}: LOSSY, drafted tokens near the target's choice "
+                      "pass too; the output may differ from the target's own", style="yellow", highlight=False)
     if runtime.config.kv_quant != "none":
         console.print(f"KV cache {runtime.config.kv_quant}: LOSSY, the output may differ from the target's own "
                       "(no exactness claim holds)", style="yellow", highlight=False)
@@ -181,7 +186,15 @@ def _stats_line(stats: dict, n_tokens: int) -> str:
             f"{rate} · prefill {stats['prefill_tok_s']} tok/s · per step: draft {stats['draft_ms']} ms, "
             f"target {stats['target_ms']} ms, tree {stats['tree_size']} · builder {stats['builder']}"
             + (f" · budget per step {stats['budget_trace']}" if stats.get("budget") == "auto" and
-               stats.get("budget_trace") else ""))
+               stats.get("budget_trace") else "") + relaxed_note(stats))
+
+
+def relaxed_note(stats: dict) -> str:
+    """' · accept relaxed ...' for a relaxed run's stats line (LOSSY, never silent); '' for an exact one."""
+    if stats.get("accept") != "relaxed":
+        return ""
+    return (f" · accept relaxed (LOSSY) delta {stats['delta']:g} k {stats['k']}: {stats['relaxed_tokens']} tokens "
+            "differ from exact acceptance")
 
 
 def run(args: argparse.Namespace) -> int:

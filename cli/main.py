@@ -24,6 +24,7 @@ from offload.formats.checkpoint import allow_outside_shards
 from cli.bench import main as bench
 from cli import catalog as models_cmd
 from cli.bench import accept as bench_accept
+from cli.bench import relaxed as bench_relaxed
 from cli.bench.components import attention as bench_attention
 from cli.bench.components import decode as bench_decode
 from cli.bench import builders as bench_builders
@@ -38,8 +39,8 @@ COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
 # A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench/main.py.
-BENCH_COMMANDS = (bench_builders, bench_accept, bench_stream, bench_attention, bench_kernels, bench_decode,
-                  bench_moe)
+BENCH_COMMANDS = (bench_builders, bench_accept, bench_relaxed, bench_stream, bench_attention, bench_kernels,
+                  bench_decode, bench_moe)
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,7 +80,8 @@ def add_bench_group(sub: argparse._SubParsersAction) -> Parser:
     sub-subcommand per module in BENCH_COMMANDS."""
     names = ", ".join(c.__name__.rsplit(".", 1)[-1] for c in BENCH_COMMANDS)
     group = sub.add_parser("bench", help=f"end-to-end benchmark vs baselines (or: bench {names} ...)",
-                           description=bench.DESCRIPTION + f" Other benchmarks: `specexec bench {names} --help`.")
+                           description=bench.DESCRIPTION + f" Other benchmarks: `specexec bench {names} --help`.",
+                           allow_abbrev=False)   # a sub-benchmark's flag (--k) must not read as the group's (--kv-*)
     group.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     bench.add_run_arguments(group)
     group.set_defaults(handler=bench.run, parser=group)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from specexec.options import (
-    DTYPES, MAX_BUDGET, ConfigError, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
-    check_experts, choice_error, parse_draft_layers, parse_size)
+    DTYPES, MAX_BUDGET, RELAXED_DELTA, RELAXED_K, ConfigError, check_accept, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
+    check_experts, choice_error, parse_accept, parse_draft_layers, parse_size)
 
 
 ROUTERS = ("softmax", "topk_softmax", "sigmoid")
@@ -332,6 +332,39 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+@dataclass(frozen=True)
+class Acceptance:
+    """How drafted tokens are judged (--accept). "exact": the acceptance rules keep the target's output (greedy
+    equal to the target alone, sampling its distribution). "relaxed": LOSSY, opt-in, labelled wherever it shows: a
+    drafted token also passes when the target's mass on its `k` nearest tokens (input-embedding cosine), moved onto
+    it, keeps the total variation from the target's distribution at each node <= `delta` (specexec/relaxed.py,
+    docs/algorithms.md §31). delta and k mean nothing in exact mode."""
+
+    mode: str = "exact"
+    delta: float = RELAXED_DELTA
+    k: int = RELAXED_K
+
+    def __post_init__(self) -> None:
+        check_accept(self.mode, self.delta, self.k)
+
+    @classmethod
+    def parse(cls, text: str) -> "Acceptance":
+        """From --accept's text: exact | relaxed[:delta=D,k=K] (options.parse_accept)."""
+        return cls(*parse_accept(text))
+
+    @property
+    def relaxed(self) -> bool:
+        return self.mode == "relaxed"
+
+    @property
+    def label(self) -> str:
+        """'exact' or 'relaxed:delta=D,k=K', the text parse() reads back."""
+        return "exact" if not self.relaxed else f"relaxed:delta={self.delta:g},k={self.k}"
+
+
+EXACT = Acceptance()
+
+
 PREFILL_CHUNK = 512      # prompt tokens per prefill pass of a resident model (EngineConfig.prefill_chunk overrides)
 
 
@@ -354,12 +387,15 @@ class EngineConfig:
     kv_quant: str = "none"          # --kv-quant: "int8" stores KV rows quantized (LOSSY; never in an exactness claim)
     expert_trim: str = "experts"    # --expert-trim: a streamed MoE target verifies the nodes worth their experts
     gate: str = "auto"              # --gate: drafting stops while the target alone is faster (auto: with auto_budget)
+    accept: Acceptance = EXACT      # --accept: exact, or relaxed (LOSSY, labelled: specexec/relaxed.py)
 
     def __post_init__(self) -> None:
         check_number("budget", self.budget, low=1, high=MAX_BUDGET)
         check_choice("--kv-quant", self.kv_quant, choices("--kv-quant"))
         check_choice("--expert-trim", self.expert_trim, choices("--expert-trim"))
         check_choice("--gate", self.gate, choices("--gate"))
+        if not isinstance(self.accept, Acceptance):
+            raise ConfigError(f"accept must be an Acceptance (Acceptance.parse('relaxed:delta=0.1')), got {self.accept!r}")
         check_draft_vocab(self.draft_vocab)
         check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
         if self.prefill_chunk is not None:

@@ -28,7 +28,7 @@ import torch
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
 from specexec.network import longrope, mixers
-from specexec.config import PREFILL_CHUNK, EngineConfig, SamplingParams
+from specexec.config import PREFILL_CHUNK, Acceptance, EngineConfig, SamplingParams
 from specexec.constraint import Constraint, tree_paths
 from specexec.expert_passes import CountsExperts, ExpertPasses
 from specexec.finite import checked_pass
@@ -38,6 +38,7 @@ from specexec.network.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill
 from specexec.options import ConfigError
 from specexec.gate import Pilot
 from specexec.profiler import Profiler, Span
+from specexec.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import greedy, is_plain, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
@@ -95,6 +96,7 @@ class Engine:
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         check_verifier(config.verifier)
+        check_relaxed(config.accept, target.args.vocab_size, builder is not None, config.verifier)
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
         self.planned_context = context
         self.draft_kv_quant = draft_kv_quant or config.kv_quant
@@ -129,6 +131,8 @@ class Engine:
         self._constraint: Constraint | None = None   # this call's grammar (generate)
         self._top_logprobs: int | None = None        # this call's top_logprobs (None: no logprobs)
         self.logprobs: list[TokenLogprob] = []       # the last call's tokens' target log-probs, when asked
+        self._accept = config.accept                 # this call's --accept (generate)
+        self.neighbours = Neighbours(target.embed_tokens.weight, self.device)   # relaxed acceptance's, lazily
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
         """Caches with room for `total` committed tokens plus what each model writes beyond them
@@ -200,11 +204,13 @@ class Engine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                  sampling: SamplingParams = SamplingParams(),
                  should_stop: Callable[[list[int]], int | None] | None = None,
-                 constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[list[int]]:
+                 constraint: Constraint | None = None, logprobs: int | None = None,
+                 accept: Acceptance | None = None) -> Iterator[list[int]]:
         """Yield the new token ids of each step until EOS, max_new_tokens or should_stop(generated) returns
         the number of tokens to keep. Stats accumulate in self.stats. constraint: a grammar masking draft and
         target alike (specexec/constraint.py), fresh for this call. logprobs: record each generated token's
-        target log-prob and its `logprobs` best alternatives in self.logprobs (None: record nothing)."""
+        target log-prob and its `logprobs` best alternatives in self.logprobs (None: record nothing).
+        accept: this call's acceptance (None: config.accept; relaxed is LOSSY, specexec/relaxed.py)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         limit = max_new_tokens or self.config.max_new_tokens
@@ -213,7 +219,9 @@ class Engine:
         self._check_finite = True
         self.stats = stats = GenerationStats(ledger=self.profiler, constraint=constraint)
         self._constraint, self._top_logprobs, self.logprobs = constraint, logprobs, []
-        rule = self.rule_for(sampling)
+        self._accept = stats.accept = accept or self.config.accept
+        check_relaxed(self._accept, self.target.args.vocab_size, self.builder is not None, self.config.verifier)
+        rule = self.rule_for(sampling, self._accept)
         self._trims = (self.experts is not None and self.builder is not None and not rule.needs_draft
                        and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
         taps = self.draft.taps if self.reads_target else ()              # what the drafter reads of each pass
@@ -230,6 +238,7 @@ class Engine:
                     self.profiler.abandon()
                     raise
                 new, stop = self._trim(acc.tokens, generated, limit, should_stop)
+                stats.relaxed_tokens += sum(acc.relaxed[:len(new)])
                 del self.logprobs[len(generated) + len(new):]
                 generated += new
                 stats.generated = len(generated)
@@ -440,9 +449,12 @@ class Engine:
         self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), drafted.span, target_span,
                            drafted.budget, timed)
 
-    def rule_for(self, sampling: SamplingParams) -> Rule:
+    def rule_for(self, sampling: SamplingParams, accept: Acceptance | None = None) -> Rule:
         """The acceptance rule: greedy at T = 0; else config.verifier ('auto': the builder's default), which
-        must be exact for the builder's drafting scheme (docs/algorithms.md §5.5)."""
+        must be exact for the builder's drafting scheme (docs/algorithms.md §5.5). Relaxed acceptance (accept,
+        default config.accept) runs on greedy / sample_match only (relaxed.relaxed_rule)."""
+        if (accept or self.config.accept).relaxed:
+            return RULES[relaxed_rule(self.config.verifier, sampling)]
         drafting = self.builder.drafting if self.builder is not None else "deterministic"
         if sampling.greedy:
             return RULES["greedy"]
@@ -478,7 +490,10 @@ class Engine:
         allowed = (constraint.allowed(tree_paths(tree), self.target.args.vocab_size, self.device)
                    if constraint is not None else None)
         if rule.target != "probs":
-            acc = accept_greedy(tree, self._target_choices(hidden, sampling, rng, history, gen_from, allowed))
+            relax = (Relaxation(tree, self.neighbours, self._accept, sampling.greedy)
+                     if record and self._accept.relaxed else None)
+            choices = self._target_choices(hidden, sampling, rng, history, gen_from, allowed, relax)
+            acc = accept_greedy(tree, choices) if relax is None else relax.accept(tree, choices)
         else:
             acc = rule.fn(tree, self._probs_fn(hidden, sampling, history, gen_from, allowed),
                           *self._draft_probs(rule, tree), rng)
@@ -541,21 +556,24 @@ class Engine:
 
     def _target_choices(self, hidden: torch.Tensor, sampling: SamplingParams, rng: torch.Generator,
                         history: torch.Tensor | None, generated_from: int = 0,
-                        allowed: torch.Tensor | None = None) -> torch.Tensor:
+                        allowed: torch.Tensor | None = None, relax: Relaxation | None = None) -> torch.Tensor:
         """hidden [N+1, D] -> one target choice per node [N+1]: the argmax (greedy) or an independent sample
         of the processed distribution (sample-and-match). The LM head runs in chunks of LOGIT_CHUNK rows;
         history [N+1, H] (penalties per node over prefix + ancestors, see _histories) when a penalty is set;
-        allowed bool [N+1, V] the constraint's mask per node."""
+        allowed bool [N+1, V] the constraint's mask per node; relax: relaxed acceptance's choice instead
+        (it keeps the exact one)."""
         out = []
         for start in range(0, hidden.shape[0], LOGIT_CHUNK):
             logits = self.target.logits(hidden[start:start + LOGIT_CHUNK])
-            if is_plain(sampling, allowed):
+            plain = is_plain(sampling, allowed)
+            if plain and relax is None:
                 out.append(greedy(logits))
                 continue
             hist = None if history is None else history[start:start + LOGIT_CHUNK]
             ok = None if allowed is None else allowed[start:start + LOGIT_CHUNK]
             logp = process_logits(logits, sampling, hist, generated_from, ok)
-            out.append(greedy(logp) if sampling.greedy else sample(logp, rng))
+            choice = greedy(logits) if plain else greedy(logp) if sampling.greedy else sample(logp, rng)
+            out.append(choice if relax is None else relax.choose(start, logp, choice))
         return torch.cat(out)
 
 

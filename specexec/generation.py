@@ -52,6 +52,8 @@ class GenerationStats:
     generated: int = 0
     ledger: Profiler | None = None  # whose step records are this call's steps (None: no steps)
     constraint: Any = None          # the call's grammar (specexec/constraint.py), whose counters summary() shows
+    accept: Any = None              # the call's Acceptance (specexec/config.py; None: exact)
+    relaxed_tokens: int = 0         # relaxed acceptance: emitted tokens exact acceptance would not have chosen
 
     @property
     def steps(self) -> list[StepStat]:
@@ -77,10 +79,19 @@ class GenerationStats:
             "budget": budget,
             "budget_trace": budget_trace(s.budget for s in steps),     # what --budget auto picked, per step
             "builder": builder,
+            **self.acceptance(),
             **({"moe": moe} if (moe := self.moe()) is not None else {}),
             **({"gate": gate} if (gate := self.gate()) is not None else {}),
             **({"grammar": dict(self.constraint.stats)} if self.constraint is not None else {}),
         }
+
+    def acceptance(self) -> dict:
+        """{"accept": "exact"}, or for relaxed acceptance (LOSSY) its parameters and relaxed_tokens: how many
+        emitted tokens differ from what exact acceptance would have chosen at their node."""
+        if self.accept is None or not self.accept.relaxed:
+            return {"accept": "exact"}
+        return {"accept": "relaxed", "delta": self.accept.delta, "k": self.accept.k,
+                "relaxed_tokens": self.relaxed_tokens}
 
     def moe(self) -> dict | None:
         """stats.moe of an MoE target (profiler.moe_stats over this call's passes), else None."""

@@ -33,10 +33,13 @@ ProbsFn = Callable[[int], Tensor]          # node -> processed probabilities [V]
 @dataclass
 class Accepted:
     """nodes: accepted tree nodes root -> deepest (node 0 included); tokens: the accepted non-root nodes'
-    tokens followed by ONE bonus token from the target (so len(tokens) == len(nodes))."""
+    tokens followed by ONE bonus token from the target (so len(tokens) == len(nodes)). relaxed: under relaxed
+    acceptance (specexec/relaxed.py), per token whether it differs from what exact acceptance chose at its node
+    (empty: an exact rule)."""
 
     nodes: list[int]
     tokens: list[int]
+    relaxed: tuple[bool, ...] = ()
 
 
 def accept_greedy(tree: TokenTree, target_choice: Tensor) -> Accepted:

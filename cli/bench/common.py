@@ -59,6 +59,8 @@ class Result:
     draft: str | None = None      # the draft of a specexec row (a path, a name or self[:FMT])
     moe_runs: list[dict] = field(default_factory=list)    # stats.moe of each prompt (an MoE target)
     gate_runs: list[dict | None] = field(default_factory=list)   # stats.gate of each prompt (a gated row)
+    accept: str = "exact"         # --accept's label (relaxed: LOSSY, never called identical)
+    relaxed_tokens: int = 0       # relaxed: emitted tokens exact acceptance would not have chosen, over prompts
 
     def gate(self) -> dict | None:
         """stats.gate summed over the prompts, its events prefixed with their prompt (None: not gated)."""
@@ -133,7 +135,8 @@ def run_variant(name: str, rt: Runtime, budget: int | str | None, plan: Plan, pr
         rt.engine.reset()
         for _ in rt.generate_ids(rt.encode(WARMUP_PROMPT), warmup, sampling):
             pass
-    res = Result(name, budget=budget, builder=rt.builder_name if budget is not None else None)
+    res = Result(name, budget=budget, builder=rt.builder_name if budget is not None else None,
+                 accept=rt.config.accept.label)
     with PeakMemory(rt.engine.device) as mem:
         for j, ids in enumerate(prompt_ids):
             tell(progress, name, j, len(prompt_ids))
@@ -146,6 +149,7 @@ def run_variant(name: str, rt: Runtime, budget: int | str | None, plan: Plan, pr
             res.budgets += [x.budget for x in steps if x.budget is not None]
             res.moe_runs.append(s["moe"])
             res.gate_runs.append(s["gate"])
+            res.relaxed_tokens += rt.engine.stats.relaxed_tokens
         tell(progress, name, len(prompt_ids), len(prompt_ids))
     res.peak_ram, res.peak_vram = mem.ram_bytes, mem.vram_bytes
     return res

@@ -44,7 +44,7 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
         if greedy and base is not None:
             same = sum(a == b for a, b in zip(r.outputs, base.outputs))
             mismatch = [first_mismatch(a, b) for a, b in zip(r.outputs, base.outputs)]
-        if r.lossy:                                  # an int8 cache: outside every exactness claim
+        if r.lossy or r.accept != "exact":           # an int8 cache, relaxed acceptance: outside every exactness claim
             same = None
         if r.config.startswith("llama.cpp"):          # other weights (the GGUF's quantization): no comparison at all
             same = mismatch = None
@@ -60,6 +60,8 @@ def make_rows(results: list[Result], greedy: bool) -> list[dict]:
             "draft_ms_per_step": per_step(r, r.draft_s), "target_ms_per_step": per_step(r, r.target_s),
             "speedup": {b: _round(r.tok_s / t, 3) if r.tok_s and t else None for b, t in baseline_tok_s.items()},
             "budget": r.budget, "builder": r.builder, "draft": r.draft, "note": r.note or None, "lossy": r.lossy,
+            "accept": None if r.config.startswith((*EXTERNAL, "endpoint")) else r.accept,
+            "relaxed_tokens": r.relaxed_tokens if r.accept != "exact" else None,
             "budget_trace": budget_trace(r.budgets) if r.budget == "auto" else None,
             **({"moe": moe} if (moe := r.moe()) is not None else {}),
             **({"gate": gate} if (gate := r.gate()) is not None else {}),
@@ -83,7 +85,7 @@ def make_table(rows: list[dict], title: str) -> Table:
     """The comparison table of make_rows' rows: one column of speed-up per baseline present."""
     baselines = [b for b in BASELINES if any(r["config"] == b for r in rows)]
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("config", "tok/s", "tok/pass", "TTFT s", "peak RAM GB", "peak VRAM GB", "identical (T=0)",
+    for col in ("config", "tok/s", "tok/pass", "TTFT s", "peak RAM GB", "peak VRAM GB", "accept", "identical (T=0)",
                 *[f"× {b}" for b in baselines]):
         t.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
@@ -91,9 +93,12 @@ def make_table(rows: list[dict], title: str) -> Table:
             f"{'yes' if r['identical_to_baseline'] else 'NO'} {r['identical_prompts']}"
         at = sorted(i for i in r["first_mismatch"] or () if i is not None)
         ident += f" (from token {', '.join(map(str, at))})" if at else ""
-        if r.get("lossy"):
+        accept = r.get("accept")
+        if r.get("lossy") or accept not in (None, "exact"):
             ident = "LOSSY: " + (f"diverges at token {', '.join(map(str, at))}" if at else "same tokens here")
+        if accept not in (None, "exact"):
+            accept = f"{accept} LOSSY ({r['relaxed_tokens']} relaxed tokens)"
         t.add_row(r["config"], cell(r["tok_s"], ".2f"), cell(r["tokens_per_pass"], ".2f"),
-                  cell(r["ttft_s"], ".3f"), cell(r["peak_ram_gb"], ".2f"), cell(r["peak_vram_gb"], ".2f"), ident,
+                  cell(r["ttft_s"], ".3f"), cell(r["peak_ram_gb"], ".2f"), cell(r["peak_vram_gb"], ".2f"), accept or "–", ident,
                   *[cell(r["speedup"].get(b), ".2f") for b in baselines])
     return t

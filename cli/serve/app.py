@@ -42,6 +42,7 @@ from specexec.serving import openai_api as api
 from specexec.serving import messages as chat_messages
 from specexec.serving import structured, tools
 from specexec.runtime.assembly import Runtime
+from specexec.relaxed import check_relaxed
 from specexec.serving.queue import Delta, End, Failed, Finished, GenerationQueue, QueueFull, Ticket
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -213,9 +214,12 @@ class Server:
                                f"choices; this server takes at most {self.settings.max_choices} per request "
                                "(specexec serve --max-choices)", param="n", code="too_many_choices")
         try:
-            self.runtime.engine.rule_for(job.sampling)      # e.g. a verifier that is not exact at T > 0
+            self.runtime.engine.rule_for(job.sampling, job.accept)   # e.g. a verifier not exact at T > 0
+            check_relaxed(job.accept, self.vocab_size, self.runtime.engine.builder is not None,
+                          self.runtime.engine.config.verifier)
         except ConfigError as e:
-            raise api.ApiError(str(e), param="temperature", code="invalid_value") from None
+            param = "accept" if "--accept" in str(e) else "temperature"
+            raise api.ApiError(str(e), param=param, code="invalid_value") from None
         try:
             ticket = self.queue.submit(job)
         except QueueFull as e:

@@ -132,7 +132,8 @@ def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None
     from specexec.serving.openai_api import ServerDefaults
 
     print_load_summary(console, runtime)
-    defaults = ServerDefaults(name, sampling, runtime.config.max_new_tokens, aliases)
+    defaults = ServerDefaults(name, sampling, runtime.config.max_new_tokens, aliases,
+                              runtime.config.accept)
     log = None if quiet else (lambda line: console.print(line, highlight=False, markup=False))
     app = build_app(runtime, defaults, ServeSettings(api_key=api_key, max_queue=max_queue, access_log=log,
                                                      max_choices=max_choices))

@@ -25,6 +25,8 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
 - activations: the largest transient of any pass that runs (sizes.attention_bytes has the attention formula):
   the target's tree pass, a streamed prefill chunk of ledger.PREFILL_RESERVE tokens (dropped when it does not fit),
   the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
+- relaxed neighbours (--accept relaxed only): each token's k nearest tokens by input-embedding cosine, int32
+  [V, k], plus a filled flag per token (specexec/relaxed.py Neighbours.bytes_for).
 - resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
 
 Does not know: budgets, tiers or which plan is best (ledger.py and offload/planner.py decide), checkpoints.
@@ -103,6 +105,9 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
                                    f"and its own state per tree node" if shape.drafter.taps else
                                    "its own state per tree node (it reads the target's output)")
     device.append(("activations", act))
+    if shape.neighbours_k:
+        device.append(("relaxed neighbours", t.vocab_size * (4 * shape.neighbours_k + 1)))
+        notes["relaxed neighbours"] = f"--accept relaxed: {shape.neighbours_k} per token, {t.vocab_size} tokens"
     sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
     kv = tuple(kv_layer_bytes(t, t_slots, elem, shape.kv_quant, i) for i in range(t.n_layers))
     tail = tuple(kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant, i) for i in range(t.n_layers))

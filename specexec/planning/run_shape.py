@@ -66,6 +66,7 @@ class RunShape:
     kv_offload: str = "auto"                      # target KV rows: auto | device | stream (planner companions)
     self_draft: SelfDraftShape | None = None
     drafter: DrafterSize | None = None
+    neighbours_k: int = 0                         # --accept relaxed: neighbours per token of its table (0: exact)
 
     @property
     def elem(self) -> int:
@@ -105,7 +106,7 @@ def run_shape(args: ModelArgs, draft: ModelArgs | None, engine: EngineConfig, of
     shape = RunShape(args, draft, dtype, device_type, engine.budget, context,
                      offload.draft_quant if draft is not None and drafter is None else "none",
                      draft_kv if draft is not None else None, kv_quant=engine.kv_quant, kv_offload=offload.kv_offload,
-                     drafter=drafter)
+                     drafter=drafter, neighbours_k=engine.accept.k if engine.accept.relaxed else 0)
     if self_draft is None:
         return shape
     return with_self_draft(replace(shape, draft_kv=draft_kv), self_draft.fmt, self_draft.layers)

@@ -49,7 +49,7 @@ from specexec.tuning import acceptance
 from specexec.tuning.calibration import save_target_costs, tuner_for
 from specexec.builders.base import TreeBuilder
 from specexec.builders.registry import check_builder, make_builder
-from specexec.config import EngineConfig, ModelArgs, OffloadConfig, SamplingParams
+from specexec.config import EXACT, Acceptance, EngineConfig, ModelArgs, OffloadConfig, SamplingParams
 from specexec.constraint import Constraint
 from specexec.engine import Engine
 from specexec.expert_passes import ExpertPasses
@@ -287,7 +287,8 @@ def _trim_draft(draft: Transformer, target: Transformer, tokenizer, t_path: Path
 
     def measure() -> torch.Tensor:
         say(f"--draft-vocab: sampling the target on {len(prompts)} prompts to count its tokens (cached)")
-        calib = config.replace(budget=16, auto_budget=False, builder="specexec", draft_vocab=None, verifier="auto")
+        calib = config.replace(budget=16, auto_budget=False, builder="specexec", draft_vocab=None, verifier="auto",
+                               accept=EXACT)
         engine = Engine(target, draft, calib, make_builder("specexec"), eos)
         sampling = SamplingParams(temperature=1.0, seed=0)
         return measure_counts(lambda ids: [t for s in engine.generate(ids, VOCAB_CALIBRATION_TOKENS, sampling)
@@ -385,11 +386,14 @@ class Runtime:
             raise ConfigError(f"a variant keeps the loaded device/dtype ({self.config.device}/{self.config.dtype}); "
                               f"got {config.device}/{config.dtype}")
         draft = self.engine.draft if use_draft else None
+        if not use_draft:                                    # the target alone: nothing drafted, nothing to relax
+            config = config.replace(accept=EXACT)
         if draft is not None and self.depth is not None:     # the measured depth's verdict holds for the variant
             config = config.replace(gate=with_depth_verdict(config.gate, self.depth.loses))
         engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
                               tuple(sorted(self.engine.eos_ids)), self.engine.planned_context,
                               self.plan)
+        engine.neighbours = self.engine.neighbours           # relaxed acceptance's table: once per target
         runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
                           self.plan)
         runtime.pair, runtime.depth = self.pair, self.depth if use_draft else None
@@ -420,33 +424,35 @@ class Runtime:
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                      sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
-                     constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[list[int]]:
+                     constraint: Constraint | None = None, logprobs: int | None = None,
+                     accept: Acceptance | None = None) -> Iterator[list[int]]:
         """Yield new token ids as they are accepted. With stop strings: generate_text's ids (held back while
         their text may still begin a stop string; the last kept token may hold the first one's start).
-        constraint and logprobs as Engine.generate takes them (the log-probs land in engine.logprobs)."""
+        constraint, logprobs and accept as Engine.generate takes them (the log-probs land in engine.logprobs)."""
         if not any(stop):
             limit = max_new_tokens or self.config.max_new_tokens
             self._begin(prompt_ids, limit)
-            yield from self.engine.generate(prompt_ids, limit, sampling, constraint=constraint, logprobs=logprobs)
+            yield from self.engine.generate(prompt_ids, limit, sampling, constraint=constraint, logprobs=logprobs,
+                                            accept=accept)
             return
-        for ids, _ in self.generate_text(prompt_ids, max_new_tokens, sampling, stop, constraint, logprobs):
+        for ids, _ in self.generate_text(prompt_ids, max_new_tokens, sampling, stop, constraint, logprobs, accept):
             if ids:
                 yield ids
 
     def generate_text(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                       sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
-                      constraint: Constraint | None = None, logprobs: int | None = None
-                      ) -> Iterator[tuple[list[int], str]]:
+                      constraint: Constraint | None = None, logprobs: int | None = None,
+                      accept: Acceptance | None = None) -> Iterator[tuple[list[int], str]]:
         """(new ids, new text) as they become final: the generated text, an incomplete character held back and,
         with stop strings, whatever could still begin one; it ends just before the first stop string
         (excluded) wherever token boundaries fall. The ids: the tokens whose text was shown (with a stop string,
-        up to the one it begins in). constraint and logprobs as generate_ids."""
+        up to the one it begins in). constraint, logprobs and accept as generate_ids."""
         limit = max_new_tokens or self.config.max_new_tokens
         self._begin(prompt_ids, limit)
         detok = Detokenizer(self.tokenizer, prompt_ids)
         watcher = StopWatcher(detok, stop) if any(stop) else None
         steps = self.engine.generate(prompt_ids, limit, sampling, should_stop=watcher, constraint=constraint,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, accept=accept)
         yield from stream_text(steps, detok, watcher)
 
     def _begin(self, prompt_ids: list[int], limit: int) -> None:

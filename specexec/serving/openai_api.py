@@ -34,7 +34,7 @@ from typing import Any
 
 import specexec
 from offload.formats.json_files import parse_json
-from specexec.config import SamplingParams
+from specexec.config import EXACT, Acceptance, SamplingParams
 from specexec.options import ConfigError, check_integer, check_prompt_length
 from specexec.serving import logprobs as lp
 
@@ -77,6 +77,7 @@ class ServerDefaults:
     sampling: SamplingParams = SamplingParams()
     max_tokens: int = 128          # default for a request that names none (capped by the context left)
     aliases: tuple[str, ...] = ()  # other model names requests may use (--served-model-name's further names)
+    accept: Acceptance = EXACT     # the server's --accept (a request's "accept" field replaces it)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Options:
     include_usage: bool
     echo: bool = False
     logprobs: int | None = None        # top_logprobs per token (None: no log-probs)
+    accept: Acceptance = EXACT         # "accept": exact | relaxed[:delta=D,k=K] (LOSSY; system_fingerprint says so)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class Job:
     logprobs: int | None = None                # top_logprobs per token (None: no log-probs)
     grammar: str | None = None                 # every choice's grammar (llguidance's text; None: free text)
     tool_format: str | None = None             # the tool-call format answers are parsed in (serving/tools.py)
+    accept: Acceptance = EXACT                 # how drafted tokens are judged (relaxed: LOSSY)
 
     @property
     def choices(self) -> int:
@@ -246,7 +249,19 @@ def parse_options(body: dict, defaults: ServerDefaults, vocab_size: int | None =
     stream_options = _field(body, "stream_options", (dict,), {})
     include_usage = _field(stream_options, "include_usage", (bool,), False)
     return Options(model, n, max_tokens, _sampling(body, defaults.sampling, vocab_size), _stop(body), stream,
-                   stream and include_usage, _field(body, "echo", (bool,), False), _logprobs(body))
+                   stream and include_usage, _field(body, "echo", (bool,), False), _logprobs(body),
+                   _accept(body, defaults.accept))
+
+
+def _accept(body: dict, default: Acceptance) -> Acceptance:
+    """The request's "accept" (exact | relaxed[:delta=D,k=K], --accept's text), else the server's."""
+    text = _field(body, "accept", (str,))
+    if text is None:
+        return default
+    try:
+        return Acceptance.parse(text)
+    except ConfigError as e:
+        raise ApiError(str(e), param="accept", code="invalid_value") from None
 
 
 def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
@@ -302,7 +317,7 @@ def make_job(kind: str, options: Options, prompts: Sequence[list[int]], defaults
     return Job(kind, prefix + uuid.uuid4().hex[:24], int(time.time()), defaults.model_id,
                tuple(tuple(p) for p in prompts), limits, options.n, options.sampling, options.stop, options.stream,
                options.include_usage, tuple(echo_texts) if options.echo else (), options.logprobs, grammar,
-               tool_format)
+               tool_format, options.accept)
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -340,8 +355,15 @@ def extension(choices: Sequence[Choice], queue_ms: float) -> dict:
             "builder": first.get("builder"), "choices": [c.stats for c in choices]}
 
 
+def fingerprint(accept: Acceptance) -> str:
+    """system_fingerprint: the version and how drafted tokens were judged ("...-exact", "...-relaxed-d0.1-k10")."""
+    mode = "exact" if not accept.relaxed else f"relaxed-d{accept.delta:g}-k{accept.k}"
+    return f"specexec-{specexec.__version__}-{mode}"
+
+
 def _head(job: Job, obj: str) -> dict:
-    return {"id": job.id, "object": obj, "created": job.created, "model": job.model}
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
+            "system_fingerprint": fingerprint(job.accept)}
 
 
 def _choice_logprobs(job: Job, items: Sequence[dict], offset: int = 0) -> dict | None:

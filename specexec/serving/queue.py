@@ -160,7 +160,8 @@ def run_choice(runtime: Runtime, job: Job, choice: int, ticket: Ticket, metrics:
         ticket.emit(Delta(choice, job.echo_texts[p]))
     ids: list[int] = []
     constraint = runtime.grammars.constraint(job.grammar) if job.grammar is not None else None
-    gen = runtime.generate_text(prompt, limit, job.sampling_for(choice), job.stop, constraint, job.logprobs)
+    gen = runtime.generate_text(prompt, limit, job.sampling_for(choice), job.stop, constraint, job.logprobs,
+                                job.accept)
     covered = 0
     try:
         for text, upto in _texts(gen, ids, ticket.cancelled):
