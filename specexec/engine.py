@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +31,7 @@ from specexec.network import longrope, mixers
 from specexec.config import PREFILL_CHUNK, Acceptance, EngineConfig, SamplingParams
 from specexec.constraint import Constraint, tree_paths
 from specexec.expert_passes import CountsExperts, ExpertPasses
+from specexec.feeding import TargetFeed, tell_taps
 from specexec.finite import checked_pass
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.drafter import Drafter
@@ -117,7 +118,8 @@ class Engine:
         self.observe_topk = int(builder.observe_topk or 0) if has(builder, LearnsFromTarget) else 0
         self.follows_costs = has(builder, FollowsCosts)                   # width follows the cost ratio
         self.target_closes = has(target, Closes)
-        self.reads_target = isinstance(draft, Drafter) and builder is not None and builder.needs_draft
+        self.feed = (TargetFeed(target, draft) if isinstance(draft, Drafter) and builder is not None
+                     and builder.needs_draft else None)             # a drafter reads the target's passes
         self.counts_experts = has(target, CountsExperts)                 # its expert traffic, read each step
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
@@ -224,9 +226,7 @@ class Engine:
         rule = self.rule_for(sampling, self._accept)
         self._trims = (self.experts is not None and self.builder is not None and not rule.needs_draft
                        and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
-        taps = self.draft.taps if self.reads_target else ()              # what the drafter reads of each pass
-        if self.target.execution.taps != taps:
-            self.target.run_as(replace(self.target.execution, taps=taps))
+        tell_taps(self.target, self.draft.taps if self.feed is not None else ())
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
             generated: list[int] = []
@@ -269,8 +269,8 @@ class Engine:
         self._context = list(prompt_ids)
         self._generated_from = len(prompt_ids)   # earlier turns kept in the cache are prompt, not generated
         keep = min(shared, target_cache.length)
-        if draft_cache is not None and self.reads_target:     # a drafter's rows lag the target's by one
-            keep = max(min(keep, draft_cache.length, len(prompt_ids) - 2), 0)
+        if draft_cache is not None and self.feed is not None:
+            keep = self.feed.reusable(keep, draft_cache.length, len(prompt_ids))
             draft_cache.truncate(keep)
         target_cache.truncate(keep)
         longrope.begin(self.target, target_cache, len(prompt_ids))
@@ -293,11 +293,10 @@ class Engine:
         """The target prefills prompt[L:-1] (L = its cache's length); a drafter is fed from its rows as they
         come, a draft model prefills its own part (unless the gate is off). -> the draft's state (None: none)."""
         keep = target_cache.length
-        if draft_cache is not None and self.reads_target:
-            draft, on_rows = self._fed_start(prompt_ids, keep, draft_cache)
+        if draft_cache is not None and self.feed is not None:
+            draft, on_rows = self.feed.start(prompt_ids, keep, draft_cache, self.prefill)
             self.prefill(self.target, target_cache, prompt_ids[keep:-1], on_rows=on_rows)
-            if not draft.pending:                     # a one-token prompt: no state before its token
-                draft.pending, draft.states, draft.fed = [prompt_ids[-1]], self._no_state(), False
+            self.feed.finish_start(draft, prompt_ids)
             return draft
         self.prefill(self.target, target_cache, prompt_ids[keep:-1])
         if draft_cache is None:
@@ -307,36 +306,6 @@ class Engine:
         if self.pilot is None or self.pilot.drafting:     # gated off: it catches up when a probe starts
             self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
         return DraftState(self.draft, draft_cache, list(prompt_ids[draft_cache.length:]))
-
-    def _fed_start(self, prompt_ids: list[int], keep: int, cache: KVCache
-                   ) -> tuple[DraftState, Callable[[int, torch.Tensor], None]]:
-        """A drafter's state for a prompt whose first `keep` tokens both caches hold, and the target prefill's
-        row listener that feeds it: the drafter row of token i + 1 reads the target's state at token i, so each
-        chunk's rows queue the tokens after them and the drafter catches up on all but the root."""
-        draft = DraftState(self.draft, cache)
-
-        def on_rows(start: int, hidden: torch.Tensor) -> None:
-            first = keep + start + 1
-            draft.extend(prompt_ids[first:first + hidden.shape[0]], self._target_states(hidden))
-            draft.catch_up(self.prefill)
-        return draft, on_rows
-
-    def _target_states(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
-        """The drafter's input states [R, D] at `rows` (default all) of the last target pass: hidden [N, D_t] is
-        its output; the layers the drafter taps were kept by the pass (Transformer.tapped)."""
-        tapped = self.target.tapped if self.draft.taps else None
-        if rows is not None:
-            index = torch.tensor(rows, device=hidden.device)
-            hidden = hidden.index_select(0, index)
-            tapped = [t[0].index_select(0, index) for t in tapped] if tapped is not None else None
-        elif tapped is not None:
-            tapped = [t[0] for t in tapped]
-        return self.draft.read_target(hidden, tapped)
-
-    def _no_state(self) -> torch.Tensor:
-        """A zero state [1, D] for a token with nothing before it."""
-        w = self.draft.embed_tokens.weight
-        return torch.zeros(1, self.draft.dim, dtype=w.dtype, device=self.device)
 
     def _calibrate(self, cache: KVCache) -> None:
         """Measure target pass seconds at a few tree sizes for a budget tuner that has no costs yet, and hand
@@ -415,10 +384,10 @@ class Engine:
         if self._constraint is not None:                     # up to the end of sequence: generation stops there
             end = next((i + 1 for i, t in enumerate(acc.tokens) if t in self.eos_ids), len(acc.tokens))
             self._constraint.commit(acc.tokens[:end])
-        if draft is not None:
-            states = self._target_states(hidden, acc.nodes) if draft.reads_target else None
-            draft.commit(tree, acc.nodes, acc.tokens[-1], states)
-        self.target.drop_tapped()
+        if self.feed is not None and draft is not None:
+            self.feed.committed(draft, tree, acc.nodes, acc.tokens[-1], hidden)
+        elif draft is not None:
+            draft.commit(tree, acc.nodes, acc.tokens[-1])
 
     def _observe(self, tree: TokenTree, acc: Accepted, hidden: torch.Tensor) -> None:
         """Stage 4: the builder learns from the step: the target's top-k after every node (builders that

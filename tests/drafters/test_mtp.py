@@ -1,7 +1,8 @@
 """--draft mtp: the MTP layer stored in the target's own checkpoint drafts for it (specexec/drafters/mtp.py).
 
-A tiny GLM-4.5 (the next-n layout: layer N = num_hidden_layers holds eh_proj, enorm, hnorm, shared_head and a
-sparse decoder layer under the family's own names; drafter_writer.write_nextn) and a tiny Qwen3.5-MoE and
+A tiny GLM-4.5 and DeepSeek-V3 (the next-n layout: layer N = num_hidden_layers holds eh_proj, enorm, hnorm,
+shared_head and a sparse decoder layer under the family's own names, latent attention for DeepSeek;
+drafter_writer.write_nextn) and a tiny Qwen3.5-MoE and
 Qwen3-Next (mtp.*: fc, the two pre-fc norms, a gated full-attention MoE layer, mtp.norm; write_qwen_mtp): the
 drafter is that layer with all its experts, the target's embedding and LM head shared; fp32 greedy output equals
 the target alone with every drafting builder, resident and --offload ssd. A checkpoint without MTP tensors
@@ -28,6 +29,11 @@ DRAFTING = [n for n in names() if builder_needs_draft(n)]
 @pytest.fixture(scope="module")
 def glm_mtp(tiny_glm4_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_nextn(tiny_glm4_moe, tmp_path_factory.mktemp("mtp") / "glm")
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tiny_deepseek_v3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_nextn(tiny_deepseek_v3, tmp_path_factory.mktemp("mtp") / "deepseek")
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +71,13 @@ def _same_as_alone(path: Path, config: EngineConfig, offload: OffloadConfig, pro
 def test_greedy_equals_the_target_alone(glm_mtp, tmp_path, builder: str, offload: str) -> None:
     _same_as_alone(glm_mtp, F32.replace(builder=builder), OffloadConfig(offload=offload, cache_dir=str(tmp_path),
                                                                         quant="none"), (prompt(21), [prompt(22)[0]]))
+
+
+@pytest.mark.parametrize("builder,offload", [("specexec", "none"), ("rsd", "none"), ("dynamic", "ssd")])
+def test_deepseek_mtp_greedy_equals_the_target_alone(deepseek_mtp, tmp_path, builder: str, offload: str) -> None:
+    """DeepSeek-V3's next-n layer: latent attention (its own one-layer latent cache) and the routed experts."""
+    _same_as_alone(deepseek_mtp, F32.replace(builder=builder),
+                   OffloadConfig(offload=offload, cache_dir=str(tmp_path), quant="none"), (prompt(24),))
 
 
 QWEN = [pytest.param("qwen3_5_moe", *c.values, marks=c.marks) if hasattr(c, "values") else ("qwen3_5_moe", *c)
