@@ -43,6 +43,7 @@ from specexec.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import greedy, is_plain, make_generator, node_histories, process_logits, sample
 from specexec.tree import TokenTree
+from specexec.uploads import upload
 from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
 from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
 
@@ -191,7 +192,7 @@ class Engine:
         chunk = self.prefill_chunk(model)
         progress = PrefillProgress(which, len(ids), -(-len(ids) // chunk), time.perf_counter())
         for start in range(0, len(ids), chunk):
-            part = torch.tensor(ids[start:start + chunk], device=self.device)
+            part = upload(ids[start:start + chunk], self.device)
             T, L = part.numel(), cache.length
             pos = torch.arange(L, L + T, device=self.device)
             fed = () if states is None else (None, states[start:start + T][None])
@@ -379,15 +380,17 @@ class Engine:
                 hidden: torch.Tensor) -> None:
         """Stage 3: both caches keep the accepted rows (the draft also queues what it has not seen; a drafter
         with the target's states at the accepted nodes) and the context gains the step's tokens."""
-        cache.keep(cache.length + torch.tensor(acc.nodes, device=self.device))
+        cache.keep(cache.length + upload(acc.nodes, self.device))
         self._context += acc.tokens
         if self._constraint is not None:                     # up to the end of sequence: generation stops there
             end = next((i + 1 for i, t in enumerate(acc.tokens) if t in self.eos_ids), len(acc.tokens))
             self._constraint.commit(acc.tokens[:end])
-        if self.feed is not None and draft is not None:
-            self.feed.committed(draft, tree, acc.nodes, acc.tokens[-1], hidden)
-        elif draft is not None:
-            draft.commit(tree, acc.nodes, acc.tokens[-1])
+        if draft is not None:                           # the rule read the path's tokens and slots already
+            path = ([acc.root] + acc.tokens[:-1], acc.draft_slots) if acc.root >= 0 else (None, None)
+            if self.feed is not None:
+                self.feed.committed(draft, tree, acc.nodes, acc.tokens[-1], hidden, *path)
+            else:
+                draft.commit(tree, acc.nodes, acc.tokens[-1], None, *path)
 
     def _observe(self, tree: TokenTree, acc: Accepted, hidden: torch.Tensor) -> None:
         """Stage 4: the builder learns from the step: the target's top-k after every node (builders that
@@ -415,7 +418,8 @@ class Engine:
             if self.follows_costs and passes:
                 self.builder.observe_costs(draft_s, target_s, passes)
 
-        self.profiler.step(tree.size, tree.max_depth(), len(acc.tokens), drafted.span, target_span,
+        depth = acc.depth if acc.depth >= 0 else tree.max_depth()
+        self.profiler.step(tree.size, depth, len(acc.tokens), drafted.span, target_span,
                            drafted.budget, timed)
 
     def rule_for(self, sampling: SamplingParams, accept: Acceptance | None = None) -> Rule:
@@ -474,11 +478,11 @@ class Engine:
                          history: torch.Tensor | None, generated_from: int, allowed: torch.Tensor | None) -> None:
         """Each emitted token's log-prob under the target's processed distribution at its parent node (the
         rows the acceptance rule read), and the top_logprobs best there: the LM head on the accepted rows only."""
-        rows = torch.tensor(acc.nodes, device=self.device)
+        rows = upload(acc.nodes, self.device)
         logp = process_logits(self.target.logits(hidden[rows]), sampling,
                               None if history is None else history[rows], generated_from,
                               None if allowed is None else allowed[rows])
-        tokens = torch.tensor(acc.tokens, device=self.device)
+        tokens = upload(acc.tokens, self.device)
         chosen = logp.gather(1, tokens[:, None])[:, 0]
         top = logp.topk(min(self._top_logprobs, logp.shape[-1]), dim=-1)
         host = torch.cat([chosen, top.values.flatten(), top.indices.flatten().to(chosen.dtype)]).tolist()
@@ -497,7 +501,7 @@ class Engine:
         if not sampling.needs_history:
             return None, 0
         start = 0 if sampling.repetition_penalty != 1.0 else min(self._generated_from, L + 1)
-        prefix = torch.tensor(self._context[start:L + 1], dtype=torch.long, device=self.device)
+        prefix = upload(self._context[start:L + 1], self.device)
         return node_histories(tree, prefix, with_root=False), self._generated_from - start
 
     def _target_topk(self, hidden: torch.Tensor, k: int) -> torch.Tensor:

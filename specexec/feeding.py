@@ -24,6 +24,7 @@ from specexec.builders.base import DraftState, Prefill
 from specexec.kv.cache import KVCache
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer
+from specexec.uploads import upload
 
 RowListener = Callable[[int, torch.Tensor], None]     # (start, hidden [T, D]) of a target prefill chunk
 
@@ -69,15 +70,17 @@ class TargetFeed:
         its output; the layers the drafter taps were kept by the pass (Transformer.tapped)."""
         tapped = self.target.tapped if self.drafter.taps else None
         if rows is not None:
-            index = torch.tensor(rows, device=hidden.device)
+            index = upload(rows, hidden.device)
             hidden = hidden.index_select(0, index)
             tapped = [t[0].index_select(0, index) for t in tapped] if tapped is not None else None
         elif tapped is not None:
             tapped = [t[0] for t in tapped]
         return self.drafter.read_target(hidden, tapped)
 
-    def committed(self, draft: DraftState, tree, nodes: list[int], bonus: int, hidden: torch.Tensor) -> None:
+    def committed(self, draft: DraftState, tree, nodes: list[int], bonus: int, hidden: torch.Tensor,
+                  path_tokens: list[int] | None = None, path_slots: list[int] | None = None) -> None:
         """After verification: the drafter keeps its root's row and queues the accepted tokens with the
-        target's states at the accepted nodes; the target lets its tapped inputs go."""
-        draft.commit(tree, nodes, bonus, self.states(hidden, nodes))
+        target's states at the accepted nodes; the target lets its tapped inputs go. path_tokens / path_slots:
+        as DraftState.commit takes them (read on the host already)."""
+        draft.commit(tree, nodes, bonus, self.states(hidden, nodes), path_tokens, path_slots)
         self.target.drop_tapped()

@@ -30,6 +30,7 @@ from torch import Tensor
 from specexec.config import Acceptance, SamplingParams
 from specexec.options import ConfigError
 from specexec.tree import TokenTree
+from specexec.uploads import upload
 from specexec.verify import Accepted, accept_greedy
 
 ROW_CHUNK = 16384           # embedding rows compared at once while filling neighbours ([n, 16k] fp32 scores)
@@ -220,5 +221,5 @@ class Relaxation:
         the exact choice at its node."""
         acc = accept_greedy(tree, choices)
         differs = (choices.to(tree.device) != torch.cat(self.exact).to(tree.device))
-        acc.relaxed = tuple(differs[torch.tensor(acc.nodes, device=tree.device)].tolist())
+        acc.relaxed = tuple(differs[upload(acc.nodes, tree.device)].tolist())
         return acc

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree
+from specexec.uploads import upload
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -101,8 +102,8 @@ def apply_logit_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Ten
     pairs = [(t, b) for t, b in bias if t < logits.shape[-1]]
     if not pairs:
         return logits
-    ids = torch.tensor([t for t, _ in pairs], device=logits.device)
-    add = torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+    ids = upload([t for t, _ in pairs], logits.device)
+    add = upload([b for _, b in pairs], logits.device, logits.dtype)
     return logits.index_add(-1, ids, add.expand(logits.shape[0], -1))
 
 

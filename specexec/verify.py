@@ -17,7 +17,7 @@ Does not know: models, caches, logits processing (probabilities arrive already p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,6 +26,7 @@ from torch import Tensor
 from specexec.config import SamplingParams
 from specexec.options import check_choice
 from specexec.tree import TokenTree
+from specexec.uploads import upload
 
 ProbsFn = Callable[[int], Tensor]          # node -> processed probabilities [V] at that node
 
@@ -35,11 +36,38 @@ class Accepted:
     """nodes: accepted tree nodes root -> deepest (node 0 included); tokens: the accepted non-root nodes'
     tokens followed by ONE bonus token from the target (so len(tokens) == len(nodes)). relaxed: under relaxed
     acceptance (specexec/relaxed.py), per token whether it differs from what exact acceptance chose at its node
-    (empty: an exact rule)."""
+    (empty: an exact rule). Read in the rule's one transfer to the host, so the step needs no other: root, the
+    root's token; depth, the tree's largest depth; draft_slots, tree.draft_slots at `nodes` (None without them)."""
 
     nodes: list[int]
     tokens: list[int]
     relaxed: tuple[bool, ...] = ()
+    root: int = field(default=-1, compare=False)
+    depth: int = field(default=-1, compare=False)
+    draft_slots: list[int] | None = field(default=None, compare=False)
+
+
+def _host_tree(tree: TokenTree, *extra: Tensor) -> tuple[list[int], list[int], int, list[int] | None, list]:
+    """(parents, tokens, max depth, draft slots or None, each extra as a list) in ONE device-to-host transfer."""
+    n = tree.tokens.numel()
+    parts = [tree.parents, tree.tokens, tree.depths.max().reshape(1)]
+    if tree.draft_slots is not None:
+        parts.append(tree.draft_slots)
+    host = torch.cat(parts + [x.reshape(-1).long() for x in extra]).tolist()
+    parents, tokens, depth, at = host[:n], host[n:2 * n], host[2 * n], 2 * n + 1
+    slots = None
+    if tree.draft_slots is not None:
+        slots, at = host[at:at + n], at + n
+    rest = []
+    for x in extra:
+        rest.append(host[at:at + x.numel()])
+        at += x.numel()
+    return parents, tokens, depth, slots, rest
+
+
+def _accepted(nodes: list[int], tokens: list[int], bonus: int, depth: int, slots: list[int] | None) -> Accepted:
+    return Accepted(nodes, [tokens[v] for v in nodes[1:]] + [bonus], root=tokens[0], depth=depth,
+                    draft_slots=None if slots is None else [slots[v] for v in nodes])
 
 
 def accept_greedy(tree: TokenTree, target_choice: Tensor) -> Accepted:
@@ -61,22 +89,14 @@ def accept_greedy(tree: TokenTree, target_choice: Tensor) -> Accepted:
         good = good & good[up]
         up = up[up]
     best = torch.argmax(torch.where(good, tree.depths, -1))     # first maximum: earliest node among the deepest
-    host = torch.cat([best.reshape(1), tree.parents, tree.tokens, choice]).tolist()
-    deepest, parents, tokens, chosen = host[0], host[1:n + 1], host[n + 1:2 * n + 1], host[2 * n + 1:]
-    nodes = [deepest]
+    parents, tokens, depth, slots, (deepest, chosen) = _host_tree(tree, best, choice)
+    nodes = [deepest[0]]
     while parents[nodes[-1]] >= 0:
         nodes.append(parents[nodes[-1]])
     nodes.reverse()
-    return Accepted(nodes, [tokens[v] for v in nodes[1:]] + [chosen[deepest]])
+    return _accepted(nodes, tokens, chosen[nodes[-1]], depth, slots)
 
 
-def _children_lists(tree: TokenTree) -> tuple[list[list[int]], list[int]]:
-    """Children of every node in proposal order, and the tokens, as host lists (one transfer)."""
-    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
-    kids: list[list[int]] = [[] for _ in parents]
-    for v, p in enumerate(parents[1:], start=1):
-        kids[p].append(v)
-    return kids, tokens
 
 
 def _draw(dist: Tensor, generator: torch.Generator | None) -> int:
@@ -88,7 +108,10 @@ def _walk(tree: TokenTree, step: Callable[[int, list[int], list[int]], tuple[int
           target_probs_fn: ProbsFn, generator: torch.Generator | None) -> Accepted:
     """Shared root-to-leaf walk: `step(node, children, child_tokens)` returns (accepted child or None, the
     distribution to draw the bonus from if None). A leaf's bonus comes from the target at that leaf."""
-    kids, tokens = _children_lists(tree)
+    parents, tokens, depth, slots, _ = _host_tree(tree)
+    kids: list[list[int]] = [[] for _ in parents]               # children in proposal order
+    for v, p in enumerate(parents[1:], start=1):
+        kids[p].append(v)
     nodes = [0]
     while True:
         u = nodes[-1]
@@ -100,7 +123,7 @@ def _walk(tree: TokenTree, step: Callable[[int, list[int], list[int]], tuple[int
             bonus = _draw(residual, generator)
             break
         nodes.append(child)
-    return Accepted(nodes, [tokens[v] for v in nodes[1:]] + [bonus])
+    return _accepted(nodes, tokens, bonus, depth, slots)
 
 
 def accept_rrs_deterministic(tree: TokenTree, target_probs_fn: ProbsFn,
@@ -114,7 +137,7 @@ def accept_rrs_deterministic(tree: TokenTree, target_probs_fn: ProbsFn,
     """
     def step(u: int, children: list[int], toks: list[int]) -> tuple[int | None, Tensor]:
         p = target_probs_fn(u).float()
-        idx = torch.tensor(toks, device=p.device)
+        idx = upload(toks, p.device)
         *px, left = torch.cat([p[idx], p.sum().reshape(1)]).tolist()        # one host sync per node
         draws = torch.rand(len(toks), generator=generator, device=p.device).tolist()
         for i, (child, x) in enumerate(zip(children, toks)):
@@ -141,7 +164,7 @@ def _rrs_round(r: Tensor, q: Tensor, x: int, tried: list[int]) -> tuple[Tensor, 
         res_mass = float(res.sum())
         res, res_mass = (res, res_mass) if res_mass > 0.0 else (r, 1.0)
     if q_mass <= 0.0:
-        q = torch.ones_like(q).index_fill_(0, torch.tensor(tried, device=q.device), 0.0)
+        q = torch.ones_like(q).index_fill_(0, upload(tried, q.device), 0.0)
         q_mass = float(q.sum())
     return res / res_mass, q / q_mass
 

@@ -21,6 +21,7 @@ from specexec.kv.cache import KVCache
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer, TreeMask
 from specexec.tree import TokenTree
+from specexec.uploads import upload
 from specexec.builders import draft_graphs
 
 
@@ -102,31 +103,36 @@ class DraftState:
         self.keep_root(self.pending[-1])
 
     def commit(self, tree: TokenTree, accepted_nodes: list[int], bonus: int,
-               states: torch.Tensor | None = None) -> None:
+               states: torch.Tensor | None = None, path_tokens: list[int] | None = None,
+               path_slots: list[int] | None = None) -> None:
         """After verification: keep the draft KV of accepted nodes the draft processed (an ancestor-closed
         prefix of the path) and queue the rest of the path plus the bonus token as pending. A drafter keeps
         its root's row at most, and `states` [m+1, D] are the target's states at the accepted nodes (each the
-        state before the next token of the path, the last the bonus's)."""
+        state before the next token of the path, the last the bonus's). path_tokens / path_slots: the accepted
+        nodes' tokens and tree.draft_slots when the caller has them on the host already (verify.Accepted:
+        then nothing here waits for the device), else read here."""
         slots = tree.draft_slots
-        path_tokens = [int(t) for t in tree.tokens[accepted_nodes].tolist()]
+        if path_tokens is None:
+            path_tokens = [int(t) for t in tree.tokens[upload(accepted_nodes, tree.device)].tolist()]
+        if slots is not None and path_slots is None:
+            path_slots = slots[upload(accepted_nodes, slots.device)].tolist()
         if self.reads_target:
-            return self._commit_fed(slots, accepted_nodes, path_tokens, bonus, states)
+            return self._commit_fed(path_slots, accepted_nodes, path_tokens, bonus, states)
         if slots is None:                                    # builder ran no draft passes (e.g. recycling)
             self.pending = self.pending[:-1] + path_tokens + [bonus]
             return
-        path_slots = slots[accepted_nodes].tolist()
         n_done = next((i for i, s in enumerate(path_slots) if s < 0), len(path_slots))
-        self.cache.keep(torch.tensor(path_slots[:n_done], dtype=torch.long, device=self.cache.k.device))
+        self.cache.keep(upload(path_slots[:n_done], self.cache.k.device))
         self.pending = path_tokens[n_done:] + [bonus]
 
-    def _commit_fed(self, slots: torch.Tensor | None, accepted_nodes: list[int], path_tokens: list[int], bonus: int,
-                    states: torch.Tensor | None) -> None:
+    def _commit_fed(self, path_slots: list[int] | None, accepted_nodes: list[int], path_tokens: list[int],
+                    bonus: int, states: torch.Tensor | None) -> None:
         if states is None or states.shape[0] != len(accepted_nodes):
             raise ValueError(f"a drafter's commit needs the target's states at the {len(accepted_nodes)} accepted "
                              f"nodes, got {None if states is None else tuple(states.shape)}")
-        root_row = slots is not None and int(slots[accepted_nodes[0]]) >= 0
+        root_row = path_slots is not None and path_slots[0] >= 0
         if root_row and self.fed:                   # the root's row read the target's state: it stays
-            self.cache.keep(slots[accepted_nodes[:1]].to(self.cache.k.device))
+            self.cache.keep(upload(path_slots[:1], self.cache.k.device))
             self.pending, self.states = path_tokens[1:] + [bonus], states
         elif self.fed:                              # the root was never run (a plain step): it stays pending
             self.pending = self.pending[:-1] + path_tokens + [bonus]

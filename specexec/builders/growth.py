@@ -42,6 +42,7 @@ from specexec.config import SamplingParams
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
 from specexec.builders.base import DraftState
+from specexec.uploads import upload
 
 
 def padded(b: int) -> int:
@@ -55,12 +56,6 @@ def padded(b: int) -> int:
 def host_values(*values: Tensor) -> list[float]:
     """Read scalar tensors into Python in ONE device-to-host transfer (a builder's one sync per pass)."""
     return torch.stack([v.reshape(()).double() for v in values]).tolist()
-
-
-def upload(data: list[int], device: torch.device) -> Tensor:
-    """A long tensor of host data on `device` without waiting for the device (non-blocking copy)."""
-    t = torch.tensor(data, dtype=torch.long)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 class Passes(Protocol):
@@ -261,7 +256,7 @@ def pick_children(logq: Tensor, k: int, sample: bool, rng: torch.Generator | Non
 def kth_best(scores: Tensor, k: int) -> Tensor:
     """The k-th best of the non-root scores [n] (scores[0] is the root's), -inf while fewer exist."""
     if scores.numel() - 1 < k:
-        return scores.new_tensor(float("-inf"))
+        return torch.full((), float("-inf"), dtype=scores.dtype, device=scores.device)
     return scores[1:].topk(k).values[-1]
 
 

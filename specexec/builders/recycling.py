@@ -25,6 +25,7 @@ from torch import Tensor
 
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree
+from specexec.uploads import upload
 from specexec.builders.static import Shape, tree_shape
 from specexec.builders.registry import register
 
@@ -56,16 +57,19 @@ class RecyclingBuilder:
     def template(self, budget: int) -> Shape:
         return tree_shape(budget, self.max_depth, RANK_ACCEPTANCE[: self.k] + (0.01,) * (self.k - 8))
 
-    def _layout(self, budget: int, device: torch.device) -> tuple[Shape, Tensor, Tensor, Tensor, list[Tensor]]:
-        """Template tensors (parents, ranks, depths [N+1]) and each level's node indices, cached per budget."""
+    def _layout(self, budget: int, device: torch.device
+                ) -> tuple[Shape, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+        """Template tensors (parents, ranks, depths [N+1], log values [N+1]) and each level's node indices, cached
+        per budget (uploaded once)."""
         key = (budget, str(device))
         if key not in self._cache:
             shape = self.template(budget)
             ranks = [i - shape.first[p] if p >= 0 else 0 for i, p in enumerate(shape.parents)]
             levels = [[i for i, d in enumerate(shape.depths) if d == depth]
                       for depth in range(1, max(shape.depths) + 1)]
-            tensors = (torch.tensor(x, device=device) for x in (shape.parents, ranks, shape.depths))
-            self._cache[key] = (shape, *tensors, [torch.tensor(level, device=device) for level in levels])
+            tensors = [upload(x, device) for x in (shape.parents, ranks, shape.depths)]
+            tensors.append(upload(shape.log_value, device, torch.float32))
+            self._cache[key] = (shape, *tensors, [upload(level, device) for level in levels])
         return self._cache[key]
 
     def build(self, draft, root_token: int, budget: int, sampling: SamplingParams,
@@ -74,13 +78,13 @@ class RecyclingBuilder:
         if self.adjacency is None:
             raise RuntimeError("RecyclingBuilder.bind(vocab_size, device) must run before build()")
         M = self.adjacency
-        shape, parents, ranks, depths, levels = self._layout(budget, M.device)
+        shape, parents, ranks, depths, values, levels = self._layout(budget, M.device)
         tokens = torch.full((len(shape.parents),), -1, dtype=torch.long, device=M.device)
         tokens[0] = root_token
         for level in levels:
             ptok = tokens[parents[level]]
             tokens[level] = torch.where(ptok >= 0, M[ptok.clamp(min=0), ranks[level]], -1)
-        full = TokenTree(tokens.clamp(min=0), parents, depths, torch.tensor(shape.log_value, device=M.device))
+        full = TokenTree(tokens.clamp(min=0), parents, depths, values)
         return full.select(torch.nonzero(tokens >= 0).flatten())        # one host sync per tree
 
     def observe_target(self, tree: TokenTree, topk: Tensor) -> None:

@@ -157,7 +157,9 @@ class SpecExecBuilder:
         alive[:n] = False
         alive[order] = torch.isfinite(key[order])
         alive[0] = True
-        return key[order[-1:]].squeeze(0) if order.numel() == budget else key.new_tensor(float("-inf"))
+        if order.numel() == budget:
+            return key[order[-1:]].squeeze(0)
+        return torch.full((), float("-inf"), dtype=key.dtype, device=key.device)     # a fill: no upload
 
     def observe(self, tree: TokenTree, accepted_nodes: list[int], bonus: int) -> None:
         """SpecExec learns nothing from the target."""

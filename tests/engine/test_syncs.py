@@ -16,6 +16,7 @@ from specexec.kv.cache import KVCache
 from specexec.network.attention import TreeMask
 from specexec.builders.registry import make_builder
 from specexec.tree import TokenTree, best_nodes
+from specexec.uploads import upload
 from tests.sync_count import SyncCounter, count_calls
 from tests.tiny_models import load_pair_models, prompt
 
@@ -68,6 +69,32 @@ def test_at_most_one_host_sync_per_draft_pass(models, name: str) -> None:
                 assert i == 0 or uploads <= 1, f"{name}: {uploads} tensors made from host data in one build"
                 passes_total += passes                  # (the first build may make a shape's cached indices)
     assert passes_total > 10                                  # the builds really ran draft passes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GROWING)
+def test_a_step_syncs_once_besides_its_draft_passes(models, name: str) -> None:
+    """Counted the CUDA way over whole steps (draft, verify, commit, observe, account; after the prefill): the
+    builder's passes at most one each, and the rest of the step exactly one (the rule's read of the accepted
+    path), greedy and sample-and-match alike."""
+    for budget in (2, 40):
+        for sampling, verifier in ((SamplingParams(), "auto"),
+                                   (SamplingParams(temperature=0.8, top_p=0.9, seed=1), "sample_match")):
+            builder = make_builder(name)
+            if hasattr(builder, "shape_for"):
+                builder.shape_for(budget, sampling.temperature)
+            counted = Counted(builder, models["perturbed"])
+            engine = Engine(models["target"], models["perturbed"],
+                            EngineConfig(budget=budget, builder=name, verifier=verifier), counted)
+            steps = engine.generate(prompt(11), 16, sampling)
+            next(steps)                                                      # the prefill and a first step
+            while True:
+                n = len(counted.builds)
+                with SyncCounter() as c:
+                    if next(steps, None) is None:
+                        break
+                passes, syncs = counted.builds[n][:2] if len(counted.builds) > n else (0, 0)
+                assert syncs <= passes and c.total - syncs == 1, (name, budget, sampling.temperature, c.ops)
 
 
 def test_specexec_at_its_widest_still_syncs_once_per_pass(models) -> None:
@@ -127,6 +154,35 @@ def test_the_counter_catches_every_kind_of_sync() -> None:
         y = torch.where(x > 4, x, 0.0).topk(3).indices
         x.clone().index_put_((y,), torch.zeros(3))
     assert c.total == 0, c.ops
+
+
+def test_the_counter_counts_blocking_uploads_the_cuda_way() -> None:
+    """What CUDA's sync debug mode reports besides reads: a tensor made from Python data on the device (0-dim
+    too), a host tensor moved there without non_blocking, indexing a device tensor with a list or a host tensor;
+    and what it does not: Python scalars, device factories, specexec.uploads.upload, the host's own tensors."""
+    x = torch.arange(10.0)
+    counted = {
+        "tensor on the device": lambda: torch.tensor([1, 2], device=x.device),
+        "0-dim new_tensor": lambda: x.new_tensor(float("-inf")),
+        "blocking move": lambda: torch.tensor([1, 2]).to(x.device),
+        "list index": lambda: x[[1, 2]],
+        "host index": lambda: x[torch.arange(3)],
+        "list index put": lambda: x.clone().__setitem__([1, 2], 0.0),
+    }
+    for what, fn in counted.items():
+        with SyncCounter() as c:
+            fn()
+        assert c.total == 1, (what, c.ops)
+    free = {
+        "python scalars": lambda: torch.where(x > 4, x, 0.0).clone().__setitem__(0, 1.0),
+        "device factories": lambda: torch.full((), float("-inf"), device=x.device) + torch.arange(3, device=x.device),
+        "upload": lambda: x[upload([1, 2], x.device)],
+        "host only": lambda: (torch.tensor([1.0, 2.0]) * 2).sum().item(),
+    }
+    for what, fn in free.items():
+        with SyncCounter() as c:
+            fn()
+        assert c.total == 0, (what, c.ops)
 
 
 def test_batches_are_padded_to_few_sizes() -> None:
