@@ -16,14 +16,18 @@ The decision (`Gate`):
 - Drafting: the gate switches off when the target alone is more than `margin` faster, judged over the
   speculative steps since drafting last (re)started -- a full `window` of them for a small lead, fewer (at least
   `least`) the larger the lead: window * margin / (lead - 1), a lead of 1.5 needs 2 margins' worth -- and
-  confirmed by at least `confirm` measured plain steps (it asks for them first). One plain step after every
+  confirmed by at least `confirm` measured plain steps (it asks for them first, and then judges like with like:
+  the lead must hold over the speculative steps after those plain steps, not the colder ones before them). The
+  first `cold` speculative steps are not heard at all (first reads of streamed weights, first calls at each
+  shape: on the SSD tier they ran 6x slower than the steps after them). One plain step after every
   `refresh_every` speculative ones keeps the target-alone rate fresh (a bounded share: 1 / (refresh_every + 1)
   of the steps).
 - Not drafting: it probes. After `gap` plain steps a burst of `burst` speculative steps; when the burst ran more
   than `margin` faster than the target alone, drafting resumes, otherwise the next gap doubles (up to `max_gap`).
   Every gap is long enough that probes take at most `probe_share` of the steps and of the time (a probe's
   measured seconds, plus what starting it cost -- the draft catching up on the tokens it skipped, `charge` --
-  against the plain steps' over the gap). 5 %: the slowdown a gated run may show against the target alone is
+  against the plain steps' over the gap). The first switch off, when decided on less than a `window` of steps,
+  is probed back after `recheck` plain steps instead (a short run would otherwise never probe). 5 %: the slowdown a gated run may show against the target alone is
   about that share times the probes' shortfall, plus the steps before the first switch.
 Both ways the margin is the hysteresis: rates within it never switch the gate.
 
@@ -110,6 +114,8 @@ class Gate:
     burst: int = 4
     probe_share: float = 0.05
     max_gap: int = 512
+    cold: int = 2
+    recheck: int = 8
     prior: Callable[[], float | None] | None = field(default=None, compare=False)   # predicted plain step s
 
     def __post_init__(self) -> None:
@@ -125,6 +131,8 @@ class Gate:
         self._probe: list[tuple[int, float]] = []
         self._plains = 0            # plain steps scheduled so far
         self._charged = 0.0         # seconds spent starting probes since the last probe was judged (catch-up)
+        self._cold_spec = self.cold  # first speculative steps not heard (cold)
+        self._switched_off = False  # drafting was switched off once already
 
     @property
     def first_gap(self) -> int:
@@ -176,6 +184,9 @@ class Gate:
         if not speculative:
             self._plain.append(seconds)
             return None
+        if self._cold_spec:                          # first reads of streamed weights, first calls at each shape
+            self._cold_spec -= 1
+            return None
         if not self.drafting:
             self._probe.append((tokens, seconds))
             return self._judge_probe() if len(self._probe) >= self.burst else None
@@ -191,11 +202,16 @@ class Gate:
         lead = plain / spec
         if lead <= 1 + self.margin or self._since_on < min(self.window * self.margin / (lead - 1), self.window):
             return None
-        if len(self._plain) < self.confirm:          # measure the target alone before trusting it
-            self._want_plain = self.confirm - len(self._plain)
+        if len(self._plain) < self.confirm:          # measure the target alone before trusting it, and judge
+            self._want_plain = self.confirm - len(self._plain)      # like with like: the speculative steps
+            self._spec.clear()                                       # after those plain steps, not the colder
+            self._since_on = 0                                       # ones before them
             return None
         self.drafting, self._plain_run, self._burst_left = False, 0, 0
         self._gap = max(self.first_gap, self._time_gap(self.burst * statistics.median(s for _, s in self._spec)))
+        if not self._switched_off and len(self._spec) < self.window:    # decided on few steps: probe back soon
+            self._gap = self.recheck
+        self._switched_off = True
         self._probe = []
         return Switch(False, plain, spec, len(self._spec))
 

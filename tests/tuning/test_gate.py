@@ -62,16 +62,17 @@ def test_a_switch_off_waits_for_measured_plain_steps_over_a_prior() -> None:
     gate = Gate(prior=lambda: 0.01)                                 # the cost model says: target alone 100 tok/s
     kinds = drive(gate, gate.least, spec=(2, 0.1), plain_s=0.01)
     assert gate.drafting and not any(kinds)                         # the prior alone schedules no plain step
-    kinds = drive(gate, gate.confirm + 2, spec=(2, 0.1), plain_s=0.01)
+    kinds = drive(gate, gate.cold + gate.least + gate.confirm, spec=(2, 0.1), plain_s=0.01)
     assert not gate.drafting and sum(kinds) >= gate.confirm
 
 
 def test_a_prior_that_flatters_drafting_is_checked_after_least_steps() -> None:
     """A cold calibration pass can say the target alone takes 3x what a warm step takes: the gate measures one
     plain step after `least` speculative ones instead of trusting the prior for a whole window, so a target
-    alone 1.6x faster ends drafting within least + confirm + 2 steps (it took 14 on the demo pair)."""
+    alone 1.6x faster ends drafting within cold + 2 least + confirm steps: the speculative steps judged are the
+    `least` after the confirming plain steps (it took 14 on the demo pair when the prior decided)."""
     gate = Gate(prior=lambda: 0.0055)                               # 182 tok/s predicted, 555 real
-    kinds = drive(gate, gate.least + gate.confirm + 2, spec=(2.1, 0.0062), plain_s=0.0018)   # 339 tok/s drafting
+    kinds = drive(gate, gate.cold + 2 * gate.least + gate.confirm, spec=(2.1, 0.0062), plain_s=0.0018)
     assert not gate.drafting
     assert kinds[:gate.least] == [False] * gate.least and kinds[gate.least]
 
@@ -85,17 +86,17 @@ def test_the_switch_lines_say_why() -> None:
         switches += [switch] if switch else []
     assert len(switches) == 1
     line = switches[0].line()
-    assert line == "drafting off: target alone 10.0 tok/s > speculative 3.3 tok/s (last 5 steps)"
+    assert line == "drafting off: target alone 10.0 tok/s > speculative 3.3 tok/s (last 4 steps)"
     assert switches[0].line(17).startswith("drafting off at step 17: target alone")
 
 
 def test_the_steps_a_switch_off_waits_for_shrink_as_the_lead_grows() -> None:
     small, large = Gate(), Gate()
     small_kinds = drive(small, 12, spec=(1, 0.106), plain_s=0.1)     # the target alone 6 % faster: 13.3 steps
-    assert small.drafting
-    drive(small, small.confirm + 4, spec=(1, 0.106), plain_s=0.1)
+    assert small.drafting                                            # (twice: before and after the confirmation)
+    drive(small, 2 * 14 + small.confirm + small.cold, spec=(1, 0.106), plain_s=0.1)
     assert not small.drafting and sum(small_kinds) >= 1
-    drive(large, large.least + large.confirm + 1, spec=(1, 0.5), plain_s=0.1)     # 5 times faster: `least`
+    drive(large, large.cold + 2 * large.least + large.confirm, spec=(1, 0.5), plain_s=0.1)   # 5 times: `least`
     assert not large.drafting
 
 
@@ -139,3 +140,45 @@ def test_gate_modes_and_stats() -> None:
     assert gate_stats({}, []) is None
     assert gate_stats({"gate_plain_steps": 3.0, "gate_speculative_steps": 5.0, "gate_switches": 1.0}, ["x"]) == \
         {"switches": 1, "plain_steps": 3, "speculative_steps": 5, "events": ["x"]}
+
+
+def cold_then_warm(gate: Gate, steps: int, cold_steps: int, cold: tuple[int, float], warm: tuple[float, float],
+                   plain_s: float) -> list[bool]:
+    """The SSD tier after a cold start: the first `cold_steps` speculative steps read the weights from disk (cold
+    (tokens, s)), later ones and every plain step run warm."""
+    kinds, spec_seen = [], 0
+    for _ in range(steps):
+        plain = gate.next_plain()
+        kinds.append(plain)
+        if plain:
+            gate.observe(False, 1, plain_s)
+        else:
+            spec_seen += 1
+            tokens, seconds = cold if spec_seen <= cold_steps else warm
+            gate.observe(True, tokens, seconds)
+    return kinds
+
+
+@pytest.mark.parametrize("prior", [None, 0.33])
+def test_a_cold_start_does_not_switch_drafting_off(prior: float | None) -> None:
+    """The 0.5B/1.5B int4 pair streamed from the SSD: the target alone 3.0 tok/s, drafting at budget 4 about
+    2x that once warm, but its first settled steps 0.5 tok/s (first reads). Heard as they came, they switched
+    drafting off at step 5 for the rest of the run; judged like with like (the speculative steps after the
+    confirming plain steps) and without the first `cold`, drafting stays on."""
+    gate = Gate(prior=(lambda: prior) if prior else None)
+    kinds = cold_then_warm(gate, 64, 5, cold=(4, 8.0), warm=(4.27, 0.7), plain_s=0.33)
+    assert gate.drafting and sum(kinds) <= gate.confirm + 64 // gate.refresh_every + 1
+
+
+def test_a_switch_off_decided_on_few_steps_is_probed_back_soon() -> None:
+    """A first switch off from less than a window of speculative steps (a large lead: cold steps can make one)
+    is rechecked after `recheck` plain steps, not after the probe_share gap; drafting that pays comes back."""
+    gate = Gate()
+    drive(gate, gate.cold + 2 * gate.least + gate.confirm, spec=(1, 0.5), plain_s=0.1)
+    assert not gate.drafting and gate.first_gap > 2 * gate.recheck
+    kinds = drive(gate, gate.recheck + gate.burst + 1, spec=(4, 0.2), plain_s=0.1)      # now 20 tok/s vs 10
+    assert gate.drafting and kinds[:gate.recheck] == [True] * gate.recheck
+    drive(gate, 40, spec=(1, 0.5), plain_s=0.1)                       # off again: the usual gap from now on
+    assert not gate.drafting
+    kinds = drive(gate, gate.first_gap - 1, spec=(1, 0.5), plain_s=0.1)
+    assert all(kinds)
