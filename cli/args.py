@@ -70,10 +70,11 @@ def _flags() -> dict[str, Flag]:
                         {"metavar": "PATH|NAME|self[:FMT]|eagle3:PATH|mtp"}),
         "--max-new-tokens": Flag("at most N new tokens", "128", {"type": int, "metavar": "N"}),
         "--budget": Flag("draft tree size in tokens, or auto: picked per step from measured pass costs and "
-                         "acceptance", "64, or the models.yaml entry's", {"metavar": "N|auto"}),
+                         "acceptance; a number N fixes it", "auto (bench's sweep: 16,64,256,auto), or the models.yaml "
+                         "entry's", {"metavar": "N|auto"}),
         "--max-budget": Flag("largest tree --budget auto tries", "1024", {"type": int, "metavar": "N"}),
         "--builder": Flag(f"tree builder: {help_list(builder_names())}", "specexec", {"metavar": "NAME"}),
-        "--device": Flag("cpu or cuda", "cpu", {"metavar": "DEV"}),
+        "--device": Flag("cpu or cuda", "cuda where torch sees a GPU, else cpu", {"metavar": "DEV"}),
         "--dtype": Flag(choices_help("--dtype"), "auto: bf16 on CUDA, fp32 on CPU", {"metavar": "TYPE"}),
         "--kv-quant": Flag(f"KV cache rows: {choices_help('--kv-quant')}", "none; int8 is LOSSY: half the memory "
                            "and bytes moved; the output may differ from the target's, so no exactness claim holds",
@@ -175,13 +176,24 @@ def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", mo
     add_offload_args(p, context_list)
 
 
-def engine_config(args: argparse.Namespace, **defaults) -> EngineConfig:
-    """EngineConfig from the engine flags; `defaults` fill flags the user left out."""
+def default_device() -> str:
+    """The device a run takes without --device: CUDA where torch sees one (`plan` too), else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_config(args: argparse.Namespace, auto_budget: bool = False, **defaults) -> EngineConfig:
+    """EngineConfig from the engine flags; `defaults` fill flags the user left out; auto_budget: a run with no
+    --budget picks its budget per step (generate, chat, serve, bench), else it takes EngineConfig's fixed one."""
     given = {k: getattr(args, k, None) for k in ("builder", "device", "dtype", "max_new_tokens", "kv_quant",
                                                  "expert_trim", "gate")}
-    budget = budget_options(getattr(args, "budget", None), getattr(args, "max_budget", None))
+    given_budget = getattr(args, "budget", None)
+    budget = budget_options("auto" if given_budget is None and auto_budget else given_budget,
+                            getattr(args, "max_budget", None))
     if getattr(args, "accept", None) is not None:
         given["accept"] = Acceptance.parse(args.accept)
+    defaults.setdefault("device", default_device())
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
 
 

@@ -459,7 +459,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
     interactive = sys.stdin.isatty()
     common.apply_catalog_defaults(args, console if interactive else None)
-    config = common.engine_config(args)
+    config = common.engine_config(args, auto_budget=True)
     sampling = common.sampling_params(args)
     offload = common.offload_config(args)
     if common.check_draft(args, config, default_self=True) and interactive:

@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     """Every value checked (by specexec.options) before anything is loaded."""
-    config = engine_config(args, **({"verifier": args.verifier} if args.verifier is not None else {}),
+    config = engine_config(args, auto_budget=True, **({"verifier": args.verifier} if args.verifier is not None else {}),
                            draft_vocab=parse_draft_vocab(args.draft_vocab))
     sampling = sampling_params(args)
     check_number("--n", args.n, low=1, high=10_000)

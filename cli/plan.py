@@ -28,7 +28,7 @@ from cpu_kernels.cache_root import default_cache_root
 from offload.memory_plan import GB, Bandwidths, PlanError
 from offload.platform.mounts import slow_mount_warnings
 from offload.planner import default_budgets
-from cli.args import add_flag
+from cli.args import add_flag, default_device
 from specexec.options import (ConfigError, budget_options, check_choice, check_experts, check_integer, check_number,
                               choices, parse_size)
 from specexec.planning.expert_place import CPU_GBPS_ENV, DEFAULT_CPU_GBPS, cpu_gemv_bps
@@ -94,9 +94,7 @@ def _device(ns: argparse.Namespace) -> str:
         return ns.device
     if ns.gpu_memory is not None:
         return "cuda"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return default_device()
 
 
 def _budgets(ns: argparse.Namespace, device: str) -> tuple[int | None, int, str]:

@@ -64,7 +64,7 @@ from specexec.prompts import load_prompts
 from specexec.runtime.assembly import Runtime
 
 CONFIG_KINDS = ("specexec", "no-draft", "hf-offload", "hf-assisted", "llama.cpp")
-DEFAULT_BUDGETS = "16,64,256"
+DEFAULT_BUDGETS = "16,64,256,auto"
 LOSSY_TAG = " kv=int8 LOSSY"        # --kv-quant int8: rows with an int8 KV cache, never called identical
 
 

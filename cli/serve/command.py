@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     check_integer("--max-choices", args.max_choices, 1, 100_000)
     api_key = args.api_key or os.environ.get("SPECEXEC_API_KEY") or None
     common.apply_catalog_defaults(args, console)
-    config = common.engine_config(args, max_new_tokens=DEFAULT_MAX_TOKENS)
+    config = common.engine_config(args, auto_budget=True, max_new_tokens=DEFAULT_MAX_TOKENS)
     sampling = common.sampling_params(args)
     offload = common.offload_config(args)
     common.check_draft(args, config)

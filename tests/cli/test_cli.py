@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli.main import main
+from cli.args import engine_config
+from cli.main import build_parser, main
 from specexec.config import EngineConfig, SamplingParams
 from specexec.options import ConfigError
 from specexec.runtime.assembly import Runtime
@@ -301,3 +302,28 @@ def test_empty_prompt_is_a_config_error(tiny_qwen2) -> None:
     rt = Runtime.load(str(tiny_qwen2), None, EngineConfig())
     with pytest.raises(ConfigError, match="prompt is empty"):
         list(rt.generate_ids([], 4))
+
+
+def test_generate_defaults_to_budget_auto_and_a_number_fixes_it(capsys, tiny_pair, tiny_perturbed_draft) -> None:
+    target, _ = tiny_pair
+    argv = ["generate", "--model", str(target), "--draft", str(tiny_perturbed_draft), "--prompt", "Hello",
+            "--max-new-tokens", "6"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "budget auto (up to 1024 tokens)" in err and " · cpu · loaded in" in err
+    assert main(argv + ["--budget", "8"]) == 0
+    assert "budget 8 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_decoding_commands_default_to_cuda_where_torch_sees_one(monkeypatch, cuda: bool) -> None:
+    """generate, chat, serve and bench without --device: CUDA when torch sees a GPU, else the CPU (their parsers
+    leave the flag unset and engine_config chooses); --device given wins."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["chat"], ["serve"], ["bench"]):
+        args = parser.parse_args([*command, "--model", "m"])
+        assert engine_config(args).device == ("cuda" if cuda else "cpu"), command
+        args = parser.parse_args([*command, "--model", "m", "--device", "cpu", "--budget", "8"])
+        config = engine_config(args, auto_budget=True)
+        assert config.device == "cpu" and not config.auto_budget and config.budget == 8, command
