@@ -23,7 +23,10 @@ collection, no emptying of the allocator: those are what torch.cuda.graph does o
 happens mid-step), in THREAD-LOCAL capture mode: the pager's loader threads keep copying, recording and waiting
 on events while the draft captures (a global-mode capture would make their calls illegal, refuse the capture
 and break the next streamed pass). Every graph of a runner allocates from ONE memory pool, taken once and kept
-across spans (graphs are replayed one at a time, so they share it).
+across spans (graphs are replayed one at a time, so they share it), and every capture runs on the runner's ONE
+side stream: a stream gets its own cuBLAS workspace (32 MiB on sm90) and its own cached blocks, which nothing
+frees, so a stream per capture would pin up to one workspace per shape. The ledger counts both (planning/needs.py,
+line "draft graphs": one workspace and the pool, about one draft pass's activations).
 
 Exactness: a replay runs the kernels `span_forward` runs eagerly on the same inputs (bitwise equal); that
 differs from the dense forward over keys [0, L0 + K) at most in summation order, since hidden keys add exact
@@ -85,7 +88,12 @@ def runner(model: torch.nn.Module, cache: KVCache, flag: bool | None) -> "DraftG
 def capturable(model: torch.nn.Module) -> bool:
     """Whether the draft's forward can be one graph: no sliding-window layer, no routed (MoE) layer."""
     args = getattr(model, "args", None)
-    return args is None or not (any(kind.window for kind in args.layer_kinds) or args.moe is not None)
+    return args is None or capturable_args(args)
+
+
+def capturable_args(args) -> bool:
+    """capturable() from a model's ModelArgs alone (the planner's question: will a draft of this shape capture)."""
+    return not (any(kind.window for kind in args.layer_kinds) or args.moe is not None)
 
 
 def key_span(L0: int, K: int, capacity: int) -> int:
@@ -149,6 +157,7 @@ class DraftGraphs:
         self.graphs: dict[tuple[int, int, int], _Captured] = {}
         self.seen: set[tuple[int, int, int]] = set()
         self.pool = None
+        self.side: "torch.cuda.Stream | None" = None     # the one stream every capture runs on
         self.failed = False
         self.ptr = cache.k.data_ptr()
 
@@ -207,8 +216,9 @@ class DraftGraphs:
         with torch.cuda.device(device):
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            here = torch.cuda.current_stream()
-            side = torch.cuda.Stream()
+            if self.side is None:
+                self.side = torch.cuda.Stream()
+            here, side = torch.cuda.current_stream(), self.side
             side.wait_stream(here)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(side):

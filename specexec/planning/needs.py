@@ -25,6 +25,9 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
 - activations: the largest transient of any pass that runs (sizes.attention_bytes has the attention formula):
   the target's tree pass, a streamed prefill chunk of ledger.PREFILL_RESERVE tokens (dropped when it does not fit),
   the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
+- draft graphs (CUDA, a draft model whose passes are captured: builders/draft_graphs.py): the captures' one side
+  stream's cuBLAS workspace (CUBLAS_WORKSPACE, sm90's size) and the graphs' memory pool, which holds the
+  transients of the widest captured pass apart from the eager allocator's (one draft pass of its rows).
 - relaxed neighbours (--accept relaxed only): each token's k nearest tokens by input-embedding cosine, int32
   [V, k], plus a filled flag per token (specexec/relaxed.py Neighbours.bytes_for).
 - resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
@@ -37,6 +40,7 @@ import torch
 
 from offload.memory_plan import GB, Needs
 
+from specexec.builders.draft_graphs import capturable_args
 from specexec.config import PREFILL_CHUNK
 from specexec.network.model import LOGIT_CHUNK
 from specexec.planning.experts import expert_parts
@@ -45,6 +49,7 @@ from specexec.planning.run_shape import RunShape, self_layer_ids
 from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_sizes, weight_bytes
 
 DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
+CUBLAS_WORKSPACE = 32 * 2**20  # a CUDA stream's cuBLAS workspace on sm90 (CUBLAS_WORKSPACE_CONFIG :4096:8)
 
 
 def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]:
@@ -105,6 +110,12 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
                                    f"and its own state per tree node" if shape.drafter.taps else
                                    "its own state per tree node (it reads the target's output)")
     device.append(("activations", act))
+    if shape.device == "cuda" and shape.draft is not None and capturable_args(shape.draft):
+        rows = min(shape.budget + 1, DRAFT_ROWS)
+        device.append(("draft graphs", CUBLAS_WORKSPACE + forward_bytes(shape.draft, rows, d_slots or shape.context,
+                                                                          elem, shape.draft_fmt, "cuda", 0,
+                                                                          shape.draft_quant_kv)))
+        notes["draft graphs"] = f"the captures' side stream's cuBLAS workspace and the graph pool ({rows} rows)"
     if shape.neighbours_k:
         device.append(("relaxed neighbours", t.vocab_size * (4 * shape.neighbours_k + 1)))
         notes["relaxed neighbours"] = f"--accept relaxed: {shape.neighbours_k} per token, {t.vocab_size} tokens"

@@ -192,13 +192,18 @@ def test_capture_is_thread_local_and_never_synchronizes_the_device(tiny_pair: tu
             raise AssertionError(f"{name} during a draft capture")
         return call
     stream = SimpleNamespace(wait_stream=lambda other: None)
+    made: list[object] = []
+
+    def new_stream(*_a, **_k):
+        made.append(SimpleNamespace(wait_stream=lambda other: None))
+        return made[-1]
     for name in ("synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, forbidden(f"torch.cuda.{name}"))
     monkeypatch.setattr(gc, "collect", forbidden("gc.collect"))
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: stream)
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _CapturingGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
     monkeypatch.setattr(_CapturingGraph, "modes", [])
@@ -213,6 +218,10 @@ def test_capture_is_thread_local_and_never_synchronizes_the_device(tiny_pair: tu
             assert len(runner.graphs) == 1 and not runner.failed       # the second use captured
             break
     assert _CapturingGraph.modes == ["thread_local"] and _CapturingGraph.loader_errors == []
+    for b in (1, 2, 8, 16) * 2:                                         # four more shapes, each captured once
+        runner.run(*_pass_inputs(state, b, 40, b))
+    assert len(runner.graphs) == 5 and len(_CapturingGraph.modes) == 5
+    assert made == [runner.side]           # ONE side stream for every capture: each stream has its own workspace
 
 
 class _EmbedWatch(CpuGraphs):
@@ -353,3 +362,29 @@ def test_graphs_stay_on_while_the_pagers_reader_waits_on_events(tiny_pair: tuple
         assert runner is not None and not runner.failed and pager.collect(wait=True).bytes["ssd"] > 0
     finally:
         rt.engine.close()
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_captures_share_one_side_stream_and_stay_within_the_ledger_line(tiny_pair: tuple[Path, Path]) -> None:
+    """Every padded batch size captured: one side stream, and the memory the captures reserved (the side
+    stream's cuBLAS workspace, the graph pool) within the ledger's "draft graphs" line for this draft, plus
+    the allocator's rounding to 20 MiB segments (one for the pool's large blocks, one for its small ones)."""
+    from specexec.planning.needs import CUBLAS_WORKSPACE
+    from specexec.planning.sizes import forward_bytes
+
+    model = load_model(tiny_pair[1], "cuda", "float32")
+    state = _state(model, "cuda", capacity=5000)
+    runner = draft_graphs.DraftGraphs(model, state.cache)
+    K, sizes = 257, sorted({padded(b) for b in range(1, 129)})
+    for b in sizes:                                            # first uses: eager, the eager allocator warms up
+        runner.run(*_pass_inputs(state, b, K, seed=b))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    for b in sizes:                                            # second uses: every size captured
+        runner.run(*_pass_inputs(state, b, K, seed=b))
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_reserved() - before
+    assert len(runner.graphs) == len(sizes) and not runner.failed and runner.side is not None
+    line = CUBLAS_WORKSPACE + forward_bytes(model.args, max(sizes), state.cache.capacity, 4, "none", "cuda", 0)
+    assert grown <= line + 2 * 20 * 2**20, (grown, line)

@@ -324,3 +324,18 @@ def test_a_streamed_moe_target_is_priced_by_its_expected_expert_union(capsys, ti
     code, text, _ = plan_cli(capsys, "--model", str(tiny_qwen3_moe), "--device", "cpu", "--quant", "int8",
                              "--offload", "ssd", "--ram-budget", "64MB")
     assert code == 0 and "MoE: 16 experts, top-4" in text and "budget   16:" in text
+
+
+def test_a_captured_draft_has_a_ledger_line_for_its_graphs(tiny_pair, tiny_qwen3_moe) -> None:
+    """On CUDA a draft whose passes are captured (builders/draft_graphs.py) counts its side stream's cuBLAS
+    workspace and the graph pool (about one draft pass); a CPU run, or a draft that is never captured (MoE),
+    has no such line."""
+    from specexec.planning.needs import CUBLAS_WORKSPACE, needs_for
+
+    target, draft = read_args(tiny_pair[0]), read_args(tiny_pair[1])
+    cuda = dict(needs_for(RunShape(target, draft, torch.float16, "cuda", 64, 512), "none").fixed_bytes)
+    assert CUBLAS_WORKSPACE < cuda["draft graphs"] < CUBLAS_WORKSPACE + cuda["activations"]
+    cpu = dict(needs_for(RunShape(target, draft, torch.float32, "cpu", 64, 512), "none").fixed_bytes)
+    assert "draft graphs" not in cpu
+    moe = read_args(tiny_qwen3_moe)
+    assert "draft graphs" not in dict(needs_for(RunShape(moe, moe, torch.float16, "cuda", 64, 512), "none").fixed_bytes)
