@@ -53,11 +53,17 @@ class HostEmbedding(nn.Module):
     """An input embedding whose table stays in host RAM: the rows of a pass's tokens are gathered on the CPU
     and copied to the device. The same bits as a device lookup (a gather copies rows); on CUDA the cost is one
     copy of the T token ids to the host and T x dim values back, against GPU memory for more resident layers.
-    The table is a plain attribute, not a parameter, so .parameters() / .to() leave it where it is."""
+    The table is a plain attribute, not a parameter, so .parameters() / .to() leave it where it is.
+
+    On CUDA the rows are gathered into a pinned staging buffer (grown to the largest pass, kept) and copied
+    over without blocking; an event recorded after the copy is waited for before the buffer is written again
+    (by the next pass the copy has long finished). Reading the ids is the one wait left: the CPU gathers."""
 
     def __init__(self, table: torch.Tensor, device: torch.device) -> None:
         super().__init__()
         self.table, self.device = table, torch.device(device)
+        self.staging: torch.Tensor | None = None           # pinned [rows, dim] (CUDA only)
+        self._copied = None                                 # torch.cuda.Event after the last copy out of it
 
     @property
     def weight(self) -> torch.Tensor:
@@ -65,8 +71,25 @@ class HostEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [...] (any device) -> rows [..., dim] on self.device."""
-        rows = self.table.index_select(0, tokens.reshape(-1).cpu())
-        return rows.view(*tokens.shape, rows.shape[-1]).to(self.device)
+        ids = tokens.reshape(-1).cpu()
+        if self.device.type != "cuda":
+            rows = self.table.index_select(0, ids)
+            return rows.view(*tokens.shape, rows.shape[-1]).to(self.device)
+        out = self._stage(ids.numel())
+        torch.index_select(self.table, 0, ids, out=out)
+        rows = out.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return rows.view(*tokens.shape, rows.shape[-1])
+
+    def _stage(self, n: int) -> torch.Tensor:
+        """The first n rows of the pinned staging buffer, once the last copy out of it has finished."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self.staging is None or self.staging.shape[0] < n:
+            rows = max(n, 2 * self.staging.shape[0] if self.staging is not None else 64)
+            self.staging = torch.empty(rows, self.table.shape[1], dtype=self.table.dtype).pin_memory()
+        return self.staging[:n]
 
 
 class OffloadedTransformer(Transformer):

@@ -370,3 +370,35 @@ def test_an_int4_draft_on_a_cpu_computes_its_head_in_int4_and_the_output_stays_t
     alone = rt.variant(config, use_draft=False)
     assert ids_of(rt) == ids_of(alone)
 
+
+
+def test_a_host_embedding_gathers_the_rows_a_device_lookup_would() -> None:
+    """The CPU path: rows [..., dim] for ids of any shape, the same bits as the table indexed (a fresh tensor,
+    not a view of a buffer the next pass writes)."""
+    from specexec.runtime.offloaded import HostEmbedding
+
+    table = torch.randn(50, 8)
+    emb = HostEmbedding(table, torch.device("cpu"))
+    ids = torch.tensor([[3, 7, 7], [0, 49, 1]])
+    first = emb(ids)
+    assert first.shape == (2, 3, 8) and torch.equal(first, table[ids])
+    emb(torch.tensor([5, 6, 9, 11, 12, 13]))
+    assert torch.equal(first, table[ids]) and emb.staging is None
+
+
+@pytest.mark.gpu
+def test_a_host_embedding_on_cuda_copies_from_a_pinned_staging_buffer_without_blocking() -> None:
+    """On CUDA the rows go through one pinned staging buffer, grown to the largest pass and then reused (a
+    non-blocking copy needs pinned memory); each pass's rows stay its own while later passes write the buffer."""
+    from specexec.runtime.offloaded import HostEmbedding
+
+    table = torch.randn(500, 64)
+    emb = HostEmbedding(table, torch.device("cuda"))
+    outs, ids = [], [torch.randint(0, 500, (n,), device="cuda") for n in (3, 40, 7, 200, 5)]
+    for i in ids[:4]:
+        outs.append(emb(i))
+    buffer = emb.staging.data_ptr()
+    outs.append(emb(ids[4]))
+    assert emb.staging.is_pinned() and emb.staging.shape[0] >= 200 and emb.staging.data_ptr() == buffer
+    for i, out in zip(ids, outs):
+        assert out.is_cuda and torch.equal(out.cpu(), table[i.cpu()])
