@@ -2,6 +2,7 @@
 one fails a check, one skips, one raises, one needs CUDA, one outlives its budget."""
 from __future__ import annotations
 
+import json
 import time
 
 from tools.gpu_check.registry import Context, Skip, step
@@ -9,8 +10,10 @@ from tools.gpu_check.registry import Context, Skip, step
 
 @step("fake-ok", budget_s=20)
 def ok(ctx: Context) -> None:
-    """Passes."""
+    """Passes, and says which steps OUT/summary.json held when it started (each is written as it ends)."""
     ctx.figure("answer", 42)
+    summary = json.loads((ctx.out / "summary.json").read_text())
+    ctx.figure("summary_had", [sorted(summary["steps"]), summary["complete"]])
     ctx.check("forty-two", True, 42, 42)
 
 

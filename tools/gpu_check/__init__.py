@@ -1,4 +1,5 @@
-"""The GPU check (issue 31): everything a lent GPU must show, in one run of at most six minutes.
+"""The GPU check: everything a lent GPU must show, in one run of at most eight minutes (of a 600-s command),
+the gpu tests at least four of them.
 
 `tools/gpu-check` (the entry point) installs the wheels carried in .whl/ (tools/gpu-wheels downloads them
 here: what the project requires and the lent image lacks, image.py), then runs every registered step

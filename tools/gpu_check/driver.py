@@ -5,8 +5,10 @@ what is left of the deadline less the last step's reserve, whichever is less (th
 gets the rest);
 on timeout the whole group is killed and the step reports `timeout`. A step's output streams into
 OUT/steps.log (whole) and OUT/console.log (everything this driver prints); the console shows each step's
-verdict. At the end OUT/summary.json holds every step: status (ok | failed | skipped | timeout | error), the
-reason, its seconds and budget, its figures and checks; the last lines printed are that JSON and a table.
+verdict. OUT/summary.json holds every step: status (ok | failed | skipped | timeout | error), the reason, its
+seconds and budget, its figures and checks. It is rewritten after every step ("complete": false until the
+last), so a run cut short leaves every finished step's figures there; the last lines printed are that JSON and
+a table.
 The output folder holds only these files (a `device` call brings back at most 8; see the README).
 
 Does not know: what the steps measure (steps_*.py), how they are registered (registry.py).
@@ -48,6 +50,7 @@ def run_all(steps: list[Step], out: Path, cuda: bool, deadline_s: float, env: di
     say = Tee(out / "console.log")
     t0 = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
+    summary = _summary(results, cuda, deadline_s, t0, machine, complete=not steps)
     say(f"gpu-check: {len(steps)} steps, deadline {deadline_s:.0f} s, {'CUDA' if cuda else 'CPU mode'}")
     for k, st in enumerate(steps):
         left = deadline_s - (time.monotonic() - t0)
@@ -62,14 +65,26 @@ def run_all(steps: list[Step], out: Path, cuda: bool, deadline_s: float, env: di
             results[st.name] = _run_child(st, limit, out, cuda, env)
         r = results[st.name]
         say(f"   {r['status']} in {r['seconds']:.1f} s" + (f": {r['reason']}" if r.get("reason") else ""))
-    summary = {"ok": all(r["status"] in ("ok", "skipped") for r in results.values()),
-               "failed": [n for n, r in results.items() if r["status"] not in ("ok", "skipped")],
-               "mode": "cuda" if cuda else "cpu", "deadline_s": deadline_s,
-               "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine, "steps": results}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        summary = _summary(results, cuda, deadline_s, t0, machine, complete=last)
+        _write(out / "summary.json", summary)                  # as soon as known: a cut keeps what finished
     say("summary: " + json.dumps(summary, separators=(",", ":"), default=str))
     say(table(summary))
     return summary
+
+
+def _summary(results: dict[str, dict[str, Any]], cuda: bool, deadline_s: float, t0: float,
+             machine: dict[str, Any], complete: bool) -> dict[str, Any]:
+    return {"ok": all(r["status"] in ("ok", "skipped") for r in results.values()),
+            "failed": [n for n, r in results.items() if r["status"] not in ("ok", "skipped")],
+            "complete": complete, "mode": "cuda" if cuda else "cpu", "deadline_s": deadline_s,
+            "elapsed_s": round(time.monotonic() - t0, 1), "machine": machine, "steps": results}
+
+
+def _write(path: Path, summary: dict[str, Any]) -> None:
+    """summary.json replaced whole (written beside it, then renamed): a reader never sees half a file."""
+    part = path.with_suffix(".json.part")
+    part.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    os.replace(part, path)
 
 
 def _skipped(st: Step, reason: str) -> dict[str, Any]:

@@ -19,6 +19,9 @@ from specexec.builders import draft_graphs  # noqa: F401
 from specexec.builders.base import DraftState  # noqa: F401
 from specexec.builders.registry import make_builder  # noqa: F401
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams  # noqa: F401
+
+RAM_BUDGET = 16 * 10**9          # every plan inside the check: an explicit RAM budget, not psutil's available
+RAM_BUDGET_TEXT = "16GB"         # memory (a lent machine's may start small and grow)
 from specexec.engine import Engine  # noqa: F401
 from specexec.kv.cache import KVCache
 from specexec.network.model import Transformer, on_meta

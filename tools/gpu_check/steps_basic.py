@@ -31,7 +31,7 @@ def _import(module: str) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-@step("env", budget_s=15)
+@step("env", budget_s=10)
 def env(ctx: Context) -> None:
     """Versions (python, torch, CUDA, transformers, bitsandbytes...), the GPU, and that the project imports."""
     import torch

@@ -33,7 +33,7 @@ def near_tie(model, context: list[int], want: int, got: int) -> dict:
     return {"gap": round(gap, 5), "noise": round(noise, 5), "bound": round(bound, 5), "near_tie": gap <= bound}
 
 
-@step("greedy", budget_s=25)
+@step("greedy", budget_s=20)
 def greedy(ctx: Context) -> None:
     """Greedy with a draft equals `--no-draft`: exactly in fp32 (CPU), in bf16 (CUDA) but at measured near-ties."""
     import torch

@@ -28,7 +28,7 @@ def _plan(arch: str, quant: str, layers: int, max_tokens: int, device: str, gpu_
     args = P.synthetic_args(arch, layers)
     size = P.layer_layout(args, quant, dtype, dev).nbytes
     gpu_budget = None if gpu_layers is None else str(int(gpu_layers * size))
-    ns = argparse.Namespace(gpu_budget=gpu_budget, ram_budget=None, quant=quant, offload=offload)
+    ns = argparse.Namespace(gpu_budget=gpu_budget, ram_budget=P.RAM_BUDGET_TEXT, quant=quant, offload=offload)
     plan = P.make_plan(ns, args, size, dev, dtype, max_tokens)
     if order == "prefix":
         k = plan.tiers.count("resident")
@@ -73,7 +73,7 @@ def _pass_after_drafting(order: str, tokens: int = 128, reps: int = 3) -> dict:
     return {"tiers": _tiers(plan), "s": round(statistics.median(times), 5)}
 
 
-@step("ram-stream", budget_s=50)
+@step("ram-stream", budget_s=30)
 def ram_stream(ctx: Context) -> None:
     """bench stream over the RAM tier (the PCIe link): GB/s against the measured pinned peak, 70B NF4 and bf16
     layers; and a pass with resident layers spread among the streamed ones against all of them first."""
@@ -101,7 +101,7 @@ class _Planned(Exception):
     """Raised from on_plan: the plan is all that was wanted."""
 
 
-@step("memory", budget_s=30, cuda=True, why_cuda="the ledger's device side is GPU memory (the CPU's is RAM)")
+@step("memory", budget_s=20, cuda=True, why_cuda="the ledger's device side is GPU memory (the CPU's is RAM)")
 def memory(ctx: Context) -> None:
     """Peak GPU memory of a streamed bf16 run (3 of 8 layers resident, a 128-node tree) against the ledger:
     allocated within its device total, reserved within the GPU budget it planned for."""
@@ -117,7 +117,8 @@ def memory(ctx: Context) -> None:
     def stop(plan) -> None:
         seen.append(plan)
         raise _Planned
-    base = P.OffloadConfig(offload="ram", quant="none", context=2048, cache_dir=str(ctx.tmp / "cache"))
+    base = P.OffloadConfig(offload="ram", quant="none", context=2048, cache_dir=str(ctx.tmp / "cache"),
+                           ram_budget=P.RAM_BUDGET)
     try:
         P.Runtime.load(str(target), str(draft), config, offload=base, on_plan=stop)
     except _Planned:

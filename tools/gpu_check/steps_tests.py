@@ -52,7 +52,7 @@ def from_log(text: str) -> dict:
             "skipped": {n: "" for n, s in seen if s == "SKIPPED"}, "stopped": True}
 
 
-@step("doctor", budget_s=40)
+@step("doctor", budget_s=20)
 def doctor(ctx: Context) -> None:
     """`specexec doctor --json`: pinned/pageable host->GPU GB/s, disk GB/s, bitsandbytes, a tiny exact run."""
     io_mb, h2d_mb = (256, 512) if ctx.cuda else (32, 64)
@@ -75,7 +75,7 @@ def doctor(ctx: Context) -> None:
                   r["bitsandbytes"], "cuda_kernels true")
 
 
-@step("gpu-tests", budget_s=150)
+@step("gpu-tests", budget_s=240)
 def gpu_tests(ctx: Context) -> None:
     """`pytest -m gpu`: on CUDA every gpu test passes (none skipped); on a CPU all collect and skip."""
     xml = ctx.tmp / "junit.xml"
