@@ -14,6 +14,7 @@ The steps, in order (`tools/gpu-check --list` prints them with their budgets):
   greedy      greedy with a draft vs --no-draft: fp32 equal, bf16 near-ties only (steps_exact.py)
   ram-stream  the RAM tier's pass GB/s vs the pinned peak; resident layer order  (steps_stream.py)
   memory      peak GPU memory vs the ledger                                      (steps_stream.py)
+  moe-stream  a small MoE streamed from RAM (bf16, NF4): exact, expert bytes     (steps_moe.py)
   doctor      specexec doctor --json                                             (steps_basic.py)
   gpu-tests   pytest -m gpu, with the rest of the deadline                       (steps_tests.py)
 In CPU mode (no CUDA, --cpu, --dry-run) every step that can run on a CPU runs and the others report skipped
