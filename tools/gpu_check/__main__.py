@@ -1,16 +1,20 @@
 """`tools/gpu-check`: the GPU check in one run on a bare lent machine (see tools/gpu_check/__init__.py).
 
     tools/gpu-check [--out DIR] [--deadline S] [--only a,b] [--cpu] [--as-image] [--dry-run] [--list]
+                    [--budget-scale X]
 
 --cpu runs in CPU mode even with CUDA (every step that can run on a CPU runs; the others are skipped, saying
 why); --as-image hides the packages the lent image lacks (image.py), so this machine collects and imports as
-that one would; --dry-run is both. The exit code is the number of steps that did not pass.
+that one would; --dry-run is both. The budgets are a lent GPU machine's (16 idle cores); in CPU mode they are
+multiplied by --budget-scale (default CPU_SCALE: a busy 2-core machine imports torch alone in ~10 s), the
+deadline and the tests' reserve too. The exit code is the number of steps that did not pass.
 
 Does not know: what a step measures (steps_*.py).
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import platform
 import sys
@@ -18,7 +22,9 @@ from pathlib import Path
 
 from tools.gpu_check import image
 from tools.gpu_check.driver import run_all
-from tools.gpu_check.registry import DEADLINE_S, all_steps
+from tools.gpu_check.registry import DEADLINE_S, TESTS_MIN_S, all_steps
+
+CPU_SCALE = 4.0                  # CPU mode's budgets: this many times the GPU machine's
 
 HIDE = Path(__file__).resolve().parent / "hide"
 
@@ -32,6 +38,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--as-image", action="store_true", help="hide the packages the lent image lacks")
     p.add_argument("--dry-run", action="store_true", help="--cpu --as-image")
     p.add_argument("--list", action="store_true", help="list the steps and their budgets")
+    p.add_argument("--budget-scale", type=float, help=f"multiply every budget and the deadline (default 1 on CUDA, "
+                   f"{CPU_SCALE:g} in CPU mode)")
     return p.parse_args(argv)
 
 
@@ -73,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available() and not (ns.cpu or ns.dry_run)
     out = Path(ns.out or os.environ.get("OUT") or "gpu-check-out")
-    summary = run_all(steps, out, cuda, ns.deadline, child_env(ns.as_image or ns.dry_run), machine(cuda))
+    scale = ns.budget_scale if ns.budget_scale is not None else (1.0 if cuda else CPU_SCALE)
+    steps = [replace(s, budget_s=s.budget_s * scale) for s in steps]
+    summary = run_all(steps, out, cuda, ns.deadline * scale, child_env(ns.as_image or ns.dry_run), machine(cuda),
+                      reserve=TESTS_MIN_S * scale)
     return len(summary["failed"])
 
 
