@@ -2,8 +2,10 @@
 
 Every turn renders the WHOLE conversation through the model's own chat template and hands all of its ids to
 the engine, which keeps the KV cache of the longest common token prefix with the previous call and prefills
-only the rest (so a template that rewrites old turns costs only what changed). When the conversation no
-longer fits the context, the oldest turns are dropped with a notice. Ctrl-C stops the current answer (what
+only the rest (so a template that rewrites old turns costs only what changed; a model with recurrent layers
+returns only to the end of its last prompt or keeps everything: KVCache.reusable). When the conversation no
+longer fits the context, the oldest turns are dropped with a notice (and, for recurrent layers, that the rest is
+read again). Ctrl-C stops the current answer (what
 was shown stays in the history) and keeps the session; Ctrl-D or /exit leaves. When stdin is not a terminal,
 the whole of stdin is one user turn and only the answer is printed (for scripts).
 
@@ -122,6 +124,9 @@ class ChatSession:
             self.messages = pending[:-1]
             self.console.print(f"dropped the {dropped} oldest turn(s): the conversation outgrew the context of "
                                f"{self.runtime.context} tokens", style="yellow", highlight=False)
+            if self.runtime.engine.recurrent:
+                self.console.print("this model's recurrent state cannot forget turns: the rest of the conversation "
+                                   "is read again from its start", style="yellow", highlight=False)
         return ids
 
     def ask(self, user: str) -> Answer:

@@ -124,6 +124,7 @@ class Engine:
         self.counts_experts = has(target, CountsExperts)                 # its expert traffic, read each step
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
+        self.recurrent = any(s is not None for s in mixers.layer_states(target.args))   # a state cannot go back
         self.experts = experts or (ExpertPasses(target.args, device=self.device) if target.args.moe else None)
         if self.experts is not None:
             self.experts.attach(target)
@@ -263,15 +264,16 @@ class Engine:
     def _start(self, prompt_ids: list[int], limit: int, stats: GenerationStats) -> StepState:
         """Prefill what the caches do not already hold: the longest common prefix with the previous call's
         context is kept (chat turns; with a drafter, no more than the drafter holds and at least the state before
-        the root recomputed), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
+        the root recomputed; with recurrent layers, no more than their snapshot or their whole length:
+        KVCache.reusable), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
         span = self.profiler.start("prefill")
         target_cache, draft_cache = self._caches_for(len(prompt_ids) + limit)
         shared = _common_prefix(self._context, prompt_ids[:-1])
         self._context = list(prompt_ids)
         self._generated_from = len(prompt_ids)   # earlier turns kept in the cache are prompt, not generated
-        keep = min(shared, target_cache.length)
-        if draft_cache is not None and self.feed is not None:
-            keep = self.feed.reusable(keep, draft_cache.length, len(prompt_ids))
+        keep = target_cache.reusable(shared)
+        if draft_cache is not None and self.feed is not None:    # a drafter's rows lag the target's by one
+            keep = target_cache.reusable(self.feed.reusable(keep, draft_cache.length, len(prompt_ids)))
             draft_cache.truncate(keep)
         target_cache.truncate(keep)
         longrope.begin(self.target, target_cache, len(prompt_ids))
@@ -300,12 +302,14 @@ class Engine:
             self.feed.finish_start(draft, prompt_ids)
             return draft
         self.prefill(self.target, target_cache, prompt_ids[keep:-1])
+        target_cache.snapshot()                       # a recurrent state can return here (the next turn's /retry)
         if draft_cache is None:
             return None
-        draft_cache.truncate(min(shared, draft_cache.length))
+        draft_cache.truncate(draft_cache.reusable(shared))
         longrope.begin(self.draft, draft_cache, len(prompt_ids))
         if self.pilot is None or self.pilot.drafting:     # gated off: it catches up when a probe starts
             self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
+            draft_cache.snapshot()
         return DraftState(self.draft, draft_cache, list(prompt_ids[draft_cache.length:]))
 
     def _calibrate(self, cache: KVCache) -> None:

@@ -13,8 +13,9 @@ Scratch rows live in a ring indexed by slot modulo its size (grown when a pass w
 moves nothing: the rows of the slots after the committed ones stay where they are (a draft's root).
 
 `keep(slots)` replays the accepted path: S = exp(G_n) S + sum_j exp(G_n - G_j) k_j u_j^T and the window's last
-inputs; no weights. A state cannot go back: `truncate` returns only to the current length, to 0 or to the one
-`snapshot` (the end of the last prompt), and `reusable` says which.
+inputs; no weights. A state cannot go back: `truncate` returns only to the current length, to 0, into the
+latest commit (its states before it are kept, not copied, with the path's replay data: a generation that
+accepted tokens past its end), or to the one `snapshot` (the end of the last prompt); `reusable` says which.
 
 Does not know: projections or the maths of a pass (specexec/network/linear_attention.py, delta_rule.py), trees
 beyond slots, how many layers of other kinds the cache holds.
@@ -29,6 +30,14 @@ from torch import Tensor
 from specexec.network.delta_rule import advance_state
 
 MIN_RING = 64
+STATE_COPIES = 4    # per layer and sequence at most: committed, a prefill chunk's pending end, the latest
+                    # commit's states before it, the snapshot
+
+
+def ring_rows(nodes: int) -> int:
+    """Scratch rows the ring holds for passes writing up to `nodes` slots past the committed prefix (a multiple
+    of MIN_RING)."""
+    return max(MIN_RING, -(-nodes // MIN_RING) * MIN_RING)
 
 
 @dataclass(frozen=True)
@@ -53,10 +62,37 @@ class RecurrentSpec:
         """Bytes of one committed state (fp32) and its convolution window (fp32 bound)."""
         return 4 * (self.v_heads * self.k_dim * self.v_dim + self.conv_dim * (self.conv_kernel - 1))
 
+    def sequence_bytes(self) -> int:
+        """Bytes of the states one layer holds for one sequence at most (STATE_COPIES of state_bytes)."""
+        return STATE_COPIES * self.state_bytes()
+
     def node_bytes(self, elem: int = 4) -> int:
         """Bytes a scratch slot holds: position, k, u, g, G (fp32) and the convolution input (run dtype)."""
         return 8 + 4 * (self.k_heads * self.k_dim + self.v_heads * self.v_dim + 2 * self.v_heads) + \
             elem * self.conv_dim
+
+
+@dataclass
+class Commit:
+    """The latest commit of a store: the states before it (`length` tokens) and, for an accepted path (not a
+    prefill), its replay data in order (k [n_layers, Hv, n, dk], u [.., n, dv], G [.., n] from that base, x
+    [n_layers, conv_dim, n]), so the cache can return to any point of that path (`replay`)."""
+
+    length: int
+    state: Tensor
+    window: Tensor
+    k: Tensor | None = None
+    u: Tensor | None = None
+    G: Tensor | None = None
+    x: Tensor | None = None
+
+    def replay(self, m: int) -> tuple[Tensor, Tensor]:
+        """(state, window) after the first m nodes of the path from the states before it."""
+        if m == 0:
+            return self.state, self.window
+        state = advance_state(self.state, self.k[:, :, :m], self.u[:, :, :m], self.G[:, :, :m])
+        inputs = torch.cat([self.window, self.x[:, :, :m]], dim=-1)
+        return state, inputs[..., inputs.shape[-1] - self.window.shape[-1]:].contiguous()
 
 
 class RecurrentStates:
@@ -72,6 +108,7 @@ class RecurrentStates:
         self._alloc_ring(MIN_RING)
         self.pending: tuple[int, Tensor, Tensor] | None = None       # (tokens, state, window) of a causal pass
         self.saved: tuple[int, Tensor, Tensor] | None = None          # (length, state, window): snapshot
+        self.last: Commit | None = None                               # the latest commit, to return into it
 
     def _alloc_ring(self, size: int) -> None:
         s, n, dev = self.spec, self.n, self.device
@@ -90,6 +127,9 @@ class RecurrentStates:
             tensors += list(self.pending[1:])
         if self.saved is not None:
             tensors += list(self.saved[1:])
+        if self.last is not None:
+            tensors += [t for t in (self.last.state, self.last.window, self.last.k, self.last.u, self.last.G,
+                                    self.last.x) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------------------------- a pass's side
@@ -99,7 +139,7 @@ class RecurrentStates:
         need = last_slot - length + 1
         if need <= self.ring:
             return
-        size = max(2 * self.ring, 1 << (need - 1).bit_length())
+        size = ring_rows(need)
         live = torch.arange(length, length + self.ring, device=self.device)
         old = (self.pos.clone(), self.k, self.u, self.g, self.G, self.x)
         rows = live % self.ring
@@ -141,6 +181,7 @@ class RecurrentStates:
         if n == 0:
             return
         if self.pending is not None and self.pending[0] == n:
+            self.last = Commit(length, self.state, self.window)
             _, self.state, self.window = self.pending
             self.pending = None
             return
@@ -157,29 +198,33 @@ class RecurrentStates:
         rows = slots.to(self.device) % self.ring
         group = self.spec.v_heads // self.spec.k_heads
         k = self.k[:, rows].repeat_interleave(group, dim=2).transpose(1, 2)    # [n_layers, Hv, n, dk]
-        u = self.u[:, rows].transpose(1, 2)
-        G = self.G[:, rows].transpose(1, 2)                                    # [n_layers, Hv, n]
-        self.state = advance_state(self.state, k, u, G)
-        inputs = torch.cat([self.window, self.x[:, rows].transpose(1, 2)], dim=-1)
-        self.window = inputs[..., inputs.shape[-1] - self.window.shape[-1]:].contiguous()
+        path = Commit(length, self.state, self.window, k, self.u[:, rows].transpose(1, 2),
+                      self.G[:, rows].transpose(1, 2), self.x[:, rows].transpose(1, 2))
+        self.state, self.window = path.replay(n)
+        self.last = path                                    # the states before it: not copied, replaced
         self.G -= self.G[:, rows[-1]].unsqueeze(1).clone()  # live rows after the path: decay from the new base
 
     def truncate(self, length: int, current: int) -> None:
         self.pending = None
         if length == current:
             return
+        last, self.last = self.last, None
         if length == 0:
-            self.state.zero_()
-            self.window.zero_()
-            return
-        if self.saved is None or self.saved[0] != length:
-            raise ValueError(f"a recurrent state cannot return from {current} to {length} tokens (its snapshot "
-                             f"is at {self.saved[0] if self.saved else None}); prefill again")
-        self.state, self.window = self.saved[1].clone(), self.saved[2].clone()
+            self.state, self.window = torch.zeros_like(self.state), torch.zeros_like(self.window)
+        elif last is not None and last.length <= length and (last.k is not None or last.length == length):
+            self.state, self.window = last.replay(length - last.length)
+        elif self.saved is not None and self.saved[0] == length:
+            self.state, self.window = self.saved[1].clone(), self.saved[2].clone()
+        else:
+            raise ValueError(f"a recurrent state cannot return from {current} to {length} tokens (it can to "
+                             f"{self.reusable(length, current)}); prefill again")
 
     def reusable(self, length: int, current: int) -> int:
         if length >= current:
             return current
+        last = self.last
+        if last is not None and last.length <= length and (last.k is not None or last.length == length):
+            return length
         return self.saved[0] if self.saved is not None and self.saved[0] <= length else 0
 
     def snapshot(self, length: int) -> None:

@@ -49,12 +49,13 @@ class TreePlan:
 
 
 def tree_plan(mask: TreeMask | Tensor | None, positions: Tensor, slots: Tensor | None) -> TreePlan:
-    """The TreePlan of a forward (mask as Transformer.forward takes it; positions [1, T]); a dense mask is refused."""
+    """The TreePlan of a forward (mask as Transformer.forward takes it; positions [B, T]: B > 1 only for a causal
+    pass without a cache); a dense mask is refused."""
     if isinstance(mask, Tensor):
         raise ValueError("linear-attention layers need a TreeMask (which slots are ancestors), not a dense mask")
-    if positions.shape[0] != 1:
-        raise ValueError(f"linear-attention layers run one sequence, not a batch of {positions.shape[0]}")
     tm = mask if mask is not None else TreeMask(0)
+    if positions.shape[0] != 1 and (tm.tree is not None or tm.prefix):
+        raise ValueError(f"linear-attention layers run one sequence over a cache, not a batch of {positions.shape[0]}")
     T = positions.shape[1]
     if slots is None:
         slots = torch.arange(tm.prefix, tm.prefix + T, device=positions.device)
@@ -114,8 +115,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: TreePlan, cache: KVCache | None, layer: int,
                 slots: Tensor | None) -> Tensor:
-        """x [1, T, D] -> [1, T, D]; the scratch of a tree pass, or a causal pass's end state, goes to the cache."""
+        """x [1, T, D] -> [1, T, D]; the scratch of a tree pass, or a causal pass's end state, goes to the cache.
+        A batch (x [B, T, D]) runs causally without a cache, one sequence after the other."""
         B, T, _ = x.shape
+        if B > 1:
+            if cache is not None or plan.tree is not None:
+                raise ValueError("linear-attention layers run a batch only causally, without a cache")
+            return torch.cat([self(x[b:b + 1], cos, sin, plan, None, layer, slots) for b in range(B)])
         mixed, z, b, a = self.project(x[0])
         beta = torch.sigmoid(b).float().transpose(0, 1)                               # [Hv, T]
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).transpose(0, 1)

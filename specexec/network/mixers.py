@@ -9,8 +9,10 @@ config.json's `layer_types` names each layer's mixer with HF's names (ModelArgs.
 - `state(args, layer)`: what the layer's cache holds: None for K/V rows per slot (KVCache's row stores), else
   a StateSpec of specexec/kv/ whose store the cache builds (specexec/kv/layer_store.py); `parts` of a row-keeping
   kind: 2 (K and V) or 1 (latent attention's one row read as both: specexec/kv/latent.py);
-- `cache_bytes(args, layer, slots, elem, quant)`: one layer's cache for `slots` slots (the planner's one function
-  per kind);
+- `cache_bytes(args, layer, slots, elem, quant)`: one layer's cache for `slots` slots, and `node_bytes(args,
+  layer, elem)` what it keeps per tree node beyond that (the planner's functions per kind: `cache_bytes` below);
+- `streams`: whether the layer's cache may live in host RAM and travel with the layer (K/V rows: the planner's
+  companions) or stays on the device (a recurrent state);
 - `plan`: what tells the mixer which tokens each new token sees, built once per forward by the model:
   "attention" (the AttentionPlan of its window) or "tree" (linear_attention.TreePlan: the ancestor mask itself).
 Each kind's cache answers the two questions of a tree pass: every node's output sees only its ancestors, and
@@ -31,6 +33,7 @@ from torch import nn
 from specexec.config import LAYER_TYPES, ModelArgs
 from specexec.kv.cache import KVCache
 from specexec.kv.layer_store import StateSpec
+from specexec.kv.recurrent import ring_rows
 from specexec.kv.rows import row_bytes
 from specexec.kv.latent import PARTS as LATENT_PARTS, latent_row_bytes
 from specexec.network.latent import LatentAttention
@@ -50,6 +53,8 @@ class MixerKind:
     cache_bytes: Callable[[ModelArgs, int, int, int, str], int]
     plan: str = "attention"
     parts: int = 2                     # a K/V-row kind's parts per row: 2 (K and V), 1 (one row read as both)
+    node_bytes: Callable[[ModelArgs, int, int], int] = lambda args, layer, elem: 0
+    streams: bool = True
 
 
 def _rows_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
@@ -57,13 +62,14 @@ def _rows_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) 
 
 
 def _state_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
-    return spec_of(args).state_bytes()
+    return spec_of(args).sequence_bytes()
 
 
 ATTENTION = MixerKind("attention", ("full_attention", "sliding_attention"), "self_attn",
                       lambda args, layer: Attention(args), lambda args, layer: None, _rows_bytes)
 LINEAR = MixerKind("linear_attention", ("linear_attention",), "linear_attn",
-                   lambda args, layer: GatedDeltaNet(args), lambda args, layer: spec_of(args), _state_bytes, "tree")
+                   lambda args, layer: GatedDeltaNet(args), lambda args, layer: spec_of(args), _state_bytes, "tree",
+                   node_bytes=lambda args, layer, elem: spec_of(args).node_bytes(elem), streams=False)
 LATENT = MixerKind("latent_attention", ("latent_attention",), "self_attn", lambda args, layer: LatentAttention(args),
                    lambda args, layer: None, lambda args, layer, slots, elem, quant:
                    latent_row_bytes(args, slots, elem, quant), parts=LATENT_PARTS)
@@ -96,10 +102,18 @@ def layer_states(args: ModelArgs) -> tuple[Any, ...]:
 
 
 def cache_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none",
-                layers: Sequence[int] | None = None) -> int:
-    """Bytes of the cache of `layers` (default: every decoder layer) for `slots` slots, each by its kind."""
+                layers: Sequence[int] | None = None, nodes: int = 0) -> int:
+    """Bytes of the cache of `layers` (default: every decoder layer) for `slots` slots and passes writing up to
+    `nodes` slots past the committed prefix (a tree and its root; a draft's scratch), each layer by its kind."""
     ids = range(args.n_layers) if layers is None else layers
-    return sum(mixer_kind(args, i).cache_bytes(args, i, slots, elem, quant) for i in ids)
+    rows = ring_rows(nodes)
+    return sum(mixer_kind(args, i).cache_bytes(args, i, slots, elem, quant)
+               + mixer_kind(args, i).node_bytes(args, i, elem) * rows for i in ids)
+
+
+def fixed_layers(args: ModelArgs) -> tuple[int, ...]:
+    """The layers whose cache stays on the device (a recurrent state: their kind does not stream)."""
+    return tuple(i for i in range(args.n_layers) if not mixer_kind(args, i).streams)
 
 
 def new_cache(args: ModelArgs, capacity: int, dtype: torch.dtype, device: torch.device | str,

@@ -25,7 +25,9 @@ from offload.planner import plan
 from specexec.config import PREFILL_CHUNK
 from specexec.planning.experts import describe_moe, moe_summary
 from specexec.planning.hot_copy_sizes import copy_bytes, hot_json
-from specexec.planning.needs import dtype_name, fmt_name, gb_text, needs_for, prefill_tokens
+from specexec.network.mixers import fixed_layers
+from specexec.planning.needs import (dtype_name, fmt_name, gb_text, needs_for, prefill_tokens, recurrent_node_bytes,
+                                     recurrent_state_bytes)
 from specexec.planning.run_shape import MIN_SELF_LAYERS, RunShape, self_layer_ids, with_self_draft
 from specexec.tuning.depth import depth_ladder
 
@@ -118,7 +120,16 @@ class MemoryPlan:
                 "prefill_tokens": self.prefill_tokens, "read_ahead": p.read_ahead, "slots": p.n_slots,
                 "budget": self.shape.budget, "context": self.shape.context,
                 "gpu_budget": p.gpu_budget, "ram_budget": p.ram_budget, "warnings": list(p.warnings),
-                "kv": self.kv_json(), "self_draft": self.self_json(), "moe": self.moe_json()}
+                "kv": self.kv_json(), "self_draft": self.self_json(), "moe": self.moe_json(),
+                **self.recurrent_json()}
+
+    def recurrent_json(self) -> dict:
+        """A hybrid target's linear-attention layers: what one tree node adds to their cache, and the cache at
+        its peak (states per sequence + the scratch of a tree of the budget); 0 and 0 without such layers."""
+        fixed = fixed_layers(self.shape.target)
+        return {"recurrent_layers": len(fixed),
+                "recurrent_state_bytes_per_node": recurrent_node_bytes(self.shape) if fixed else 0,
+                "recurrent_state_bytes": recurrent_state_bytes(self.shape) if fixed else 0}
 
     def kv_json(self) -> dict:
         """Where the target's KV rows live and in what format: per layer on the device or streamed with it,

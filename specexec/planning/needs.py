@@ -14,6 +14,9 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   embed/norm/head and the resident layers it runs are the target's. The
   plan keeps the draft's layers resident first (a resident layer needs no copy), and --draft-layers auto
   picks the most layers that fit.
+- target recurrent state (hybrids): the linear-attention layers' states per sequence and their scratch per tree
+  node at the budget (kv/recurrent.py); they stay on the device, so the KV lines below count the attention
+  layers only.
 - target KV cache / draft KV cache: each sized for its own user (kv.cache.kv_slots_for): the target for the
   context plus one tree and its root; the draft for the context plus its builder's scratch slots. The
   target's cache is per layer (the planner's "companions", offload/planner.py): on the device, or, for a
@@ -42,6 +45,8 @@ from offload.memory_plan import GB, Needs
 
 from specexec.builders.draft_graphs import capturable_args
 from specexec.config import PREFILL_CHUNK
+from specexec.kv.recurrent import STATE_COPIES, ring_rows
+from specexec.network.mixers import cache_bytes, fixed_layers, mixer_kind
 from specexec.network.model import LOGIT_CHUNK
 from specexec.planning.experts import expert_parts
 from specexec.planning.hot_copy_sizes import copy_bytes, hot_json
@@ -60,7 +65,7 @@ def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]
     passes = {f"tree {shape.budget + 1}": forward_bytes(shape.target, shape.budget + 1, t_slots, elem, fmt, dev,
                                                         LOGIT_CHUNK, tq)}
     if prefill:
-        passes[f"prefill {prefill}"] = forward_bytes(shape.target, prefill, t_slots, elem, fmt, dev, 0, tq)
+        passes[f"prefill {prefill}"] = forward_bytes(shape.target, prefill, t_slots, elem, fmt, dev, 0, tq, False)
     if shape.draft is not None:
         rows = min(shape.budget + 1, DRAFT_ROWS)
         growth = (shape.draft_scratch or 0) ** 2                        # the builder's ancestor matrix (bool)
@@ -68,7 +73,7 @@ def activation_lines(shape: RunShape, fmt: str, prefill: int) -> tuple[int, str]
                                                      shape.draft_fmt, dev, rows, dq) + growth
         chunk = min(PREFILL_CHUNK, shape.context)
         passes[f"draft prefill {chunk}"] = forward_bytes(shape.draft, chunk, d_slots or shape.context, elem,
-                                                         shape.draft_fmt, dev, 0, dq)
+                                                         shape.draft_fmt, dev, 0, dq, False)
     top = max(passes, key=passes.get)
     return passes[top], f"largest: {top} tokens (" + ", ".join(f"{k} {gb_text(v)}" for k, v in passes.items()) + ")"
 
@@ -101,7 +106,8 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     if shape.draft is not None:
         draft_bytes, notes["draft weights"] = draft_weights(shape, shared)
         device.append(("draft weights", draft_bytes))
-        device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv)))
+        device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv,
+                                                  nodes=shape.draft_scratch or 0)))
         notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
             "none: the builder drafts without it"
     if shape.drafter is not None:
@@ -120,11 +126,37 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
         device.append(("relaxed neighbours", t.vocab_size * (4 * shape.neighbours_k + 1)))
         notes["relaxed neighbours"] = f"--accept relaxed: {shape.neighbours_k} per token, {t.vocab_size} tokens"
     sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
-    kv = tuple(kv_layer_bytes(t, t_slots, elem, shape.kv_quant, i) for i in range(t.n_layers))
-    tail = tuple(kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant, i) for i in range(t.n_layers))
+    fixed = fixed_layers(t)                  # their cache stays on the device: a line of its own, no companion
+    if fixed:
+        device.append(("target recurrent state", recurrent_state_bytes(shape)))
+        notes["target recurrent state"] = recurrent_note(shape)
+    kv = tuple(0 if i in fixed else kv_layer_bytes(t, t_slots, elem, shape.kv_quant, i) for i in range(t.n_layers))
+    tail = tuple(0 if i in fixed else kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant, i)
+                 for i in range(t.n_layers))
     return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
                  companion_bytes=kv, companion_residue=tail,
                  companion_name="target KV cache", companions=shape.kv_offload, parts=expert_parts(shape, fmt))
+
+
+def recurrent_state_bytes(shape: RunShape) -> int:
+    """The target's linear-attention layers' cache at its peak: each layer's states for the sequence and its
+    scratch for a tree of the budget and its root (network/mixers.cache_bytes of the fixed layers)."""
+    t = shape.target
+    return cache_bytes(t, shape.slots[0], shape.elem, shape.kv_quant, fixed_layers(t), nodes=shape.budget + 1)
+
+
+def recurrent_node_bytes(shape: RunShape) -> int:
+    """What one tree node adds to the target's recurrent state, over all its linear-attention layers."""
+    t = shape.target
+    return sum(mixer_kind(t, i).node_bytes(t, i, shape.elem) for i in fixed_layers(t))
+
+
+def recurrent_note(shape: RunShape) -> str:
+    t, fixed = shape.target, fixed_layers(shape.target)
+    per_seq = cache_bytes(t, 0, shape.elem, shape.kv_quant, fixed) - recurrent_node_bytes(shape) * ring_rows(0)
+    return (f"{len(fixed)} linear-attention layers: {gb_text(per_seq)} per sequence (states at most "
+            f"{STATE_COPIES}x), {gb_text(recurrent_node_bytes(shape))} per tree node x {ring_rows(shape.budget + 1)}; "
+            f"K/V rows for the {t.n_layers - len(fixed)} attention layers only")
 
 
 def _draft_kv_note(shape: RunShape) -> str:
@@ -175,7 +207,8 @@ def prefill_tokens(shape: RunShape, fmt: str, room: int) -> int:
     t_slots = shape.slots[0]
 
     def fits(c: int) -> bool:
-        return forward_bytes(shape.target, c, t_slots, shape.elem, fmt, shape.device, 0, shape.kv_quant) <= room
+        return forward_bytes(shape.target, c, t_slots, shape.elem, fmt, shape.device, 0, shape.kv_quant,
+                             False) <= room
 
     lo, hi = 1, shape.context
     if fits(hi):

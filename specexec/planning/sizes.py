@@ -23,6 +23,7 @@ from offload.streaming.storage import LayerLayout, plan_layout
 
 from specexec.checkpoints.naming import expert_regions, kind_specs, layer_shape, sparse_layer
 from specexec.config import ModelArgs
+from specexec.network.delta_rule import CHUNK
 from specexec.network.mixers import cache_bytes
 from specexec.network.model import LOGIT_CHUNK
 
@@ -85,10 +86,11 @@ def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "c
             "layers": sum(per_kind[layer_shape(args, i)] for i in range(args.n_layers))}
 
 
-def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none") -> int:
+def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none", nodes: int = 0) -> int:
     """One model's cache for `slots` slots, each layer by its mixer kind (network/mixers.py cache_bytes): K and
-    V of every KV head per slot for attention layers (int8: plus the scales)."""
-    return cache_bytes(args, slots, elem, quant)
+    V of every KV head per slot for attention layers (int8: plus the scales); a linear-attention layer's states
+    and its scratch for passes of up to `nodes` slots past the prefix."""
+    return cache_bytes(args, slots, elem, quant, nodes=nodes)
 
 
 def kv_layer_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none", layer: int = 0) -> int:
@@ -119,14 +121,15 @@ def attention_bytes(args: ModelArgs, tokens: int, context: int, elem: int, devic
 
 
 def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str,
-                  logit_rows: int, kv_quant: str = "none") -> int:
+                  logit_rows: int, kv_quant: str = "none", tree: bool = True) -> int:
     """Peak transient bytes of one forward of `tokens` rows over `context` slots: the residual stream, norm
     outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
     up and product, the attention (attention_bytes), one dequantized weight (when the format's kernel on
     `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy;
     with an int8 cache, one layer's dequantized K/V. An MoE layer (specexec/network/moe.py) counts its widest MLP (the
     dense one, an expert's over all T rows, the shared expert's), the router's fp32 scores, the top-k pairs
-    sorted by expert and the output it accumulates."""
+    sorted by expert and the output it accumulates. A hybrid's layer mixes with attention or linear attention
+    (linear_bytes; `tree`: a tree pass, else a causal prefill chunk): the larger of the two is counted."""
     T, D, I = tokens, args.dim, args.intermediate_size
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     routed = 0
@@ -134,12 +137,30 @@ def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: st
         m = args.moe
         I = max(I if m.dense_layers else 0, m.expert_dim, m.shared_dim)
         routed = T * (2 * m.n_experts * 4 + m.top_k * 3 * 8) + T * D * (elem + 4)
-    hidden = T * (4 * D + 2 * (q + 2 * kv) + q + 3 * I) * elem + 2 * T * D * 4 + 2 * T * args.head_dim * elem
+    gated = q if args.attn_output_gate else 0                                     # q_proj's output gate
+    hidden = T * (4 * D + 2 * (q + gated + 2 * kv) + q + 3 * I) * elem + 2 * T * D * 4 + 2 * T * args.head_dim * elem
     hidden += routed
     dequant = max(I, q) * D * elem if fmt != "none" and kernel_for(fmt, device) == "dequantize" else 0
     logits = min(T, logit_rows) * args.vocab_size * 4 * 2
-    return (hidden + attention_bytes(args, T, context, elem, device) + dequant + logits
-            + dequant_bytes(args, context, elem, kv_quant))
+    mixer = max(attention_bytes(args, T, context, elem, device), linear_bytes(args, T, elem, tree))
+    return hidden + mixer + dequant + logits + dequant_bytes(args, context, elem, kv_quant)
+
+
+def linear_bytes(args: ModelArgs, tokens: int, elem: int, tree: bool = True) -> int:
+    """Transient bytes of one linear-attention layer's pass over `tokens` rows (0 without such layers): its
+    projections and convolution, q/k/v per value head in fp32, the output and its gate, and the closed form's
+    [Hv, T, K] fp32 matrices (decays, key and query scores, the solve) over K columns (a tree: T nodes and
+    K = T columns; a causal pass: chunks of delta_rule.CHUNK) with the columns' gathered scratch."""
+    la = args.linear
+    if la is None:
+        return 0
+    T, value = tokens, la.v_heads * la.v_dim
+    n = T if tree else min(T, CHUNK)
+    rows = T * (la.conv_dim * 3 + value * 2 + 2 * la.v_heads) * elem
+    heads = T * la.v_heads * (2 * la.k_dim + 3 * la.v_dim) * 4
+    scores = 4 * la.v_heads * n * n * 4
+    cols = n * (la.k_heads * la.k_dim + la.v_heads * (la.k_dim + la.v_dim) + 2 * la.v_heads + la.conv_dim) * 4
+    return rows + heads + scores + cols
 
 
 def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str = "cpu") -> int:

@@ -129,31 +129,42 @@ def test_a_tree_grown_pass_by_pass_equals_one_pass(tiny_qwen3_5: Path) -> None:
 
 
 def test_recurrent_store_commits_and_returns() -> None:
-    """The ring keeps live rows when it grows; truncate returns only to the current length, 0 or the snapshot;
-    reusable says which; a causal pass's end state is committed by advance, in order."""
+    """The ring keeps live rows when it grows; a commit shifts the live rows' decay to the new base; truncate
+    returns only to the current length, 0, a point of the latest commit or the snapshot, and reusable says which;
+    a causal pass's end state is committed by advance, in order."""
     spec = RecurrentSpec(k_heads=1, v_heads=2, k_dim=2, v_dim=3, conv_dim=8, conv_kernel=3)
-    store = RecurrentStates(spec, 2, torch.float32, torch.device("cpu"))
-    store.reserve(10, 5)
-    slots = torch.tensor([5, 6, 7])
-    k, u = torch.randn(3, 1, 2), torch.randn(3, 2, 3)
-    G = torch.tensor([[-0.1], [-0.2], [-0.3]]).expand(3, 2)                 # g = -0.1 summed along the path
-    store.write(1, slots, slots, k, u, torch.full((3, 2), -0.1), G, torch.randn(3, 8))
+
+    def written() -> RecurrentStates:
+        store = RecurrentStates(spec, 2, torch.float32, torch.device("cpu"))
+        store.reserve(10, 5)
+        g = torch.Generator().manual_seed(0)
+        G = torch.tensor([[-0.1], [-0.2], [-0.3]]).expand(3, 2)              # g = -0.1 summed along the path
+        store.write(1, torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7]), torch.randn(3, 1, 2, generator=g),
+                    torch.randn(3, 2, 3, generator=g), torch.full((3, 2), -0.1), G, torch.randn(3, 8, generator=g))
+        return store
+
+    store, one = written(), written()
+    k = store.k[1, 5 % store.ring].clone()
     store.reserve(5 + 200, 5)                                         # grows past 64: rows stay with their slots
-    assert store.ring >= 201 and torch.equal(store.k[1, slots % store.ring], k)
-    store.keep(slots[:2], 5)
+    assert store.ring >= 201 and torch.equal(store.k[1, 5 % store.ring], k)
+    store.keep(torch.tensor([5, 6]), 5)
     assert store.state[1].abs().sum() > 0 and store.state[0].abs().sum() == 0
     assert torch.allclose(store.G[1, 7 % store.ring], torch.full((2,), -0.1))   # the next node from the new base
-    assert store.reusable(3, 7) == 0 and store.reusable(9, 7) == 7
-    store.snapshot(7)
-    assert store.reusable(8, 9) == 7
-    store.truncate(7, 9)
-    with pytest.raises(ValueError, match="cannot return"):
-        store.truncate(4, 7)
+    assert store.reusable(3, 7) == 0 and store.reusable(9, 7) == 7 and store.reusable(6, 7) == 6
+    store.truncate(6, 7)                                              # into the latest commit: its first node
+    one.keep(torch.tensor([5]), 5)
+    assert torch.allclose(store.state, one.state) and torch.equal(store.window, one.window)
+    store.snapshot(6)
     store.set_pending(0, 4, torch.ones(2, 2, 3), torch.zeros(8, 2))
     with pytest.raises(ValueError, match="in order"):
-        store.keep(torch.tensor([7, 9]), 7)
-    store.advance(4, 7)
+        store.keep(torch.tensor([6, 8]), 6)
+    store.advance(4, 6)
     assert torch.equal(store.state[0], torch.ones(2, 2, 3))
+    assert store.reusable(8, 10) == 6                                 # a prefill keeps no path: its start only
+    store.truncate(6, 10)
+    assert torch.allclose(store.state, one.state)
+    with pytest.raises(ValueError, match="cannot return"):
+        store.truncate(4, 6)
 
 
 # ------------------------------------------------------------------------------------ through the runtime
@@ -241,3 +252,25 @@ def test_an_unknown_layer_type_is_named() -> None:
            "layer_types": ["linear_attention", "indexed_attention"]}
     with pytest.raises(ConfigError, match="indexed attention layers are a layer kind"):
         model_args(cfg)
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_a_32k_prompt_prefilled_in_chunks_equals_one_pass(tiny_root: Path) -> None:
+    """32,768 prompt tokens through a tiny hybrid, prefilled in chunks of 4,096 (the state carried between them)
+    and in one pass: the same committed states (to rounding) and the same greedy ids."""
+    from specexec.engine import Engine
+    path = tiny_root / "hybrid-qwen3_5-long"
+    if not (path / "config.json").exists():
+        write_tiny_model(path, "qwen3_5", seed=44, n_layers=4, max_position_embeddings=40000)
+    model = load_model(path)
+    prompt = torch.randint(7, 300, (32768,), generator=torch.Generator().manual_seed(8)).tolist()
+    runs = {}
+    for chunk in (4096, 40000):
+        engine = Engine(model, None, EngineConfig(max_new_tokens=8, prefill_chunk=chunk), None)
+        ids = [t for step in engine.generate(prompt, 8) for t in step]
+        store, _ = engine._caches[0].state(0)
+        runs[chunk] = ids, store.state.clone()
+    (chunked, s1), (whole, s2) = runs[4096], runs[40000]
+    assert chunked == whole and len(set(whole)) > 2
+    assert torch.allclose(s1, s2, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,50 @@
+"""Conversation turns on a hybrid target (tiny Qwen3.5, a hybrid draft): the next turn keeps the attention KV and
+the linear layers' states it can (KVCache.reusable: everything, a point inside the latest commit, the snapshot at
+the end of the last prompt, or nothing), and every turn's ids equal a fresh run's on the same prompt."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specexec.config import EngineConfig, OffloadConfig
+from specexec.runtime.assembly import Runtime
+from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
+
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_qwen3_5: Path, tmp_path_factory: pytest.TempPathFactory) -> Runtime:
+    draft = write_tiny_model(tiny_qwen3_5.parent / f"{tiny_qwen3_5.name}-draft", perturb=DRAFT_PERTURB,
+                             base=tiny_qwen3_5, seed=30)
+    return Runtime.load(str(tiny_qwen3_5), str(draft), EngineConfig(budget=8, max_new_tokens=N_NEW),
+                        offload=OffloadConfig(offload="none", quant="none",
+                                              cache_dir=str(tmp_path_factory.mktemp("turns-cache"))))
+
+
+def turn(rt: Runtime, ids: list[int]) -> tuple[list[int], int]:
+    out = [t for step in rt.generate_ids(ids, N_NEW) for t in step]
+    return out, rt.engine.stats.reused_tokens
+
+
+def fresh(rt: Runtime, ids: list[int]) -> list[int]:
+    rt.engine.reset()
+    return turn(rt, ids)[0]
+
+
+def test_turns_reuse_what_a_state_can_and_stay_exact(runtime: Runtime) -> None:
+    rt = runtime
+    p1 = rt.encode("The quick brown fox")
+    rt.engine.reset()
+    a1, reused = turn(rt, p1)
+    assert reused == 0
+    p2 = p1 + a1 + rt.encode("jumps over")[1:]
+    a2, reused = turn(rt, p2)
+    assert reused >= len(p1) + len(a1) - 1                        # the whole first turn
+    retry, reused = turn(rt, p2)                                  # the same prompt again: the snapshot
+    assert reused == len(p2) - 1 and retry == a2
+    edited = p1[:3] + rt.encode("lazy dog")[1:]
+    a3, reused = turn(rt, edited)                                 # an early edit: nothing of the state fits
+    assert reused == 0
+    assert a2 == fresh(rt, p2) and a3 == fresh(rt, edited)
