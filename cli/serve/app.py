@@ -1,7 +1,8 @@
 """The ASGI app behind `specexec serve`: starlette routes over one GenerationQueue (specexec/serving/queue.py).
 
-Routes: POST /v1/chat/completions (with tools: specexec/serving/tools.py) and /v1/completions (JSON or
-server-sent events), GET /v1/models,
+Routes: POST /v1/chat/completions (with tools: specexec/serving/tools.py), /v1/completions and /v1/responses
+(the Responses API: specexec/serving/responses.py runs it as the chat body it translates to), each as JSON or
+server-sent events (specexec/serving/chat_stream.py, response_stream.py), GET /v1/models,
 /v1/models/{id}, /health and /metrics (Prometheus text; `?format=json` for JSON). With an API key every route
 but /health wants `Authorization: Bearer KEY` (401 otherwise). Each request is read (at most max_body bytes),
 checked and tokenized on the event loop's side (tokenizing on one helper thread), then queued: the engine runs
@@ -27,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -40,10 +41,12 @@ from starlette.routing import Route
 from specexec.options import ConfigError
 from specexec.serving import openai_api as api
 from specexec.serving import messages as chat_messages
-from specexec.serving import structured, tools
+from specexec.serving import responses, structured, tools
+from specexec.serving.chat_stream import ChatStream, apply, finish_choices
+from specexec.serving.response_stream import ResponseStream
 from specexec.runtime.assembly import Runtime
 from specexec.relaxed import check_relaxed
-from specexec.serving.queue import Delta, End, Failed, Finished, GenerationQueue, QueueFull, Ticket
+from specexec.serving.queue import End, Failed, GenerationQueue, QueueFull, Ticket
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -166,7 +169,20 @@ class Server:
 
     # ---------------------------------------------------------------- generation routes
     async def chat(self, request: Request) -> Response:
-        body = await self._body(request)
+        job = await self._chat_job(await self._body(request))
+        return await self._run(request, job)
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: the Responses request runs as the chat body it translates to."""
+        req = responses.read_request(await self._body(request))
+        try:
+            job = replace(await self._chat_job(req.chat), id=responses.new_id("resp"))
+        except api.ApiError as e:
+            raise responses.rename_error(e) from None
+        return await self._run(request, job, req)
+
+    async def _chat_job(self, body: dict) -> api.Job:
+        """A chat body checked, rendered through the chat template and tokenized, with its grammar."""
         options = api.parse_options(body, self.defaults, self.vocab_size)
         tok = self.runtime.tokenizer
         given = tools.parse_tools(body)                  # rendered even with "none": the model sees its tools
@@ -175,9 +191,8 @@ class Server:
         messages = chat_messages.parse_messages(body)
         ids = await self._tokenize(lambda: chat_messages.encode_chat(tok, messages, given and list(given.tools)))
         grammar = await self._tokenize(lambda: self._grammar(body, wanted, fmt))
-        job = api.make_job("chat", options, [ids], self.defaults, self.runtime.context, grammar=grammar,
-                           tool_format=fmt.name if fmt else None)
-        return await self._run(request, job)
+        return api.make_job("chat", options, [ids], self.defaults, self.runtime.context, grammar=grammar,
+                            tool_format=fmt.name if fmt else None)
 
     def _grammar(self, body: dict, wanted: tools.ToolRequest | None, fmt: tools.ToolFormat | None) -> str | None:
         """A forced tool call's grammar, else response_format's (checked; a 400 when llguidance refuses it)."""
@@ -208,7 +223,10 @@ class Server:
         job = api.make_job("text", options, ids, self.defaults, self.runtime.context, texts, grammar)
         return await self._run(request, job)
 
-    async def _run(self, request: Request, job: api.Job) -> Response:
+    async def _run(self, request: Request, job: api.Job, req: responses.ResponseRequest | None = None
+                   ) -> Response:
+        """Queue the job; its answer streamed or whole, in the chat/completions shape or (req) the Responses
+        API's."""
         if job.choices > self.settings.max_choices:
             raise api.ApiError(f"this request asks for {len(job.prompts)} prompt(s) x n {job.n} = {job.choices} "
                                f"choices; this server takes at most {self.settings.max_choices} per request "
@@ -224,19 +242,21 @@ class Server:
             ticket = self.queue.submit(job)
         except QueueFull as e:
             raise api.ApiError(str(e), code="queue_full", status=429, kind="server_error") from None
+        tok = self.runtime.tokenizer
         if job.stream:
-            return EventStream(self._stream(ticket, request), headers={"Cache-Control": "no-cache",
-                                                                       "X-Accel-Buffering": "no"})
+            shape = ResponseStream(req, job, tok) if req is not None else ChatStream(job, tok)
+            return EventStream(self._stream(ticket, request, shape), headers={"Cache-Control": "no-cache",
+                                                                              "X-Accel-Buffering": "no"})
         result = await self._collect(request, ticket)
         if result is None:                                  # the client is gone: nobody reads this
             return Response(status_code=499)
         choices, queue_ms = result
         request.state.tokens, request.state.queue_ms = sum(c.completion_tokens for c in choices), queue_ms
-        if job.tool_format is not None:
-            for c in choices:
-                split = tools.ToolStream(tools.by_name(job.tool_format))
-                split.text = c.text
-                c.text = self._parse_calls(c, split)
+        finish_choices(job, choices, tok)
+        if req is not None:
+            c = choices[0]
+            output = responses.output_items(c, job.logprobs is not None)
+            return JSONResponse(responses.response_object(req, job, output, responses.status_of(c), c, queue_ms))
         build = api.chat_response if job.kind == "chat" else api.completion_response
         return JSONResponse(build(job, choices, queue_ms))
 
@@ -250,61 +270,30 @@ class Server:
                     return choices, event.queue_ms
                 if isinstance(event, Failed):
                     raise api.ApiError(event.message, code="generation_failed", status=500, kind="server_error")
-                _apply(event, choices)
+                apply(event, choices)
             return None
         finally:
             gone.cancel()
             ticket.cancel()
 
-    def _parse_calls(self, c: api.Choice, split: tools.ToolStream) -> str:
-        """Split a finished choice's answer into content and tool_calls (finish_reason tool_calls when it has
-        some); -> the content `split` has not sent yet."""
-        rest, calls = split.finish(tools.answer_text(split.fmt, c.text, c.ids, self.runtime.tokenizer))
-        if calls:
-            c.tool_calls, c.finish_reason = tools.tool_calls(calls), "tool_calls"
-        return rest
-
-    async def _stream(self, ticket: Ticket, request: Request) -> AsyncIterator[bytes]:
-        """SSE chunks as the worker's events arrive; cancelling this iterator cancels the job (499 in the
-        access log)."""
-        job = ticket.job
-        choices = [api.Choice(i) for i in range(job.choices)]
+    async def _stream(self, ticket: Ticket, request: Request, shape: ChatStream | ResponseStream
+                      ) -> AsyncIterator[bytes]:
+        """SSE frames as the worker's events arrive, shaped by `shape`; cancelling this iterator cancels the job
+        (499 in the access log)."""
+        choices = [api.Choice(i) for i in range(ticket.job.choices)]
         event: Any = None
-        splits = ([tools.ToolStream(tools.by_name(job.tool_format)) for _ in choices]
-                  if job.tool_format is not None else None)
         try:
-            if job.kind == "chat":
-                for i in range(job.choices):
-                    yield api.sse(api.chunk(job, i, opening=True))
+            for frame in shape.opening():
+                yield frame
             while not isinstance(event := await ticket.events.get(), End):
-                if isinstance(event, Failed):
-                    yield api.sse(api.error_body(event.message, "server_error", code="generation_failed"))
-                    continue
-                _apply(event, choices)
-                if splits is None:
-                    yield api.sse(_chunk(job, event))
-                    continue
-                for piece in self._tool_chunks(job, event, choices[event.index], splits[event.index]):
-                    yield api.sse(piece)
-            if job.include_usage:
-                yield api.sse(api.usage_chunk(job, choices, event.queue_ms))
-            yield api.SSE_DONE
+                for frame in shape.on(event, choices):
+                    yield frame
+            for frame in shape.closing(event, choices):
+                yield frame
         finally:
             ticket.cancel()
             self._access(request, 200 if isinstance(event, End) else 499,
                          sum(c.completion_tokens for c in choices), getattr(event, "queue_ms", None))
-
-    def _tool_chunks(self, job: api.Job, event: Any, c: api.Choice, split: tools.ToolStream) -> list[dict]:
-        """A tool job's chunks for one event: content as far as no call can start, then at the end the rest,
-        every tool call whole, and the finish chunk."""
-        if isinstance(event, Delta):
-            new = split.feed(event.text)
-            return [api.chunk(job, event.index, new, logprobs=event.logprobs)] if new else []
-        rest = self._parse_calls(c, split)
-        out = [api.chunk(job, event.index, rest)] if rest else []
-        if c.tool_calls:
-            out.append(api.chunk(job, event.index, tool_calls=c.tool_calls))
-        return out + [api.chunk(job, event.index, None, c.finish_reason, event.stats)]
 
     # ---------------------------------------------------------------- other routes
     async def models(self, request: Request) -> Response:
@@ -331,24 +320,6 @@ class Server:
     def close(self) -> None:
         self.queue.close()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _apply(event: Any, choices: list[api.Choice]) -> None:
-    """Fold a Delta or Finished event into its choice."""
-    c = choices[event.index]
-    if isinstance(event, Delta):
-        c.text += event.text
-        c.logprobs += event.logprobs
-    elif isinstance(event, Finished):
-        c.finish_reason, c.prompt_tokens, c.ids = event.finish_reason, event.prompt_tokens, event.ids
-        c.completion_tokens, c.stats = event.completion_tokens, event.stats
-
-
-def _chunk(job: api.Job, event: Any) -> dict:
-    """The stream chunk of a Delta (new text) or Finished (finish reason and that choice's step stats)."""
-    if isinstance(event, Delta):
-        return api.chunk(job, event.index, event.text, logprobs=event.logprobs)
-    return api.chunk(job, event.index, None, event.finish_reason, event.stats)
 
 
 # name -> (type, help, snapshot key)
@@ -418,6 +389,7 @@ def build_app(runtime: Runtime, defaults: api.ServerDefaults, settings: ServeSet
         return Route(path, server.route(handler, path, guarded), methods=[method])
 
     routes = [route("/v1/chat/completions", server.chat, "POST"),
+              route("/v1/responses", server.responses, "POST"),
               route("/v1/completions", server.completions, "POST"),
               route("/v1/models", server.models, "GET"),
               route("/v1/models/{model_id:path}", server.model, "GET"),

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specexec.runtime.grammar import JSON_STYLE
-from specexec.serving.openai_api import ApiError
+from specexec.serving.openai_api import ApiError, Choice
 
 CHOICES = ("auto", "none", "required")
 
@@ -286,6 +286,15 @@ def answer_text(fmt: ToolFormat, text: str, ids: tuple[int, ...], tokenizer) -> 
     """What a whole answer is parsed from: its text, or its ids decoded with special tokens kept when the
     format writes its calls in them."""
     return tokenizer.decode(list(ids), skip_special_tokens=False) if fmt.special else text
+
+
+def finish_calls(c: Choice, split: "ToolStream", tokenizer) -> str:
+    """Split a finished choice's answer into content and tool_calls (finish_reason tool_calls when it has
+    some); -> the content `split` has not sent yet."""
+    rest, calls = split.finish(answer_text(split.fmt, c.text, c.ids, tokenizer))
+    if calls:
+        c.tool_calls, c.finish_reason = tool_calls(calls), "tool_calls"
+    return rest
 
 
 def new_call_id() -> str:
