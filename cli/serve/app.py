@@ -187,7 +187,7 @@ class Server:
         tok = self.runtime.tokenizer
         given = tools.parse_tools(body)                  # rendered even with "none": the model sees its tools
         wanted = given if given is not None and given.choice != "none" else None
-        fmt = tools.require_format(getattr(tok, "chat_template", None), wanted) if wanted else None
+        fmt = tools.require_format(getattr(tok, "chat_template", None)) if wanted else None
         messages = chat_messages.parse_messages(body)
         ids = await self._tokenize(lambda: chat_messages.encode_chat(tok, messages, given and list(given.tools)))
         grammar = await self._tokenize(lambda: self._grammar(body, wanted, fmt))

@@ -12,9 +12,9 @@ a JSON object {"name", "parameters"} after an optional <|python_tag|>), "mistral
 JSON array of {"name", "arguments"}, or name[ARGS]{...}), "glm" (GLM-4.5+: <tool_call>name then
 <arg_key>k</arg_key><arg_value>v</arg_value> pairs) and "harmony" (gpt-oss: to=functions.NAME ...
 <|message|>{args}<|call|>, read from the text with special tokens kept). With "required" or a named function,
-the JSON formats generate under a grammar whose arguments follow the function's schema (the grammar masks the
-draft and the target, specexec/constraint.py); glm and harmony are parsed only, so for them "required" and a
-named function are a 400.
+the answer is generated under a grammar of the format's envelope around the functions' argument schemas
+(specexec/serving/tool_grammars.py; it masks the draft and the target, specexec/constraint.py), so the call
+parses and its arguments validate.
 
 Does not know: HTTP, the engine, how the grammar is compiled (specexec/runtime/grammar.py).
 """
@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specexec.runtime.grammar import JSON_STYLE
+from specexec.serving import tool_grammars as grammars
 from specexec.serving.openai_api import ApiError, Choice
 
 CHOICES = ("auto", "none", "required")
@@ -133,7 +133,7 @@ class ToolFormat:
     marker: str
     start: str
     parse: Callable[[str], tuple[str, list[Call]]]
-    grammar: Callable[[list[dict], bool, Callable[[str], str]], str] | None = None
+    grammar: Callable[[list[dict], bool, Callable[[str], str]], str]
     special: tuple[str, ...] = field(default=())    # text the answer must keep special tokens for
 
 
@@ -199,7 +199,8 @@ def _parse_glm(text: str) -> tuple[str, list[Call]]:
         if not name.strip():
             return text, []
         calls.append((name.strip(), json.dumps({k.strip(): _glm_value(v) for k, v in pairs}, ensure_ascii=False)))
-    return re.sub(r"<tool_call>.*?(?:</tool_call>|$)", "", text, flags=re.S).strip(), calls
+    content = re.sub(r"<think>.*?(?:</think>|$)|<tool_call>.*?(?:</tool_call>|$)", "", text, flags=re.S)
+    return content.strip(), calls
 
 
 def _parse_harmony(text: str) -> tuple[str, list[Call]]:
@@ -210,37 +211,12 @@ def _parse_harmony(text: str) -> tuple[str, list[Call]]:
     return content, calls
 
 
-def _call_schema(functions: list[dict], key: str) -> dict:
-    """A JSON schema of one call to any of `functions`: {"name": const, key: its parameters}."""
-    options = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
-                "required": ["name", key], "additionalProperties": False} for f in functions]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_STYLE}                  # one line, as response_format's JSON
-
-
-def _hermes_grammar(functions: list[dict], parallel: bool, token: Callable[[str], str]) -> str:
-    call = f'{token("<tool_call>")} "\\n" %json {json.dumps(_call_schema(functions, "arguments"))} "\\n" ' \
-           f'{token("</tool_call>")}'
-    more = ' ("\\n" call)*' if parallel else ""
-    return f"start: call{more}\ncall: {call}\n"
-
-
-def _llama3_grammar(functions: list[dict], parallel: bool, token: Callable[[str], str]) -> str:
-    return f'start: %json {json.dumps(_call_schema(functions, "parameters"))}\n'
-
-
-def _mistral_grammar(functions: list[dict], parallel: bool, token: Callable[[str], str]) -> str:
-    schema = {"type": "array", "items": _call_schema(functions, "arguments"), "minItems": 1,
-              **({} if parallel else {"maxItems": 1})}
-    return f'start: {token("[TOOL_CALLS]")} " "? %json {json.dumps(schema)}\n'
-
-
 FORMATS = (
-    ToolFormat("glm", "<arg_key>", "<tool_call>", _parse_glm, special=("<tool_call>", "</tool_call>")),
-    ToolFormat("harmony", "<|channel|>", "<|start|>", _parse_harmony, special=("<|channel|>",)),
-    ToolFormat("hermes", "<tool_call>", "<tool_call>", _parse_hermes, _hermes_grammar),
-    ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", _parse_mistral, _mistral_grammar),
-    ToolFormat("llama3", "<|python_tag|>", "{", _parse_llama3, _llama3_grammar),
+    ToolFormat("glm", "<arg_key>", "<tool_call>", _parse_glm, grammars.glm, ("<tool_call>", "</tool_call>")),
+    ToolFormat("harmony", "<|channel|>", "<|start|>", _parse_harmony, grammars.harmony, ("<|channel|>",)),
+    ToolFormat("hermes", "<tool_call>", "<tool_call>", _parse_hermes, grammars.hermes),
+    ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", _parse_mistral, grammars.mistral),
+    ToolFormat("llama3", "<|python_tag|>", "{", _parse_llama3, grammars.llama3),
 )
 
 
@@ -251,17 +227,13 @@ def format_for(template: str | None) -> ToolFormat | None:
     return next((f for f in FORMATS if f.marker in template), None)
 
 
-def require_format(template: str | None, request: ToolRequest) -> ToolFormat:
-    """The format for a request with tools; a 400 when the template has none known, or cannot be forced."""
+def require_format(template: str | None) -> ToolFormat:
+    """The format for a request with tools; a 400 when the template has none known."""
     fmt = format_for(template)
     if fmt is None:
         raise ApiError("this model's chat template has no tool-call format specexec knows (hermes <tool_call>, "
                        "llama3 JSON, mistral [TOOL_CALLS], glm <arg_key>, gpt-oss harmony); send the request "
                        "without 'tools'", param="tools", code="unsupported_tool_format")
-    if request.forced and fmt.grammar is None:
-        raise ApiError(f"tool_choice {request.choice!r} needs a grammar for this model's {fmt.name} tool-call "
-                       "format, which specexec does not have; use 'auto'", param="tool_choice",
-                       code="unsupported_parameter")
     return fmt
 
 
@@ -283,9 +255,14 @@ def forced_grammar(fmt: ToolFormat, request: ToolRequest, tokenizer) -> str:
 
 
 def answer_text(fmt: ToolFormat, text: str, ids: tuple[int, ...], tokenizer) -> str:
-    """What a whole answer is parsed from: its text, or its ids decoded with special tokens kept when the
-    format writes its calls in them."""
-    return tokenizer.decode(list(ids), skip_special_tokens=False) if fmt.special else text
+    """What a whole answer is parsed from: its text, or its ids (less a final end-of-sequence token) decoded
+    with special tokens kept when the format writes its calls in them."""
+    if not fmt.special:
+        return text
+    ids = list(ids)
+    if ids and ids[-1] == getattr(tokenizer, "eos_token_id", None):      # the end, not part of a call
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def finish_calls(c: Choice, split: "ToolStream", tokenizer) -> str:
