@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import pytest
@@ -19,12 +18,10 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-from specexec.config import EngineConfig  # noqa: E402
-from specexec.runtime.assembly import Runtime  # noqa: E402
-from tests.serving.live_server import raw, served  # noqa: E402
-from tests.serving.tool_models import with_tool_template  # noqa: E402
+from tests.serving.live_server import raw  # noqa: E402
+from tests.serving.tool_models import TOOL_MODEL, TOOL_TOKENS  # noqa: E402
 
-MODEL, TOKENS = "tiny-responses", 160
+MODEL, TOKENS = TOOL_MODEL, TOOL_TOKENS
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}},
                           "required": ["city"], "additionalProperties": False}}
@@ -40,33 +37,10 @@ class Pet(pydantic.BaseModel):
     age: int = pydantic.Field(ge=0, le=99)
 
 
-@pytest.fixture(scope="module")
-def runtime(tiny_pair, tiny_perturbed_draft, tiny_root) -> Runtime:
-    target = with_tool_template(tiny_root / "pair-target-tools", tiny_pair[0])
-    draft = with_tool_template(tiny_root / "pair-draft-tools", tiny_perturbed_draft)
-    return Runtime.load(str(target), str(draft), EngineConfig(budget=16, dtype="float32", max_new_tokens=TOKENS))
-
-
-@pytest.fixture(scope="module")
-def server(runtime) -> Iterator[tuple[str, openai.OpenAI]]:
-    with served(runtime, MODEL, TOKENS) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def url(server) -> str:
-    return server[0]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return server[1]
-
-
-def test_text_equals_the_chat_answer_and_streams_as_events(client) -> None:
+def test_text_equals_the_chat_answer_and_streams_as_events(tool_client) -> None:
     kw = dict(model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=24)
-    r = client.responses.create(**kw)
-    chat = client.chat.completions.create(model=MODEL, max_tokens=24, messages=[
+    r = tool_client.responses.create(**kw)
+    chat = tool_client.chat.completions.create(model=MODEL, max_tokens=24, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
     assert r.id.startswith("resp_") and r.object == "response" and r.instructions == "Be brief."
     assert r.output_text == chat.choices[0].message.content
@@ -76,7 +50,7 @@ def test_text_equals_the_chat_answer_and_streams_as_events(client) -> None:
     assert r.status == want and (r.incomplete_details is not None) == (want == "incomplete")
     assert r.model_extra["specexec"]["steps"] >= 1
 
-    events = list(client.responses.create(stream=True, **kw))
+    events = list(tool_client.responses.create(stream=True, **kw))
     kinds = [e.type for e in events]
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert kinds == TEXT_EVENTS + ["response.output_text.delta"] * len(deltas) + TEXT_END + [f"response.{want}"]
@@ -85,18 +59,18 @@ def test_text_equals_the_chat_answer_and_streams_as_events(client) -> None:
     assert len({e.item_id for e in deltas}) == 1 and events[-1].response.id == events[0].response.id
 
 
-def test_the_sdk_stream_helper_accumulates_the_final_response(client) -> None:
-    with client.responses.stream(model=MODEL, input=[{"role": "user", "content": [
+def test_the_sdk_stream_helper_accumulates_the_final_response(tool_client) -> None:
+    with tool_client.responses.stream(model=MODEL, input=[{"role": "user", "content": [
             {"type": "input_text", "text": "Hello"}]}], max_output_tokens=TOKENS) as stream:
         texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == "".join(texts)
 
 
-def test_a_forced_call_round_trip_with_the_tool_output_fed_back(client) -> None:
+def test_a_forced_call_round_trip_with_the_tool_output_fed_back(tool_client) -> None:
     question = {"role": "user", "content": "What is the weather in Paris?"}
-    r = client.responses.create(model=MODEL, input=[question], tools=[WEATHER], tool_choice="required",
-                                parallel_tool_calls=False, max_output_tokens=TOKENS)
+    r = tool_client.responses.create(model=MODEL, input=[question], tools=[WEATHER], tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=TOKENS)
     calls = [item for item in r.output if item.type == "function_call"]
     assert r.status == "completed" and len(calls) == 1
     call = calls[0]
@@ -104,17 +78,17 @@ def test_a_forced_call_round_trip_with_the_tool_output_fed_back(client) -> None:
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
     fed = [question, call.model_dump(exclude_none=True),
            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
-    answer = client.responses.create(model=MODEL, input=fed, tools=[WEATHER], tool_choice="none",
-                                     max_output_tokens=8)
+    answer = tool_client.responses.create(model=MODEL, input=fed, tools=[WEATHER], tool_choice="none",
+                                          max_output_tokens=8)
     assert [item.type for item in answer.output] == ["message"] and answer.output_text
     assert answer.usage.input_tokens > r.usage.input_tokens           # the call and its output were rendered
 
 
-def test_a_named_call_streams_as_function_call_events(client) -> None:
+def test_a_named_call_streams_as_function_call_events(tool_client) -> None:
     kw = dict(model=MODEL, input="Weather?", tools=[WEATHER], max_output_tokens=TOKENS,
               tool_choice={"type": "function", "name": "get_weather"})
-    whole = [item for item in client.responses.create(**kw).output if item.type == "function_call"]
-    events = list(client.responses.create(stream=True, **kw))
+    whole = [item for item in tool_client.responses.create(**kw).output if item.type == "function_call"]
+    events = list(tool_client.responses.create(stream=True, **kw))
     assert [e.type for e in events] == ["response.created", "response.in_progress"] + CALL_EVENTS + \
         ["response.completed"]
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
@@ -123,24 +97,25 @@ def test_a_named_call_streams_as_function_call_events(client) -> None:
     assert [i.type for i in events[-1].response.output] == ["function_call"]
 
 
-def test_text_format_json_schema_parses_like_the_chat_endpoint(client) -> None:
-    r = client.responses.parse(model=MODEL, input="Describe a pet.", text_format=Pet, max_output_tokens=TOKENS)
-    chat = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe a pet."}],
+def test_text_format_json_schema_parses_like_the_chat_endpoint(tool_client) -> None:
+    client, question = tool_client, "Describe a pet."
+    r = client.responses.parse(model=MODEL, input=question, text_format=Pet, max_output_tokens=TOKENS)
+    chat = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": question}],
                                          response_format=Pet, max_tokens=TOKENS)
     assert isinstance(r.output_parsed, Pet) and r.output_parsed == chat.choices[0].message.parsed
     assert r.model_extra["specexec"]["choices"][0]["grammar"]["target_rows"] > 0
 
 
-def test_logprobs_come_with_the_include_flag(client) -> None:
+def test_logprobs_come_with_the_include_flag(tool_client) -> None:
     kw = dict(model=MODEL, input="Hello", max_output_tokens=6)
-    r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
-                                          logprobs=True, top_logprobs=2)
+    r = tool_client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    chat = tool_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                               max_tokens=6, logprobs=True, top_logprobs=2)
     got = r.output[0].content[0].logprobs
     want = chat.choices[0].logprobs.content
     assert [(g.token, round(g.logprob, 5)) for g in got] == [(w.token, round(w.logprob, 5)) for w in want]
     assert all(len(g.top_logprobs) == 2 for g in got)
-    assert client.responses.create(**kw).output[0].content[0].logprobs == []
+    assert tool_client.responses.create(**kw).output[0].content[0].logprobs == []
 
 
 @pytest.mark.parametrize("body,param", [
@@ -152,12 +127,12 @@ def test_logprobs_come_with_the_include_flag(client) -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format"),
     ({"input": "x", "model": "other"}, "model")])
-def test_bad_requests_name_the_responses_field(url, body: dict, param: str) -> None:
-    status, reply = raw(url, "POST", "/v1/responses", body)
+def test_bad_requests_name_the_responses_field(tool_url, body: dict, param: str) -> None:
+    status, reply = raw(tool_url, "POST", "/v1/responses", body)
     assert status in (400, 404) and reply["error"]["param"] == param, reply
 
 
-def test_the_openai_agents_sdk_runs_a_tool_agent_in_responses_mode(url) -> None:
+def test_the_openai_agents_sdk_runs_a_tool_agent_in_responses_mode(tool_url) -> None:
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     seen: list[str] = []
@@ -170,7 +145,7 @@ def test_the_openai_agents_sdk_runs_a_tool_agent_in_responses_mode(url) -> None:
 
     async def run() -> tuple[str, str]:
         model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-            base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120))
+            base_url=tool_url + "/v1", api_key="unused", max_retries=0, timeout=120))
         settings = agents.ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, max_tokens=TOKENS)
         agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
                              model=model, model_settings=settings, tool_use_behavior="stop_on_first_tool")

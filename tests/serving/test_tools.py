@@ -6,7 +6,6 @@ call the grammar forces."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import pytest
@@ -21,10 +20,10 @@ from specexec.config import EngineConfig, SamplingParams  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
 from specexec.serving import tools  # noqa: E402
 from specexec.serving.openai_api import ApiError, ServerDefaults  # noqa: E402
-from tests.serving.live_server import raw, running, served  # noqa: E402
-from tests.serving.tool_models import HERMES_TEMPLATE, with_tool_template  # noqa: E402
+from tests.serving.live_server import raw, running  # noqa: E402
+from tests.serving.tool_models import HERMES_TEMPLATE, TOOL_MODEL, TOOL_TOKENS  # noqa: E402
 
-MODEL, TOKENS = "tiny-tools", 160
+MODEL, TOKENS = TOOL_MODEL, TOOL_TOKENS
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}},
@@ -93,34 +92,10 @@ def test_bad_tool_requests(body: dict, param: str) -> None:
 
 # ------------------------------------------------------------------------------------------ live
 
-@pytest.fixture(scope="module")
-def runtime(tiny_pair, tiny_perturbed_draft, tiny_root) -> Runtime:
-    target = with_tool_template(tiny_root / "pair-target-tools", tiny_pair[0])
-    draft = with_tool_template(tiny_root / "pair-draft-tools", tiny_perturbed_draft)
-    return Runtime.load(str(target), str(draft),
-                        EngineConfig(budget=16, dtype="float32", max_new_tokens=TOKENS))
-
-
-@pytest.fixture(scope="module")
-def server(runtime) -> Iterator[tuple[str, openai.OpenAI]]:
-    with served(runtime, MODEL, TOKENS) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def url(server) -> str:
-    return server[0]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return server[1]
-
-
-def test_openai_round_trip_call_tool_message_answer(client) -> None:
+def test_openai_round_trip_call_tool_message_answer(tool_client) -> None:
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
-                                       tool_choice="required", parallel_tool_calls=False, max_tokens=TOKENS)
+    r = tool_client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                            tool_choice="required", parallel_tool_calls=False, max_tokens=TOKENS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
@@ -129,19 +104,19 @@ def test_openai_round_trip_call_tool_message_answer(client) -> None:
     assert (call.function.name, set(args)) in (("get_weather", {"city"}), ("get_time", {"zone"}))
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
-                                            tool_choice="none", max_tokens=8)
+    answer = tool_client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                                 tool_choice="none", max_tokens=8)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
     assert answer.usage.prompt_tokens > r.usage.prompt_tokens                 # the call and result were rendered
 
 
-def test_a_named_call_streams_as_tool_call_deltas(client) -> None:
+def test_a_named_call_streams_as_tool_call_deltas(tool_client) -> None:
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, TIME],
               tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=TOKENS)
-    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    whole = tool_client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     calls: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(stream=True, **kw):
+    for chunk in tool_client.chat.completions.create(stream=True, **kw):
         delta = chunk.choices[0].delta
         for d in delta.tool_calls or []:
             entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
@@ -161,7 +136,7 @@ def test_tools_on_a_template_without_a_known_format_are_one_400(tiny_pair, tiny_
     assert code == 400 and reply["error"]["code"] == "unsupported_tool_format"
 
 
-def test_the_openai_agents_sdk_runs_an_agent_through_a_forced_tool_call(url) -> None:
+def test_the_openai_agents_sdk_runs_an_agent_through_a_forced_tool_call(tool_url) -> None:
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     seen: list[str] = []
@@ -173,7 +148,7 @@ def test_the_openai_agents_sdk_runs_an_agent_through_a_forced_tool_call(url) -> 
         return f"It is sunny in {city}."
 
     model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-        base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120))
+        base_url=tool_url + "/v1", api_key="unused", max_retries=0, timeout=120))
     agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
                          model=model, model_settings=agents.ModelSettings(tool_choice="get_weather",
                                                                            max_tokens=TOKENS),

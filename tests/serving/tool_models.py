@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+TOOL_MODEL, TOOL_TOKENS = "tiny-tools", 160        # the served name and default max_tokens of conftest.tool_server
+
 HERMES_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|system|>\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n"
     "{% endfor %}</tools>\nCall a function as <tool_call>\n{\"name\": <name>, \"arguments\": <object>}\n"
