@@ -32,9 +32,9 @@ from specexec.serving import openai_api as api
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 PART_TYPES = ("input_text", "output_text", "text")
-# fields passed to the chat path unchanged (sampling, logit_bias, model)
+# fields passed to the chat path unchanged (sampling, logit_bias, model, the acceptance rule)
 PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "logit_bias", "stop")
+          "repetition_penalty", "logit_bias", "stop", "accept")
 # chat-path parameter names -> the Responses request's
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
