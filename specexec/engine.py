@@ -297,7 +297,7 @@ class Engine:
         come, a draft model prefills its own part (unless the gate is off). -> the draft's state (None: none)."""
         keep = target_cache.length
         if draft_cache is not None and self.feed is not None:
-            draft, on_rows = self.feed.start(prompt_ids, keep, draft_cache, self.prefill)
+            draft, on_rows = self.feed.start(prompt_ids, keep, draft_cache, self.prefill, target_cache)
             self.prefill(self.target, target_cache, prompt_ids[keep:-1], on_rows=on_rows)
             self.feed.finish_start(draft, prompt_ids)
             return draft

@@ -5,7 +5,8 @@ how their states reach it.
 - Prompt reuse (`reusable`): a drafter's row of token i + 1 reads the target's state at token i, so its rows lag
   the target's by one; both caches keep no more than the drafter holds, and the target recomputes at least its
   last row (the state before the root).
-- Prefill (`start`): the drafter's state for a prompt and the target prefill's row listener that feeds it chunk
+- Prefill (`start`): the target's cache handed to a drafter that attends to its K/V (Gemma 4's assistant), the
+  drafter's state for a prompt and the target prefill's row listener that feeds it chunk
   by chunk (each chunk's rows queue the tokens after them; the drafter catches up on all but the root). A
   one-token prompt has no state before its token: its root reads zeros and is never committed.
 - After verification (`states`): the drafter's input states at the accepted rows of the pass (the target's
@@ -46,10 +47,11 @@ class TargetFeed:
         """Tokens both caches keep of a prompt whose first `kept` the target holds."""
         return max(min(kept, drafter_rows, prompt_len - 2), 0)
 
-    def start(self, prompt_ids: list[int], keep: int, cache: KVCache, prefill: Prefill
+    def start(self, prompt_ids: list[int], keep: int, cache: KVCache, prefill: Prefill, target_cache: KVCache
               ) -> tuple[DraftState, RowListener]:
         """The drafter's state for `prompt_ids` (its cache holds the rows of tokens 1..keep) and the listener of
-        the target's prefill rows prompt[keep:-1]."""
+        the target's prefill rows prompt[keep:-1]; a drafter that attends to the target's K/V is handed its cache."""
+        self.drafter.attend_to(target_cache)
         draft = DraftState(self.drafter, cache)
 
         def on_rows(start: int, hidden: torch.Tensor) -> None:

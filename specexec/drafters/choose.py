@@ -13,7 +13,7 @@ import torch
 
 from specexec.checkpoints.loading import resolve_model_path
 from specexec.config import ModelArgs
-from specexec.drafters import eagle3, mtp
+from specexec.drafters import assistant, eagle3, mtp
 from specexec.drafters.load import drafter_params
 from specexec.network.drafter import Drafter, DrafterShape, build_drafter
 from specexec.planning.run_shape import DrafterSize
@@ -55,7 +55,7 @@ def choose(spec: str | None, t_path: Path, t_args: ModelArgs, allow_pickle: bool
     EAGLE-3 head is assumed to share the target's embedding."""
     parsed = drafter_spec(spec)
     if parsed is None:
-        return None
+        return _assistant(spec, t_args, allow_pickle, headers)
     kind, where = parsed
     if kind == eagle3.KIND:
         path = resolve_model_path(where)
@@ -77,11 +77,25 @@ def choose(spec: str | None, t_path: Path, t_args: ModelArgs, allow_pickle: bool
     return DrafterChoice(kind, t_path, args, shape, drafter_params(drafter, ("embed_tokens", "lm_head")))
 
 
+def _assistant(spec: str | None, t_args: ModelArgs, allow_pickle: bool, headers: bool) -> DrafterChoice | None:
+    """A Gemma 4 assistant named as a draft model's directory (its config.json says so), checked; else None."""
+    path = Path(spec) if spec else None
+    if path is None or not path.is_dir() or not assistant.is_assistant(path):
+        return None
+    if headers:
+        drafter, _, _ = assistant.layout(path, t_args, allow_pickle)
+    else:
+        drafter = assistant.build_assistant(*assistant.shape_of(path, t_args))
+    return DrafterChoice(assistant.KIND, path, drafter.args, drafter.shape, drafter_params(drafter))
+
+
 def load_drafter(choice: DrafterChoice, target: Transformer, dtype: torch.dtype, device: torch.device,
                  allow_pickle: bool = False) -> tuple[Drafter, int]:
     """The chosen drafter loaded for `target` and the parameters it holds itself (not the shared ones)."""
     if choice.kind == mtp.KIND:
         drafter = mtp.load_mtp(choice.path, target, dtype, device, allow_pickle)
+    elif choice.kind == assistant.KIND:
+        drafter = assistant.load_assistant(choice.path, target, dtype, device, allow_pickle)
     else:
         drafter = eagle3.load_eagle3(choice.path, choice.args, choice.shape, target, dtype, device, allow_pickle)
     shared = tuple(n for n in ("embed_tokens", "lm_head") if drafter._modules.get(n) is target._modules.get(n))

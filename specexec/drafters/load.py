@@ -19,7 +19,7 @@ from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer
 from specexec.options import ConfigError
 
-INDEX_BUFFERS = ("d2t",)        # integer buffers read as stored (long), never cast to the run dtype
+INDEX_BUFFERS = ("d2t", "token_ordering")       # integer buffers read as stored (long), never cast to the run dtype
 
 
 def expected(drafter: Drafter, shared: tuple[str, ...]) -> dict[str, tuple[int, ...]]:

@@ -38,7 +38,7 @@ from specexec.network.attention import TreeMask
 from specexec.network.model import Block, Transformer, on_meta, soft_cap
 from specexec.network.norms import RMSNorm
 
-STYLES = ("eagle3", "mtp")
+STYLES = ("eagle3", "mtp", "gemma4-assistant")   # the last: specexec/network/assistant.py
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,9 @@ class Drafter(Transformer):
             else:
                 self._modules.pop("lm_head", None)
                 self.embed_tokens = target.embed_tokens
+
+    def attend_to(self, cache: KVCache) -> None:
+        """The target's cache, for a drafter that attends to the target's K/V (this one keeps its own: no-op)."""
 
     def read_target(self, hidden: torch.Tensor, tapped: list[torch.Tensor] | None) -> torch.Tensor:
         """The target's states of some rows -> the drafter's input states [R, D]: hidden [R, D_t] (the target's

@@ -177,3 +177,43 @@ def write_qwen_mtp(src: Path, dest: Path, seed: int = 0) -> Path:
         f.unlink()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"))
     return dest
+
+
+def write_gemma4_assistant(dest: Path, target: Path, seed: int = 0, ordered: bool = False, dim: int = 48,
+                           n_layers: int = 3, **text: object) -> Path:
+    """A Gemma 4 assistant for the Gemma 4 checkpoint at `target`, written by transformers
+    (Gemma4AssistantForCausalLM, random weights with noise on every norm and layer scalar): `n_layers` layers of
+    width `dim`, sliding ones then a full one, the target's head sizes and window; ordered: the centroid head
+    (16 centroids, top 4, a random token order)."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    t = json.loads((target / "config.json").read_text())
+    t = t.get("text_config", t)
+    kinds = ["sliding_attention"] * (n_layers - 1) + ["full_attention"]
+    full = next((e for e in (t.get("per_layer_config") or {}).values() if isinstance(e, dict)), {})
+    t = {"global_head_dim": full.get("head_dim"), "num_global_key_value_heads": full.get("num_key_value_heads"),
+         **{k: v for k, v in t.items() if v is not None}}
+    text_cfg = Gemma4TextConfig(**{**dict(
+        vocab_size=t["vocab_size"], hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=n_layers,
+        num_attention_heads=4, num_key_value_heads=t["num_key_value_heads"], head_dim=t["head_dim"],
+        global_head_dim=t.get("global_head_dim"), num_global_key_value_heads=t.get("num_global_key_value_heads"),
+        attention_k_eq_v=t.get("attention_k_eq_v", False), sliding_window=t["sliding_window"], layer_types=kinds,
+        hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        num_kv_shared_layers=n_layers, max_position_embeddings=t["max_position_embeddings"],
+        final_logit_softcapping=None, tie_word_embeddings=True), **text})
+    cfg = Gemma4AssistantConfig(text_config=text_cfg, backbone_hidden_size=t["hidden_size"],
+                                use_ordered_embeddings=ordered, num_centroids=16, centroid_intermediate_top_k=4)
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(0.8)
+            elif name.endswith("token_ordering"):
+                b.copy_(torch.randperm(b.numel(), generator=g))
+    model.save_pretrained(dest)
+    return dest
