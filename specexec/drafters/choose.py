@@ -40,7 +40,7 @@ class DrafterChoice:
         """What the memory ledger counts of it (planning/run_shape.DrafterSize)."""
         moe = self.args.moe
         return DrafterSize(self.kind, self.params, len(self.shape.taps),
-                           moe.n_experts if moe is not None and moe.sparse(0) else 0)
+                           moe.n_experts if moe is not None and moe.sparse(0) else 0, self.kind != assistant.KIND)
 
     def plan_args(self, target: ModelArgs) -> ModelArgs:
         """Its decoder layer's args for the plan, with the target's context (its RoPE is relative)."""

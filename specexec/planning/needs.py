@@ -106,10 +106,12 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     if shape.draft is not None:
         draft_bytes, notes["draft weights"] = draft_weights(shape, shared)
         device.append(("draft weights", draft_bytes))
+        own = shape.drafter is None or shape.drafter.own_kv
         device.append(("draft KV cache", kv_bytes(shape.draft, d_slots, elem, shape.draft_quant_kv,
-                                                  nodes=shape.draft_scratch or 0)))
-        notes["draft KV cache"] = (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else \
-            "none: the builder drafts without it"
+                                                  nodes=shape.draft_scratch or 0) if own else 0))
+        notes["draft KV cache"] = ("none: it attends to the target's K/V" if not own else
+                                   (f"{d_slots} slots" + _draft_kv_note(shape)) if d_slots else
+                                   "none: the builder drafts without it")
     if shape.drafter is not None:
         device.append(("drafter states", drafter_states(shape)))
         notes["drafter states"] = (f"{shape.drafter.taps} tapped target layers x {shape.budget + 1} tree rows a pass, "
@@ -183,7 +185,7 @@ def draft_weights(shape: RunShape, shared: frozenset[int] = frozenset()) -> tupl
     if shape.drafter is not None:
         d = shape.drafter
         experts = f", all {d.experts} experts" if d.experts else ""
-        return d.params * shape.elem, (f"{d.kind}: 1 decoder layer{experts} {dtype_name(shape.dtype)}; what it "
+        return d.params * shape.elem, (f"{d.kind}: {shape.draft.n_layers} decoder layer(s){experts} {dtype_name(shape.dtype)}; what it "
                                        f"shares with the target is on the target's lines")
     sd = shape.self_draft
     if sd is None:

@@ -43,6 +43,7 @@ class DrafterSize:
     params: int
     taps: int = 0
     experts: int = 0
+    own_kv: bool = True          # False: it attends to the target's K/V (Gemma 4's assistant), no cache of its own
 
 
 @dataclass(frozen=True)

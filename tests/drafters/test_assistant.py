@@ -107,3 +107,10 @@ def test_an_assistant_that_does_not_fit_the_target_is_one_line(capsys, gemma4, t
                  "--cache-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "assistant" in err, err
+
+
+def test_plan_counts_its_layers_and_no_cache_of_its_own(capsys, gemma4, assistant) -> None:
+    assert main(["plan", "--model", str(gemma4), "--draft", str(assistant), "--gpu-memory", "24GB",
+                 "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma4-assistant: 3 decoder layer(s)" in out and "none: it attends to the target's K/V" in out, out

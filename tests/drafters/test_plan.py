@@ -68,7 +68,7 @@ def test_an_eagle3_head_counts_its_taps_per_tree_row(tmp_path) -> None:
 def test_plan_prints_the_drafters_lines(capsys) -> None:
     assert main(["plan", "--model", str(AIR), "--draft", "mtp", "--gpu-memory", "24GB", "--ram-budget", "64GB"]) == 0
     out = capsys.readouterr().out
-    assert "mtp: 1 decoder layer, all 128 experts" in out and "drafter states" in out
+    assert "mtp: 1 decoder layer(s), all 128 experts" in out and "drafter states" in out
     assert main(["plan", "--model", str(AIR), "--draft", "mtp", "--gpu-memory", "24GB", "--ram-budget", "64GB",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)
