@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from specexec.kv.cache import KVCache
+from specexec.network.model import one_graph
 
 SPAN = 2048                      # the smallest key-span step: a graph is reused until L0 + K crosses a step
 ENV = "SPECEXEC_CUDA_GRAPHS"
@@ -88,12 +89,7 @@ def runner(model: torch.nn.Module, cache: KVCache, flag: bool | None) -> "DraftG
 def capturable(model: torch.nn.Module) -> bool:
     """Whether the draft's forward can be one graph: no sliding-window layer, no routed (MoE) layer."""
     args = getattr(model, "args", None)
-    return args is None or capturable_args(args)
-
-
-def capturable_args(args) -> bool:
-    """capturable() from a model's ModelArgs alone (the planner's question: will a draft of this shape capture)."""
-    return not (any(kind.window for kind in args.layer_kinds) or args.moe is not None)
+    return args is None or one_graph(args)
 
 
 def key_span(L0: int, K: int, capacity: int) -> int:

@@ -341,6 +341,13 @@ class Transformer(nn.Module):
         return soft_cap(logits, self.args.logit_softcap)
 
 
+def one_graph(args: ModelArgs) -> bool:
+    """Whether a forward of this shape can be captured as one CUDA graph (builders/draft_graphs.py; the planner
+    counts such a draft's graph memory): no sliding-window layer (one dense span mask carries no window), no
+    routed layer (which experts run depends on each pass's routing)."""
+    return not (any(kind.window for kind in args.layer_kinds) or args.moe is not None)
+
+
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap * tanh(x / cap) (Gemma 2's logit soft-capping; x unchanged when cap is None)."""
     return x if cap is None else torch.tanh(x / cap) * cap

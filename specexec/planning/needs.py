@@ -43,11 +43,10 @@ import torch
 
 from offload.memory_plan import GB, Needs
 
-from specexec.builders.draft_graphs import capturable_args
 from specexec.config import PREFILL_CHUNK
 from specexec.kv.recurrent import STATE_COPIES, ring_rows
 from specexec.network.mixers import cache_bytes, fixed_layers, mixer_kind
-from specexec.network.model import LOGIT_CHUNK
+from specexec.network.model import LOGIT_CHUNK, one_graph
 from specexec.planning.experts import expert_parts
 from specexec.planning.hot_copy_sizes import copy_bytes, hot_json
 from specexec.planning.run_shape import RunShape, self_layer_ids
@@ -118,7 +117,7 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
                                    f"and its own state per tree node" if shape.drafter.taps else
                                    "its own state per tree node (it reads the target's output)")
     device.append(("activations", act))
-    if shape.device == "cuda" and shape.draft is not None and capturable_args(shape.draft):
+    if shape.device == "cuda" and shape.draft is not None and one_graph(shape.draft):
         rows = min(shape.budget + 1, DRAFT_ROWS)
         device.append(("draft graphs", CUBLAS_WORKSPACE + forward_bytes(shape.draft, rows, d_slots or shape.context,
                                                                           elem, shape.draft_fmt, "cuda", 0,
