@@ -4,7 +4,8 @@ runs out), every float field a finite number where the maths needs one (a norm e
 silent empty output), every token id an integer. One ConfigError line names the field, the value and the bound.
 
 The tables name HF's keys as config.json spells them, for every family; a key a config does not have, or holds
-as null, is left to the family's default. A nested text_config (multimodal checkpoints) is checked the same way.
+as null, is left to the family's default. A nested text_config (multimodal checkpoints) and the RoPE dictionaries
+(rope_parameters, rope_scaling, or one of them per layer kind) are checked the same way.
 
 Does not know: which family reads which key (families/), what the checkpoint's tensors hold (checked against
 config.json at load: specexec/checkpoints/loading.py).
@@ -45,6 +46,17 @@ FLOATS: dict[str, tuple[float, float, bool]] = {
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+ROPE_KEYS = ("rope_parameters", "rope_scaling")   # transformers 5's name, and the older one
+# key -> (lowest, highest, lowest excluded) inside a RoPE dictionary (besides rope_theta, partial_rotary_factor and
+# original_max_position_embeddings of the tables above): a factor of -2 had run, giving text of neither model
+ROPE_FLOATS: dict[str, tuple[float, float, bool]] = {
+    "factor": (0.0, 1e6, True), "low_freq_factor": (0.0, 1e6, True), "high_freq_factor": (0.0, 1e6, True),
+    "attention_factor": (0.0, 1e6, True), "beta_fast": (0.0, 1e6, True), "beta_slow": (0.0, 1e6, True),
+    "mscale": (0.0, 1e6, False), "mscale_all_dim": (0.0, 1e6, False),
+}
+ROPE_LISTS = ("short_factor", "long_factor")                   # LongRoPE's per-frequency factors
+
+
 def whole(value: Any) -> bool:
     """An integer (or a float with no fraction, as some writers store 4096.0); never a bool or a string."""
     if isinstance(value, bool):
@@ -52,29 +64,65 @@ def whole(value: Any) -> bool:
     return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer())
 
 
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_integer(where: str, key: str, value: Any, low: int, high: int) -> None:
+    """ConfigError unless `value` is a whole number in [low, high]."""
+    if not whole(value):
+        raise ConfigError(f"{where}: {key} must be a whole number, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigError(f"{where}: {key} {value!r} is outside [{low}, {high}]; is this a real model's config?")
+
+
+def check_float(where: str, key: str, value: Any, low: float, high: float, low_open: bool) -> None:
+    """ConfigError unless `value` is a finite number in [low, high] ((low, high] when `low_open`)."""
+    if not _finite(value):
+        raise ConfigError(f"{where}: {key} must be a finite number, got {value!r}")
+    if value > high or value < low or (low_open and value == low):
+        bound = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ConfigError(f"{where}: {key} {value!r} is outside {bound}; the model cannot compute with it")
+
+
+def _check_fields(cfg: dict[str, Any], where: str, integers: dict[str, tuple[int, int]],
+                  floats: dict[str, tuple[float, float, bool]]) -> None:
+    for key, (low, high) in integers.items():
+        if cfg.get(key) is not None:
+            check_integer(where, key, cfg[key], low, high)
+    for key, bounds in floats.items():
+        if cfg.get(key) is not None:
+            check_float(where, key, cfg[key], *bounds)
+
+
+def check_rope(rope: Any, where: str) -> None:
+    """A RoPE dictionary (rope_parameters / rope_scaling), or one per layer kind ({"full_attention": {...}}):
+    ConfigError for its first number outside its type or bound."""
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where} must be an object of RoPE settings, got {rope!r}")
+    for kind, nested in rope.items():
+        if isinstance(nested, dict):
+            check_rope(nested, f"{where} {kind}")
+    _check_fields(rope, where, {"original_max_position_embeddings": INTEGERS["original_max_position_embeddings"]},
+                  {**{k: FLOATS[k] for k in ("rope_theta", "partial_rotary_factor")}, **ROPE_FLOATS})
+    for key in ROPE_LISTS:
+        values = rope.get(key)
+        if values is not None and not (isinstance(values, list) and all(_finite(v) and v > 0 for v in values)):
+            raise ConfigError(f"{where}: {key} must be a list of positive numbers, got {str(values)[:80]}")
+
+
 def check_config_values(cfg: dict[str, Any], where: str = "config.json") -> None:
-    """ConfigError (one line) for the first number in `cfg` (and its text_config) outside its type or bound."""
-    for key, (low, high) in INTEGERS.items():
-        value = cfg.get(key)
-        if value is None:
-            continue
-        if not whole(value):
-            raise ConfigError(f"{where}: {key} must be a whole number, got {value!r}")
-        if not low <= value <= high:
-            raise ConfigError(f"{where}: {key} {value!r} is outside [{low}, {high}]; is this a real model's config?")
-    for key, (low, high, low_open) in FLOATS.items():
-        value = cfg.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}: {key} must be a finite number, got {value!r}")
-        if value > high or value < low or (low_open and value == low):
-            bound = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-            raise ConfigError(f"{where}: {key} {value!r} is outside {bound}; the model cannot compute with it")
+    """ConfigError (one line) for the first number in `cfg` (its RoPE dictionaries and text_config included)
+    outside its type or bound."""
+    _check_fields(cfg, where, INTEGERS, FLOATS)
     for key in TOKEN_IDS:
         value = cfg.get(key)
         ids = value if isinstance(value, list) else [value]
         if value is not None and not all(whole(i) and 0 <= i < 1 << 24 for i in ids if i is not None):
             raise ConfigError(f"{where}: {key} must be a token id (or a list of them), got {value!r}")
+    for key in ROPE_KEYS:
+        check_rope(cfg.get(key), f"{where} {key}")
     if isinstance(cfg.get("text_config"), dict):
         check_config_values(cfg["text_config"], f"{where} text_config")

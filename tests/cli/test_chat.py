@@ -241,6 +241,13 @@ def _answering(pexpect, target: Path, draft: Path, max_new: int):
     return child
 
 
+def _leave(pexpect, child) -> None:
+    """At the next prompt, /exit, and the session's end."""
+    child.expect_exact(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_a_terminal_returns_to_the_prompt(tiny_pair, tiny_perturbed_draft) -> None:
     pexpect = pytest.importorskip("pexpect")
@@ -252,9 +259,7 @@ def test_ctrl_c_in_a_terminal_returns_to_the_prompt(tiny_pair, tiny_perturbed_dr
         child.expect_exact(">>> ")
         child.sendline("/stats")
         child.expect_exact("profile of the last answer")
-        child.expect_exact(">>> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        _leave(pexpect, child)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
@@ -274,9 +279,7 @@ def test_text_typed_during_an_answer_is_held_for_the_next_prompt(tiny_pair, tiny
         assert "typed ahead" not in answer
         child.sendline("")
         child.expect_exact("tokens/pass")                       # and Enter sends it as the next message
-        child.expect_exact(">>> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        _leave(pexpect, child)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before

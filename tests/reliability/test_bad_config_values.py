@@ -54,6 +54,50 @@ def test_a_number_no_model_has_is_one_line_naming_the_field(case, tiny_llama, tm
     assert needle.lower() in str(info.value).lower() and "\n" not in str(info.value)
 
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+ROPE_CASES = {       # inside rope_parameters: a factor of -2 or an original context of 1e30 had run, rc 0, garbage
+    "factor -2": ({**LLAMA3, "factor": -2.0}, "rope_parameters: factor -2.0"),
+    "factor 0": ({**LLAMA3, "factor": 0}, "rope_parameters: factor 0"),
+    "factor NaN": ({**LLAMA3, "factor": math.nan}, "factor must be a finite number"),
+    "low_freq_factor 'x'": ({**LLAMA3, "low_freq_factor": "x"}, "low_freq_factor must be a finite number"),
+    "original context 1e30": ({**LLAMA3, "original_max_position_embeddings": 1e30},
+                              "original_max_position_embeddings"),
+    "rope_theta 'tiny'": ({**LLAMA3, "rope_theta": "tiny"}, "rope_theta must be a finite number"),
+    "not an object": ("x", "rope_parameters must be an object"),
+    "per layer kind": ({"full_attention": {**LLAMA3, "factor": -1.0}}, "rope_parameters full_attention: factor"),
+    "longrope list": ({"rope_type": "longrope", "short_factor": [1.0, -1.0]}, "short_factor must be a list"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_a_rope_setting_no_model_has_is_one_line_naming_it(case, tiny_llama, tmp_path) -> None:
+    rope, needle = ROPE_CASES[case]
+    path = _broken(tiny_llama, tmp_path / "m", "rope_parameters", rope)
+    with pytest.raises(ConfigError) as info:
+        read_args(path)
+    assert needle.lower() in str(info.value).lower() and "\n" not in str(info.value), str(info.value)
+
+
+def test_real_rope_settings_pass(tiny_llama, tmp_path) -> None:
+    """The bounds leave every real setting alone: Llama 3.1's, YaRN's, DeepSeek's mscale 0, one per layer kind."""
+    from specexec.families.config_values import check_rope
+
+    for rope in (LLAMA3, {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                          "mscale": 0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+                 {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, None):
+        check_rope(rope, "config.json rope_parameters")
+    assert read_args(_broken(tiny_llama, tmp_path / "m", "rope_parameters", LLAMA3)).n_layers == 2
+
+
+def test_a_negative_rope_factor_is_refused_by_generate(cli, cache_root, tiny_llama, tmp_path) -> None:
+    path = _broken(tiny_llama, tmp_path / "m", "rope_parameters", {**LLAMA3, "factor": -2.0})
+    assert_one_line_error(cli("generate", "--model", path, "--no-draft", "--prompt", "x", "--cache-dir", cache_root),
+                          "rope_parameters: factor -2.0")
+    assert_nothing_cached(cache_root)
+
+
 @pytest.mark.parametrize("command", ["generate", "plan"])
 def test_a_billion_layers_is_refused_at_once(command, cli, cache_root, tiny_llama, tmp_path) -> None:
     path = _broken(tiny_llama, tmp_path / "m", "num_hidden_layers", 1e9)
