@@ -23,6 +23,7 @@ from rich.console import Console
 
 from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sampling_args, apply_catalog_defaults,
                       engine_config, offload_config, print_plan, sampling_params)
+from offload.formats.bounded_read import MAX_BYTES, read_bytes, read_stream, too_large
 from specexec.config import EngineConfig, SamplingParams
 from cli.prefill_bar import prefill_bar
 from specexec.builders.registry import builder_needs_draft
@@ -76,7 +77,13 @@ def read_stdin(what: str = "stdin") -> str:
     stream = sys.stdin
     if stream is None:
         raise ConfigError(f"{what}: there is no standard input")
-    data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read().encode("utf-8", "surrogateescape")
+    if hasattr(stream, "buffer"):
+        data = read_stream(stream.buffer, what, ConfigError)         # `yes | ...` ends in one line, not all memory
+    else:
+        text = stream.read(MAX_BYTES + 1)
+        if len(text) > MAX_BYTES:
+            raise ConfigError(too_large(what, MAX_BYTES))
+        data = text.encode("utf-8", "surrogateescape")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -99,7 +106,9 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def _read_prompt_file(name: str) -> str:
     try:
-        return Path(name).read_text(encoding="utf-8")
+        return read_bytes(name, f"--prompt-file {name}", ConfigError).decode("utf-8")
+    except ConfigError:
+        raise
     except UnicodeDecodeError:
         raise ConfigError(f"--prompt-file {name} is not UTF-8 text") from None
     except (OSError, ValueError) as e:            # ValueError: a NUL byte in the path

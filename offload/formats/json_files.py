@@ -2,7 +2,8 @@
 tokenizer's config, a saved chat), so that whatever they hold ends in a value or one line: malformed text,
 invalid UTF-8, nesting deeper than Python's recursion (a 100k-deep array), an integer past Python's digit limit
 and a string that is not Unicode (a lone surrogate, which JSON's \\ud800 escape can write) are each refused with
-`error(what ...)`, never a traceback; a safetensors index must map tensor names to file names.
+`error(what ...)`, never a traceback; so is a device, a FIFO or a file past bounded_read.MAX_BYTES; a safetensors
+index must map tensor names to file names.
 
 Does not know: what a file means (its callers check the fields they read).
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from offload.formats.bounded_read import MAX_BYTES, read_bytes
 
 MAX_DEPTH = 512          # deeper nesting is no real config; Python's own decoder overflows near 1000 levels
 
@@ -36,9 +39,12 @@ def parse_json(data: str | bytes, what: str, error: type[Exception] = ValueError
     return value
 
 
-def read_json(path: Path, what: str | None = None, error: type[Exception] = ValueError) -> Any:
-    """parse_json of a file's bytes (OSError as raised: it names the file)."""
-    return parse_json(Path(path).read_bytes(), what or str(path), error)
+def read_json(path: Path, what: str | None = None, error: type[Exception] = ValueError,
+              limit: int = MAX_BYTES) -> Any:
+    """parse_json of a regular file's bytes, at most `limit` of them (bounded_read.read_bytes; OSError as
+    raised: it names the file)."""
+    what = what or str(path)
+    return parse_json(read_bytes(path, what, error, limit), what, error)
 
 
 def weight_map(index: Path, error: type[Exception] = ValueError) -> dict[str, str]:
