@@ -40,9 +40,23 @@ def load_tokenizer(path: Path):
                           "copy them from the original model")
     config = _named_class_config(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **({"config": config} if config else {}))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                  **({"config": config} if config else {}))
     except Exception as e:
         raise ConfigError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0]}") from None
+    return _quiet(tokenizer)
+
+
+LONG_TEXT_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def _quiet(tokenizer):
+    """The tokenizer without transformers' "Token indices sequence length is longer than the specified maximum"
+    (its model_max_length is often not the model's context): the context is checked here, in one line."""
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned[LONG_TEXT_WARNING] = True
+    return tokenizer
 
 
 def _named_class_config(path: Path):

@@ -85,3 +85,22 @@ def test_the_cli_prints_the_note_and_refuses_before_loading(tiny_pair, drafts, t
     assert main(args + ["--draft", str(tiny_mismatched_draft)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: draft and target tokenizers disagree: id 0")
+
+
+def test_a_text_longer_than_model_max_length_is_not_warned_about(tiny_pair) -> None:
+    """transformers' own line about a sequence over model_max_length (chat printed it before its one line on the
+    context) is not shown: the context is checked by the runtime."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        tok = load_tokenizer(tiny_pair[0])
+        ids = tok.encode("hello " * (tok.model_max_length + 10))
+    finally:
+        logger.removeHandler(handler)
+    assert len(ids) > tok.model_max_length
+    assert not [r for r in records if "longer than the specified maximum" in r.getMessage()]
