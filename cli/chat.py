@@ -32,7 +32,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TextIO
 
@@ -115,9 +115,12 @@ class ChatSession:
             if len(ids) + self.max_new_tokens <= self.runtime.context:
                 break
             if len(pending) <= 1:
-                raise ConfigError(f"this message is {len(ids)} tokens with the template; with max_new_tokens "
+                what = "this message and the system message are" if self.system else "this message is"
+                shorten = "shorten them (/system TEXT replaces it, /system - clears it)" if self.system \
+                    else "shorten it"
+                raise ConfigError(f"{what} {len(ids)} tokens with the template; with max_new_tokens "
                                   f"{self.max_new_tokens} it exceeds the context of {self.runtime.context} tokens; "
-                                  "shorten it or lower max_new_tokens (/set max_new_tokens N)")
+                                  f"{shorten} or lower max_new_tokens (/set max_new_tokens N)")
             pending = pending[2:]                     # one user + assistant pair, the oldest
             dropped += 1
         if dropped:
@@ -242,6 +245,9 @@ class ChatSession:
         if not value.strip():
             raise ConfigError(f"/set {name} needs a value, e.g. /set temperature 0.7")
         key = name.replace("-", "_")
+        sampling = [f.name for f in fields(self.sampling)]
+        if key not in ENGINE_SETTINGS and key not in sampling:      # every name /set takes, not the sampling's alone
+            raise ConfigError(f"unknown setting {name!r}; settable: {', '.join(sampling + list(ENGINE_SETTINGS))}")
         if key in ENGINE_SETTINGS:
             self._set_engine(key, value)
         else:

@@ -75,6 +75,8 @@ def test_set_changes_sampling_and_rejects_bad_values(runtime) -> None:
         assert chat.handle(bad) is True                       # the session goes on
         assert needle in screen.err.getvalue().splitlines()[-1], bad
         assert (chat.sampling, chat.max_new_tokens) == before
+    assert screen.err.getvalue().count("settable: ") == 1
+    assert "frequency_penalty, logit_bias, max_new_tokens, budget" in screen.err.getvalue()   # every name /set takes
     chat.handle("/set budget 4")
     assert chat.runtime.config.budget == 4 and chat.runtime.engine.builder is not None
     chat.handle("/set")
@@ -151,6 +153,17 @@ def test_history_outgrowing_the_context_drops_the_oldest_turns(runtime) -> None:
     chat.max_new_tokens = runtime.context - 2
     chat.handle("/retry")                                    # too long even alone: an error, the session lives
     assert "exceeds the context" in screen.err.getvalue().splitlines()[-1]
+
+
+def test_a_system_message_too_long_for_the_context_is_named(runtime) -> None:
+    """The system message counts toward the context: when it is what does not fit, the line says so and how to
+    replace it (it had said 'this message is N tokens' of a one-word message)."""
+    chat, screen = _session(runtime, max_new=4, system="word " * runtime.context)
+    assert chat.handle("hi") is True
+    line = " ".join(screen.err.getvalue().split())                   # the screen wraps long lines
+    assert "this message and the system message are" in line and "/system TEXT replaces it" in line, line
+    chat.handle("/system -")
+    assert chat.ask("hi").ids
 
 
 def test_read_message_multiline() -> None:
