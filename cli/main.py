@@ -27,6 +27,7 @@ from cli.bench import accept as bench_accept
 from cli.bench import relaxed as bench_relaxed
 from cli.bench.components import attention as bench_attention
 from cli.bench.components import decode as bench_decode
+from cli.bench.components import hybrid as bench_hybrid
 from cli.bench import builders as bench_builders
 from cli.bench.components import kernels as bench_kernels
 from cli.bench.components import moe as bench_moe
@@ -40,7 +41,7 @@ COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
 # A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench/main.py.
 BENCH_COMMANDS = (bench_builders, bench_accept, bench_relaxed, bench_stream, bench_attention, bench_kernels,
-                  bench_decode, bench_moe)
+                  bench_decode, bench_moe, bench_hybrid)
 
 
 class Parser(argparse.ArgumentParser):

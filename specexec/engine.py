@@ -299,6 +299,7 @@ class Engine:
         if draft_cache is not None and self.feed is not None:
             draft, on_rows = self.feed.start(prompt_ids, keep, draft_cache, self.prefill, target_cache)
             self.prefill(self.target, target_cache, prompt_ids[keep:-1], on_rows=on_rows)
+            target_cache.snapshot()                   # a recurrent state can return here (a later turn's prefix)
             self.feed.finish_start(draft, prompt_ids)
             return draft
         self.prefill(self.target, target_cache, prompt_ids[keep:-1])
@@ -455,14 +456,13 @@ class Engine:
         the observe stage)."""
         L = cache.length
         positions = tree.positions(L)
-        slots = torch.arange(L, L + tree.tokens.numel(), device=self.device)
         mask = TreeMask(L, tree.ancestor_mask())                 # the whole prefix + each node's ancestors
         if self._check_finite:                   # the generation's first pass: NaN/Inf named at their layer
             self._check_finite = False
-            hidden = checked_pass(self.target, lambda: self.target(tree.tokens[None], positions[None], mask, cache,
-                                                                   slots), self.target.args.n_layers)[0]
+            hidden = checked_pass(self.target, lambda: self.target(tree.tokens[None], positions[None], mask, cache),
+                                  self.target.args.n_layers)[0]
         else:
-            hidden = self.target(tree.tokens[None], positions[None], mask, cache, slots)[0]
+            hidden = self.target(tree.tokens[None], positions[None], mask, cache)[0]    # node i at slot L + i
         history, gen_from = self._histories(tree, L, sampling)
         allowed = (constraint.allowed(tree_paths(tree), self.target.args.vocab_size, self.device)
                    if constraint is not None else None)

@@ -33,7 +33,7 @@ SUMMARY = ('hybrids: Gated DeltaNet linear-attention layers (a recurrent state, 
            'docs/algorithms.md §30) with a gated full-attention layer every 4 (`layer_types` / '
            '`full_attention_interval`), q_proj\'s output gate, q/k norms, partial rotary, (1 + w) norms; the MoE ones '
            'a routed feed-forward with a shared expert behind a sigmoid gate; the multimodal checkpoints run their '
-           'text decoder; the MTP layer is left unread')
+           'text decoder; their MTP layer drafts with `--draft mtp`')
 ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",

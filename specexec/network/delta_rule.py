@@ -35,29 +35,32 @@ CHUNK = 64          # causal passes (prefill) are solved in chunks of this many 
 
 @dataclass
 class Columns:
-    """The K columns a pass's nodes may see, head-major: k [H, K, dk], u [H, K, dv], G [H, K] (decay summed from
-    the base), `new` bool [K] (columns this pass computes; their u is solved for)."""
+    """The K columns a pass's nodes may see, head-major: k [H, K, dk], G [H, K] (decay summed from the base),
+    u [H, K, dv] and `new` bool [K] (columns this pass computes, whose u is solved for; the others' u is known).
+    u and new None: every column is this pass's own (K = T, node i in column i)."""
 
     k: Tensor
-    u: Tensor
+    u: Tensor | None
     G: Tensor
-    new: Tensor
+    new: Tensor | None
 
 
 def tree_pass(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, S0: Tensor, seen: Tensor,
-              cols: Columns, at: Tensor) -> tuple[Tensor, Tensor]:
+              cols: Columns, at: Tensor | None) -> tuple[Tensor, Tensor]:
     """One pass over T nodes (parents before children) per head: q, k [H, T, dk], v [H, T, dv], beta and G
     [H, T] (fp32), S0 [H, dk, dv], seen bool [T, K] (each node's ancestors and itself among the columns), cols:
-    the columns, this pass's k and G already at `at` [T] (each node's own column). -> (o [H, T, dv], u [H, T, dv])."""
+    the columns, this pass's k and G already at `at` [T] (each node's own column; None: column i is node i).
+    -> (o [H, T, dv], u [H, T, dv])."""
     E = (G[:, :, None] - cols.G[:, None, :]).masked_fill(~seen, float("-inf")).exp()   # [H, T, K]
     EK = E * (k @ cols.k.transpose(-1, -2))                                          # decayed k_t . k_c
     start = torch.exp(G)[..., None]
-    old = (EK * ~cols.new).to(cols.u.dtype) @ cols.u
-    rhs = beta[..., None] * (v - start * (k @ S0) - old)
-    A = EK[:, :, at] * beta[..., None]
-    A = torch.tril(A, -1) + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    u = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    U = cols.u.index_copy(1, at, u)
+    rhs = v - start * (k @ S0)
+    if cols.u is not None:
+        rhs = rhs - (EK * ~cols.new).to(cols.u.dtype) @ cols.u
+    A = EK if at is None else EK[:, :, at]
+    A = torch.tril(A * beta[..., None], -1) + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    u = torch.linalg.solve_triangular(A, beta[..., None] * rhs, upper=False, unitriangular=True)
+    U = u if cols.u is None else cols.u.index_copy(1, at, u)
     o = start * (q @ S0) + (E * (q @ cols.k.transpose(-1, -2))) @ U
     return o, u
 
@@ -73,10 +76,8 @@ def causal_pass(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, S0: Te
         n = b - a
         G = g[:, a:b].cumsum(-1)
         tril = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        at = torch.arange(n, device=q.device)
-        cols = Columns(k[:, a:b], v.new_zeros(H, n, v.shape[-1]), G, torch.ones(n, dtype=torch.bool,
-                                                                                 device=q.device))
-        o, u = tree_pass(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b], G, S, tril, cols, at)
+        o, u = tree_pass(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b], G, S, tril, Columns(k[:, a:b], None, G, None),
+                         None)
         outs.append(o)
         S = advance_state(S, k[:, a:b], u, G)
     return torch.cat(outs, 1), S

@@ -20,7 +20,7 @@ ancestor mask, quantization (a quantized Linear is swapped in from outside).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,30 +36,47 @@ from specexec.network.norms import GatedRMSNorm
 L2_EPS = 1e-6
 
 
-@dataclass(frozen=True)
+@dataclass
 class TreePlan:
     """Which tokens each of a forward's T new tokens sees, for recurrent mixers: `prefix` committed slots, then
     `tree` bool [T, K] over the scratch slots [prefix, prefix + K) (each token's ancestors and itself; None: a
-    causal run over the T tokens), `positions` [T], `slots` [T] (where each token's scratch goes)."""
+    causal run over the T tokens), `positions` [T], `slots` [T] (where each token's scratch goes). `fresh`: the
+    tokens sit at slots prefix + 0 .. T - 1 (K = T), so no column of an earlier pass is seen. What every linear
+    layer of the forward derives alike (the convolution's taps) is kept in `memo`."""
 
     prefix: int
     tree: Tensor | None
     positions: Tensor
     slots: Tensor
+    fresh: bool
+    memo: dict = field(default_factory=dict)
+
+    def taps(self, pos: Tensor, kernel: int) -> Tensor:
+        """For the convolution's taps m = 1 .. kernel - 1 (the input m positions up a node's path): where each
+        node finds it [m, T], in the rows of the committed window ([0, kernel - 1), oldest first) followed by the
+        K columns (pos [K]: their positions): a column its mask row shows, else the window."""
+        if "taps" not in self.memo:
+            want = self.positions[None, :] - torch.arange(1, kernel, device=pos.device)[:, None]     # [m, T]
+            sel = self.tree[None] & (pos[None, None, :] == want[..., None])                          # [m, T, K]
+            window = (want - self.prefix + kernel - 1).clamp(0, kernel - 2)
+            column = sel.to(torch.int8).argmax(-1) + kernel - 1
+            self.memo["taps"] = torch.where(sel.any(-1), column, window)
+        return self.memo["taps"]
 
 
 def tree_plan(mask: TreeMask | Tensor | None, positions: Tensor, slots: Tensor | None) -> TreePlan:
     """The TreePlan of a forward (mask as Transformer.forward takes it; positions [B, T]: B > 1 only for a causal
-    pass without a cache); a dense mask is refused."""
+    pass without a cache; slots None: the default, consecutive from the prefix); a dense mask is refused."""
     if isinstance(mask, Tensor):
         raise ValueError("linear-attention layers need a TreeMask (which slots are ancestors), not a dense mask")
     tm = mask if mask is not None else TreeMask(0)
     if positions.shape[0] != 1 and (tm.tree is not None or tm.prefix):
         raise ValueError(f"linear-attention layers run one sequence over a cache, not a batch of {positions.shape[0]}")
     T = positions.shape[1]
+    fresh = slots is None and (tm.tree is None or tm.tree.shape[1] == T)
     if slots is None:
         slots = torch.arange(tm.prefix, tm.prefix + T, device=positions.device)
-    return TreePlan(tm.prefix, tm.tree, positions[0], slots)
+    return TreePlan(tm.prefix, tm.tree, positions[0], slots, fresh)
 
 
 def spec_of(args: ModelArgs) -> RecurrentSpec:
@@ -153,48 +170,43 @@ class GatedDeltaNet(nn.Module):
               j: int) -> Tensor:
         """A tree pass: each node from the committed state, its ancestors' scratch and its own inputs."""
         la, T = self.la, mixed.shape[0]
-        seen, P = plan.tree, plan.prefix
-        K, at, dev = seen.shape[1], plan.slots - P, mixed.device
-        if store is not None:
-            pos, k_c, u_c, g_c, G_c, x_c = store.columns(j, P, K)
-            window = store.window[j]
-        else:
-            pos, k_c = torch.full((K,), -1, dtype=torch.long, device=dev), mixed.new_zeros(K, la.k_heads, la.k_dim)
-            u_c, g_c = mixed.new_zeros(K, la.v_heads, la.v_dim).float(), mixed.new_zeros(K, la.v_heads).float()
-            G_c, x_c = g_c.clone(), mixed.new_zeros(K, la.conv_dim)
-            window = mixed.new_zeros(la.conv_dim, la.conv_kernel - 1)
-        pos = pos.index_copy(0, at, plan.positions)
-        x_c = x_c.to(mixed.dtype).index_copy(0, at, mixed)
-        conv = F.silu(self._tree_conv(mixed, x_c, pos, seen, plan.positions, window.to(mixed.dtype), P))
-        q, k, v = self.heads(conv)
-        g_c = g_c.index_copy(0, at, g.transpose(0, 1))
-        G = (seen.float() @ g_c).transpose(0, 1)                                       # [Hv, T]
-        G_c = G_c.index_copy(0, at, G.transpose(0, 1))
+        seen, P, dev = plan.tree, plan.prefix, mixed.device
         r = la.v_heads // la.k_heads
+        if plan.fresh:                                  # every column is this pass's: nothing to gather
+            at, pos, x_c, g_c = None, plan.positions, mixed, g.transpose(0, 1)
+        else:
+            at = plan.slots - P
+            pos, k_c, u_c, g_c, G_c, x_c = store.columns(j, P, seen.shape[1])
+            pos = pos.index_copy(0, at, plan.positions)
+            x_c = x_c.to(mixed.dtype).index_copy(0, at, mixed)
+            g_c = g_c.index_copy(0, at, g.transpose(0, 1))
+        window = store.window[j] if store is not None else mixed.new_zeros(la.conv_dim, la.conv_kernel - 1)
+        conv = F.silu(self._tree_conv(mixed, x_c, plan.taps(pos, la.conv_kernel), window.to(mixed.dtype)))
+        q, k, v = self.heads(conv)
+        G = (seen.float() @ g_c).transpose(0, 1)                                       # [Hv, T]
         k_own = k[::r].transpose(0, 1)                                                 # [T, Hk, dk]
-        k_c = k_c.index_copy(0, at, k_own).repeat_interleave(r, dim=1).transpose(0, 1)
-        new = torch.zeros(K, dtype=torch.bool, device=dev).index_fill_(0, at, True)
         S0 = store.state[j] if store is not None else q.new_zeros(la.v_heads, la.k_dim, la.v_dim)
-        cols = Columns(k_c, u_c.transpose(0, 1), G_c.transpose(0, 1), new)
+        if at is None:
+            cols = Columns(k, None, G, None)
+        else:
+            k_c = k_c.index_copy(0, at, k_own).repeat_interleave(r, dim=1).transpose(0, 1)
+            new = torch.zeros(seen.shape[1], dtype=torch.bool, device=dev).index_fill_(0, at, True)
+            cols = Columns(k_c, u_c.transpose(0, 1), G_c.index_copy(0, at, G.transpose(0, 1)).transpose(0, 1), new)
         o, u = tree_pass(q, k, v, beta, G, S0, seen, cols, at)
         if store is not None:
             store.write(j, plan.slots, plan.positions, k_own, u.transpose(0, 1), g.transpose(0, 1),
                         G.transpose(0, 1), mixed)
         return o
 
-    def _tree_conv(self, mixed: Tensor, x_c: Tensor, pos: Tensor, seen: Tensor, positions: Tensor, window: Tensor,
-                   prefix: int) -> Tensor:
+    def _tree_conv(self, mixed: Tensor, x_c: Tensor, taps: Tensor, window: Tensor) -> Tensor:
         """The convolution of each node over its path: tap m reads the input of the ancestor m positions up
-        (a column its mask row shows, found by position) or, above the scratch, the committed window."""
-        taps = self.la.conv_kernel
+        (a column its mask row shows) or, above the scratch, the committed window (TreePlan.taps)."""
+        kernel = self.la.conv_kernel
         w = self._weight()
-        out = mixed * w[:, taps - 1]
-        for m in range(1, taps):
-            want = positions - m
-            sel = seen & (pos[None, :] == want[:, None])
-            from_cols = x_c[sel.to(torch.int8).argmax(1)]
-            from_window = window[:, (want - prefix + taps - 1).clamp(0, taps - 2)].transpose(0, 1)
-            out = out + torch.where(sel.any(1)[:, None], from_cols, from_window) * w[:, taps - 1 - m]
+        source = torch.cat([window.transpose(0, 1), x_c])                              # [kernel - 1 + K, conv_dim]
+        out = mixed * w[:, kernel - 1]
+        for m in range(1, kernel):
+            out = out + source[taps[m - 1]] * w[:, kernel - 1 - m]
         return out
 
 

@@ -252,8 +252,6 @@ class Transformer(nn.Module):
         (causal, no cache); slots [T]: where each token's K/V goes (default cache.length + arange(T)). Returns
         hidden [B, T, D] after the final norm. Cache length is NOT advanced here: commit with cache.keep()."""
         if cache is not None:
-            if slots is None:
-                slots = torch.arange(cache.length, cache.length + tokens.shape[1], device=tokens.device)
             if mask is None:
                 raise ValueError("a cached forward needs an explicit mask over the cache slots")
         elif isinstance(mask, TreeMask) and mask.prefix:
@@ -276,14 +274,16 @@ class Transformer(nn.Module):
         (builders/draft_graphs.py: an embedding may live on the host). With Execution.taps the input of each tapped
         layer (tap n_layers: the last layer's output, before the norm) is kept in `tapped`, in layer order
         (each [B, T, D]), and the whole-stack fast path steps aside."""
+        tree = tree_plan(mask, positions, slots) if has_tree_plans(self.args) else None   # before: slots None
         if cache is not None:
             cache.begin_forward()
+            if slots is None:
+                slots = torch.arange(cache.length, cache.length + x.shape[1], device=x.device)
         kinds = self.args.layer_kinds
         long = self.long_rope(positions, cache)
         ropes = {rope: self.rope(positions, x.dtype, "long" if long and rope == "global" else rope)
                  for rope in {k.rope for k in kinds}}
         plans = self.attention_plans(mask, positions, x.dtype)
-        tree = tree_plan(mask, positions, slots) if has_tree_plans(self.args) else None
         run = self.execution
         if run.routing is not None:
             run.routing.begin()
@@ -344,8 +344,9 @@ class Transformer(nn.Module):
 def one_graph(args: ModelArgs) -> bool:
     """Whether a forward of this shape can be captured as one CUDA graph (builders/draft_graphs.py; the planner
     counts such a draft's graph memory): no sliding-window layer (one dense span mask carries no window), no
-    routed layer (which experts run depends on each pass's routing)."""
-    return not (any(kind.window for kind in args.layer_kinds) or args.moe is not None)
+    routed layer (which experts run depends on each pass's routing), no layer whose mixer reads the tree itself
+    (a recurrent state's scratch is found by slot, and a dense span mask is not a tree)."""
+    return not (any(kind.window for kind in args.layer_kinds) or args.moe is not None or has_tree_plans(args))
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

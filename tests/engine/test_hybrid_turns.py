@@ -48,3 +48,32 @@ def test_turns_reuse_what_a_state_can_and_stay_exact(runtime: Runtime) -> None:
     a3, reused = turn(rt, edited)                                 # an early edit: nothing of the state fits
     assert reused == 0
     assert a2 == fresh(rt, p2) and a3 == fresh(rt, edited)
+
+
+@pytest.fixture(scope="module")
+def mtp_runtime(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Runtime:
+    """A tiny Qwen3-Next drafting with its own MTP layer (what chat picks for a checkpoint that has one)."""
+    from tests.drafters.drafter_writer import write_qwen_mtp
+    from tests.tiny_models import hybrid_model
+    target = write_qwen_mtp(hybrid_model(tiny_root, "qwen3_next"), tmp_path_factory.mktemp("turns-mtp") / "next")
+    return Runtime.load(str(target), "mtp", EngineConfig(budget=8, max_new_tokens=N_NEW),
+                        offload=OffloadConfig(offload="none", quant="none",
+                                              cache_dir=str(tmp_path_factory.mktemp("turns-mtp-cache"))))
+
+
+def test_turns_with_a_drafter_reuse_the_state_and_stay_exact(mtp_runtime: Runtime) -> None:
+    """A drafter's rows lag the target's by one, so a turn keeps at most all but its last prompt token; the next
+    turn still reuses the whole first one (a point inside the latest commit), and a turn that leaves the last
+    answer early returns to the snapshot at the end of the last prompt."""
+    rt = mtp_runtime
+    p1 = rt.encode("The quick brown fox")
+    rt.engine.reset()
+    a1, reused = turn(rt, p1)
+    assert reused == 0
+    p2 = p1 + a1 + rt.encode("jumps over")[1:]
+    a2, reused = turn(rt, p2)
+    assert reused >= len(p1) + len(a1) - 2
+    p3 = p2 + a2[:1] + rt.encode("lazy dog")[1:]                # leaves the answer after its first token
+    a3, reused = turn(rt, p3)
+    assert reused == len(p2) - 1
+    assert a2 == fresh(rt, p2) and a3 == fresh(rt, p3)

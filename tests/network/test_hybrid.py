@@ -228,6 +228,15 @@ def test_every_builder_is_exact(name: str, tiny_root: Path, cache_root: Path) ->
             assert got == want, f"{builder}, offload={offload}"
 
 
+def test_a_hybrid_draft_is_never_captured_in_a_cuda_graph(tiny_qwen3_5: Path) -> None:
+    """Its linear layers find their scratch by slot and read the tree's ancestor mask, which a captured pass
+    over a dense span mask would not give them: the draft runs eagerly (graphs exist on CUDA only)."""
+    from specexec.builders.draft_graphs import capturable
+    from specexec.network.model import one_graph
+    model = load_model(tiny_qwen3_5)
+    assert not capturable(model) and not one_graph(model.args)
+
+
 @pytest.mark.parametrize("arch, kind", [("JambaForCausalLM", "Mamba"), ("FalconH1ForCausalLM", "Mamba-2"),
                                         ("NemotronHForCausalLM", "Mamba-2"), ("GraniteMoeHybridForCausalLM", "Mamba-2"),
                                         ("Lfm2ForCausalLM", "short-convolution"),
