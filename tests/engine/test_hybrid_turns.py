@@ -33,15 +33,21 @@ def fresh(rt: Runtime, ids: list[int]) -> list[int]:
     return turn(rt, ids)[0]
 
 
-def test_turns_reuse_what_a_state_can_and_stay_exact(runtime: Runtime) -> None:
-    rt = runtime
+def two_turns(rt: Runtime, lag: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A first turn from nothing and a second that reuses all of it but `lag` tokens: (p1, a1, p2, a2)."""
     p1 = rt.encode("The quick brown fox")
     rt.engine.reset()
     a1, reused = turn(rt, p1)
     assert reused == 0
     p2 = p1 + a1 + rt.encode("jumps over")[1:]
     a2, reused = turn(rt, p2)
-    assert reused >= len(p1) + len(a1) - 1                        # the whole first turn
+    assert reused >= len(p1) + len(a1) - lag
+    return p1, a1, p2, a2
+
+
+def test_turns_reuse_what_a_state_can_and_stay_exact(runtime: Runtime) -> None:
+    rt = runtime
+    p1, _, p2, a2 = two_turns(rt, 1)                              # the whole first turn
     retry, reused = turn(rt, p2)                                  # the same prompt again: the snapshot
     assert reused == len(p2) - 1 and retry == a2
     edited = p1[:3] + rt.encode("lazy dog")[1:]
@@ -66,13 +72,7 @@ def test_turns_with_a_drafter_reuse_the_state_and_stay_exact(mtp_runtime: Runtim
     turn still reuses the whole first one (a point inside the latest commit), and a turn that leaves the last
     answer early returns to the snapshot at the end of the last prompt."""
     rt = mtp_runtime
-    p1 = rt.encode("The quick brown fox")
-    rt.engine.reset()
-    a1, reused = turn(rt, p1)
-    assert reused == 0
-    p2 = p1 + a1 + rt.encode("jumps over")[1:]
-    a2, reused = turn(rt, p2)
-    assert reused >= len(p1) + len(a1) - 2
+    _, _, p2, a2 = two_turns(rt, 2)
     p3 = p2 + a2[:1] + rt.encode("lazy dog")[1:]                # leaves the answer after its first token
     a3, reused = turn(rt, p3)
     assert reused == len(p2) - 1
