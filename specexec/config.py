@@ -13,154 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from specexec.layer_shapes import (  # noqa: F401  (re-exported: the configs' one import)
+    EXPERT_ACTIVATIONS, LAYER_TYPES, LINEAR_LAYOUTS, MLP_ACTS, ROUTERS, LatentArgs, LayerKind, LinearArgs, MoEArgs)
 from specexec.options import (
     DTYPES, MAX_BUDGET, RELAXED_DELTA, RELAXED_K, ConfigError, check_accept, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
     check_experts, choice_error, parse_accept, parse_draft_layers, parse_size)
-
-
-ROUTERS = ("softmax", "topk_softmax", "sigmoid")
-EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
-
-
-@dataclass(frozen=True)
-class MoEArgs:
-    """The sparse feed-forward of a mixture-of-experts decoder (None in ModelArgs for a dense one); the maths is
-    specexec/network/moe.py.
-
-    Each token's router (a [n_experts, dim] linear, with a bias when `router_bias`) scores every expert and
-    keeps the `top_k` best; `router` says how scores become weights: "softmax" (softmax over all experts, then
-    the top k; renormalised to sum to 1 when `norm_topk_prob`: Mixtral, Qwen3-MoE, OLMoE), "topk_softmax" (the
-    top k logits, then a softmax over those k: gpt-oss), "sigmoid" (sigmoid of each logit, then the top k;
-    renormalised when `norm_topk_prob`). The token's output is the weighted sum of its experts' outputs, times
-    `routed_scale` (routed_scaling_factor). A sigmoid router may choose with biased scores: with `score_bias`
-    (e_score_correction_bias, a learned [n_experts] vector) the top k are chosen by sigmoid + bias while the
-    weights stay the unbiased sigmoids (GLM-4.5, MiniMax-M2, DeepSeek-V3). Group-limited routing (`n_group` > 1)
-    splits the experts into n_group equal groups, scores each group by the sum of its two best (biased) scores,
-    and lets a row choose only among the experts of its `topk_group` best groups. `router_fp32`: the router's
-    logits are computed in fp32 whatever the run dtype (the families that keep the router in fp32).
-    Each expert is a gated MLP of `expert_dim` (biases when `expert_bias`) whose activation is "silu"
-    (silu(gate) * up) or "clamped_swiglu" (gpt-oss: gate clamped above at `swiglu_limit`, up clamped to
-    +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)). `shared_dim` > 0 adds one shared expert of
-    that width that every token runs (silu, no biases), scaled by sigmoid of a [1, dim] gate when
-    `shared_gate` (Qwen2-MoE). Layers in `dense_layers` have a plain MLP of ModelArgs.intermediate_size instead."""
-
-    n_experts: int
-    top_k: int
-    expert_dim: int                      # each expert's intermediate size (moe_intermediate_size)
-    norm_topk_prob: bool = True
-    router: str = "softmax"              # one of ROUTERS
-    router_bias: bool = False            # the router linear carries a bias
-    expert_bias: bool = False            # every expert's gate/up/down projections carry biases
-    activation: str = "silu"             # one of EXPERT_ACTIVATIONS
-    swiglu_alpha: float = 1.702          # clamped_swiglu only
-    swiglu_limit: float = 7.0            # clamped_swiglu only
-    shared_dim: int = 0                  # the shared expert's intermediate size (0: none)
-    shared_gate: bool = False            # the shared expert's output is scaled by sigmoid(x @ gate.T)
-    dense_layers: tuple[int, ...] = ()   # decoder layers whose feed-forward is a dense MLP
-    score_bias: bool = False             # sigmoid router: choose by sigmoid + e_score_correction_bias
-    n_group: int = 1                     # group-limited routing: the experts in n_group equal groups ...
-    topk_group: int = 1                  # ... of which each row may use its topk_group best
-    routed_scale: float = 1.0            # the routed experts' weighted sum times this (routed_scaling_factor)
-    router_fp32: bool = False            # router logits in fp32 whatever the run dtype
-
-    def __post_init__(self) -> None:
-        check_integer("n_experts", self.n_experts, low=1, high=1 << 16)
-        check_integer("n_group", self.n_group, low=1, high=self.n_experts)
-        check_integer("topk_group", self.topk_group, low=1, high=self.n_group)
-        if self.n_experts % self.n_group:
-            raise ConfigError(f"{self.n_experts} experts do not split into n_group {self.n_group} equal groups")
-        check_integer("top_k", self.top_k, low=1, high=self.n_experts // self.n_group * self.topk_group)
-        if self.n_group > 1 and self.n_experts // self.n_group < 2:
-            raise ConfigError(f"group-limited routing scores a group by its two best experts; n_group "
-                              f"{self.n_group} leaves {self.n_experts // self.n_group} per group")
-        if self.score_bias and self.router != "sigmoid":
-            raise ConfigError(f"a routing score bias needs the sigmoid router, not {self.router!r}")
-        check_number("routed_scale", self.routed_scale, low=0.0, high=1e6, low_open=True)
-        check_integer("expert_dim", self.expert_dim, low=1, high=1 << 20)
-        check_integer("shared_dim", self.shared_dim, low=0, high=1 << 20)
-        check_choice("router", self.router, ROUTERS)
-        check_choice("expert activation", self.activation, EXPERT_ACTIVATIONS)
-        check_number("swiglu_limit", self.swiglu_limit, low=0.0, high=1e6, low_open=True)
-        check_number("swiglu_alpha", self.swiglu_alpha, low=-1e6, high=1e6)
-
-    def sparse(self, layer: int) -> bool:
-        """Whether decoder layer `layer` has the sparse (routed) feed-forward."""
-        return layer not in self.dense_layers
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")  # specexec runs
-LINEAR_LAYOUTS = ("qkvz", "split")
-
-
-@dataclass(frozen=True)
-class LinearArgs:
-    """The linear-attention (Gated DeltaNet) layers of a hybrid decoder (None in ModelArgs when it has none); the
-    maths is specexec/network/linear_attention.py, its state per tree branch specexec/kv/recurrent.py.
-
-    `k_heads` query/key heads of `k_dim` and `v_heads` value heads of `v_dim` (each key head serves
-    v_heads // k_heads consecutive value heads); a causal depthwise convolution of `conv_kernel` taps over the
-    concatenated q, k, v. `layout` says how the input projections are stored: "qkvz" (Qwen3-Next: in_proj_qkvz
-    and in_proj_ba, grouped per key head) or "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
-
-    k_heads: int
-    v_heads: int
-    k_dim: int
-    v_dim: int
-    conv_kernel: int = 4
-    layout: str = "split"
-
-    def __post_init__(self) -> None:
-        for name in ("k_heads", "v_heads", "k_dim", "v_dim"):
-            check_integer(name, getattr(self, name), low=1, high=1 << 16)
-        check_integer("conv_kernel", self.conv_kernel, low=1, high=64)
-        check_choice("linear-attention layout", self.layout, LINEAR_LAYOUTS)
-        if self.v_heads % self.k_heads:
-            raise ConfigError(f"{self.v_heads} value heads do not divide into {self.k_heads} key heads")
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the convolution: q and k (k_heads x k_dim each) and v (v_heads x v_dim)."""
-        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
-
-
-@dataclass(frozen=True)
-class LatentArgs:
-    """Multi-head latent attention (MLA: DeepSeek-V2/V3/R1, Kimi-K2; specexec/network/latent.py), the token mixer of
-    "latent_attention" layers. Each token's keys and values of all heads come from one latent: c = RMSNorm(x
-    W_kv_a)[:kv_rank] expanded per head by kv_b_proj into `nope_dim` key and `v_dim` value dimensions, plus one
-    shared `rope_dim` key part that carries the position (RoPE, pairs interleaved when `interleaved`). The query
-    is x W_q, or low-rank x W_q_a -> RMSNorm -> W_q_b when `q_rank` is set; its nope_dim part meets the keys'
-    expanded part, its rope_dim part the shared rotary key. The cache holds the latent and the rotary key,
-    kv_rank + rope_dim values per token and layer (ModelArgs.head_dim, one KV head, one row read as both key
-    and value). `norm_eps`: the two low-rank RMSNorms' epsilon (transformers keeps them at 1e-6 whatever the
-    model's norm_eps)."""
-
-    kv_rank: int                 # kv_lora_rank
-    rope_dim: int                # qk_rope_head_dim
-    nope_dim: int                # qk_nope_head_dim
-    v_dim: int                   # v_head_dim
-    q_rank: int | None = None    # q_lora_rank (None: a full-rank q_proj)
-    interleaved: bool = True     # rope_interleave: the rotary pairs are (0, 1), (2, 3), ... in the weights
-    norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        for name in ("kv_rank", "rope_dim", "nope_dim", "v_dim"):
-            check_integer(name, getattr(self, name), low=1, high=1 << 16)
-        if self.rope_dim % 2:
-            raise ConfigError(f"qk_rope_head_dim {self.rope_dim} must be even")
-        if self.q_rank is not None:
-            check_integer("q_lora_rank", self.q_rank, low=1, high=1 << 16)
-MLP_ACTS = ("silu", "gelu_tanh", "gelu")      # the MLP gate's activations (HF: silu, gelu_pytorch_tanh, gelu)
-
-
-@dataclass(frozen=True)
-class LayerKind:
-    """How the decoder layers of one kind attend: `window` (sliding window in positions; None: the whole
-    context) and `rope` ("global": ModelArgs.rope_theta / rope_scaling; "local": local_rope_theta /
-    local_rope_scaling). Layers of one kind share one attention plan and one RoPE table per forward."""
-
-    window: int | None = None
-    rope: str = "global"
 
 
 @dataclass(frozen=True)
@@ -218,6 +75,17 @@ class ModelArgs:
     linear: LinearArgs | None = None     # the linear_attention layers' shape (layer_types names them)
     # DeepSeek-V3, Kimi-K2: latent attention in its "latent_attention" layers (None: no such layer)
     latent: LatentArgs | None = None
+    # Gemma 4: full-attention layers with their own head size and KV heads, values from the key projection
+    global_head_dim: int | None = None   # head size of the full_attention layers (None: head_dim)
+    global_kv_heads: int | None = None   # their KV heads (None: n_kv_heads)
+    global_k_eq_v: bool = False          # their values are their keys' projection (no v_proj)
+    v_norm: bool = False                 # values RMS-normalised per head, without a weight
+    kv_shared_layers: int = 0            # the last N layers attend to the K/V of the last earlier layer of their
+                                         # kind (computing none of their own)
+    wide_shared_mlp: bool = False        # those layers' MLP is twice intermediate_size
+    ple_dim: int = 0                     # per-layer input embeddings: each layer adds a gated [ple_dim] input
+    ple_vocab: int = 0                   # ... looked up in a [ple_vocab, n_layers * ple_dim] table
+    layer_scalar: bool = False           # each layer's output times a learned scalar
 
     def __post_init__(self) -> None:
         for name, high in (("n_layers", 4096), ("dim", 1 << 18), ("n_heads", 4096), ("head_dim", 4096),
@@ -247,6 +115,16 @@ class ModelArgs:
                 raise ConfigError("layer_types has linear_attention layers but their shape (linear) is not set")
         if ("latent_attention" in self.layer_types) != (self.latent is not None):
             raise ConfigError("latent_attention layers and latent attention's shape (LatentArgs) go together")
+        if self.kv_shared_layers:
+            first = self.n_layers - self.kv_shared_layers
+            check_integer("kv_shared_layers", self.kv_shared_layers, low=0, high=self.n_layers - 1)
+            missing = {self.layer_kind(i) for i in range(first, self.n_layers)} - \
+                {self.layer_kind(i) for i in range(first)}
+            if missing:
+                raise ConfigError(f"kv_shared_layers {self.kv_shared_layers}: a shared layer's kind has no earlier "
+                                  "layer to share K/V with")
+        if self.global_head_dim is not None and self.local_rope_theta is None and self.sliding_window:
+            raise ConfigError("full layers with their own head size need the sliding layers' own RoPE")
         if self.latent is not None:
             m = self.latent
             if (self.n_kv_heads, self.head_dim, self.rope_dim) != (1, m.kv_rank + m.rope_dim, m.rope_dim):
@@ -276,9 +154,31 @@ class ModelArgs:
             return self.local_rope_theta, dict(self.local_rope_scaling) if self.local_rope_scaling else None
         return self.rope_theta, self.rope_scaling_dict
 
+    def attn_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of decoder layer `layer`'s attention (Gemma 4's full layers: their own)."""
+        if self.global_head_dim is not None and self.layer_kind(layer).window is None:
+            return self.global_kv_heads or self.n_kv_heads, self.global_head_dim
+        return self.n_kv_heads, self.head_dim
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V decoder layer `layer` attends to: itself, or for the last kv_shared_layers layers
+        the last layer of its kind before them."""
+        first = self.n_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        kind = self.layer_kind(layer)
+        return max(i for i in range(first) if self.layer_kind(i) == kind)
+
+    def rope_head_dim(self, rope: str) -> int:
+        """The head size a RoPE table rotates ("global"/"long": the full layers', "local": the sliding ones')."""
+        return self.global_head_dim if rope != "local" and self.global_head_dim is not None else self.head_dim
+
     def subset(self, layers: Sequence[int]) -> ModelArgs:
         """These args for a network that runs only decoder layers `layers` of this one, in that order (the
         self-draft): each keeps its kind (layer_types) and, for a mixture of experts, whether it is dense."""
+        if self.kv_shared_layers or self.ple_dim:
+            raise ConfigError("a subset of this model's layers cannot run alone: its layers share K/V or read "
+                              "per-layer inputs by their index (--draft self is not supported for it)")
         ids = list(layers)
         kinds = tuple(self.layer_types[i] for i in ids) if self.layer_types else ()
         moe = self.moe

@@ -166,6 +166,7 @@ MOE_MODELS: dict[str, tuple[str, int, int, dict]] = {
     "glm4_moe": ("glm4_moe", 25, 3, {}),        # layer 0 dense; sigmoid + bias, 4 groups top-2, shared, x2.5
     "minimax_m2": ("minimax_m2", 26, 2, {}),    # q/k norms over the projections, rotary 12 of 16, sigmoid + bias
     "deepseek_v3": ("deepseek_v3", 27, 3, {}),  # latent attention (ranks 48/32, YaRN + mscale), GLM's routing
+    "gemma4_moe": ("gemma4_moe", 28, 3, {}),    # Gemma 4's routed block beside the dense MLP, its full layers
 }
 
 
@@ -225,6 +226,13 @@ def tiny_deepseek_v3(tiny_root: Path) -> Path:
     """DeepSeek-V3, 3 layers (layer 0 dense): latent attention (q rank 48, kv rank 32, 16 + 8 rotary key dims,
     values of 12, interleaved RoPE, YaRN x4 with mscale 0.7 / 1.0), GLM's routing (16 experts in 4 groups)."""
     return _moe(tiny_root, "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_moe(tiny_root: Path) -> Path:
+    """Gemma 4 with its routed block (26B-A4B's): 3 layers (sliding, sliding, full with heads of 32 and keys as
+    values), 8 experts of 32 top-2 beside each dense MLP, routed on the normed residual, experts stored fused."""
+    return _moe(tiny_root, "gemma4_moe")
 
 
 @pytest.fixture(scope="session")

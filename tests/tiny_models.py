@@ -158,7 +158,24 @@ def family_kwargs(family: str, n_layers: int) -> dict[str, Any]:
                     final_logit_softcapping=None)
     if family == "phi3":
         return dict(partial_rotary_factor=0.75)
+    if family in ("gemma4", "gemma4_mm", "gemma4_moe"):
+        return gemma4_kwargs(family, n_layers)
     return {}
+
+
+def gemma4_kwargs(family: str, n_layers: int) -> dict[str, Any]:
+    """Gemma 4 at the tiny shape: a window of 6, two sliding layers to one full, full layers with heads of 32
+    (not 16) and 1 KV head whose values are the keys' projection, proportional RoPE on the full layers (4 of
+    their 16 angles turn), final soft cap 30. "gemma4" (and its multimodal checkpoint "gemma4_mm") adds per-layer
+    inputs of 8 and the last two layers reading earlier layers' K/V with a double-wide MLP (E2B's features);
+    "gemma4_moe" the routed block of 8 experts of 32, top 2, beside the dense MLP (26B-A4B's)."""
+    kinds = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n_layers)]
+    kw = dict(hidden_activation="gelu_pytorch_tanh", sliding_window=TINY_WINDOW, layer_types=kinds,
+              global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, final_logit_softcapping=30.0,
+              tie_word_embeddings=False, hidden_size_per_layer_input=0, vocab_size_per_layer_input=VOCAB_SIZE)
+    if family == "gemma4_moe":
+        return dict(kw, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)
+    return dict(kw, hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True)
 
 
 def write_tiny_model(dest: Path, family: str = "llama", seed: int = 0, n_layers: int = 2,
@@ -209,6 +226,8 @@ FAMILY_MODELS: dict[str, tuple[str, int, int, dict]] = {
     "phi3": ("phi3", 33, 2, {}),
     "phi3_long": ("phi3", 34, 2, {"rope_scaling": LONGROPE, "original_max_position_embeddings": 16,
                                   "max_position_embeddings": 64}),
+    "gemma4": ("gemma4", 35, 6, {}),
+    "gemma4_mm": ("gemma4_mm", 36, 6, {}),
 }
 
 

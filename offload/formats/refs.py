@@ -23,7 +23,9 @@ from offload.formats.checkpoint import CheckpointError
 class TensorRef:
     """Stored tensor `name`; with `index`, its slice [index] along dim 0, which must have `count` entries
     (one expert of a fused tensor); with step > 1, every step-th entry of the last dim from `start` (one of
-    interleaved gate/up columns); with `transpose`, the last two dims swapped (an [in, out] tensor as [out, in])."""
+    interleaved gate/up columns); with `length`, the rows [start, start + length) of the second-to-last dim
+    (one of the stacked gate/up halves of a fused [.., 2I, D] tensor); with `transpose`, the last two dims
+    swapped (an [in, out] tensor as [out, in])."""
 
     name: str
     index: int | None = None
@@ -31,16 +33,19 @@ class TensorRef:
     start: int = 0
     step: int = 1
     transpose: bool = False
+    length: int = 0
 
     @property
     def plain(self) -> bool:
         """The stored tensor as it is."""
-        return self.index is None and self.step == 1 and not self.transpose
+        return self.index is None and self.step == 1 and not self.transpose and not self.length
 
     def describe(self) -> str:
         """For messages: the stored name, then the piece when not the whole tensor ("name[3][..., 0::2] transposed")."""
         piece = (f"[{self.index}]" if self.index is not None else "") + \
-            (f"[..., {self.start}::{self.step}]" if self.step > 1 else "") + (" transposed" if self.transpose else "")
+            (f"[..., {self.start}::{self.step}]" if self.step > 1 else "") + \
+            (f"[..., {self.start}:{self.start + self.length}, :]" if self.length else "") + \
+            (" transposed" if self.transpose else "")
         return self.name + piece
 
     def to_json(self) -> str | dict[str, Any]:
@@ -50,7 +55,7 @@ class TensorRef:
         return {k: v for k, v in vars(self).items() if v != _DEFAULTS[k]}
 
 
-_DEFAULTS = {"name": None, "index": None, "count": None, "start": 0, "step": 1, "transpose": False}
+_DEFAULTS = {"name": None, "index": None, "count": None, "start": 0, "step": 1, "transpose": False, "length": 0}
 
 
 def as_ref(source: str | TensorRef) -> TensorRef:
@@ -71,6 +76,11 @@ def ref_shape(ref: TensorRef, stored: tuple[int, ...]) -> tuple[int, ...]:
         if not shape:
             raise CheckpointError(f"{ref.name} has shape {list(stored)}: too few dimensions for its gate/up columns")
         shape = shape[:-1] + (len(range(ref.start, shape[-1], ref.step)),)
+    if ref.length:
+        if len(shape) < 2 or shape[-2] < ref.start + ref.length:
+            raise CheckpointError(f"{ref.name} has shape {list(stored)}: too few rows for its rows "
+                                  f"[{ref.start}, {ref.start + ref.length})")
+        shape = shape[:-2] + (ref.length, shape[-1])
     if ref.transpose:
         if len(shape) < 2:
             raise CheckpointError(f"{ref.name} has shape {list(stored)}: too few dimensions to transpose")
@@ -90,6 +100,8 @@ def read_ref(source: Any, ref: TensorRef) -> torch.Tensor:
         t = source.get(ref.name)
     if ref.step > 1:
         t = t[..., ref.start::ref.step]
+    if ref.length:
+        t = t[..., ref.start:ref.start + ref.length, :]
     if ref.transpose:
         t = t.transpose(-1, -2)
     return t.contiguous()

@@ -40,8 +40,12 @@ user: tell me a story. assistant: there once was a tree with many branches, and 
 """
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "gemma3_mm", "phi3", "qwen3_moe", "qwen2_moe",
             "mixtral", "olmoe", "gpt_oss", "glm4_moe", "minimax_m2",
-            "qwen3_next", "qwen3_5", "qwen3_5_mm", "qwen3_5_moe", "deepseek_v3")
-LEARNED_BUFFERS = ("e_score_correction_bias",)     # buffers a checkpoint stores that `randomize` fills too
+            "qwen3_next", "qwen3_5", "qwen3_5_mm", "qwen3_5_moe", "deepseek_v3",
+            "gemma4", "gemma4_mm", "gemma4_moe")
+LEARNED_BUFFERS = ("e_score_correction_bias", "layer_scalar")   # stored buffers `randomize` fills too
+# ... of a tiny multimodal Gemma 4 (`gemma4_mm`), likewise
+TINY_VISION4 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64, pooling_kernel_size=1)
 # The vision tower of a tiny multimodal Gemma 3 (`gemma3_mm`): present in the checkpoint, never run by specexec.
 TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                    patch_size=14)
@@ -101,6 +105,11 @@ def model_classes(family: str) -> tuple[Any, type]:
         return tf.Qwen3_5Config(text_config=kw, vision_config=vision,
                                 tie_word_embeddings=kw.get("tie_word_embeddings", False), **ids)
 
+    def gemma4_multimodal(**kw: Any) -> Any:
+        ids = {k: kw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in kw}
+        return tf.Gemma4Config(text_config=kw, vision_config=TINY_VISION4, audio_config=None,
+                               tie_word_embeddings=kw.get("tie_word_embeddings", True), **ids)
+
     table = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
              "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
              "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
@@ -117,7 +126,10 @@ def model_classes(family: str) -> tuple[Any, type]:
              "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
              "qwen3_5_mm": (qwen3_5_mm, tf.Qwen3_5ForConditionalGeneration),
              "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
-             "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}
+             "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+             "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM),
+             "gemma4_moe": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM),
+             "gemma4_mm": (gemma4_multimodal, tf.Gemma4ForConditionalGeneration)}
 
     if family not in table:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
@@ -127,19 +139,20 @@ def model_classes(family: str) -> tuple[Any, type]:
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int, std: float, head_scale: float) -> None:
     """Peaked logits; random biases and norm weights (see the module docstring). Weights get std `std`, then
-    the LM head is multiplied by head_scale; the learned buffers (LEARNED_BUFFERS: a router's score bias) get
-    std 0.2, so routing a checkpoint without them would choose other experts."""
+    the LM head is multiplied by head_scale; learned scales get 1 + std 0.2, the learned buffers (LEARNED_BUFFERS: a
+    router's score bias, around 0; a layer's scalar, around 1) std 0.2, so a checkpoint read without them would
+    compute another function."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-        elif "norm" in name:
+        elif "norm" in name or name.endswith("scale"):           # norms and learned scales around 1
             p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
     for name, b in model.named_buffers():         # learned values stored as buffers (a router's score bias)
         if name.endswith(LEARNED_BUFFERS):
-            b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+            b.copy_((1.0 if name.endswith("scalar") else 0.0) + torch.randn(b.shape, generator=gen) * 0.2)
     head = model.get_output_embeddings().weight
     head.mul_(head_scale)                          # when tied this is also the embedding: harmless
 

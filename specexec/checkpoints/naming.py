@@ -26,32 +26,36 @@ from specexec.families.weights import checkpoint_refs
 from specexec.network.mixers import mixer_kind
 from specexec.network.model import Block, on_meta
 
-RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+RESIDENT_NAMES = ("embed_tokens.weight", "norm.weight", "lm_head.weight", "embed_tokens_per_layer.weight",
+                  "per_layer_model_projection.weight", "per_layer_projection_norm.weight")   # (Gemma 4's last 3)
 EXPERT_PREFIX = "mlp.experts."         # + "{e}.": one routed expert's tensors (specexec/network/moe.py)
 
 
 def sparse_layer(args: ModelArgs, layer: int) -> bool:
-    """Whether decoder layer `layer` has the routed (MoE) feed-forward; layers of one kind share every size."""
+    """Whether decoder layer `layer` has the routed (MoE) feed-forward."""
     return args.moe is not None and args.moe.sparse(layer)
 
 
-def layer_shape(args: ModelArgs, layer: int) -> tuple[str, bool]:
-    """What decides a decoder layer's tensors: (its mixer kind's name, whether its feed-forward is routed).
-    Layers of one shape have the same tensors, sizes and packed layout."""
-    return mixer_kind(args, layer).name, sparse_layer(args, layer)
+@functools.cache
+def layer_form(args: ModelArgs, layer: int) -> int:
+    """The first decoder layer whose tensors have decoder layer `layer`'s names and shapes (layers of one form
+    share every size: dense or routed, the mixer kind, the attention's shape, K/V of its own or another's)."""
+    def form(i: int) -> tuple:
+        return (sparse_layer(args, i), mixer_kind(args, i).name, args.attn_shape(i), args.kv_source(i) == i,
+                args.global_k_eq_v and args.layer_kind(i).window is None)
+    want = form(layer)
+    return next(i for i in range(layer + 1) if form(i) == want)
 
 
 def block_specs(args: ModelArgs, layer: int = 0) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
     """((name, shape) of every tensor of decoder layer `layer`'s Block in state_dict order), names of its Linear
     weights."""
-    return kind_specs(args, layer_shape(args, layer))
+    return form_specs(args, layer_form(args, layer))
 
 
 @functools.cache
-def kind_specs(args: ModelArgs, shape: tuple[str, bool]
-               ) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
-    """block_specs of the layers of one layer_shape of `args` (the first such layer's)."""
-    layer = next(i for i in range(args.n_layers) if layer_shape(args, i) == shape)
+def form_specs(args: ModelArgs, layer: int) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], frozenset[str]]:
+    """block_specs of decoder layer `layer` (built on meta once per form: layer_form)."""
     with on_meta():
         block = Block(args, layer)
     shapes = tuple((n, tuple(t.shape)) for n, t in block.state_dict().items())

@@ -17,7 +17,8 @@ from specexec.config import ModelArgs
 class Rule:
     """Our name inside a decoder layer (`ours`, a full-match regex) -> the stored tensor inside the same layer
     (`theirs`, a template: \\1 etc. are ours's groups). With `expert`, group 1 of ours is an expert index into
-    the first dimension of a fused [n_experts, ...] stored tensor; start/step/transpose as in TensorRef."""
+    the first dimension of a fused [n_experts, ...] stored tensor; start/step/transpose as in TensorRef; `half`
+    0 or 1: the first or second half of the stored rows (an expert's gate or up of a fused [2I, D] tensor)."""
 
     ours: str
     theirs: str
@@ -25,10 +26,15 @@ class Rule:
     start: int = 0
     step: int = 1
     transpose: bool = False
+    half: int | None = None
 
     def ref(self, match: re.Match[str], prefix: str, args: ModelArgs) -> TensorRef:
         name = prefix + match.expand(self.theirs)
+        start, length = self.start, 0
+        if self.half is not None:                    # an expert's gate or up rows (MoEArgs.expert_dim each)
+            length = args.moe.expert_dim
+            start = self.half * length
         if not self.expert:
-            return TensorRef(name, start=self.start, step=self.step, transpose=self.transpose)
+            return TensorRef(name, start=start, step=self.step, transpose=self.transpose, length=length)
         count = args.moe.n_experts if args.moe is not None else None
-        return TensorRef(name, int(match.group(1)), count, self.start, self.step, self.transpose)
+        return TensorRef(name, int(match.group(1)), count, start, self.step, self.transpose, length)

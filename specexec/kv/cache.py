@@ -23,7 +23,7 @@ how the pager moves layers (it calls `companion`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -43,6 +43,13 @@ def kv_slots_for(total: int, budget: int, draft_scratch: int | None) -> tuple[in
     return total + budget + 1, (0 if draft_scratch is None else total + draft_scratch + 1)
 
 
+def pinned_layers(default: tuple[int, int], shapes: Sequence[tuple[int, int]], shared: Mapping[int, int]) -> set[int]:
+    """The layers whose rows stay on the device even where the plan streams KV: rows of another shape than the
+    `default` (KV heads, head size), and the rows other layers read (`shared` {layer: source})."""
+    return {i for i, shape in enumerate(shapes) if tuple(shape) != tuple(default) and i not in shared} | \
+        set(shared.values())
+
+
 class KVCache:
     """Static per-model cache; capacity = context length + the largest tree budget (+1 for the root).
 
@@ -50,26 +57,42 @@ class KVCache:
     streamed layer keeps on the device until they are committed (the tree budget + 1; longer forwards, i.e.
     prefill chunks, write straight through to the host); windows[i]: layer i's sliding window (None: full),
     so a streamed sliding layer moves only the rows its window sees; states[i]: layer i's StateSpec when its
-    cache is not K/V rows (None or absent: rows)."""
+    cache is not K/V rows (None or absent: rows); parts: 2 (K and V rows) or 1 (one row read as both);
+    shapes[i]: layer i's (KV heads, head size) where it differs from (n_kv_heads, head_dim) (Gemma 4's full
+    layers; such layers keep their rows on the device, never streamed); shared {layer: source}: layers with no
+    rows of their own that read `source`'s (whose rows then stay on the device too)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, batch: int = 1, quant: str = "none",
                  streamed: Sequence[int] = (), tail: int = 0, windows: Sequence[int | None] = (),
-                 states: Sequence[StateSpec | None] = (), parts: int = 2) -> None:
+                 states: Sequence[StateSpec | None] = (), parts: int = 2,
+                 shapes: Sequence[tuple[int, int]] = (), shared: Mapping[int, int] | None = None) -> None:
         if quant not in KV_QUANTS:
             raise ValueError(f"unknown KV quantization {quant!r}; choose one of: {', '.join(KV_QUANTS)}")
         self.device, self.dtype, self.quant = torch.device(device), dtype, quant
         specs = {i: s for i, s in enumerate(states) if s is not None}
-        streamed = sorted(set(streamed) - set(specs))
+        shared = dict(shared or {})
+        default = (n_kv_heads, head_dim)
+        shape = [tuple(shapes[i]) if shapes else default for i in range(n_layers)]
+        pinned = pinned_layers(default, shape, shared)
+        streamed = sorted(set(streamed) - set(specs) - set(shared) - pinned)
         if streamed and not 0 <= streamed[0] <= streamed[-1] < n_layers:
             raise ValueError(f"streamed KV layers {streamed} are not all in [0, {n_layers})")
-        resident = [i for i in range(n_layers) if i not in set(streamed) and i not in specs]
+        own = [i for i in range(n_layers) if i not in set(streamed) and i not in specs and i not in shared]
         self.stores, self.states = self._state_stores(specs, capacity, batch, dtype)
-        self.where: list[tuple[str, int]] = [("device", resident.index(i)) if i in resident else
+        kinds = list(dict.fromkeys([default] + [shape[i] for i in own]))    # the default shape's group first
+        groups = [[i for i in own if shape[i] == k] for k in kinds]
+        self.group = {i: kinds.index(shape[i]) for i in own}
+        self.where: list[tuple[str, int]] = [("device", groups[self.group[i]].index(i)) if i in self.group else
                                              ("streamed", streamed.index(i)) if i in streamed else
-                                             ("state", self.states[i][1]) for i in range(n_layers)]
-        self.rows = Rows.empty(len(resident), capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device,
-                               parts=parts)
+                                             ("state", self.states[i][1]) if i in specs else ("shared", -1)
+                                             for i in range(n_layers)]
+        for i, source in shared.items():
+            self.where[i], self.group[i] = self.where[source], self.group.get(source, 0)
+        self.row_groups = [Rows.empty(len(g), capacity, batch, *k, dtype, quant, self.device, parts=parts)
+                           for k, g in zip(kinds, groups)]
+        self.rows = self.row_groups[0]               # the rows of the (n_kv_heads, head_dim) layers
+        self.shared = shared
         self.stream = StreamedKV(streamed, capacity, batch, n_kv_heads, head_dim, dtype, quant, self.device,
                                  tail, [windows[i] if windows else None for i in streamed], parts) if streamed else None
         self.capacity = capacity
@@ -102,7 +125,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of every stored row: device store, host rows, and the streamed layers' stages and tail."""
-        return (self.rows.nbytes + (self.stream.nbytes if self.stream is not None else 0)
+        return (sum(g.nbytes for g in self.row_groups) + (self.stream.nbytes if self.stream is not None else 0)
                 + sum(store.nbytes for store in self.stores))
 
     def state(self, layer: int) -> tuple[LayerStore, int]:
@@ -125,11 +148,14 @@ class KVCache:
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor | None) -> None:
         """Store k, v [B, H_kv, T, D] at slots [T] (each >= length) of one layer (v None for one-part rows: k
         is the row, read back as both key and value)."""
+        if layer in self.shared:
+            raise ValueError(f"layer {layer} reads layer {self.shared[layer]}'s rows; it writes none")
         where, j = self.where[layer]
         if where == "streamed":
             self.stream.write(layer, slots, k, v)
         else:
-            self.rows.put(j, slots, self.rows.pack(k, v))
+            rows = self.row_groups[self.group[layer]]
+            rows.put(j, slots, rows.pack(k, v))
 
     def view(self, layer: int, n_slots: int) -> tuple[Tensor, Tensor]:
         """The first n_slots slots of one layer: k, v [B, H_kv, n_slots, D] in the run dtype (views of the
@@ -137,7 +163,7 @@ class KVCache:
         where, j = self.where[layer]
         if where == "streamed":
             return self.stream.view(layer, n_slots)
-        return self.rows.read(j, n_slots)
+        return self.row_groups[self.group[layer]].read(j, n_slots)
 
     # ------------------------------------------------------------------------------------- commits
 
@@ -147,10 +173,11 @@ class KVCache:
         if n == 0:
             return
         self._check_room(n)
-        if self.rows.data.shape[0]:
-            dest = slice(self.length, self.length + n)
-            for t, rows in zip(self.rows.parts(), self.rows.take(slots).parts()):
-                t[:, dest] = rows                    # take() copies: no overlap hazard
+        dest = slice(self.length, self.length + n)
+        for group in self.row_groups:
+            if group.data.shape[0]:
+                for t, rows in zip(group.parts(), group.take(slots).parts()):
+                    t[:, dest] = rows                # take() copies: no overlap hazard
         if self.stream is not None:
             self.stream.keep(slots)
         for store in self.stores:
@@ -178,7 +205,9 @@ class KVCache:
         held beside the new ones."""
         if capacity <= self.capacity:
             return
-        self.rows = self.rows.grown(capacity, self.length)
+        for g, rows in enumerate(self.row_groups):
+            self.row_groups[g] = rows.grown(capacity, self.length)
+        self.rows = self.row_groups[0]
         if self.stream is not None:
             self.stream.grow(capacity)
         for store in self.stores:

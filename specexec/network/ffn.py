@@ -46,9 +46,11 @@ class GatedMLP(nn.Module):
 
 
 class MLP(GatedMLP):
-    """The dense feed-forward of ModelArgs.intermediate_size: activation mlp_act, biases with mlp_bias, gate and
-    up fused with fused_gate_up."""
+    """The dense feed-forward of ModelArgs.intermediate_size (twice that in decoder layer `layer` when it shares
+    K/V and ModelArgs.wide_shared_mlp says so): activation mlp_act, biases with mlp_bias, gate and up fused with
+    fused_gate_up."""
 
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args.dim, args.intermediate_size, bias=args.mlp_bias, activation=args.mlp_act,
-                         fused=args.fused_gate_up)
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
+        wide = args.wide_shared_mlp and args.kv_source(layer) != layer
+        super().__init__(args.dim, args.intermediate_size * (2 if wide else 1), bias=args.mlp_bias,
+                         activation=args.mlp_act, fused=args.fused_gate_up)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from specexec.config import LAYER_TYPES, ModelArgs
-from specexec.kv.cache import KVCache
+from specexec.kv.cache import KVCache, pinned_layers
 from specexec.kv.layer_store import StateSpec
 from specexec.kv.recurrent import ring_rows
 from specexec.kv.rows import row_bytes
@@ -58,7 +58,10 @@ class MixerKind:
 
 
 def _rows_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
-    return slots * row_bytes(args.n_kv_heads, args.head_dim, elem, quant)
+    """A layer's K/V rows: its own shape; none for a layer attending to an earlier layer's (counted there)."""
+    if args.kv_source(layer) != layer:
+        return 0
+    return slots * row_bytes(*args.attn_shape(layer), elem, quant)
 
 
 def _state_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
@@ -66,7 +69,7 @@ def _state_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str)
 
 
 ATTENTION = MixerKind("attention", ("full_attention", "sliding_attention"), "self_attn",
-                      lambda args, layer: Attention(args), lambda args, layer: None, _rows_bytes)
+                      lambda args, layer: Attention(args, layer), lambda args, layer: None, _rows_bytes)
 LINEAR = MixerKind("linear_attention", ("linear_attention",), "linear_attn",
                    lambda args, layer: GatedDeltaNet(args), lambda args, layer: spec_of(args), _state_bytes, "tree",
                    node_bytes=lambda args, layer, elem: spec_of(args).node_bytes(elem), streams=False)
@@ -121,7 +124,23 @@ def new_cache(args: ModelArgs, capacity: int, dtype: torch.dtype, device: torch.
     """The cache of a model of `args`: K/V rows where the layers' kinds keep rows (`rows`: KVCache's streamed,
     tail and windows), a state store for the rest."""
     return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, capacity, dtype, device, quant=quant,
-                   states=layer_states(args), parts=row_parts(args), **rows)
+                   states=layer_states(args), parts=row_parts(args), shapes=_shapes(args), shared=_shared(args),
+                   **rows)
+
+
+def pinned_rows(args: ModelArgs) -> frozenset[int]:
+    """The layers whose K/V rows stay on the device even where the plan streams KV (kv/cache.pinned_layers:
+    Gemma 4's full layers with their own head size, the layers whose rows later layers read)."""
+    return frozenset(pinned_layers((args.n_kv_heads, args.head_dim), _shapes(args), _shared(args)))
+
+
+def _shapes(args: ModelArgs) -> list[tuple[int, int]]:
+    return [args.attn_shape(i) for i in range(args.n_layers)]
+
+
+def _shared(args: ModelArgs) -> dict[int, int]:
+    """{layer: the layer whose K/V it reads} of the layers with none of their own."""
+    return {i: args.kv_source(i) for i in range(args.n_layers) if args.kv_source(i) != i}
 
 
 def row_parts(args: ModelArgs) -> int:

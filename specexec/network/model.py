@@ -35,7 +35,7 @@ from torch import nn
 
 from specexec.network.attention import AttentionPlan, TreeMask, build_plan, pick_kernel
 from specexec.config import ModelArgs
-from specexec.network.ffn import MLP
+from specexec.network.ffn import ACTIVATIONS, MLP
 from specexec.kv.cache import KVCache
 from specexec.network.linear_attention import tree_plan
 from specexec.network.mixers import has_tree_plans, mixer_kind, new_cache
@@ -123,10 +123,20 @@ class Block(nn.Module):
         self.mixer_attribute = kind.attribute
         setattr(self, kind.attribute, kind.build(args, layer))
         self.post_attention_layernorm = norm()
+        sparse = args.moe is not None and args.moe.sparse(layer)
+        self.parallel = sparse and args.moe.parallel_dense        # the sparse block normalises its own input
         if args.sandwich_norms:
-            self.pre_feedforward_layernorm = norm()
+            if not self.parallel:
+                self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.mlp = SparseMLP(args) if args.moe is not None and args.moe.sparse(layer) else MLP(args)
+        self.mlp = SparseMLP(args, layer) if sparse else MLP(args, layer)
+        if args.ple_dim:                            # Gemma 4: this layer's per-layer input, gated by its output
+            self.per_layer_input_gate = nn.Linear(args.dim, args.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(args.ple_dim, args.dim, bias=False)
+            self.post_per_layer_input_norm = norm()
+            self.act = ACTIVATIONS[args.mlp_act]
+        if args.layer_scalar:
+            self.layer_scalar = nn.Parameter(torch.ones(1))
 
     def run_as(self, fast: BlockPath | None, row_exact: bool) -> None:
         """This layer's passes run `fast` where it serves them (None: the modules); row_exact: its model's
@@ -143,19 +153,20 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None,
-                routing: RoutingLog | None = None) -> torch.Tensor:
+                routing: RoutingLog | None = None, layer_input: torch.Tensor | None = None) -> torch.Tensor:
         """A sparse layer routes first, hands the routing to `routing` (when given), then runs the experts. A
         layer given a `fast` path (x, cos, sin, plan, cache, layer, slots) -> [B, T, D] or None (declined) runs
-        that where it serves the pass (specexec/runtime/cpu_blocks.py: the layer as one compiled call)."""
+        that where it serves the pass (specexec/runtime/cpu_blocks.py: the layer as one compiled call).
+        layer_input [B, T, ple_dim]: this layer's per-layer input (ModelArgs.ple_dim; Transformer.layer_inputs)."""
         if self.fast is not None:
             y = self.fast(x, cos, sin, plan, cache, layer, slots)
             if y is not None:
                 return y
         h = self.mixer(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
-        sandwich = hasattr(self, "pre_feedforward_layernorm")
+        sandwich = hasattr(self, "post_feedforward_layernorm")
         if sandwich:
             x = x + self.post_attention_layernorm(h)
-            h = self.pre_feedforward_layernorm(x)
+            h = x if self.parallel else self.pre_feedforward_layernorm(x)
         else:
             x = x + h
             h = self.post_attention_layernorm(x)
@@ -166,7 +177,11 @@ class Block(nn.Module):
             out = self.mlp.combine(h, route) if routing is None else routing.combine(layer, self.mlp, h, route)
         else:
             out = self.mlp(h)
-        return x + (self.post_feedforward_layernorm(out) if sandwich else out)
+        x = x + (self.post_feedforward_layernorm(out) if sandwich else out)
+        if layer_input is not None:
+            gate = self.act(self.per_layer_input_gate(x)) * layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
 
 
 class Transformer(nn.Module):
@@ -184,6 +199,11 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
+        if args.ple_dim:                            # Gemma 4's per-layer input embeddings (layer_inputs)
+            width = args.n_layers * args.ple_dim
+            self.embed_tokens_per_layer = nn.Embedding(args.ple_vocab, width)
+            self.per_layer_model_projection = nn.Linear(args.dim, width, bias=False)
+            self.per_layer_projection_norm = RMSNorm(args.ple_dim, args.norm_eps, args.norm_plus_one)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         for rope in rope_names(args):              # inv_freq (global), inv_freq_local (Gemma 3's sliding layers)
@@ -256,7 +276,22 @@ class Transformer(nn.Module):
                 raise ValueError("a cached forward needs an explicit mask over the cache slots")
         elif isinstance(mask, TreeMask) and mask.prefix:
             raise ValueError(f"a TreeMask with a prefix of {mask.prefix} slots needs the cache holding them")
-        return self.decode(self.embed(tokens), positions, mask, cache, slots)
+        x = self.embed(tokens)
+        if not self.args.ple_dim:
+            return self.decode(x, positions, mask, cache, slots)
+        return self.decode(x, positions, mask, cache, slots, self.layer_inputs(tokens, x))
+
+    def layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T], their embedded rows x [B, T, D] -> every layer's per-layer input [B, T, n_layers,
+        ple_dim] (Gemma 4): the token's row of embed_tokens_per_layer times sqrt(ple_dim), and the normed
+        projection of x times dim ** -0.5, added and times 2 ** -0.5."""
+        a = self.args
+        B, T = tokens.shape
+        own = self.embed_tokens_per_layer(tokens)
+        own = own * torch.tensor(a.ple_dim ** 0.5, dtype=torch.float32).to(own.dtype)
+        seen = self.per_layer_model_projection(x) * a.dim ** -0.5
+        seen = self.per_layer_projection_norm(seen.reshape(B, T, a.n_layers, a.ple_dim))
+        return (seen + own.reshape(B, T, a.n_layers, a.ple_dim)) * 2.0 ** -0.5
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> embedded rows [B, T, D] on the model's device (forward's first step); with embed_scale
@@ -268,13 +303,19 @@ class Transformer(nn.Module):
         return x
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, mask: TreeMask | torch.Tensor | None,
-               cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
+               cache: KVCache | None, slots: torch.Tensor | None,
+               layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
         """forward after the embedding: x [B, T, D] through every decoder layer and the final norm -> hidden
-        [B, T, D]. forward checks the arguments; a CUDA graph of the draft captures this part alone
-        (builders/draft_graphs.py: an embedding may live on the host). With Execution.taps the input of each tapped
-        layer (tap n_layers: the last layer's output, before the norm) is kept in `tapped`, in layer order
-        (each [B, T, D]), and the whole-stack fast path steps aside."""
+        [B, T, D] (layer_inputs [B, T, n_layers, ple_dim]: the per-layer inputs, ModelArgs.ple_dim). forward
+        checks the arguments; a CUDA graph of the draft captures this part alone (builders/draft_graphs.py: an
+        embedding may live on the host). With Execution.taps the input of each tapped layer (tap n_layers: the last
+        layer's output, before the norm) is kept in `tapped`, in layer order (each [B, T, D]), and the
+        whole-stack fast path steps aside. Without a cache, layers that attend to an earlier layer's K/V read a
+        scratch cache of this forward's rows."""
         tree = tree_plan(mask, positions, slots) if has_tree_plans(self.args) else None   # before: slots None
+        if cache is None and self.args.kv_shared_layers:
+            T = x.shape[1]
+            cache, slots = self.new_cache(T), torch.arange(T, device=x.device)
         if cache is not None:
             cache.begin_forward()
             if slots is None:
@@ -300,7 +341,8 @@ class Transformer(nn.Module):
                 probe.append(x.isfinite().logical_not().sum())
             kind = kinds[i]
             plan = tree if mixer_kind(self.args, i).plan == "tree" else plans[kind.window]
-            x = layer(x, *ropes[kind.rope], plan, cache, i, slots, run.routing)
+            own = layer_inputs[:, :, i] if layer_inputs is not None else None
+            x = layer(x, *ropes[kind.rope], plan, cache, i, slots, run.routing, own)
         if taps:
             self.tapped = tapped + ([x] if self.args.n_layers in taps else [])
         if probe is not None:
@@ -322,7 +364,8 @@ class Transformer(nn.Module):
         windows = sorted({k.window for k in a.layer_kinds}, key=lambda w: (w is not None, w or 0))
         if isinstance(mask, torch.Tensor) and len(windows) > 1:
             raise ValueError(f"layers with sliding windows {windows} need a TreeMask, not one dense mask")
-        return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // a.n_kv_heads, dtype,
+        kv_heads = {k.window: a.attn_shape(i)[0] for i, k in enumerate(a.layer_kinds)}   # per window its layers'
+        return {w: build_plan(mask, positions, positions.shape[-1], w, a.n_heads // kv_heads[w], dtype,
                               pick_kernel(positions.device), a.attn_scale, a.attn_softcap,
                               self.execution.row_exact) for w in windows}
 

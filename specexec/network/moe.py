@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specexec.config import ModelArgs, MoEArgs
-from specexec.network.ffn import GatedMLP
+from specexec.network.ffn import MLP, GatedMLP
+from specexec.network.norms import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,17 @@ class Router(nn.Module):
         super().__init__()
         m = _moe(args)
         self.kind, self.top_k, self.norm_topk = m.router, m.top_k, m.norm_topk_prob
-        self.groups, self.topk_group, self.scale, self.fp32 = m.n_group, m.topk_group, m.routed_scale, m.router_fp32
+        self.groups, self.topk_group, self.routed_scale, self.fp32 = m.n_group, m.topk_group, m.routed_scale, \
+            m.router_fp32
         self.weight = nn.Parameter(torch.empty(m.n_experts, args.dim))
         self.bias = nn.Parameter(torch.empty(m.n_experts)) if m.router_bias else None
         if m.score_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(m.n_experts))
+        if m.router_input_norm:                      # Gemma 4: RMSNorm(x) * scale * dim ** -0.5 goes in
+            self.norm = RMSNorm(args.dim, args.norm_eps, weight=False)
+            self.scale = nn.Parameter(torch.empty(args.dim))
+        if m.per_expert_scale:                       # Gemma 4: a kept weight times its expert's scale
+            self.per_expert_scale = nn.Parameter(torch.empty(m.n_experts))
         self.allowed: Tensor | None = None           # bool [E]: the experts a row may go to (None: every one)
         self.row_exact = False                       # told by Block.run_as on a row-exact model: see _logits
 
@@ -108,7 +115,11 @@ class Router(nn.Module):
         draft's copy holding some experts only: specexec/runtime/hot_experts.py) the others score -inf before
         the top-k, so no row goes to them (a row left fewer than k allowed experts in its best groups chooses among
         all its allowed ones); the kept weights are then normalised as the family does."""
-        logits = self._logits(x.float() if self.fp32 else x)                       # [T, E]
+        if hasattr(self, "norm"):
+            x_in = self.norm(x) * self.scale * x.shape[-1] ** -0.5
+        else:
+            x_in = x
+        logits = self._logits(x_in.float() if self.fp32 else x_in)                  # [T, E]
         if self.kind == "topk_softmax":
             top, index = torch.topk(self._masked(logits), self.top_k, dim=-1)
             return Routing(index, torch.softmax(top.float(), dim=-1).to(x.dtype))
@@ -121,8 +132,10 @@ class Router(nn.Module):
         top = scores.gather(1, index)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        if self.scale != 1.0:
-            top = top * self.scale
+        if self.routed_scale != 1.0:
+            top = top * self.routed_scale
+        if hasattr(self, "per_expert_scale"):
+            top = top * self.per_expert_scale[index]
         return Routing(index, top.to(x.dtype))
 
     def _group_limited(self, choice: Tensor) -> Tensor:
@@ -177,9 +190,12 @@ class SharedGate(nn.Module):
 
 
 class SparseMLP(nn.Module):
-    """The routed feed-forward of one sparse layer: router, experts.{e}, optional shared expert and its gate."""
+    """The routed feed-forward of one sparse layer: router, experts.{e}, optional shared expert and its gate;
+    with MoEArgs.parallel_dense (Gemma 4) also the layer's dense MLP (`dense`, twice as wide in a layer sharing
+    K/V when ModelArgs.wide_shared_mlp) and the branches' norms: dense = dense_out_norm(dense(dense_in_norm(h))),
+    experts read expert_in_norm(h) and their sum goes through expert_out_norm; the output is their sum."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         m = _moe(args)
         self.router = Router(args)
@@ -190,17 +206,28 @@ class SparseMLP(nn.Module):
             self.shared_expert = GatedMLP(args.dim, m.shared_dim)
             if m.shared_gate:
                 self.shared_expert_gate = SharedGate(args.dim)
+        if m.parallel_dense:
+            norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)     # noqa: E731
+            self.dense = MLP(args, layer)
+            self.dense_in_norm, self.dense_out_norm = norm(), norm()
+            self.expert_in_norm, self.expert_out_norm = norm(), norm()
 
     def route(self, h: Tensor) -> Routing:
-        """h [B, T, D] (the post-attention norm's output) -> the routing of its B*T rows."""
+        """h [B, T, D] (the post-attention norm's output; with a dense branch beside, the residual stream) -> the
+        routing of its B*T rows."""
         return self.router(h.reshape(-1, h.shape[-1]))
+
+    def expert_input(self, x: Tensor) -> Tensor:
+        """x [T, D] -> what the experts read: x, or with a dense branch beside, expert_in_norm(x)."""
+        return self.expert_in_norm(x) if hasattr(self, "expert_in_norm") else x
 
     def combine(self, h: Tensor, routing: Routing, experts: Sequence[nn.Module] | None = None) -> Tensor:
         """h [B, T, D] and its routing -> [B, T, D]: each row's experts' outputs weighted by the routing, plus
-        the shared expert. `experts[e]` computes expert e (default: this layer's own; a streaming caller may
-        pass modules bound to wherever the routed experts' weights are; only routed ones are called)."""
+        the shared expert (or the dense branch). `experts[e]` computes expert e (default: this layer's own; a
+        streaming caller may pass modules bound to wherever the routed experts' weights are; only routed ones
+        are called)."""
         x = h.reshape(-1, h.shape[-1])
-        return self.add_shared(x, self.routed(x, routing, experts)).view_as(h)
+        return self.add_shared(x, self.routed(self.expert_input(x), routing, experts)).view_as(h)
 
     def routed(self, x: Tensor, routing: Routing, experts: Sequence[nn.Module] | None = None) -> Tensor:
         """x [T, D] -> [T, D]: the routed experts' weighted sum alone (on x's device: a caller computing the
@@ -222,7 +249,10 @@ class SparseMLP(nn.Module):
         return out
 
     def add_shared(self, x: Tensor, out: Tensor) -> Tensor:
-        """out [T, D] (the routed sum of x [T, D]'s rows) plus the shared expert, where the family has one."""
+        """out [T, D] (the routed sum of x [T, D]'s rows) plus the shared expert, where the family has one (with
+        a dense branch beside: the normed routed sum plus the normed dense branch of x)."""
+        if hasattr(self, "dense"):
+            return self.dense_out_norm(self.dense(self.dense_in_norm(x))) + self.expert_out_norm(out)
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(x)
             if hasattr(self, "shared_expert_gate"):

@@ -11,16 +11,19 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """x / rms(x) in fp32, scaled by `weight` after the cast back to x's dtype (Llama), or with plus_one by
-    (1 + weight) in fp32 before it (Gemma's checkpoints store weight - 1; its norms round that way)."""
+    (1 + weight) in fp32 before it (Gemma's checkpoints store weight - 1; its norms round that way); weight False:
+    no learned scale at all."""
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, weight: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if weight else None
         self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:                         # a norm without a learned scale (Gemma 4's values)
+            return h.to(x.dtype)
         if self.plus_one:
             return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)

@@ -64,9 +64,10 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
     """Inverse frequencies [rope_dim/2] of one of the model's RoPE tables `rope` (rope_names; ModelArgs.rope_params)
-    with its scaling (default, linear, llama3, yarn, longrope short or long factors), computed in fp32 on the CPU
+    with its scaling (default, linear, llama3, yarn, longrope short or long factors, Gemma 4's proportional: the
+    first partial_rotary_factor of the angles over the whole head, the rest 0), computed in fp32 on the CPU
     whatever the default device (callers move them; on meta there would be nothing to read)."""
-    d = args.rope_dim or args.head_dim
+    d = args.rope_dim or args.rope_head_dim(rope)
     theta, scaling = args.rope_params("global" if rope == "long" else rope)
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     scaling = scaling or {}
@@ -81,6 +82,9 @@ def rope_inv_freq(args: ModelArgs, rope: str = "global") -> torch.Tensor:
         smooth = (old_ctx / wavelen - low) / (high - low)
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = torch.where(wavelen > old_ctx / low, inv / factor, torch.where(wavelen < old_ctx / high, inv, mid))
+    elif kind == "proportional":                 # Gemma 4: the first angles rotate, the rest stay (frequency 0)
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * d // 2)
+        inv = torch.cat((inv[:angles], torch.zeros(d // 2 - angles, device="cpu"))) / float(scaling.get("factor", 1.0))
     elif kind == "yarn":
         inv = _yarn_inv_freq(inv, theta, d, scaling, yarn_factor(args, scaling))
     elif kind == "longrope":

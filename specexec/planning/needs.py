@@ -45,7 +45,7 @@ from offload.memory_plan import GB, Needs
 
 from specexec.config import PREFILL_CHUNK
 from specexec.kv.recurrent import STATE_COPIES, ring_rows
-from specexec.network.mixers import cache_bytes, fixed_layers, mixer_kind
+from specexec.network.mixers import cache_bytes, fixed_layers, mixer_kind, pinned_rows
 from specexec.network.model import LOGIT_CHUNK, one_graph
 from specexec.planning.experts import expert_parts
 from specexec.planning.hot_copy_sizes import copy_bytes, hot_json
@@ -102,6 +102,9 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     else:
         device.append(("target embed", tw["embed"]))
     device.append(("target norm/head", tw["head"] + tw["norm"]))
+    if tw["per_layer"]:
+        device.append(("target per-layer inputs", tw["per_layer"]))
+        notes["target per-layer inputs"] = "the per-layer embedding table and its projection"
     if shape.draft is not None:
         draft_bytes, notes["draft weights"] = draft_weights(shape, shared)
         device.append(("draft weights", draft_bytes))
@@ -131,9 +134,15 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
     if fixed:
         device.append(("target recurrent state", recurrent_state_bytes(shape)))
         notes["target recurrent state"] = recurrent_note(shape)
-    kv = tuple(0 if i in fixed else kv_layer_bytes(t, t_slots, elem, shape.kv_quant, i) for i in range(t.n_layers))
-    tail = tuple(0 if i in fixed else kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant, i)
+    pinned = pinned_rows(t)                  # rows that never travel with their layer: counted on the device
+    stays = set(fixed) | pinned
+    kv = tuple(0 if i in stays else kv_layer_bytes(t, t_slots, elem, shape.kv_quant, i) for i in range(t.n_layers))
+    tail = tuple(0 if i in stays else kv_layer_bytes(t, shape.budget + 1, elem, shape.kv_quant, i)
                  for i in range(t.n_layers))
+    if pinned:
+        device.append(("target KV cache (kept)", sum(kv_layer_bytes(t, t_slots, elem, shape.kv_quant, i)
+                                                     for i in pinned)))
+        notes["target KV cache (kept)"] = "rows of other layers' shape or read by later layers stay on the device"
     return Needs(sizes, tuple(device), host_fixed=tuple(host), notes=tuple(notes.items()),
                  companion_bytes=kv, companion_residue=tail,
                  companion_name="target KV cache", companions=shape.kv_offload, parts=expert_parts(shape, fmt))

@@ -21,7 +21,7 @@ from offload.quant.linear import kernel_for
 from offload.quant.weights import head_format, layer_specs
 from offload.streaming.storage import LayerLayout, plan_layout
 
-from specexec.checkpoints.naming import expert_regions, kind_specs, layer_shape, sparse_layer
+from specexec.checkpoints.naming import expert_regions, form_specs, layer_form
 from specexec.config import ModelArgs
 from specexec.network.delta_rule import CHUNK
 from specexec.network.mixers import cache_bytes
@@ -34,23 +34,16 @@ MATH_COPIES = 3               # fp32 score tensors plain-maths attention holds a
 def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu", layer: int = 0) -> int:
     """Packed bytes of decoder layer `layer` in `fmt`, packed for `device`'s kernel, as the layer cache and the
     tiers hold it (aligned layout); equal to what offload.cache.store.plan computes from a checkpoint's headers.
-    Layers of one naming.layer_shape (mixer kind, dense or routed) have one size."""
-    return _layer_bytes(args, fmt, dtype, device, layer_shape(args, layer))
+    Layers of one form (naming.layer_form: dense or routed, their attention's shape, ...) have one size."""
+    return _layout(args, fmt, dtype, device, layer_form(args, layer)).nbytes
 
 
 @functools.cache
-def _layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, shape: tuple[str, bool]) -> int:
-    return _layout(args, fmt, dtype, device, shape).nbytes
-
-
-@functools.cache
-def _layout(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, shape: tuple[str, bool]) -> LayerLayout:
-    """The packed layout of the layers of one naming.layer_shape of `args` (a routed one: one region per
-    expert)."""
-    shapes, linear = kind_specs(args, shape)
-    regions = expert_regions(args, next(i for i in range(args.n_layers) if sparse_layer(args, i))) if shape[1] else ()
+def _layout(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str, form: int) -> LayerLayout:
+    """The packed layout of decoder layer `form` (a layer_form) of `args` (a routed one: one region per expert)."""
+    shapes, linear = form_specs(args, form)
     specs, meta = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
-    return plan_layout(specs, meta, regions)
+    return plan_layout(specs, meta, expert_regions(args, form))
 
 
 def expert_split(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu", layer: int = 0
@@ -58,7 +51,7 @@ def expert_split(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "c
     """(bytes of the dense part, bytes of one routed expert) of decoder layer `layer` packed in `fmt`: the part
     a streamed pass always copies (norms, attention, router, a shared expert) and each expert's region (all of
     one size); (layer_bytes, 0) for a dense layer. dense + n_experts x expert = layer_bytes."""
-    lay = _layout(args, fmt, dtype, device, layer_shape(args, layer))
+    lay = _layout(args, fmt, dtype, device, layer_form(args, layer))
     return lay.dense_nbytes, (lay.regions[0].nbytes if lay.regions else 0)
 
 
@@ -71,19 +64,22 @@ def layer_sizes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cp
 def weight_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, int]:
     """Bytes a resident Transformer of `args` holds on `device` with its decoder linears quantized to `fmt`
     (what quantize_module leaves): {"embed", "head" (0 when tied, unless an int8 head is beside it: offload's
-    head_format), "norm" (+ RoPE buffer), "layers"}."""
-    per_kind = {}
-    for kind in {layer_shape(args, i) for i in range(args.n_layers)}:
-        shapes, linear = kind_specs(args, kind)
+    head_format), "norm" (+ RoPE buffer), "per_layer" (Gemma 4's per-layer input table, projection and norm: 0
+    without), "layers"}."""
+    per_form = {}
+    for form in {layer_form(args, i) for i in range(args.n_layers)}:
+        shapes, linear = form_specs(args, form)
         specs, _ = layer_specs({n: (dtype, s) for n, s in shapes}, fmt, dtype, linear, device=device)
-        per_kind[kind] = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
+        per_form[form] = sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
     table = args.vocab_size * args.dim * dtype.itemsize
     head = 0 if args.tie_word_embeddings else table
     if head_format(fmt, device) == "int8":
         head = args.vocab_size * (args.dim + 2)                     # int8 codes and a bf16 scale per row
-    return {"embed": table, "head": head,
+    width = args.n_layers * args.ple_dim
+    per_layer = (args.ple_vocab * width + width * args.dim + args.ple_dim) * dtype.itemsize
+    return {"embed": table, "head": head, "per_layer": per_layer,
             "norm": args.dim * dtype.itemsize + args.head_dim // 2 * 4,
-            "layers": sum(per_kind[layer_shape(args, i)] for i in range(args.n_layers))}
+            "layers": sum(per_form[layer_form(args, i)] for i in range(args.n_layers))}
 
 
 def kv_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none", nodes: int = 0) -> int:

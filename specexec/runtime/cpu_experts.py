@@ -61,7 +61,8 @@ class CpuExperts:
         routed experts on the CPU, the shared expert on the device."""
         x = h.reshape(-1, h.shape[-1])
         here = x.device.type == "cpu"
-        xc = x if here else x.to("cpu")
+        xe = mlp.expert_input(x)                     # what the experts read (normed first beside a dense MLP)
+        xc = xe if here else xe.to("cpu")
         rc = routing if here else Routing(routing.index.to("cpu"), routing.weight.to("cpu"))
         out = mlp.routed(xc, rc, self.experts[layer])
         if not here:

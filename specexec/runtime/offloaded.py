@@ -34,7 +34,7 @@ from offload.quant.weights import device_problem, head_format, quantize_weight
 from offload.streaming.pager import LayerPager, build_pager
 from offload.streaming.storage import LayerLayout, unpack_layer
 
-from specexec.checkpoints.naming import layer_shape, read_resident, sparse_layer
+from specexec.checkpoints.naming import layer_form, read_resident, sparse_layer
 from specexec.config import ModelArgs, OffloadConfig
 from specexec.kv.cache import KVCache
 from specexec.network.mixers import new_cache
@@ -142,13 +142,14 @@ class OffloadedTransformer(Transformer):
         return block.eval().requires_grad_(False)
 
     def _bind(self, i: int, slot: int, buf: torch.Tensor) -> Block:
-        """The Block for layer i held in `buf`: the slot's Block (one per slot and layer shape: mixer kinds, an MoE
-        model's dense and sparse layers differ) re-pointed at it, or layer i's resident Block."""
+        """The Block for layer i held in `buf`: the slot's Block (one per slot and layer form, naming.layer_form:
+        an MoE model's dense and sparse layers differ, Gemma 4's full and sliding ones) re-pointed at it, or layer
+        i's resident Block."""
         if slot < 0 and i in self._resident_blocks:
             self.current = (i, -1, self._resident_blocks[i], buf)
             return self._with_fast(self._resident_blocks[i])
         blocks = self._resident_blocks if slot < 0 else self._slot_blocks
-        key = i if slot < 0 else (slot, layer_shape(self.args, i))
+        key = i if slot < 0 else (slot, layer_form(self.args, i))
         if key not in blocks:
             blocks[key] = self._new_block(i)
         layout = self.layouts[i]

@@ -43,7 +43,9 @@ def test_shipped_catalogue_has_the_recommended_pairs() -> None:
     assert cat.get("Qwen/Qwen2.5-72B-Instruct").name == "qwen2.5-72b-instruct"     # a Hub id finds it too
     assert cat.get("LLAMA-3.1-70B-INSTRUCT") is not None                          # names are case-blind
     assert {e.family for e in cat} == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss",
-                                       "gemma2", "gemma3", "phi3"}
+                                       "gemma2", "gemma3", "phi3", "glm4_moe", "minimax_m2", "deepseek_v3", "gemma4"}
+    for name in ("glm-4.5-air", "glm-4.6", "minimax-m2", "deepseek-v3", "kimi-k2-instruct", "gemma-4-31b-it"):
+        assert pairs[name] == ("self",), name                         # no small model of their tokenizer
     assert pairs["qwen3-30b-a3b"] == ("qwen3-0.6b",)                             # a dense draft for an MoE target
     assert pairs["gpt-oss-120b"] == ("gpt-oss-20b",)
     assert pairs["mixtral-8x7b-instruct-v0.1"] == ("mistral-7b-instruct-v0.2",)

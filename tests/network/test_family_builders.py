@@ -1,5 +1,5 @@
-"""The families added beside the first ones (GLM-4.5+ MoE, MiniMax-M2) through every path a user can pick, fp32
-greedy ids against transformers' own `generate` on the same tiny checkpoints:
+"""The families added beside the first ones (GLM-4.5+ MoE, MiniMax-M2, DeepSeek-V3, Gemma 4) through every path a
+user can pick, fp32 greedy ids against transformers' own `generate` on the same tiny checkpoints:
 - every registered tree builder with a perturbed draft, resident (tests/network/test_moe.py covers --no-draft and
   the SSD tier with and without a draft for each MoE family);
 - the target streamed from the RAM tier with --experts cpu, and from the SSD tier with the device expert cache
@@ -23,7 +23,8 @@ from specexec.runtime.assembly import Runtime
 from tests.network.model_reference import hf_model
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 
-FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3"]
+FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3", "gemma4_moe"]       # MoE: every path below
+DENSE = ["gemma4"]                                                           # every builder
 N_NEW = 20
 
 
@@ -55,8 +56,17 @@ def family(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"tiny_{request.param}")
 
 
+@pytest.fixture(scope="module", params=FAMILIES + DENSE)
+def any_family(request: pytest.FixtureRequest, tiny_root: Path) -> Path:
+    if request.param in DENSE:
+        from tests.tiny_models import family_model
+        return family_model(tiny_root, request.param)
+    return request.getfixturevalue(f"tiny_{request.param}")
+
+
 @pytest.mark.slow
-def test_every_builder_gives_transformers_greedy_ids(family: Path, tiny_root: Path) -> None:
+def test_every_builder_gives_transformers_greedy_ids(any_family: Path, tiny_root: Path) -> None:
+    family = any_family
     target, draft = load_model(family), load_model(draft_of(tiny_root, family))
     ids = prompt(1)
     want = hf_greedy(family, ids)

@@ -69,7 +69,7 @@ def test_the_router_never_chooses_an_expert_it_does_not_allow(tiny_moe: Path, se
     sigmoid scores chosen with a score bias and among the best expert groups):
     with a random allowed set of 2 top-k experts no row goes elsewhere; all allowed is the unmasked routing;
     a row whose unmasked top-k is allowed routes as unmasked; renormalising routers' weights still sum to 1
-    (times routed_scaling_factor)."""
+    (times routed_scaling_factor; each divided by its expert's scale where the router has them)."""
     args = read_args(tiny_moe)
     m = args.moe
     g = torch.Generator().manual_seed(seed)
@@ -95,7 +95,9 @@ def test_the_router_never_chooses_an_expert_it_does_not_allow(tiny_moe: Path, se
     assert torch.equal(masked.index[inside], free.index[inside])
     assert torch.allclose(masked.weight[inside], free.weight[inside])
     if router.kind == "topk_softmax" or router.norm_topk:               # (times routed_scaling_factor)
-        assert torch.allclose(masked.weight.sum(-1), torch.full((64,), router.scale), atol=1e-5)
+        w = masked.weight                                               # (and Gemma 4's per-expert scales)
+        w = w / router.per_expert_scale[masked.index] if hasattr(router, "per_expert_scale") else w
+        assert torch.allclose(w.sum(-1), torch.full((64,), router.routed_scale), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------- the copies
