@@ -309,7 +309,7 @@ class GGUFCheckpoint:
         kv = _one_value(self._meta("attention.head_count_kv", heads), "head_count_kv", self.path)
         head_dim = head_dim_of(self, heads, int(kv))
         rope_dim = int(self._meta("rope.dimension_count", head_dim))
-        if rope_dim != head_dim and self.arch != "phi3":
+        if rope_dim != head_dim and not ARCHS[self.arch].partial_rotary:
             raise CheckpointError(f"{self.path}: partial rotary embedding ({rope_dim} of {head_dim} dims) is not "
                                   "supported; supported: rope over the whole head")
         theta = float(self._meta("rope.freq_base", 10000.0))

@@ -4,7 +4,10 @@ then the metadata that becomes config.json keys (offload/formats/gguf.py reads t
 
 Architectures (general.architecture -> HF architecture): llama (Llama and Mistral: llama.cpp writes Mistral as
 llama; with an expert count, Mixtral), mistral, qwen2, qwen3, gemma2, gemma3 (the text decoder; a multimodal
-Gemma 3's vision tower goes to a separate mmproj file), phi3 (Phi-3 and Phi-4), qwen3moe.
+Gemma 3's vision tower goes to a separate mmproj file), phi3 (Phi-3 and Phi-4), qwen3moe, glm4moe (GLM-4.5+: the
+next-token-prediction layer llama.cpp counts in block_count is read as the layer after the decoder, which the
+model leaves unread; its shared experts ffn_*_shexp, the router's score bias exp_probs_b.bias), minimax-m2.
+Not read yet (refused by name): deepseek2 (its MLA tensors), gemma4, and every other architecture.
 - Names: token_embd -> model.embed_tokens, output_norm -> model.norm, output -> lm_head, blk.N.<name> ->
   model.layers.N.<module> per architecture: ffn_norm is Llama's post-attention norm but Gemma's pre-feed-forward
   norm (Gemma's post_attention_norm / post_ffw_norm are its post-attention and post-feed-forward norms); Phi-3
@@ -43,6 +46,9 @@ BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _GEMMA_NAMES = {**BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _PHI3_NAMES = {**BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_GLM_NAMES = {**{k: v for k, v in BLOCK_NAMES.items() if k != "ffn_norm"},
+              "post_attention_norm": "post_attention_layernorm", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+              "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class Arch:
     experts: dict[str, str] = field(default_factory=dict)
     permuted_qk: bool = False
     norm_shift: float = 0.0
+    score_bias: str | None = None         # the router's e_score_correction_bias (llama.cpp's exp_probs_b.bias)
+    partial_rotary: bool = False          # rope.dimension_count may be less than the head
 
     def hf_architecture(self, n_experts: int) -> str:
         return self.moe_hf if n_experts and self.moe_hf else self.hf
@@ -77,13 +85,20 @@ ARCHS = {
     "qwen3": Arch("Qwen3ForCausalLM"),
     "gemma2": Arch("Gemma2ForCausalLM", _GEMMA_NAMES, norm_shift=1.0),
     "gemma3": Arch("Gemma3ForCausalLM", _GEMMA_NAMES, norm_shift=1.0),
-    "phi3": Arch("Phi3ForCausalLM", _PHI3_NAMES),
+    "phi3": Arch("Phi3ForCausalLM", _PHI3_NAMES, partial_rotary=True),
     "qwen3moe": Arch("Qwen3MoeForCausalLM", router="mlp.gate",
                      experts=_experts("mlp", "gate_proj", "up_proj", "down_proj")),
+    "glm4moe": Arch("Glm4MoeForCausalLM", _GLM_NAMES, moe_hf="Glm4MoeForCausalLM", router="mlp.gate",
+                    experts=_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+                    score_bias="mlp.gate.e_score_correction_bias", partial_rotary=True),
+    "minimax-m2": Arch("MiniMaxM2ForCausalLM", moe_hf="MiniMaxM2ForCausalLM", router="block_sparse_moe.gate",
+                       experts=_experts("block_sparse_moe", "w1", "w3", "w2"),
+                       score_bias="block_sparse_moe.e_score_correction_bias", partial_rotary=True),
 }
 NOT_WEIGHTS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _SPLIT_EXPERT = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")   # old Mixtral files
+_NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.([a-z_]+)\.weight$")      # GLM's next-token-prediction layer
 LARGE_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: llama.cpp scales queries by hidden / heads
 
 
@@ -108,11 +123,16 @@ def hub_names(gguf_name: str, arch: str, n_experts: int) -> dict[str, Piece] | N
             return None
         layer, proj, e = split.groups()
         return {f"model.layers.{layer}.{table.experts[f'{proj}_exps'].format(e=e)}.weight": Piece(gguf_name)}
+    nextn = _NEXTN.match(gguf_name)
+    if nextn is not None:                   # read as the layer after the decoder, which the model leaves unread
+        return {f"model.layers.{nextn.group(1)}.nextn.{nextn.group(2)}.weight": Piece(gguf_name)}
     m = _BLOCK.match(gguf_name)
     if m is None:
         return None
     layer, kind, suffix = m.groups()
     head = f"model.layers.{layer}."
+    if kind == "exp_probs_b" and suffix == "bias" and table.score_bias:
+        return {f"{head}{table.score_bias}": Piece(gguf_name)}
     if kind in table.block:
         return {f"{head}{table.block[kind]}.{suffix}": Piece(gguf_name)}
     if not n_experts or table.router is None or suffix != "weight":
@@ -137,6 +157,11 @@ def arch_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """The config.json keys of `ckpt`'s architecture beyond the shared ones in `cfg` (a GGUFCheckpoint:
     arch, n_experts, _meta(key, default), shape(name), rope factor tensors)."""
     arch = ckpt.arch
+    if arch == "glm4moe":
+        return _glm_config(ckpt, cfg)
+    if arch == "minimax-m2":
+        return {**_expert_config(ckpt, cfg), "rotary_dim": int(ckpt._meta("rope.dimension_count")),
+                "intermediate_size": int(ckpt._meta("expert_feed_forward_length", cfg["intermediate_size"]))}
     if ckpt.n_experts:
         return _expert_config(ckpt, cfg)
     if arch in ("gemma2", "gemma3"):
@@ -173,3 +198,22 @@ def _expert_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=ckpt.n_experts, num_local_experts=ckpt.n_experts, norm_topk_prob=True,
                 mlp_only_layers=dense, num_experts_per_tok=int(ckpt._meta("expert_used_count")),
                 moe_intermediate_size=int(ckpt._meta("expert_feed_forward_length", cfg["intermediate_size"])))
+
+
+def _glm_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's config.json keys from a glm4moe file: llama.cpp counts the next-token-prediction layers in
+    block_count; its routing (sigmoid with a score bias, groups, scale), shared experts, dense first layers,
+    partial rotary, q/k norms and q/k/v biases where the file has them."""
+    nextn = int(ckpt._meta("nextn_predict_layers", 0))
+    return dict(num_hidden_layers=cfg["num_hidden_layers"] - nextn, num_nextn_predict_layers=nextn,
+                n_routed_experts=ckpt.n_experts, num_experts_per_tok=int(ckpt._meta("expert_used_count")),
+                moe_intermediate_size=int(ckpt._meta("expert_feed_forward_length")),
+                n_shared_experts=int(ckpt._meta("expert_shared_count", 0)),
+                first_k_dense_replace=int(ckpt._meta("leading_dense_block_count", 0)),
+                routed_scaling_factor=float(ckpt._meta("expert_weights_scale", 1.0)),
+                norm_topk_prob=bool(ckpt._meta("expert_weights_norm", True)),
+                n_group=int(ckpt._meta("expert_group_count", 1)),
+                topk_group=int(ckpt._meta("expert_group_used_count", 1)),
+                partial_rotary_factor=int(ckpt._meta("rope.dimension_count")) / cfg["head_dim"],
+                use_qk_norm="model.layers.0.self_attn.q_norm.weight" in ckpt._where,
+                attention_bias="model.layers.0.self_attn.q_proj.bias" in ckpt._where)

@@ -1,8 +1,9 @@
 """Write a tiny HF checkpoint (tests/tiny_models.py) as a llama.cpp-style GGUF file with gguf.GGUFWriter.
 
 What llama.cpp's convert_hf_to_gguf.py does for the Llama family, Gemma 2/3, Phi-3 and the MoE families (Qwen3-MoE,
-Mixtral), reduced to what the tests need: llama.cpp tensor names (per architecture; experts merged into one
-blk.N.ffn_*_exps tensor per projection), Gemma's norm weights stored as 1 + weight, Phi-3's LongRoPE
+Mixtral, GLM-4.5 with its shared experts, score bias and next-token-prediction layer, MiniMax-M2), reduced to what
+the tests need: llama.cpp tensor names (per architecture; experts merged into one blk.N.ffn_*_exps tensor per
+projection), Gemma's norm weights stored as 1 + weight, Phi-3's LongRoPE
 factors as tensors, Q/K rows permuted for its rope layout on Llama/Mistral (its `LlamaModel.permute`, copied below),
 1-D tensors (norms, biases) kept F32, 2-D weights stored as the requested type (F32, F16, BF16, or a type the
 `gguf` package can quantize in Python: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), no output.weight when the head is tied,
@@ -31,11 +32,15 @@ BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
-        "Phi3ForCausalLM": "phi3"}
+        "Phi3ForCausalLM": "phi3", "Glm4MoeForCausalLM": "glm4moe", "MiniMaxM2ForCausalLM": "minimax-m2"}
 GEMMA_BLOCK = {**BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
 ARCH_BLOCK = {"gemma2": GEMMA_BLOCK, "gemma3": GEMMA_BLOCK,
-              "phi3": {**BLOCK, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
+              "phi3": {**BLOCK, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+              "glm4moe": {**BLOCK, "post_attention_layernorm": "post_attention_norm",
+                          "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                          "mlp.shared_experts.down_proj": "ffn_down_shexp"}}
+SCORE_BIAS = ("mlp.gate.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias")   # -> exp_probs_b.bias
 # MoE: the router and the per-expert Hub tensors that llama.cpp merges into one [E, out, in] tensor per layer
 ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -49,6 +54,8 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
     _, _, layer, rest = hf.split(".", 3)                    # model.layers.N.<module>.<weight|bias>
     if rest in ROUTERS:
         return f"blk.{layer}.ffn_gate_inp.weight"
+    if rest in SCORE_BIAS:
+        return f"blk.{layer}.exp_probs_b.bias"
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{ARCH_BLOCK.get(arch, BLOCK)[module]}.{kind}"
 
@@ -192,6 +199,11 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
         else:
             data, raw = encode(arr, qtype)
         writer.add_tensor(name if name.startswith("blk.") else gguf_name(name, arch), data, raw_dtype=raw)
+    if arch == "glm4moe":                                    # the next-token-prediction layer's own tensors
+        n, dim = cfg["num_hidden_layers"], cfg["hidden_size"]
+        for name, shape in (("eh_proj", (dim, 2 * dim)), ("enorm", (dim,)), ("hnorm", (dim,)),
+                            ("shared_head_norm", (dim,))):
+            writer.add_tensor(f"blk.{n}.nextn.{name}.weight", np.ones(shape, dtype=np.float32))
     for name, arr in (extra or {}).items():
         writer.add_tensor(name, arr.astype(np.float32))
     writer.write_header_to_file()
@@ -228,7 +240,8 @@ def _permuted(name: str, arr: np.ndarray, cfg: dict, arch: str) -> np.ndarray:
 
 def _write_hparams(writer, cfg: dict, arch: str) -> None:
     writer.add_name("tiny test model")
-    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_block_count(cfg["num_hidden_layers"] + (cfg.get("num_nextn_predict_layers") or 0 if arch == "glm4moe"
+                                                       else 0))       # llama.cpp counts GLM's MTP layer in
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -242,7 +255,7 @@ def _write_hparams(writer, cfg: dict, arch: str) -> None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -268,6 +281,15 @@ def _write_family_hparams(writer, cfg: dict, arch: str) -> None:
         if cfg.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         writer.add_sliding_window(cfg["sliding_window"])
+    elif arch == "glm4moe":                                  # Glm4MoeModel.set_gguf_parameters
+        writer.add_expert_shared_count(cfg["n_shared_experts"])
+        writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        writer.add_expert_weights_norm(cfg["norm_topk_prob"])
+        writer.add_expert_gating_func(__import__("gguf").ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(cfg["n_group"])
+        writer.add_expert_group_used_count(cfg["topk_group"])
+        writer.add_nextn_predict_layers(cfg.get("num_nextn_predict_layers", 0))
     elif arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         writer.add_sliding_window(cfg.get("sliding_window") or 0)

@@ -1,5 +1,5 @@
-"""GGUF files of Gemma 2, Gemma 3 (text, and a multimodal checkpoint's text decoder) and Phi-3 (partial rotary,
-LongRoPE) written with tests/offload/formats/gguf_writer.py (llama.cpp's names, Gemma's shifted norms, Phi-3's rope factor
+"""GGUF files of Gemma 2, Gemma 3 (text, and a multimodal checkpoint's text decoder), Phi-3 (partial rotary,
+LongRoPE), GLM-4.5 and MiniMax-M2 (their routers, shared experts, next-token-prediction layer) written with tests/offload/formats/gguf_writer.py (llama.cpp's names, Gemma's shifted norms, Phi-3's rope factor
 tensors and metadata) read back as the same ModelArgs and the same fp32 logits as transformers' model of the
 checkpoint they came from. The tiny checkpoints keep what GGUF cannot say at llama.cpp's values:
 query_pre_attn_scalar = head_dim, Gemma 3's five sliding layers to one global."""
@@ -53,3 +53,44 @@ def test_family_gguf_reads_back_the_model(case: str, tmp_path: Path) -> None:
     with torch.inference_mode():
         torch.testing.assert_close(ours.logits(ours(ids, torch.arange(24)[None])), ref(input_ids=ids).logits[0],
                                    atol=2e-4, rtol=1e-4)
+
+
+MOE_CASES = {"glm4_moe": 3, "minimax_m2": 2}          # the tiny shapes of tests/tiny_models.MOE_SHAPES
+MOE_FIELDS = FIELDS + ("qkv_bias", "qk_norm_per_head", "moe", "mtp_layers")
+
+
+@pytest.mark.parametrize("family", list(MOE_CASES))
+def test_moe_family_gguf_reads_back_the_model(family: str, tmp_path: Path) -> None:
+    """GLM-4.5 (shared experts, the router's score bias, groups, scale, dense first layer, partial rotary, q/k norms,
+    q/k/v biases, and its next-token-prediction layer counted in block_count and left unread) and MiniMax-M2:
+    the same ModelArgs and fp32 logits as transformers' model of the checkpoint the file came from."""
+    hf_dir = write_tiny_model(tmp_path / family, family, seed=41, n_layers=MOE_CASES[family])
+    path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", "F32")
+    want, got = read_args(hf_dir), read_args(path)
+    assert [getattr(got, f) for f in MOE_FIELDS] == [getattr(want, f) for f in MOE_FIELDS]
+    ours = load_model(path, "cpu", "float32")
+    ids = torch.randint(7, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    import transformers
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(ours.logits(ours(ids, torch.arange(24)[None])), ref(input_ids=ids).logits[0],
+                                   atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "gemma4"])
+def test_architectures_not_read_yet_are_one_line(arch: str, tmp_path: Path) -> None:
+    import gguf
+
+    from offload.formats.checkpoint import CheckpointError
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=f"GGUF architecture '{arch}' is not supported") as err:
+        GGUFCheckpoint(path)
+    assert "\n" not in str(err.value)
