@@ -93,22 +93,21 @@ def model_classes(family: str) -> tuple[Any, type]:
     the multimodal Gemma3ForConditionalGeneration (the kwargs become its text_config, with a tiny vision tower)."""
     import transformers as tf
 
-    def multimodal(**kw: Any) -> Any:
-        ids = {k: kw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in kw}
-        return tf.Gemma3Config(text_config=kw, vision_config=TINY_VISION, mm_tokens_per_image=1,
-                               tie_word_embeddings=kw.get("tie_word_embeddings", True), **ids)
+    def wrapped(config: Any, tie: bool, **parts: Any) -> Any:
+        """A multimodal config whose text_config is the decoder's kwargs (ids and tying lifted to the top)."""
+        def make(**kw: Any) -> Any:
+            ids = {k: kw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in kw}
+            vision = parts.get("vision_config")
+            vision = vision(kw) if callable(vision) else vision
+            return config(text_config=kw, **{**parts, "vision_config": vision},
+                          tie_word_embeddings=kw.get("tie_word_embeddings", tie), **ids)
+        return make
 
-    def qwen3_5_mm(**kw: Any) -> Any:
-        ids = {k: kw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in kw}
-        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=kw["hidden_size"],
-                      patch_size=14, spatial_merge_size=1, temporal_patch_size=1)
-        return tf.Qwen3_5Config(text_config=kw, vision_config=vision,
-                                tie_word_embeddings=kw.get("tie_word_embeddings", False), **ids)
-
-    def gemma4_multimodal(**kw: Any) -> Any:
-        ids = {k: kw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in kw}
-        return tf.Gemma4Config(text_config=kw, vision_config=TINY_VISION4, audio_config=None,
-                               tie_word_embeddings=kw.get("tie_word_embeddings", True), **ids)
+    multimodal = wrapped(tf.Gemma3Config, True, vision_config=TINY_VISION, mm_tokens_per_image=1)
+    qwen3_5_mm = wrapped(tf.Qwen3_5Config, False, vision_config=lambda kw: dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=kw["hidden_size"], patch_size=14,
+        spatial_merge_size=1, temporal_patch_size=1))
+    gemma4_multimodal = wrapped(tf.Gemma4Config, True, vision_config=TINY_VISION4, audio_config=None)
 
     table = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
              "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
