@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from offload.formats.checkpoint import CheckpointError
-from offload.formats.gguf_arch import ARCHS, NOT_WEIGHTS, arch_config, head_dim_of, hub_names
+from offload.formats.gguf_arch import (ARCHS, NOT_WEIGHTS, JoinedKV, arch_config, head_dim_of, hub_names,
+                                       join_kv_b, joined_kv_b)
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -203,8 +204,9 @@ class GGUFCheckpoint:
         self._where = self._map_names()
         self._config: dict[str, Any] | None = None
 
-    def _map_names(self) -> dict[str, TensorInfo]:
-        where: dict[str, TensorInfo] = {}
+    def _map_names(self) -> dict[str, TensorInfo | JoinedKV]:
+        where: dict[str, TensorInfo | JoinedKV] = {}
+        parts: dict[str, dict[str, TensorInfo]] = {}   # target -> its halves
         for name, info in self._raw.items():
             if name in NOT_WEIGHTS:
                 continue
@@ -217,7 +219,13 @@ class GGUFCheckpoint:
                                       "runtime reads it (token_embd, blk.N.attn_*/ffn_{gate,up,down}/*_norm, merged "
                                       "experts blk.N.ffn_gate_inp and ffn_{gate,up,down}_exps, output_norm, output)")
             for target, piece in pieces.items():
-                where[target] = info if piece.expert is None else self._expert_slice(info, piece.expert)
+                if piece.part is not None:
+                    parts.setdefault(target, {})[piece.part] = info
+                else:
+                    where[target] = info if piece.expert is None else self._expert_slice(info, piece.expert)
+        for target, halves in parts.items():
+            if target not in where:                     # a file with the whole kv_b too reads that one
+                where[target] = joined_kv_b(self.path, target, halves)
         if "model.embed_tokens.weight" not in where:
             raise CheckpointError(f"{self.path}: no token_embd.weight tensor; not a complete model file")
         return where
@@ -245,7 +253,7 @@ class GGUFCheckpoint:
         """The GGUF storage type of an HF-named tensor, e.g. 'Q4_K'."""
         return _type_name(self._info(name).qtype)
 
-    def _info(self, name: str) -> TensorInfo:
+    def _info(self, name: str) -> TensorInfo | JoinedKV:
         if name not in self._where:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
         return self._where[name]
@@ -254,6 +262,8 @@ class GGUFCheckpoint:
         """One tensor under its HF name, dequantized to float32, (Q/K of Llama/Mistral) un-permuted and (Gemma's
         RMSNorm weights) without the 1 llama.cpp added."""
         info = self._info(name)
+        if isinstance(info, JoinedKV):
+            return join_kv_b(self._dequantize(info.k), self._dequantize(info.v))
         w = self._dequantize(info)
         table = ARCHS[self.arch]
         if table.norm_shift and name.endswith("norm.weight"):

@@ -6,8 +6,12 @@ Architectures (general.architecture -> HF architecture): llama (Llama and Mistra
 llama; with an expert count, Mixtral), mistral, qwen2, qwen3, gemma2, gemma3 (the text decoder; a multimodal
 Gemma 3's vision tower goes to a separate mmproj file), phi3 (Phi-3 and Phi-4), qwen3moe, glm4moe (GLM-4.5+: the
 next-token-prediction layer llama.cpp counts in block_count is read as the layer after the decoder, which the
-model leaves unread; its shared experts ffn_*_shexp, the router's score bias exp_probs_b.bias), minimax-m2.
-Not read yet (refused by name): deepseek2 (its MLA tensors), gemma4, and every other architecture.
+model leaves unread; its shared experts ffn_*_shexp, the router's score bias exp_probs_b.bias), minimax-m2,
+deepseek2 (DeepSeek-V3/R1/V3.1 and Kimi-K2, read as DeepseekV3ForCausalLM: latent attention's attn_q_a/q_b,
+attn_kv_a_mqa, the *_norm of both ranks, and kv_b_proj either whole (attn_kv_b, older files) or as llama.cpp's
+halves attn_k_b [H, r, nope] / attn_v_b [H, v, r] joined back (`join_kv_b`); the next-token-prediction layer,
+which llama.cpp's converter drops; softmax-gated files, DeepSeek-V2 / V2.5, refused).
+Not read yet (refused by name): gemma4, and every other architecture.
 - Names: token_embd -> model.embed_tokens, output_norm -> model.norm, output -> lm_head, blk.N.<name> ->
   model.layers.N.<module> per architecture: ffn_norm is Llama's post-attention norm but Gemma's pre-feed-forward
   norm (Gemma's post_attention_norm / post_ffw_norm are its post-attention and post-feed-forward norms); Phi-3
@@ -36,6 +40,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from offload.formats.checkpoint import CheckpointError
+
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
 BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -46,9 +54,14 @@ BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _GEMMA_NAMES = {**BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _PHI3_NAMES = {**BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_SHARED_EXPERTS = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                   "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 _GLM_NAMES = {**{k: v for k, v in BLOCK_NAMES.items() if k != "ffn_norm"},
-              "post_attention_norm": "post_attention_layernorm", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-              "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+              "post_attention_norm": "post_attention_layernorm", **_SHARED_EXPERTS}
+_MLA_NAMES = {**BLOCK_NAMES, **_SHARED_EXPERTS, "attn_q_a": "self_attn.q_a_proj", "attn_q_b": "self_attn.q_b_proj",
+              "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+              "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj"}
+KV_B_PARTS = {"attn_k_b": "k", "attn_v_b": "v"}    # deepseek2's kv_b_proj as llama.cpp splits it (join_kv_b)
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,7 @@ class Arch:
     norm_shift: float = 0.0
     score_bias: str | None = None         # the router's e_score_correction_bias (llama.cpp's exp_probs_b.bias)
     partial_rotary: bool = False          # rope.dimension_count may be less than the head
+    kv_b_parts: bool = False              # blk.N.attn_k_b / attn_v_b are halves of self_attn.kv_b_proj
 
     def hf_architecture(self, n_experts: int) -> str:
         return self.moe_hf if n_experts and self.moe_hf else self.hf
@@ -94,6 +108,9 @@ ARCHS = {
     "minimax-m2": Arch("MiniMaxM2ForCausalLM", moe_hf="MiniMaxM2ForCausalLM", router="block_sparse_moe.gate",
                        experts=_experts("block_sparse_moe", "w1", "w3", "w2"),
                        score_bias="block_sparse_moe.e_score_correction_bias", partial_rotary=True),
+    "deepseek2": Arch("DeepseekV3ForCausalLM", _MLA_NAMES, moe_hf="DeepseekV3ForCausalLM", router="mlp.gate",
+                      experts=_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+                      score_bias="mlp.gate.e_score_correction_bias", partial_rotary=True, kv_b_parts=True),
 }
 NOT_WEIGHTS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -109,6 +126,7 @@ class Piece:
 
     gguf: str
     expert: int | None = None
+    part: str | None = None               # "k" / "v": a half of a tensor llama.cpp stores split (join_kv_b)
 
 
 def hub_names(gguf_name: str, arch: str, n_experts: int) -> dict[str, Piece] | None:
@@ -135,6 +153,8 @@ def hub_names(gguf_name: str, arch: str, n_experts: int) -> dict[str, Piece] | N
         return {f"{head}{table.score_bias}": Piece(gguf_name)}
     if kind in table.block:
         return {f"{head}{table.block[kind]}.{suffix}": Piece(gguf_name)}
+    if table.kv_b_parts and kind in KV_B_PARTS and suffix == "weight":
+        return {f"{head}self_attn.kv_b_proj.weight": Piece(gguf_name, part=KV_B_PARTS[kind])}
     if not n_experts or table.router is None or suffix != "weight":
         return None
     if kind == "ffn_gate_inp":
@@ -144,8 +164,52 @@ def hub_names(gguf_name: str, arch: str, n_experts: int) -> dict[str, Piece] | N
     return None
 
 
+def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's kv_b_proj [H * (nope + v), r] from llama.cpp's halves: k_b [H, r, nope] (each head's key rows,
+    transposed) and v_b [H, v, r]; per head its nope key rows, then its v value rows."""
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1]).contiguous()
+
+
+@dataclass(frozen=True)
+class JoinedKV:
+    """A tensor llama.cpp stores as two (deepseek2's kv_b_proj as attn_k_b and attn_v_b, each a gguf.TensorInfo):
+    read both, join_kv_b."""
+
+    k: Any
+    v: Any
+
+    @property
+    def name(self) -> str:
+        return f"{self.k.name} + {self.v.name}"
+
+    @property
+    def qtype(self) -> int:
+        return self.k.qtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        k, v = self.k.shape, self.v.shape
+        return (k[0] * (k[2] + v[1]), k[1])
+
+
+def joined_kv_b(path: Any, target: str, halves: dict[str, Any]) -> JoinedKV:
+    """kv_b_proj from one layer's attn_k_b [H, r, nope] and attn_v_b [H, v, r] (torch shapes), or
+    CheckpointError naming what does not fit."""
+    if set(halves) != {"k", "v"}:
+        have = ", ".join(i.name for i in halves.values())
+        raise CheckpointError(f"{path}: {have} without its other half (attn_k_b and attn_v_b make {target} together)")
+    k, v = halves["k"].shape, halves["v"].shape
+    if len(k) != 3 or len(v) != 3 or k[0] != v[0] or k[1] != v[2]:
+        raise CheckpointError(f"{path}: {halves['k'].name} {list(k)} and {halves['v'].name} {list(v)} are not the "
+                              "halves of one kv_b_proj ([heads, kv_lora_rank, nope] and [heads, v, kv_lora_rank])")
+    return JoinedKV(halves["k"], halves["v"])
+
+
 def head_dim_of(ckpt: Any, heads: int, kv: int) -> int:
-    """Rows per head of the query projection (the fused qkv's split for Phi-3), unless key_length says."""
+    """Rows per head of the query projection (the fused qkv's split for Phi-3), unless key_length says; for
+    deepseek2, the query's head (nope + rope: key_length_mla, or key_length in files written before MLA's)."""
+    if ckpt.arch == "deepseek2":
+        return int(ckpt._meta("attention.key_length_mla", None) or ckpt._meta("attention.key_length"))
     if ckpt.arch == "phi3":
         rows = ckpt.shape("model.layers.0.self_attn.qkv_proj.weight")[0] // (heads + 2 * kv)
     else:
@@ -159,6 +223,8 @@ def arch_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     arch = ckpt.arch
     if arch == "glm4moe":
         return _glm_config(ckpt, cfg)
+    if arch == "deepseek2":
+        return _deepseek_config(ckpt, cfg)
     if arch == "minimax-m2":
         return {**_expert_config(ckpt, cfg), "rotary_dim": int(ckpt._meta("rope.dimension_count")),
                 "intermediate_size": int(ckpt._meta("expert_feed_forward_length", cfg["intermediate_size"]))}
@@ -217,3 +283,43 @@ def _glm_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 partial_rotary_factor=int(ckpt._meta("rope.dimension_count")) / cfg["head_dim"],
                 use_qk_norm="model.layers.0.self_attn.q_norm.weight" in ckpt._where,
                 attention_bias="model.layers.0.self_attn.q_proj.bias" in ckpt._where)
+
+
+GATING = {1: "softmax", 2: "sigmoid"}         # llama.cpp's expert_gating_func; absent in a deepseek2 file: softmax
+
+
+def _deepseek_config(ckpt: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's config.json keys from a deepseek2 file (DeepSeek-V3/R1/V3.1, Kimi-K2: sigmoid gating). The
+    latent ranks, the query's nope/rope split and the value head (key/value_length_mla; files written before
+    llama.cpp's MLA keys store them as key/value_length), routing as llama.cpp reads it (groups, scale, and
+    weights renormalised only where the file says so), YaRN with mscale = mscale_all_dim = yarn_log_multiplier /
+    0.1 (GGUF keeps only the latter; the published checkpoints set both to 1). A softmax-gated file is
+    DeepSeek-V2 / V2.5, which this runtime does not run: refused."""
+    gating = int(ckpt._meta("expert_gating_func", 1))
+    if GATING.get(gating) != "sigmoid":
+        raise CheckpointError(f"{ckpt.path}: a deepseek2 file with {GATING.get(gating, f'type {gating}')} expert "
+                              "gating is DeepSeek-V2 / V2.5, which this runtime does not run; supported: "
+                              "DeepSeek-V3, R1, V3.1 and Kimi-K2 files (sigmoid gating)")
+    rope_dim = int(ckpt._meta("rope.dimension_count"))
+    mla = ckpt._meta("attention.key_length_mla", None) is not None
+    v_dim = int(ckpt._meta("attention.value_length_mla" if mla else "attention.value_length"))
+    q_rank = ckpt._meta("attention.q_lora_rank", None)
+    extra = dict(n_routed_experts=ckpt.n_experts, num_experts_per_tok=int(ckpt._meta("expert_used_count")),
+                 moe_intermediate_size=int(ckpt._meta("expert_feed_forward_length")),
+                 n_shared_experts=int(ckpt._meta("expert_shared_count", 0)),
+                 first_k_dense_replace=int(ckpt._meta("leading_dense_block_count", 0)),
+                 routed_scaling_factor=float(ckpt._meta("expert_weights_scale", 1.0)),
+                 norm_topk_prob=bool(ckpt._meta("expert_weights_norm", False)), scoring_func="sigmoid",
+                 n_group=int(ckpt._meta("expert_group_count", 1)),
+                 topk_group=int(ckpt._meta("expert_group_used_count", 1)),
+                 kv_lora_rank=int(ckpt._meta("attention.kv_lora_rank")), q_lora_rank=int(q_rank) if q_rank else None,
+                 qk_rope_head_dim=rope_dim, qk_nope_head_dim=cfg["head_dim"] - rope_dim, v_head_dim=v_dim,
+                 rope_interleave=True, num_key_value_heads=cfg["num_attention_heads"])
+    scaling = cfg["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn":
+        mscale = round(float(ckpt._meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)   # a float32 in the file
+        extra["rope_scaling"] = {**scaling, "original_max_position_embeddings": int(ckpt._meta(
+            "rope.scaling.original_context_length")), "mscale": mscale, "mscale_all_dim": mscale,
+            "beta_fast": float(ckpt._meta("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(ckpt._meta("rope.scaling.yarn_beta_slow", 1.0))}
+    return extra

@@ -5,17 +5,20 @@ the dense mask, greedy ids with every builder, resident, SSD with the latent row
 - the cache holds one row of kv_lora_rank + qk_rope_head_dim values per token and layer, what the planner counts,
   against what plain attention of the same heads would hold (DeepSeek-V3, Kimi-K2 as published);
 - an 8,192-token prompt gives transformers' greedy ids (YaRN x4 past the original 4,096 positions);
-- the sparse-attention successors are refused with one line naming their attention.
+- the sparse-attention successors are refused with one line naming their attention;
+- a config.json whose latent ranks do not match the stored tensors is refused with one line naming the tensor.
 """
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from offload.formats.checkpoint import CheckpointError
 from specexec.checkpoints.loading import load_model
 from specexec.families import model_args
 from specexec.kv.latent import plain_row_bytes
@@ -70,6 +73,18 @@ def test_sparse_attention_successors_are_refused_naming_their_attention(arch: st
     with pytest.raises(ConfigError, match=words) as err:
         model_args(cfg)
     assert "\n" not in str(err.value) and arch in str(err.value)
+
+
+@pytest.mark.parametrize("field, tensor", [("kv_lora_rank", "kv_a_proj_with_mqa"), ("q_lora_rank", "q_a_proj"),
+                                           ("qk_rope_head_dim", "q_b_proj"), ("v_head_dim", "kv_b_proj")])
+def test_latent_ranks_that_do_not_match_the_tensors_are_one_line(field: str, tensor: str, tiny_deepseek_v3: Path,
+                                                                  tmp_path: Path) -> None:
+    path = Path(shutil.copytree(tiny_deepseek_v3, tmp_path / "ds"))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {field: cfg[field] + 8}))
+    with pytest.raises(CheckpointError, match=f"self_attn.{tensor}.weight has shape") as err:
+        load_model(path)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.slow

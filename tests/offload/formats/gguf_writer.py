@@ -1,7 +1,8 @@
 """Write a tiny HF checkpoint (tests/tiny_models.py) as a llama.cpp-style GGUF file with gguf.GGUFWriter.
 
 What llama.cpp's convert_hf_to_gguf.py does for the Llama family, Gemma 2/3, Phi-3 and the MoE families (Qwen3-MoE,
-Mixtral, GLM-4.5 with its shared experts, score bias and next-token-prediction layer, MiniMax-M2), reduced to what
+Mixtral, GLM-4.5 with its shared experts, score bias and next-token-prediction layer, MiniMax-M2, DeepSeek-V3 with
+its latent attention's kv_b_proj split in two), reduced to what
 the tests need: llama.cpp tensor names (per architecture; experts merged into one blk.N.ffn_*_exps tensor per
 projection), Gemma's norm weights stored as 1 + weight, Phi-3's LongRoPE
 factors as tensors, Q/K rows permuted for its rope layout on Llama/Mistral (its `LlamaModel.permute`, copied below),
@@ -32,14 +33,20 @@ BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
-        "Phi3ForCausalLM": "phi3", "Glm4MoeForCausalLM": "glm4moe", "MiniMaxM2ForCausalLM": "minimax-m2"}
+        "Phi3ForCausalLM": "phi3", "Glm4MoeForCausalLM": "glm4moe", "MiniMaxM2ForCausalLM": "minimax-m2",
+        "DeepseekV3ForCausalLM": "deepseek2"}
 GEMMA_BLOCK = {**BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
 ARCH_BLOCK = {"gemma2": GEMMA_BLOCK, "gemma3": GEMMA_BLOCK,
               "phi3": {**BLOCK, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
               "glm4moe": {**BLOCK, "post_attention_layernorm": "post_attention_norm",
                           "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
-                          "mlp.shared_experts.down_proj": "ffn_down_shexp"}}
+                          "mlp.shared_experts.down_proj": "ffn_down_shexp"},
+              "deepseek2": {**BLOCK, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_b_proj": "attn_q_b",
+                            "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+                            "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+                            "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                            "mlp.shared_experts.down_proj": "ffn_down_shexp"}}
 SCORE_BIAS = ("mlp.gate.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias")   # -> exp_probs_b.bias
 # MoE: the router and the per-expert Hub tensors that llama.cpp merges into one [E, out, in] tensor per layer
 ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
@@ -163,12 +170,13 @@ def tokenizer_metadata(hf_dir: Path) -> dict:
 
 
 def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = True,
-               kquant: str | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
+               kquant: str | None = None, extra: dict[str, np.ndarray] | None = None, split_kv_b: bool = True) -> Path:
     """Write hf_dir (a tiny checkpoint) as the GGUF file `dest`; 2-D weights as `qtype`.
 
     kquant: instead of the checkpoint's values, store every 2-D decoder weight as random valid blocks of that
     K-quant type (needs row lengths that are multiples of 256). extra: more tensors under their GGUF names, F32
-    (e.g. a layout the reader must refuse)."""
+    (e.g. a layout the reader must refuse). split_kv_b (deepseek2): write kv_b_proj as llama.cpp's converter
+    does since its MLA keys, attn_k_b (transposed) and attn_v_b; False: whole, with the older metadata."""
     import gguf
     from safetensors.torch import load_file
 
@@ -178,9 +186,13 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
     writer = gguf.GGUFWriter(str(dest), arch)
     _write_hparams(writer, cfg, arch)
     _write_family_hparams(writer, cfg, arch)
+    if arch == "deepseek2":
+        _write_deepseek_hparams(writer, cfg, split_kv_b)
     if tokenizer:
         _write_tokenizer(writer, tokenizer_metadata(hf_dir))
     tensors = merge_experts(text_tensors(load_file(hf_dir / "model.safetensors"), top))
+    if arch == "deepseek2":
+        tensors = deepseek_tensors(tensors, cfg, split_kv_b)
     if llama3_scaling(cfg):
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     rope = cfg.get("rope_parameters") or {}
@@ -211,6 +223,24 @@ def write_gguf(hf_dir: Path, dest: Path, qtype: str = "F32", tokenizer: bool = T
     writer.write_tensors_to_file()
     writer.close()
     return dest
+
+
+def deepseek_tensors(tensors: dict, cfg: dict, split_kv_b: bool) -> dict:
+    """DeepseekV2Model.modify_tensors: the next-token-prediction layers (after num_hidden_layers) dropped; with
+    split_kv_b, each kv_b_proj [H * (nope + v), r] as blk.N.attn_k_b [H, r, nope] and blk.N.attn_v_b [H, v, r]."""
+    out = {}
+    for name, t in tensors.items():
+        m = re.match(r"^(?:model\.layers|blk)\.(\d+)\.", name)
+        if m and int(m.group(1)) >= cfg["num_hidden_layers"]:
+            continue
+        if split_kv_b and name.endswith("self_attn.kv_b_proj.weight"):
+            heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            k_b, v_b = t.view(heads, nope + v, t.shape[-1]).split([nope, v], dim=1)
+            out[f"blk.{m.group(1)}.attn_k_b.weight"] = k_b.transpose(1, 2).contiguous()
+            out[f"blk.{m.group(1)}.attn_v_b.weight"] = v_b.contiguous()
+            continue
+        out[name] = t
+    return out
 
 
 def merge_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -246,15 +276,21 @@ def _write_hparams(writer, cfg: dict, arch: str) -> None:
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(rope.get("full_attention", {}).get("rope_theta", rope_theta(cfg))))
+    if arch == "deepseek2":                                  # its head widths: _write_deepseek_hparams
+        return _write_experts(writer, cfg)
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if arch != "phi3":                                       # Phi3MiniModel writes no key/value length
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    _write_experts(writer, cfg)
+
+
+def _write_experts(writer, cfg: dict) -> None:
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
     if experts:
         writer.add_expert_count(experts)
@@ -297,6 +333,41 @@ def _write_family_hparams(writer, cfg: dict, arch: str) -> None:
             scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
             writer.add_rope_scaling_attn_factors(
                 math.sqrt(1 + math.log(scale) / math.log(cfg["original_max_position_embeddings"])))
+
+
+def _write_deepseek_hparams(writer, cfg: dict, split_kv_b: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters (and the generic MoE / YaRN keys it inherits): MQA with one KV head
+    of kv_lora_rank + rope values since llama.cpp's MLA keys, the head widths under key/value_length before."""
+    import gguf
+
+    rope_dim, kv_rank = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"]
+    writer.add_head_count_kv(1 if split_kv_b else cfg["num_attention_heads"])
+    writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    writer.add_q_lora_rank(cfg["q_lora_rank"])
+    writer.add_kv_lora_rank(kv_rank)
+    if split_kv_b:
+        writer.add_key_length(kv_rank + rope_dim)
+        writer.add_value_length(kv_rank)
+        writer.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dim)
+        writer.add_value_length_mla(cfg["v_head_dim"])
+    else:
+        writer.add_key_length(cfg["qk_nope_head_dim"] + rope_dim)
+        writer.add_value_length(cfg["v_head_dim"])
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg["norm_topk_prob"]:
+        writer.add_expert_weights_norm(True)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if cfg.get("scoring_func") == "softmax"
+                                  else gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_group_count(cfg["n_group"])
+    writer.add_expert_group_used_count(cfg["topk_group"])
+    writer.add_rope_dimension_count(rope_dim)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def _write_tokenizer(writer, tok: dict) -> None:

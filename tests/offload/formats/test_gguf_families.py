@@ -1,5 +1,6 @@
 """GGUF files of Gemma 2, Gemma 3 (text, and a multimodal checkpoint's text decoder), Phi-3 (partial rotary,
-LongRoPE), GLM-4.5 and MiniMax-M2 (their routers, shared experts, next-token-prediction layer) written with tests/offload/formats/gguf_writer.py (llama.cpp's names, Gemma's shifted norms, Phi-3's rope factor
+LongRoPE), GLM-4.5 and MiniMax-M2 (their routers, shared experts, next-token-prediction layer), DeepSeek-V3 (latent
+attention, kv_b_proj split or whole) written with tests/offload/formats/gguf_writer.py (llama.cpp's names, Gemma's shifted norms, Phi-3's rope factor
 tensors and metadata) read back as the same ModelArgs and the same fp32 logits as transformers' model of the
 checkpoint they came from. The tiny checkpoints keep what GGUF cannot say at llama.cpp's values:
 query_pre_attn_scalar = head_dim, Gemma 3's five sliding layers to one global."""
@@ -77,7 +78,45 @@ def test_moe_family_gguf_reads_back_the_model(family: str, tmp_path: Path) -> No
                                    atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "gemma4"])
+LATENT_FIELDS = tuple(f for f in MOE_FIELDS if f != "mtp_layers") + ("latent", "attn_scale")
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["k_b-v_b", "kv_b"])
+def test_deepseek2_gguf_reads_back_the_model(split: bool, tmp_path: Path) -> None:
+    """DeepSeek-V3 as llama.cpp writes it (one KV head of the latent width, kv_b_proj as attn_k_b transposed and
+    attn_v_b; or, as older files, whole with the per-head widths), its next-token-prediction layer dropped, YaRN
+    with mscale = mscale_all_dim (GGUF keeps one of them): the same ModelArgs and fp32 logits as transformers."""
+    hf_dir = write_tiny_model(tmp_path / "ds", "deepseek_v3", seed=42, n_layers=2, num_nextn_predict_layers=1,
+                              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                   original_max_position_embeddings=128, mscale=1.0,
+                                                   mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))
+    path = write_gguf(hf_dir, tmp_path / "ds.gguf", "F32", split_kv_b=split)
+    src = GGUFCheckpoint(path)
+    assert ("blk.0.attn_k_b.weight" in src._raw) == split and ("blk.0.attn_kv_b.weight" in src._raw) != split
+    want, got = read_args(hf_dir), read_args(path)
+    assert [getattr(got, f) for f in LATENT_FIELDS] == [getattr(want, f) for f in LATENT_FIELDS]
+    assert (want.mtp_layers, got.mtp_layers) == (1, 0)      # llama.cpp's converter drops the layer
+    assert got.rope_scaling_dict == {k: v for k, v in want.rope_scaling_dict.items() if k != "rope_theta"}
+    ours = load_model(path, "cpu", "float32")
+    ids = torch.randint(7, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    import transformers
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(ours.logits(ours(ids, torch.arange(40)[None])), ref(input_ids=ids).logits[0],
+                                   atol=2e-4, rtol=1e-4)
+
+
+def test_a_softmax_gated_deepseek2_file_is_refused_as_deepseek_v2(tmp_path: Path) -> None:
+    from offload.formats.checkpoint import CheckpointError
+
+    hf_dir = write_tiny_model(tmp_path / "ds", "deepseek_v3", seed=43, n_layers=2, scoring_func="softmax")
+    path = write_gguf(hf_dir, tmp_path / "ds.gguf", "F32")
+    with pytest.raises(CheckpointError, match="softmax expert gating is DeepSeek-V2") as err:
+        read_args(path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["gemma4"])
 def test_architectures_not_read_yet_are_one_line(arch: str, tmp_path: Path) -> None:
     import gguf
 
