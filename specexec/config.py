@@ -238,7 +238,7 @@ class Acceptance:
     equal to the target alone, sampling its distribution). "relaxed": LOSSY, opt-in, labelled wherever it shows: a
     drafted token also passes when the target's mass on its `k` nearest tokens (input-embedding cosine), moved onto
     it, keeps the total variation from the target's distribution at each node <= `delta` (specexec/relaxed.py,
-    docs/algorithms.md §31). delta and k mean nothing in exact mode."""
+    docs/algorithms.md §32). delta and k mean nothing in exact mode."""
 
     mode: str = "exact"
     delta: float = RELAXED_DELTA

@@ -1,5 +1,5 @@
 """Relaxed acceptance (--accept relaxed[:delta=D,k=K]): LOSSY by name. LANTERN's latent-proximity rule
-(docs/algorithms.md §31) on top of the greedy-match and sample-and-match rules.
+(docs/algorithms.md §32) on top of the greedy-match and sample-and-match rules.
 
 At a verified node u with the target's processed distribution p and drafted children x_1..x_c (node order):
 walk the children's neighbour lists in that order (each child's k nearest tokens by the cosine of the target's

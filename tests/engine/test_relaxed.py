@@ -74,7 +74,7 @@ def test_relaxing_accepts_more_tokens_per_pass(pair) -> None:
 
 def _reference(parents: list[int], tokens: list[int], nb: torch.Tensor, p: torch.Tensor, delta: float,
                exact: list[int], greedy: bool) -> tuple[list[int], list[float]]:
-    """Relaxed choice per node and the mass moved there, by the rule as docs/algorithms.md §31 states it."""
+    """Relaxed choice per node and the mass moved there, by the rule as docs/algorithms.md §32 states it."""
     choice, moved_at = [], []
     for u in range(len(tokens)):
         kids = [v for v in range(1, len(tokens)) if parents[v] == u]

@@ -31,6 +31,19 @@ FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", 
           "rope_dim", "fused_qkv", "embed_scale", "sandwich_norms", "qk_norm")
 
 
+def assert_same_logits(path: Path, hf_dir: Path, n: int, hf_class: str | None = None) -> None:
+    """fp32 logits of n random ids: what specexec reads from the GGUF file = transformers' model of hf_dir."""
+    import transformers
+
+    ours = load_model(path, "cpu", "float32")
+    ids = torch.randint(7, 300, (1, n), generator=torch.Generator().manual_seed(0))
+    cls = getattr(transformers, hf_class or "AutoModelForCausalLM")
+    ref = cls.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(ours.logits(ours(ids, torch.arange(n)[None])), ref(input_ids=ids).logits[0],
+                                   atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_family_gguf_reads_back_the_model(case: str, tmp_path: Path) -> None:
     family, layers, overrides = CASES[case]
@@ -46,14 +59,7 @@ def test_family_gguf_reads_back_the_model(case: str, tmp_path: Path) -> None:
     src = GGUFCheckpoint(path)
     own = "blk.0.post_ffw_norm.weight" if family.startswith("gemma") else "blk.0.attn_qkv.weight"
     assert own in src._raw
-    ours = load_model(path, "cpu", "float32")
-    ids = torch.randint(7, 300, (1, 24), generator=torch.Generator().manual_seed(0))
-    import transformers
-    cls = transformers.Gemma3ForConditionalGeneration if case == "gemma3_mm" else transformers.AutoModelForCausalLM
-    ref = cls.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        torch.testing.assert_close(ours.logits(ours(ids, torch.arange(24)[None])), ref(input_ids=ids).logits[0],
-                                   atol=2e-4, rtol=1e-4)
+    assert_same_logits(path, hf_dir, 24, "Gemma3ForConditionalGeneration" if case == "gemma3_mm" else None)
 
 
 MOE_CASES = {"glm4_moe": 3, "minimax_m2": 2}          # the tiny shapes of tests/tiny_models.MOE_SHAPES
@@ -69,13 +75,7 @@ def test_moe_family_gguf_reads_back_the_model(family: str, tmp_path: Path) -> No
     path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", "F32")
     want, got = read_args(hf_dir), read_args(path)
     assert [getattr(got, f) for f in MOE_FIELDS] == [getattr(want, f) for f in MOE_FIELDS]
-    ours = load_model(path, "cpu", "float32")
-    ids = torch.randint(7, 300, (1, 24), generator=torch.Generator().manual_seed(0))
-    import transformers
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        torch.testing.assert_close(ours.logits(ours(ids, torch.arange(24)[None])), ref(input_ids=ids).logits[0],
-                                   atol=2e-4, rtol=1e-4)
+    assert_same_logits(path, hf_dir, 24)
 
 
 LATENT_FIELDS = tuple(f for f in MOE_FIELDS if f != "mtp_layers") + ("latent", "attn_scale")
@@ -97,13 +97,7 @@ def test_deepseek2_gguf_reads_back_the_model(split: bool, tmp_path: Path) -> Non
     assert [getattr(got, f) for f in LATENT_FIELDS] == [getattr(want, f) for f in LATENT_FIELDS]
     assert (want.mtp_layers, got.mtp_layers) == (1, 0)      # llama.cpp's converter drops the layer
     assert got.rope_scaling_dict == {k: v for k, v in want.rope_scaling_dict.items() if k != "rope_theta"}
-    ours = load_model(path, "cpu", "float32")
-    ids = torch.randint(7, 300, (1, 40), generator=torch.Generator().manual_seed(0))
-    import transformers
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        torch.testing.assert_close(ours.logits(ours(ids, torch.arange(40)[None])), ref(input_ids=ids).logits[0],
-                                   atol=2e-4, rtol=1e-4)
+    assert_same_logits(path, hf_dir, 40)
 
 
 def test_a_softmax_gated_deepseek2_file_is_refused_as_deepseek_v2(tmp_path: Path) -> None:
