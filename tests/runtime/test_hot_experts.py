@@ -45,8 +45,9 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _load(target: Path, draft: str | None, offload: str, root: Path) -> Runtime:
+    """An explicit RAM budget: the default (free RAM minus a margin) is 0 on a machine short of memory."""
     return Runtime.load(str(target), draft, F32, offload=OffloadConfig(offload=offload, quant="none",
-                                                                     cache_dir=str(root)))
+                                                                     cache_dir=str(root), ram_budget=4 << 30))
 
 
 def _equal_to_target_alone(rt: Runtime, seeds: tuple[int, ...] = (0, 1), n: int = 24) -> list[float]:

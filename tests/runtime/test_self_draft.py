@@ -173,7 +173,8 @@ def test_what_fits_names_a_layer_count(capsys) -> None:
 def test_shares_the_targets_tensors_and_sizes_its_own_cache(tiny_pair, tmp_path) -> None:
     """Streamed target (--offload ssd, fp32 layers): the draft's embedding (a HostEmbedding here), norm and head
     are the target's modules; its layers are copies; unquantized copies compute exactly the target."""
-    off = OffloadConfig(quant="none", offload="ssd", cache_dir=str(tmp_path), draft_layers=4)
+    off = OffloadConfig(quant="none", offload="ssd", cache_dir=str(tmp_path), draft_layers=4,
+                        ram_budget=4 << 30)   # not free RAM: 0 on a machine short of memory
     rt = Runtime.load(str(tiny_pair[0]), "self:none", F32, offload=off)
     target, draft = rt.engine.target, rt.engine.draft
     try:

@@ -132,23 +132,14 @@ def test_bad_requests_name_the_responses_field(tool_url, body: dict, param: str)
     assert status in (400, 404) and reply["error"]["param"] == param, reply
 
 
-def test_the_openai_agents_sdk_runs_a_tool_agent_in_responses_mode(tool_url) -> None:
-    agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
-    seen: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
-        """The weather in a city."""
-        seen.append(city)
-        return f"It is sunny in {city}."
+def test_the_openai_agents_sdk_runs_a_tool_agent_in_responses_mode(tool_url, weather_agent) -> None:
+    agents = weather_agent.agents
 
     async def run() -> tuple[str, str]:
         model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
             base_url=tool_url + "/v1", api_key="unused", max_retries=0, timeout=120))
         settings = agents.ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, max_tokens=TOKENS)
-        agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-                             model=model, model_settings=settings, tool_use_behavior="stop_on_first_tool")
+        agent = weather_agent.agent(model, settings)
         whole = await agents.Runner.run(agent, "What is the weather in Oslo?")
         streamed = agents.Runner.run_streamed(agent, "And in Lima?")
         kinds = {e.type async for e in streamed.stream_events()}
@@ -156,4 +147,5 @@ def test_the_openai_agents_sdk_runs_a_tool_agent_in_responses_mode(tool_url) -> 
         return whole.final_output, streamed.final_output
 
     whole, streamed = asyncio.run(run())
+    seen = weather_agent.seen
     assert len(seen) == 2 and (whole, streamed) == tuple(f"It is sunny in {city}." for city in seen)

@@ -6,7 +6,6 @@ call the grammar forces."""
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 import pytest
 
@@ -136,23 +135,12 @@ def test_tools_on_a_template_without_a_known_format_are_one_400(tiny_pair, tiny_
     assert code == 400 and reply["error"]["code"] == "unsupported_tool_format"
 
 
-def test_the_openai_agents_sdk_runs_an_agent_through_a_forced_tool_call(tool_url) -> None:
-    agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
-    seen: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
-        """The weather in a city."""
-        seen.append(city)
-        return f"It is sunny in {city}."
-
+def test_the_openai_agents_sdk_runs_an_agent_through_a_forced_tool_call(tool_url, weather_agent) -> None:
+    agents = weather_agent.agents
     model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
         base_url=tool_url + "/v1", api_key="unused", max_retries=0, timeout=120))
-    agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-                         model=model, model_settings=agents.ModelSettings(tool_choice="get_weather",
-                                                                           max_tokens=TOKENS),
-                         tool_use_behavior="stop_on_first_tool")
+    agent = weather_agent.agent(model, agents.ModelSettings(tool_choice="get_weather", max_tokens=TOKENS))
     result = agents.Runner.run_sync(agent, "What is the weather in Oslo?")
+    seen = weather_agent.seen
     assert len(seen) == 1, result.raw_responses
     assert result.final_output == f"It is sunny in {seen[0]}."
