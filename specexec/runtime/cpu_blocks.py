@@ -133,7 +133,7 @@ class FastBlock:
 
 class FastStack:
     """Transformer.decode's fast path for a resident model whose every layer has a FastBlock: the whole decoder
-    stack in one compiled call (BlockStack: no Python between layers, ~1.3 ms of a 24-layer step) where the pass
+    stack in one compiled call (BlockStack: no Python between layers) where the pass
     is one every layer serves, else None (the layers then run one by one, each with its own path)."""
 
     def __init__(self, layers: Sequence[Block]) -> None:
@@ -232,7 +232,7 @@ def _joined(mods: list[QuantLinear]) -> QuantLinear | None:
 def _join_projections(block: Block) -> None:
     """q/k/v into one qkv_proj and gate/up into one gate_up_proj (the layouts Phi-3's checkpoints have, which
     Attention and GatedMLP run as such): a resident layer then quantizes its input once and starts one threaded
-    kernel where it started three and two (the 0.5B draft's q/k/v 48 -> 35 us a layer, in-block timers)."""
+    kernel where it started three and two (docs/algorithms.md §27)."""
     for parent, names, joined_name in ((block.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
                                        (block.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
         mods = [parent._modules.get(n) for n in names]

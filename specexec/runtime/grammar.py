@@ -1,14 +1,13 @@
 """Grammars over a model's tokenizer, with llguidance: a JSON schema (or a Lark grammar, e.g. a tool call's
 envelope around its arguments' schema) -> a fresh Constraint (specexec/constraint.py) for one generation.
 
-Why llguidance: on the tree's access pattern (one parser state walked along a budget-64 tree by rolling back to
-the common prefix and consuming the rest, a mask at every node) it costs ~18-24 us a node on the Qwen2.5
-vocabulary (xgrammar: ~13-17 us walked the same way, ~11-13 us with its own tree traversal; forking a state per
-branch costs ~100 us a node in both), compiles a per-request schema in a few ms (xgrammar: 30-55 ms), and its
-wheel has no dependencies (xgrammar's brings triton and a TVM runtime into a CPU install).
+Why llguidance: on the tree's access pattern (one parser state walked along the tree by rolling back to the
+common prefix and consuming the rest, a mask at every node) it is within a small factor of xgrammar per node,
+compiles a per-request schema several times faster, and its wheel has no dependencies (xgrammar's brings triton
+and a TVM runtime into a CPU install); the measured costs are in docs/algorithms.md (grammars inside the tree).
 
-`Grammars` holds what is built once per tokenizer (llguidance's tokenizer view, ~1-5 s for a 150k vocabulary,
-built on first use) and checks a grammar before it is used: a bad schema is a ConfigError naming the problem.
+`Grammars` holds what is built once per tokenizer (llguidance's tokenizer view, built on first use: seconds for
+a 150k vocabulary) and checks a grammar before it is used: a bad schema is a ConfigError naming the problem.
 The grammar allows the end-of-sequence tokens only where it is complete.
 
 Does not know: HTTP, tool formats (specexec/serving/tools.py builds their grammars), models and trees.
