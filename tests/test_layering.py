@@ -111,7 +111,7 @@ def imports_of_test_modules(root: Path = ROOT) -> list[str]:
 
 
 def test_tests_import_helpers_never_test_modules() -> None:
-    """A helper two test files share lives in a helper module (tests/tiny_models.py, tests/engine/chi2.py, ...):
+    """A helper two test files share lives in a helper module (tests/tiny_models.py, tests/sampling/chi2.py, ...):
     importing a test module runs its collection-time code and ties one test file's refactor to another's."""
     bad = imports_of_test_modules()
     assert not bad, "import the helper from a helper module instead:\n" + "\n".join(bad)
@@ -120,7 +120,7 @@ def test_tests_import_helpers_never_test_modules() -> None:
 def test_the_test_module_rule_sees_each_kind(tmp_path: Path) -> None:
     (tmp_path / "tests" / "sub").mkdir(parents=True)
     (tmp_path / "tests" / "sub" / "test_a.py").write_text(
-        "from tests.sub.test_b import helper\nfrom tests.sub import conftest\nfrom tests.engine.chi2 import p\n"
+        "from tests.sub.test_b import helper\nfrom tests.sub import conftest\nfrom tests.sampling.chi2 import p\n"
         "def f():\n    from tests.sub.conftest import x\n")
     assert imports_of_test_modules(tmp_path) == ["tests.sub.test_a:1 imports tests.sub.test_b",
                                                  "tests.sub.test_a:2 imports tests.sub.conftest",

@@ -25,7 +25,7 @@ from specexec.config import SamplingParams
 from specexec.sampling import make_generator, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.verify import RULES, accept_greedy, default_rule, exact_rules_for
-from tests.engine.chi2 import chi2_pvalue
+from tests.sampling.chi2 import chi2_pvalue
 
 V, ROOT, BUDGET = 10, 3, 6
 BUDGETS = {"chain": 3}              # a chain's first two tokens only need depth 3

@@ -24,9 +24,9 @@ from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.drafters.choose import choose, load_drafter
 from specexec.engine import Engine
 from specexec.runtime.assembly import Runtime
-from tests.engine.chi2 import chi2_pvalue
+from tests.sampling.chi2 import chi2_pvalue
 from tests.drafters.drafter_writer import eagle3_reference, write_eagle3
-from tests.engine.sampling_pairs import exact_pairs, sample_pairs
+from tests.sampling.sampling_pairs import exact_pairs, sample_pairs
 from tests.sync_count import SyncCounter, count_calls
 from tests.tiny_models import prompt
 

@@ -1,1 +1,2 @@
-"""Reliability tests (issue 8): hostile inputs through the real CLI, faults, signals, concurrency, fuzzing."""
+"""Reliability tests: hostile inputs through the real CLI (bad checkpoints, configs, flags, prompts, endless and
+hostile files) and seeded fuzzing of every format the loaders read."""

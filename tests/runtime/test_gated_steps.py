@@ -15,8 +15,8 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit
 from specexec.gate import Switch
-from tests.engine.chi2 import chi2_pvalue
-from tests.engine.sampling_pairs import PROMPT, exact_pairs, sample_pairs
+from tests.sampling.chi2 import chi2_pvalue
+from tests.sampling.sampling_pairs import PROMPT, exact_pairs, sample_pairs
 from tests.tiny_models import load_pair_models, prompt
 
 PATTERN = [False, False, True, True, True, False, True, False, False, False, True]   # True = a plain step

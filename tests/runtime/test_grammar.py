@@ -21,8 +21,8 @@ from specexec.engine import Engine  # noqa: E402
 from specexec.options import ConfigError  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
 from specexec.runtime.grammar import Grammars  # noqa: E402
-from tests.engine.chi2 import chi2_pvalue  # noqa: E402
-from tests.engine.sampling_pairs import PROMPT, exact_pairs, sample_pairs  # noqa: E402
+from tests.sampling.chi2 import chi2_pvalue  # noqa: E402
+from tests.sampling.sampling_pairs import PROMPT, exact_pairs, sample_pairs  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "fish"]},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -6,7 +6,7 @@ does not fit. The model: its embed/norm/head and resident layers ARE the target'
 own layer count, copies come from (and go into) the layer cache of their format. Exactness: fp32 greedy output
 equals the target alone at full and at skipped depth, streamed and resident; a self-draft with every layer in
 the target's own format is the target, so a chain draft is accepted whole; sampling keeps the target's
-distribution (chi-square: tests/engine/chi2.py over tests/engine/sampling_pairs.py). The CLI: plan, generate, chat's default,
+distribution (chi-square: tests/sampling/chi2.py over tests/sampling/sampling_pairs.py). The CLI: plan, generate, chat's default,
 bench's self row, models.yaml, one-line errors.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ from specexec.planning.target import target_formats
 from specexec.runtime.offloaded import HostEmbedding
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.self_draft import SelfDraft, build_self_draft, self_draft_format
-from tests.engine.chi2 import chi2_pvalue
-from tests.engine.sampling_pairs import exact_pairs, sample_pairs
+from tests.sampling.chi2 import chi2_pvalue
+from tests.sampling.sampling_pairs import exact_pairs, sample_pairs
 from tests.runtime.self_draft_cli import self_draft_json
 from tests.tiny_models import prompt
 

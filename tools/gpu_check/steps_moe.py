@@ -4,7 +4,7 @@ expert_stream.py): greedy equals the same format resident, a one-token pass move
 bytes and a 16-node tree more (not all), and each pass's bytes per second against the measured pinned peak.
 Per format two loads: resident, and streamed with the draft (its no-draft variant gives the one-token passes).
 
-Does not know: the CPU path (tests/runtime/test_expert_stream.py runs the same mechanism there).
+Does not know: the CPU path (tests/experts/test_expert_stream.py runs the same mechanism there).
 """
 from __future__ import annotations
 

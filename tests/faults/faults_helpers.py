@@ -1,4 +1,4 @@
-"""Helpers shared by tests/reliability's fault, signal, concurrency and soak tests.
+"""Helpers shared by tests/faults' fault, signal, concurrency and soak tests.
 
 - running `specexec` as a real process, through the phase-hook wrapper (phase_hooks.py) that makes a signal
   land in a chosen phase: exec'd (`command`, for pexpect) or forked from a fork server that imported torch once
@@ -37,7 +37,7 @@ from tests.cli.screen import Screen
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "160"}
-HOOKS = "tests.reliability.phase_hooks"
+HOOKS = "tests.faults.phase_hooks"
 
 
 # --------------------------------------------------------------------------------------------- processes

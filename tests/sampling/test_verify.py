@@ -16,7 +16,7 @@ from specexec.sampling import gumbel_topk, make_generator, probs, sample
 from specexec.tree import TokenTree
 from specexec.verify import (RULES, Accepted, accept_greedy, accept_rrs_deterministic,
                              accept_rrs_without_replacement, default_rule, exact_rules_for)
-from tests.engine.chi2 import chi2_pvalue
+from tests.sampling.chi2 import chi2_pvalue
 
 V, ROOT = 10, 0
 

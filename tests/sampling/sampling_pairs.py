@@ -1,6 +1,6 @@
 """The first two tokens after a prompt, for the statistical exactness tests: their exact joint target
 distribution (exact_pairs, penalties included: the second token's distribution sees the first) and their counts
-over seeded engine runs (sample_pairs), compared with tests/engine/chi2.py."""
+over seeded engine runs (sample_pairs), compared with tests/sampling/chi2.py."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

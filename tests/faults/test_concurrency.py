@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from tests.reliability.faults_helpers import cache_dir, entries, fork_cli, layer_digests, wait_for
+from tests.faults.faults_helpers import cache_dir, entries, fork_cli, layer_digests, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 CONVERT = ("convert", "--quant", "none", "--no-progress")

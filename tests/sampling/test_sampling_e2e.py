@@ -14,8 +14,8 @@ from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.options import ConfigError
 from specexec.checkpoints.loading import load_model
-from tests.engine.chi2 import chi2_pvalue
-from tests.engine.sampling_pairs import PROMPT, exact_pairs, sample_pairs
+from tests.sampling.chi2 import chi2_pvalue
+from tests.sampling.sampling_pairs import PROMPT, exact_pairs, sample_pairs
 
 TRIALS = 800
 

@@ -17,7 +17,7 @@ from cli.chat import ChatSession
 from specexec.config import SamplingParams
 from specexec.runtime.assembly import Runtime
 from tests.cli.screen import Screen
-from tests.reliability.faults_helpers import open_fds, pager_threads, rss_bytes, streamed_runtime
+from tests.faults.faults_helpers import open_fds, pager_threads, rss_bytes, streamed_runtime
 
 BUILDERS = ("specexec", "chain", "dynamic", "rsd", "recycling")
 TEMPERATURES = (0.0, 0.6, 1.0)

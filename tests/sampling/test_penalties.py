@@ -15,8 +15,8 @@ from specexec.engine import Engine
 from specexec.builders.registry import make_builder
 from specexec.options import ConfigError
 from specexec.sampling import apply_presence_frequency, process_logits
-from tests.engine.chi2 import chi2_pvalue
-from tests.engine.sampling_pairs import exact_pairs, sample_pairs
+from tests.sampling.chi2 import chi2_pvalue
+from tests.sampling.sampling_pairs import exact_pairs, sample_pairs
 from tests.tiny_models import load_pair_models, prompt
 
 N_NEW = 40

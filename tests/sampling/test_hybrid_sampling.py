@@ -13,8 +13,8 @@ from specexec.builders.registry import make_builder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
-from tests.engine.chi2 import chi2_pvalue
-from tests.engine.sampling_pairs import exact_pairs, sample_pairs
+from tests.sampling.chi2 import chi2_pvalue
+from tests.sampling.sampling_pairs import exact_pairs, sample_pairs
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 
 TRIALS = 800

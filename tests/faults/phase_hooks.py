@@ -1,4 +1,4 @@
-"""Test-only wrapper around `specexec`: `python -m tests.reliability.phase_hooks <specexec args>` runs
+"""Test-only wrapper around `specexec`: `python -m tests.faults.phase_hooks <specexec args>` runs
 cli.main.main after patching a few functions so a signal (or a pause) lands in a chosen phase, deterministically.
 No hook lives in product code.
 
@@ -12,7 +12,7 @@ A hook is `PHASE@N:ACTION`:
 Armed from $RELIABILITY_HOOK at start, and, for `chat`, by a message that starts with `!hook SPEC ` (the message
 is sent as typed; phases are counted from that message on).
 
-`python -m tests.reliability.phase_hooks --zygote` is a fork server: it imports everything once (a new Python
+`python -m tests.faults.phase_hooks --zygote` is a fork server: it imports everything once (a new Python
 process spends seconds importing torch), then forks one real `specexec` process per JSON line read on stdin
 ({"argv", "dir", "env", "hook", "fsize", "tty"}): the child's stdout/stderr go to files in "dir" (or, with "tty",
 the path of a pseudo-terminal's slave, all three standard streams go there and it becomes the child's

@@ -24,7 +24,7 @@ from offload.cache.manifest import LAYERS_FILE
 from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
 from tests.cli.screen import Screen
-from tests.reliability.faults_helpers import (
+from tests.faults.faults_helpers import (
     Forked, ScriptedTerminal, cache_dir, entries, error_lines, fork_cli, fresh_answer, layer_digests, lock_is_free,
     pager_threads, streamed_runtime)
 

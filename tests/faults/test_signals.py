@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM landing in a chosen phase of a real `specexec` process (tests/reliability/phase_hooks.py
+"""SIGINT and SIGTERM landing in a chosen phase of a real `specexec` process (tests/faults/phase_hooks.py
 sends the signal from inside the phase, so where it lands is deterministic, not a matter of timing; the processes
 are forked by its fork server, the chat with a pseudo-terminal as its terminal; tests/cli/test_chat.py drives an
 exec'd `specexec chat` through pexpect with a terminal Ctrl-C).
@@ -25,7 +25,7 @@ import pytest
 from cli.main import main
 from specexec.config import EngineConfig
 from specexec.runtime.assembly import Runtime
-from tests.reliability.faults_helpers import (cache_dir, entries, fork_cli, fresh_answer, layer_digests,
+from tests.faults.faults_helpers import (cache_dir, entries, fork_cli, fresh_answer, layer_digests,
                                               lock_is_free, ssd)
 
 MAX_NEW = 24
