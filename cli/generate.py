@@ -30,7 +30,8 @@ from specexec.builders.registry import builder_needs_draft
 from specexec.options import (
     ConfigError, check_chat_options, check_draft_choice, check_number, check_prompt_text, help_list,
     parse_draft_vocab)
-from specexec.runtime.assembly import ModelInfo, Runtime
+from specexec.runtime.assembly import Runtime
+from specexec.runtime.loaders import ModelInfo
 from specexec.verify import verifier_names
 
 

@@ -1,11 +1,13 @@
 """Runtime: a loaded target (+ optional draft), their tokenizer and an Engine, ready to generate.
 
-`Runtime.load()` is the one place that turns user-facing choices (model paths, EngineConfig) into running
-objects: it resolves the checkpoint paths, reads their configs (unsupported architectures fail before any
-weight is read), loads and cross-checks the tokenizers, loads both models on the configured device and dtype,
-and makes the tree builder (specexec.builders.registry). `generate_ids()` and `generate_text()` (the ids with
-their text as it becomes final) add what the engine deliberately leaves out: the context-length check and stop
-strings (which need the tokenizer; the text side is specexec/runtime/detokenizer.py).
+`Runtime.load()` is the one place that turns user-facing choices (model paths, EngineConfig, OffloadConfig)
+into running objects, in named stages listed in its docstring: the names resolved and the configs read
+(specexec/runtime/sources.py: unsupported architectures fail before any weight is read), the tokenizers
+cross-checked, the memory plan made, the models loaded (specexec/runtime/loaders.py), the self-draft's depth
+measured and its verdict given to the gate, the draft's vocabulary fitted to the target's, the pair
+fingerprinted, the Engine built. `generate_ids()` and `generate_text()` (the ids with their text as it becomes
+final) add what the engine deliberately leaves out: the context-length check and stop strings (which need the
+tokenizer; the text side is specexec/runtime/detokenizer.py).
 
 Memory plan and offloading: before any weight is loaded, the run is planned from the configs
 (specexec/planning/ledger.py via planning.target.plan_target: the draft counted once in its --draft-quant
@@ -26,12 +28,12 @@ the tokens the target samples most on the built-in prompts (measured once per ta
 --budget auto: the engine is given a tuner holding the target's saved pass costs and hands back what it
 measures when there were none; the files are specexec/tuning/calibration.py's (the engine writes none).
 
-Does not know: argument parsing, terminal output, chat history, how layers are streamed (specexec.runtime.offloaded).
+Does not know: argument parsing, terminal output, chat history, how one model loads (loaders.py) or how layers
+are streamed (specexec.runtime.offloaded).
 """
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -39,37 +41,32 @@ from pathlib import Path
 
 import torch
 
-from offload.quant.linear import QuantLinear, quantize_module
 from offload.formats.sources import is_gguf
 from offload.streaming.timing import stream_summary
 
 from specexec.abilities import has
-from specexec.options import ConfigError, check_device, check_draft_vocab, check_prompt_length, is_self_draft
+from specexec.options import ConfigError, check_draft_vocab, check_prompt_length
 from specexec.tuning import acceptance
 from specexec.tuning.calibration import save_target_costs, tuner_for
 from specexec.builders.base import TreeBuilder
-from specexec.builders.registry import check_builder, make_builder
-from specexec.config import EXACT, Acceptance, EngineConfig, ModelArgs, OffloadConfig, SamplingParams
+from specexec.builders.registry import make_builder
+from specexec.config import EXACT, Acceptance, EngineConfig, OffloadConfig, SamplingParams
 from specexec.constraint import Constraint
 from specexec.engine import Engine
 from specexec.expert_passes import ExpertPasses
-from specexec.drafters.choose import DrafterChoice, choose, load_drafter
-from specexec.network.drafter import Drafter
-from specexec.checkpoints.loading import (check_checkpoint, expected_shapes, load_model, read_args, resolve_dtype,
-                                      resolve_model_path)
+from specexec.checkpoints.loading import check_checkpoint, resolve_dtype
 from specexec.network.model import Streams, Transformer
-from specexec.planning.run_shape import MIN_SELF_LAYERS, DrafterSize, SelfDraftShape, check_self_layers, spaced_layers
 from specexec.planning.target import TargetPlan, plan_target
-from specexec.runtime.cpu_blocks import fuse_cpu_blocks
 from specexec.runtime.expert_stream import expert_passes
-from specexec.runtime.offloaded import load_target, quantize_head, quantize_layers
+from specexec.runtime.loaders import (ModelInfo, load_chosen_drafter, load_planned_target, load_resident,
+                                      planned_self_draft, self_draft_info)
 from specexec.runtime.depth_probe import choose_self_depth, probe_window
-from specexec.runtime.self_draft import SELF, SelfDraft, build_self_draft, self_draft_shape
+from specexec.runtime.self_draft import SELF, SelfDraft
+from specexec.runtime.sources import Sources, resolve_sources
 from specexec.runtime.detokenizer import Detokenizer, StopWatcher, stream_text
 from specexec.runtime.draft_vocab import align_vocab
 from specexec.runtime.grammar import Grammars
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
-from specexec.verify import check_verifier
 from specexec.tuning.depth import DepthChoice
 from specexec.gate import with_depth_verdict
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
@@ -78,226 +75,13 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """What was loaded, for the load summary."""
+class Draft:
+    """The draft as loaded so far: the model (None: the target decodes alone), its load line, and the
+    self-draft's measured depth (None: not measured)."""
 
-    path: Path
-    args: ModelArgs
-    params: int
-    dtype: str
-    device: str
-    load_s: float
-
-    def describe(self) -> dict:
-        return {"path": str(self.path), "family": self.args.family, "layers": self.args.n_layers,
-                "params": self.params, "dtype": self.dtype, "device": self.device,
-                "load_s": round(self.load_s, 2)}
-
-
-def load_resident(path: Path, args: ModelArgs, config: EngineConfig, allow_pickle: bool,
-              quant: str = "none", draft: bool = False) -> tuple[Transformer, ModelInfo]:
-    """A resident model on the configured device; its decoder linears quantized to `quant` (on CUDA block by
-    block as they arrive, so the GPU never holds the unquantized model; freed blocks go back to the driver).
-    A draft may use batch-dependent fused kernels (quant.kernel_for row_exact=False); a target never does. On a
-    CPU an int4/int8 draft's layers run as one compiled call each (cpu_blocks; a target's get theirs from
-    runtime/offloaded.py)."""
-    t0 = time.perf_counter()
-    device = torch.device(config.device)
-    run_dtype = resolve_dtype(config.dtype, device)
-    dtype = str(run_dtype).removeprefix("torch.")
-    if quant != "none" and device.type == "cuda":
-        model = load_model(path, "cpu", dtype, allow_pickle)
-        params = sum(p.numel() for p in model.parameters())
-        for block in model.layers:
-            quantize_module(block.to(device), quant, run_dtype, row_exact=not draft)
-        model.to(device)
-        torch.cuda.empty_cache()
-    else:
-        model = load_model(path, config.device, config.dtype, allow_pickle)
-        params = sum(p.numel() for p in model.parameters())
-        quantize_layers(model, quant, row_exact=not draft)
-    quantize_head(model, quant, draft=draft)
-    if draft:
-        fuse_cpu_blocks(model)           # a CPU draft's int4/int8 layers as one compiled call each
-    dtype += f" ({_formats(quant, model)})" if quant != "none" else ""
-    return model, ModelInfo(path, args, params, dtype, config.device, time.perf_counter() - t0)
-
-
-def _formats(layer_fmt: str, model: Transformer) -> str:
-    """'int4 layers, int8 head' (what the load line and --json say a quantized model computes with)."""
-    head = model._modules.get("lm_head")
-    return f"{layer_fmt} layers" + (f", {head.fmt} head" if isinstance(head, QuantLinear) else "")
-
-
-def _plannable(path: Path, offload: OffloadConfig) -> bool:
-    """Whether the target gets a memory plan: always, except a pickle checkpoint that stays resident as it is
-    (the planner reads safetensors/GGUF headers)."""
-    plain = offload.quant in ("auto", "none") and offload.offload in ("auto", "none")
-    return not plain or is_gguf(path) or any(path.glob("*.safetensors"))
-
-
-def _plan(path: Path, args: ModelArgs, d_args: ModelArgs | None, config: EngineConfig, offload: OffloadConfig,
-          self_spec: SelfDraftShape | None = None, drafter: DrafterSize | None = None) -> TargetPlan | None:
-    """The run's memory plan from the configs, before anything is loaded (None: a resident pickle target)."""
-    if not _plannable(path, offload):
-        return None
-    device = torch.device(config.device)
-    builder = make_builder(config.builder, config.builder_options)
-    drafts = d_args is not None or self_spec is not None
-    draft_kv = builder.kv_slots if drafts and builder.needs_draft else None
-    return plan_target(path, args, d_args, offload, config, device, resolve_dtype(config.dtype, device), draft_kv,
-                       self_spec, drafter)
-
-
-def _self_spec(draft: str | None, config: EngineConfig, offload: OffloadConfig) -> SelfDraftShape | None:
-    """--draft self[:FORMAT] and --draft-layers, checked (None for a model draft or none)."""
-    if not is_self_draft(draft):
-        if offload.draft_layers is not None:
-            raise ConfigError("--draft-layers applies to --draft self (a draft made of the target's own layers)")
-        return None
-    if offload.draft_quant != "none":
-        raise ConfigError(f"--draft-quant is for a draft model; a self-draft's copies take --draft self:FORMAT "
-                          f"(e.g. self:{offload.draft_quant})")
-    return self_draft_shape(draft, offload.draft_layers, config.device)
-
-
-def _load_self(target: Transformer, path: Path, spec: SelfDraftShape, target_plan: TargetPlan | None,
-               offload: OffloadConfig, config: EngineConfig, say: Progress,
-               tokenizer=None) -> tuple[SelfDraft, ModelInfo, DepthChoice | None]:
-    """The self-draft over the planned layers (unplanned, i.e. a resident pickle target: --draft-layers N, or
-    half its layers), sharing what the target holds resident, copies of the rest. Unless N was given, its
-    depth is then measured (depth_probe.py: the planned layers are the deepest candidate) and the choice
-    returned (None: N given, or nothing to choose)."""
-    t0 = time.perf_counter()
-    n = target.args.n_layers
-    if target_plan is not None:
-        ids = target_plan.memory.draft_layers
-    else:
-        if spec.layers is not None:
-            check_self_layers(spec.layers, n)
-        ids = spaced_layers(n, spec.layers or max(min(MIN_SELF_LAYERS, n), n // 2))
-    names = target_plan.names if target_plan is not None else None
-    say(f"building the self-draft ({len(ids)} of {n} layers)")
-    draft = build_self_draft(target, ids, spec.fmt, path, names, offload.cache_dir, say)
-    choice = None
-    if spec.layers is None and tokenizer is not None:          # --draft-layers auto: measured
-        draft, choice = choose_self_depth(target, draft, probe_window(tokenizer), say)
-    params = sum(math.prod(s) for s in expected_shapes(draft.args).values())
-    dtype = str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch.")
-    return draft, ModelInfo(path, draft.args, params, f"{dtype} ({draft.describe()})", config.device,
-                            time.perf_counter() - t0), choice
-
-
-def _choose_drafter(draft: str | None, t_path: Path, t_args: ModelArgs, config: EngineConfig,
-                    offload: OffloadConfig, allow_pickle: bool) -> DrafterChoice | None:
-    """The drafter --draft names (eagle3:..., mtp), checked against the target before any weight loads; None
-    for a draft model or none."""
-    choice = choose(draft, t_path, t_args, allow_pickle) if draft is not None else None
-    if choice is not None:
-        if config.draft_vocab is not None:
-            raise ConfigError(f"--draft-vocab trims a draft model's head; the {choice.kind} drafter drafts over "
-                              f"its own head (drop --draft-vocab)")
-        if offload.draft_quant != "none":
-            raise ConfigError(f"--draft-quant is for a draft model; the {choice.kind} drafter runs in the run dtype")
-    return choice
-
-
-def _load_drafter(choice: DrafterChoice, target: Transformer, t_args: ModelArgs, config: EngineConfig,
-                  allow_pickle: bool) -> tuple[Drafter, ModelInfo]:
-    """The chosen drafter for the loaded target, and its load line (its context is the target's: RoPE is
-    relative, so a head trained on shorter sequences still runs)."""
-    t0 = time.perf_counter()
-    device = torch.device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    model, params = load_drafter(choice, target, dtype, device, allow_pickle)
-    return model, ModelInfo(choice.path, choice.plan_args(t_args), params, f"{str(dtype).removeprefix('torch.')} ({choice.kind})",
-                            config.device, time.perf_counter() - t0)
-
-
-def _load_target(path: Path, args: ModelArgs, config: EngineConfig, offload: OffloadConfig,
-                 target_plan: TargetPlan | None, allow_pickle: bool) -> tuple[Transformer, ModelInfo]:
-    """The resident loader when every layer stays resident and unquantized, else the offloaded target."""
-    if target_plan is None or not target_plan.offloaded:
-        return load_resident(path, args, config, allow_pickle)
-    t0 = time.perf_counter()
-    device = torch.device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    model = load_target(path, args, target_plan, offload, device, dtype)
-    params = sum(math.prod(s) for s in expected_shapes(args).values())
-    name = f"{str(dtype).removeprefix('torch.')} ({_formats(target_plan.fmt, model)})"
-    return model, ModelInfo(path, args, params, name, config.device, time.perf_counter() - t0)
-
-
-def _expert_passes(target: Transformer, plan: TargetPlan | None, mode: str) -> ExpertPasses | None:
-    """An MoE target's ExpertPasses priced by its plan's tiers and bandwidths, trimming trees by `mode` (None
-    for a dense target)."""
-    if plan is None or not plan.offloaded:
-        return expert_passes(target, mode=mode)
-    p = plan.plan
-    return expert_passes(target, p.tiers, p.bandwidths.ram, p.bandwidths.ssd, next(target.parameters()).device,
-                         mode)
-
-
-def _make_engine(target: Transformer, draft: Transformer | None, config: EngineConfig,
-                 eos: tuple[int, ...], context: int | None = None, plan: TargetPlan | None = None) -> Engine:
-    """The configured builder; none (target-only decoding) when it needs a draft and there is none. context:
-    the tokens the memory plan reserved KV cache for (None: not planned); the plan may have chosen an int8
-    draft cache to fit (exact: the draft only proposes)."""
-    builder: TreeBuilder | None = make_builder(config.builder, config.builder_options)
-    if builder.needs_draft and draft is None:
-        builder = None
-    draft_kv = "int8" if plan is not None and plan.memory.shape.draft_kv_quant == "int8" else None
-    tuner = tuner_for(config.budget, target) if config.auto_budget and builder is not None else None
-    engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv, tuner=tuner,
-                    experts=_expert_passes(target, plan, config.expert_trim))
-    if engine.experts is not None and isinstance(draft, SelfDraft) and draft.hot is not None:
-        engine.experts.listeners.append(draft.observe_routing)      # its hot experts follow the target's routing
-    if tuner is not None:                 # --budget auto: what the engine measures is kept for the next run
-        engine.on_calibrated = lambda curve: save_target_costs(target, curve)
-    if has(target, Streams):              # offloaded target: per step, the profiler records what streaming cost
-        engine.profiler.watch(target.pager.counters)
-    return engine
-
-
-def with_measured_acceptance(config: EngineConfig, pair: str | None) -> EngineConfig:
-    """--builder static without an acceptance_file option: the pair's vectors from `specexec bench accept`,
-    when they were measured (else the builder's default profile)."""
-    if config.builder != "static" or pair is None or any(k == "acceptance_file" for k, _ in config.builder_options):
-        return config
-    path = acceptance.default_path(pair)
-    if not path.is_file():
-        return config
-    return config.replace(builder_options=(*config.builder_options, ("acceptance_file", str(path))))
-
-
-VOCAB_CALIBRATION_TOKENS = 64     # --draft-vocab: target samples per built-in prompt (then cached)
-
-
-def _trim_draft(draft: Transformer, target: Transformer, tokenizer, t_path: Path, config: EngineConfig,
-                eos: tuple[int, ...], say: Progress) -> TrimmedDraft:
-    """VocabTrim: the draft head keeps the --draft-vocab tokens the target samples most often on the built-in
-    prompts (T = 1; drawn through speculative sampling, which is exact; counts cached per target)."""
-    from specexec.prompts import load_prompts
-
-    vocab = draft.args.vocab_size
-    check_draft_vocab(config.draft_vocab, vocab)
-    prompts = [encode_prompt(tokenizer, p.prompt, True, p.system) for p in load_prompts()]
-    key = (f"draft-vocab|{t_path.resolve()}|{vocab}|{len(prompts)}|{sum(map(len, prompts))}|T=1|"
-           f"{VOCAB_CALIBRATION_TOKENS}")
-
-    def measure() -> torch.Tensor:
-        say(f"--draft-vocab: sampling the target on {len(prompts)} prompts to count its tokens (cached)")
-        calib = config.replace(budget=16, auto_budget=False, builder="specexec", draft_vocab=None, verifier="auto",
-                               accept=EXACT)
-        engine = Engine(target, draft, calib, make_builder("specexec"), eos)
-        sampling = SamplingParams(temperature=1.0, seed=0)
-        return measure_counts(lambda ids: [t for s in engine.generate(ids, VOCAB_CALIBRATION_TOKENS, sampling)
-                                           for t in s], prompts, vocab)
-
-    counts = load_or_measure_counts(key, vocab, measure)
-    n = auto_size(counts) if config.draft_vocab == "auto" else int(config.draft_vocab)
-    always = set(eos) | set(getattr(tokenizer, "all_special_ids", None) or ())
-    return TrimmedDraft(draft, select_vocab(counts, n, sorted(t for t in always if 0 <= t < vocab)))
+    model: torch.nn.Module | None = None
+    info: ModelInfo | None = None
+    depth: DepthChoice | None = None
 
 
 class Runtime:
@@ -317,67 +101,41 @@ class Runtime:
     def load(cls, model: str, draft: str | None, config: EngineConfig, allow_pickle: bool = False,
              progress: Progress | None = None, offload: OffloadConfig | None = None,
              on_plan: Callable[[TargetPlan], None] | None = None) -> "Runtime":
-        """Load the target at `model` and, unless `draft` is None, the draft at `draft` ("self[:FORMAT]": the
-        target itself over offload.draft_layers of its layers, specexec/runtime/self_draft.py; it loads after the
-        target). Without a draft the engine decodes with the target alone (when the configured builder needs a
-        draft model). `offload`
-        (default OffloadConfig()) says how the target's layers are stored and where they live. The memory plan
-        is made from the configs before any weight is loaded and handed to `on_plan` (e.g. to print its
-        ledger); then the draft loads, then the target as planned."""
+        """Load the target at `model` and, unless `draft` is None, the draft `draft` names: a draft model's
+        path, "self[:FORMAT]" (the target itself over offload.draft_layers of its layers) or a drafter
+        ("eagle3:...", "mtp"). Without a draft the engine decodes with the target alone. `offload` (default
+        OffloadConfig()) says how the target's layers are stored and where they live.
+
+        The stages, in order (each a function below, the first in sources.py):
+          1. resolve_sources    check the names, resolve the paths, read the configs: which draft (Sources)
+          2. _check_pair        the tokenizer(s) loaded and cross-checked, a draft model's checkpoint checked
+          3. _plan_memory       the memory plan from the configs alone, handed to `on_plan` (e.g. to print it)
+          4. _load_draft_model  a draft model, resident (before the target, as the plan counted it)
+          5. _load_target       the target as planned: resident, or quantized and streamed
+          6. _build_on_target   a self-draft (built, then its depth probed) or a drafter: they share the target's
+                                modules, so they come after it
+          7. _gate_verdict      a measured depth that loses to the target alone turns --gate auto on
+          8. _fit_vocab         VocabTrim (--draft-vocab), then the draft's logits in the target's rows
+          9. _fingerprint       the pair's key (measured acceptance vectors are kept under it)
+         10. _make_engine       the builder, the tuner, an MoE target's expert passes -> the Engine
+        """
         offload = offload or OffloadConfig()
         say = progress or (lambda _msg: None)
-        check_device(config.device)
-        check_builder(config.builder)              # the names an EngineConfig leaves to their registries
-        check_verifier(config.verifier)
-        t_path = resolve_model_path(model)
-        t_args = read_args(t_path)
-        self_spec = _self_spec(draft, config, offload)
-        drafter = _choose_drafter(draft, t_path, t_args, config, offload, allow_pickle) if self_spec is None else None
-        d_path = resolve_model_path(draft) if draft is not None and self_spec is None and drafter is None else None
-        d_args = read_args(d_path) if d_path is not None else None
-        say(f"loading tokenizer from {t_path}")
-        tokenizer = load_tokenizer(t_path)
-        d_tok = load_tokenizer(d_path) if d_path is not None else tokenizer
-        note = check_compatible(tokenizer, d_tok, t_args.vocab_size, d_args.vocab_size if d_args else t_args.vocab_size)
-        if d_path is not None:                  # a broken draft fails before the plan is shown
-            check_checkpoint(d_path, d_args, allow_pickle)
-        say("planning memory")
-        plan = _plan(t_path, t_args, drafter.plan_args(t_args) if drafter is not None else d_args, config, offload,
-                     self_spec, drafter.size() if drafter is not None else None)    # nothing of ours loaded yet
-        if plan is not None and on_plan is not None:
-            on_plan(plan)
-        draft_model, d_info = None, None
-        if d_path is not None:
-            say(f"loading draft {d_path}")
-            draft_model, d_info = load_resident(d_path, d_args, config, allow_pickle, offload.draft_quant, draft=True)
-        say(f"loading target {t_path}")
-        target, t_info = _load_target(t_path, t_args, config, offload, plan, allow_pickle)
-        depth = None
-        if self_spec is not None:               # the target itself, so it comes after the target
-            draft_model, d_info, depth = _load_self(target, t_path, self_spec, plan, offload, config, say, tokenizer)
-            if depth is not None:               # no depth pays: the gate decides when to draft (specexec/gate.py)
-                config = config.replace(gate=with_depth_verdict(config.gate, depth.loses))
-        if drafter is not None:                 # it may share the target's embedding and head: after the target
-            say(f"loading drafter {drafter.describe()}")
-            draft_model, d_info = _load_drafter(drafter, target, t_args, config, allow_pickle)
-        eos = eos_ids(tokenizer, t_args.eos_token_ids)
-        if config.draft_vocab is not None and draft_model is not None:       # VocabTrim (--draft-vocab)
-            draft_model = _trim_draft(draft_model, target, tokenizer, t_path, config, eos, say)
-            d_info = replace(d_info, dtype=f"{d_info.dtype} (head: {draft_model.n_kept} of "
-                                          f"{d_info.args.vocab_size} tokens)")
-        draft_model = align_vocab(draft_model, t_args.vocab_size)     # rows padded otherwise: draft_vocab.py
-        pair = (acceptance.pair_fingerprint(t_path, d_path, t_args, d_args, config.draft_vocab)
-                if d_path is not None else None)
-        if self_spec is not None:
-            pair = acceptance.pair_fingerprint(t_path, t_path, t_args, (SELF, draft_model.fmt, draft_model.layer_ids),
-                                               config.draft_vocab)
-        if drafter is not None:
-            pair = acceptance.pair_fingerprint(t_path, drafter.path, t_args, (drafter.kind, drafter.args), None)
-        engine = _make_engine(target, draft_model, with_measured_acceptance(config, pair), eos,
+        src = resolve_sources(model, draft, config, offload, allow_pickle)
+        tokenizer, note = _check_pair(src, allow_pickle, say)
+        plan = _plan_memory(src, config, offload, on_plan, say)
+        drafted = _load_draft_model(src, config, offload, allow_pickle, say)
+        target, t_info = _load_target(src, config, offload, plan, allow_pickle, say)
+        drafted = _build_on_target(target, src, plan, tokenizer, config, offload, allow_pickle, say) or drafted
+        config = _gate_verdict(config, drafted.depth)
+        eos = eos_ids(tokenizer, src.args.eos_token_ids)
+        drafted = _fit_vocab(drafted, target, tokenizer, src, config, eos, say)
+        pair = _fingerprint(src, drafted.model, config)
+        engine = _make_engine(target, drafted.model, with_measured_acceptance(config, pair), eos,
                               plan.memory.context if plan is not None else None, plan)
-        runtime = cls(engine, tokenizer, t_info, d_info, config, plan)
+        runtime = cls(engine, tokenizer, t_info, drafted.info, config, plan)
         runtime.pair, runtime.pair_note = pair, note       # note: what check_compatible said of the pair
-        runtime.depth = depth
+        runtime.depth = drafted.depth
         return runtime
 
     def variant(self, config: EngineConfig, use_draft: bool = True) -> "Runtime":
@@ -388,8 +146,8 @@ class Runtime:
         draft = self.engine.draft if use_draft else None
         if not use_draft:                                    # the target alone: nothing drafted, nothing to relax
             config = config.replace(accept=EXACT)
-        if draft is not None and self.depth is not None:     # the measured depth's verdict holds for the variant
-            config = config.replace(gate=with_depth_verdict(config.gate, self.depth.loses))
+        if draft is not None:                                # the measured depth's verdict holds for the variant
+            config = _gate_verdict(config, self.depth)
         engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
                               tuple(sorted(self.engine.eos_ids)), self.engine.planned_context,
                               self.plan)
@@ -477,6 +235,191 @@ class Runtime:
             out.update(stream_summary(self._stream_base, target.pager.counters()))
             out["offload"] = {"quant": self.plan.fmt, **self.plan.plan.summary()}
         return out
+
+
+# ------------------------------------------------------------------ the stages of Runtime.load, in order
+
+def _check_pair(src: Sources, allow_pickle: bool, say: Progress) -> tuple[object, str | None]:
+    """Stage 2: (the target's tokenizer, what the compatibility check said of the pair or None). A draft
+    model's tokenizer must agree with the target's, and its checkpoint is checked, so a broken draft fails
+    before the plan is shown."""
+    say(f"loading tokenizer from {src.target}")
+    tokenizer = load_tokenizer(src.target)
+    d_tok = load_tokenizer(src.draft) if src.draft is not None else tokenizer
+    d_vocab = src.draft_args.vocab_size if src.draft_args else src.args.vocab_size
+    note = check_compatible(tokenizer, d_tok, src.args.vocab_size, d_vocab)
+    if src.draft is not None:
+        check_checkpoint(src.draft, src.draft_args, allow_pickle)
+    return tokenizer, note
+
+
+def _plan_memory(src: Sources, config: EngineConfig, offload: OffloadConfig,
+                 on_plan: Callable[[TargetPlan], None] | None, say: Progress) -> TargetPlan | None:
+    """Stage 3: the run's memory plan from the configs, before anything of ours is loaded (None: a resident
+    pickle target), handed to `on_plan`. The draft is counted once in its own format: a draft model's
+    config, a self-draft's copies, a drafter's size."""
+    say("planning memory")
+    drafter = src.drafter
+    d_args = drafter.plan_args(src.args) if drafter is not None else src.draft_args
+    drafter_size = drafter.size() if drafter is not None else None
+    if not _plannable(src.target, offload):
+        return None
+    device = torch.device(config.device)
+    builder = make_builder(config.builder, config.builder_options)
+    drafts = d_args is not None or src.self_spec is not None
+    draft_kv = builder.kv_slots if drafts and builder.needs_draft else None
+    plan = plan_target(src.target, src.args, d_args, offload, config, device, resolve_dtype(config.dtype, device),
+                       draft_kv, src.self_spec, drafter_size)
+    if on_plan is not None:
+        on_plan(plan)
+    return plan
+
+
+def _plannable(path: Path, offload: OffloadConfig) -> bool:
+    """Whether the target gets a memory plan: always, except a pickle checkpoint that stays resident as it is
+    (the planner reads safetensors/GGUF headers)."""
+    plain = offload.quant in ("auto", "none") and offload.offload in ("auto", "none")
+    return not plain or is_gguf(path) or any(path.glob("*.safetensors"))
+
+
+def _load_draft_model(src: Sources, config: EngineConfig, offload: OffloadConfig, allow_pickle: bool,
+                      say: Progress) -> Draft:
+    """Stage 4: a draft model, resident on the device (quantized to --draft-quant); no draft otherwise."""
+    if src.draft is None:
+        return Draft()
+    say(f"loading draft {src.draft}")
+    return Draft(*load_resident(src.draft, src.draft_args, config, allow_pickle, offload.draft_quant, draft=True))
+
+
+def _load_target(src: Sources, config: EngineConfig, offload: OffloadConfig, plan: TargetPlan | None,
+                 allow_pickle: bool, say: Progress) -> tuple[Transformer, ModelInfo]:
+    """Stage 5: the target as planned (loaders.load_planned_target) and its load line."""
+    say(f"loading target {src.target}")
+    return load_planned_target(src.target, src.args, config, offload, plan, allow_pickle)
+
+
+def _build_on_target(target: Transformer, src: Sources, plan: TargetPlan | None, tokenizer, config: EngineConfig,
+                     offload: OffloadConfig, allow_pickle: bool, say: Progress) -> Draft | None:
+    """Stage 6: what drafts with the target's own modules, so it comes after the target (None: neither). A
+    self-draft is built over the planned layers; unless --draft-layers N, its depth is then measured
+    (depth_probe.py: the planned layers are the deepest candidate). A drafter may share the target's
+    embedding and head."""
+    if src.self_spec is not None:
+        t0 = time.perf_counter()
+        model = planned_self_draft(target, src.target, src.self_spec, plan, offload, say)
+        depth = None
+        if src.self_spec.layers is None and tokenizer is not None:          # --draft-layers auto: measured
+            model, depth = choose_self_depth(target, model, probe_window(tokenizer), say)
+        return Draft(model, self_draft_info(model, src.target, config, t0), depth)
+    if src.drafter is not None:
+        say(f"loading drafter {src.drafter.describe()}")
+        return Draft(*load_chosen_drafter(src.drafter, target, src.args, config, allow_pickle))
+    return None
+
+
+def _gate_verdict(config: EngineConfig, depth: DepthChoice | None) -> EngineConfig:
+    """Stage 7: when no measured depth pays, the gate decides when to draft (specexec/gate.py); the config as
+    it was without a measured depth."""
+    if depth is None:
+        return config
+    return config.replace(gate=with_depth_verdict(config.gate, depth.loses))
+
+
+def _fit_vocab(drafted: Draft, target: Transformer, tokenizer, src: Sources, config: EngineConfig,
+               eos: tuple[int, ...], say: Progress) -> Draft:
+    """Stage 8: with --draft-vocab the draft's head trimmed (VocabTrim, its load line says how far); then its
+    logits in the target's rows (draft_vocab.align_vocab: padded otherwise, or a prefix vocabulary)."""
+    model, info = drafted.model, drafted.info
+    if config.draft_vocab is not None and model is not None:
+        model = _trim_draft(model, target, tokenizer, src.target, config, eos, say)
+        info = replace(info, dtype=f"{info.dtype} (head: {model.n_kept} of {info.args.vocab_size} tokens)")
+    return Draft(align_vocab(model, src.args.vocab_size), info, drafted.depth)
+
+
+VOCAB_CALIBRATION_TOKENS = 64     # --draft-vocab: target samples per built-in prompt (then cached)
+
+
+def _trim_draft(draft: Transformer, target: Transformer, tokenizer, t_path: Path, config: EngineConfig,
+                eos: tuple[int, ...], say: Progress) -> TrimmedDraft:
+    """VocabTrim: the draft head keeps the --draft-vocab tokens the target samples most often on the built-in
+    prompts (T = 1; drawn through speculative sampling, which is exact; counts cached per target)."""
+    from specexec.prompts import load_prompts
+
+    vocab = draft.args.vocab_size
+    check_draft_vocab(config.draft_vocab, vocab)
+    prompts = [encode_prompt(tokenizer, p.prompt, True, p.system) for p in load_prompts()]
+    key = (f"draft-vocab|{t_path.resolve()}|{vocab}|{len(prompts)}|{sum(map(len, prompts))}|T=1|"
+           f"{VOCAB_CALIBRATION_TOKENS}")
+
+    def measure() -> torch.Tensor:
+        say(f"--draft-vocab: sampling the target on {len(prompts)} prompts to count its tokens (cached)")
+        calib = config.replace(budget=16, auto_budget=False, builder="specexec", draft_vocab=None, verifier="auto",
+                               accept=EXACT)
+        engine = Engine(target, draft, calib, make_builder("specexec"), eos)
+        sampling = SamplingParams(temperature=1.0, seed=0)
+        return measure_counts(lambda ids: [t for s in engine.generate(ids, VOCAB_CALIBRATION_TOKENS, sampling)
+                                           for t in s], prompts, vocab)
+
+    counts = load_or_measure_counts(key, vocab, measure)
+    n = auto_size(counts) if config.draft_vocab == "auto" else int(config.draft_vocab)
+    always = set(eos) | set(getattr(tokenizer, "all_special_ids", None) or ())
+    return TrimmedDraft(draft, select_vocab(counts, n, sorted(t for t in always if 0 <= t < vocab)))
+
+
+def _fingerprint(src: Sources, draft: torch.nn.Module | None, config: EngineConfig) -> str | None:
+    """Stage 9: the pair's fingerprint, the key of its measured acceptance vectors (None: no draft). A
+    self-draft is named by its format and layers, a drafter by its kind and config."""
+    if src.self_spec is not None:
+        return acceptance.pair_fingerprint(src.target, src.target, src.args, (SELF, draft.fmt, draft.layer_ids),
+                                           config.draft_vocab)
+    if src.drafter is not None:
+        return acceptance.pair_fingerprint(src.target, src.drafter.path, src.args,
+                                           (src.drafter.kind, src.drafter.args), None)
+    if src.draft is not None:
+        return acceptance.pair_fingerprint(src.target, src.draft, src.args, src.draft_args, config.draft_vocab)
+    return None
+
+
+def _make_engine(target: Transformer, draft: torch.nn.Module | None, config: EngineConfig,
+                 eos: tuple[int, ...], context: int | None = None, plan: TargetPlan | None = None) -> Engine:
+    """Stage 10 (and Runtime.variant's engine): the configured builder; none (target-only decoding) when it
+    needs a draft and there is none. context: the tokens the memory plan reserved KV cache for (None: not
+    planned); the plan may have chosen an int8 draft cache to fit (exact: the draft only proposes)."""
+    builder: TreeBuilder | None = make_builder(config.builder, config.builder_options)
+    if builder.needs_draft and draft is None:
+        builder = None
+    draft_kv = "int8" if plan is not None and plan.memory.shape.draft_kv_quant == "int8" else None
+    tuner = tuner_for(config.budget, target) if config.auto_budget and builder is not None else None
+    engine = Engine(target, draft, config, builder, eos, context=context, draft_kv_quant=draft_kv, tuner=tuner,
+                    experts=_expert_passes(target, plan, config.expert_trim))
+    if engine.experts is not None and isinstance(draft, SelfDraft) and draft.hot is not None:
+        engine.experts.listeners.append(draft.observe_routing)      # its hot experts follow the target's routing
+    if tuner is not None:                 # --budget auto: what the engine measures is kept for the next run
+        engine.on_calibrated = lambda curve: save_target_costs(target, curve)
+    if has(target, Streams):              # offloaded target: per step, the profiler records what streaming cost
+        engine.profiler.watch(target.pager.counters)
+    return engine
+
+
+def with_measured_acceptance(config: EngineConfig, pair: str | None) -> EngineConfig:
+    """--builder static without an acceptance_file option: the pair's vectors from `specexec bench accept`,
+    when they were measured (else the builder's default profile)."""
+    if config.builder != "static" or pair is None or any(k == "acceptance_file" for k, _ in config.builder_options):
+        return config
+    path = acceptance.default_path(pair)
+    if not path.is_file():
+        return config
+    return config.replace(builder_options=(*config.builder_options, ("acceptance_file", str(path))))
+
+
+def _expert_passes(target: Transformer, plan: TargetPlan | None, mode: str) -> ExpertPasses | None:
+    """An MoE target's ExpertPasses priced by its plan's tiers and bandwidths, trimming trees by `mode` (None
+    for a dense target)."""
+    if plan is None or not plan.offloaded:
+        return expert_passes(target, mode=mode)
+    p = plan.plan
+    return expert_passes(target, p.tiers, p.bandwidths.ram, p.bandwidths.ssd, next(target.parameters()).device,
+                         mode)
 
 
 def _kv_cache_summary(engine: Engine) -> dict:

@@ -222,11 +222,11 @@ def test_moe_sizes_equal_the_layer_cache_layouts(tiny_qwen3_moe, fmt: str) -> No
 
 def test_runtime_plans_before_loading_and_counts_the_draft_once(tiny_pair, tmp_path, monkeypatch) -> None:
     """The plan is made (and shown) before any weight loads; its draft line equals the loaded draft's bytes."""
-    import specexec.runtime.assembly as runtime_mod
+    import specexec.runtime.loaders as loaders
 
     events: list[str] = []
-    real_load = runtime_mod.load_model
-    monkeypatch.setattr(runtime_mod, "load_model", lambda *a, **k: events.append("load") or real_load(*a, **k))
+    real_load = loaders.load_model
+    monkeypatch.setattr(loaders, "load_model", lambda *a, **k: events.append("load") or real_load(*a, **k))
     rt = Runtime.load(str(tiny_pair[0]), str(tiny_pair[1]), EngineConfig(budget=8),
                       offload=OffloadConfig(offload="ssd", draft_quant="nf4", cache_dir=str(tmp_path)),
                       on_plan=lambda plan: events.append("plan"))

@@ -30,7 +30,7 @@ from specexec.config import EngineConfig
 from specexec.network.model import Transformer, TreeMask
 from specexec.options import ConfigError, check_integer
 from specexec.planning.sizes import module_bytes
-from specexec.runtime.assembly import load_resident
+from specexec.runtime.loaders import load_resident
 
 FORMATS = ("none", "int4", "int8")
 
