@@ -23,7 +23,8 @@ session does not matter: the open file keeps serving it. The offloaded target's 
 the session ends, however it ends.
 
 Does not know: how a step works or how models load (specexec.runtime.assembly), what a setting may be
-(specexec.config.with_field validates /set values), terminal line editing (input() and readline do it).
+(specexec.config.with_field validates /set values), how a message is read from the terminal
+(cli/terminal_input.py; line editing: input() and readline).
 """
 from __future__ import annotations
 
@@ -31,16 +32,16 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TextIO
 
 from rich.console import Console
 
 from cli import args as common
 from cli.generate import read_stdin, relaxed_note, write_text
 from cli.prefill_bar import PrefillBar
+from cli.terminal_input import input_held, read_message
 from offload.formats.json_files import read_json
 from specexec.config import SamplingParams, with_field
 from specexec.options import ConfigError, budget_options, check_prompt_text
@@ -363,72 +364,7 @@ def stats_line(p: dict) -> str:
             f"{p.get('prompt_tokens', 0)} tokens ({p.get('reused_tokens', 0)} reused)" + relaxed_note(p))
 
 
-# -------------------------------------------------------------------- terminal input
-
-def read_message(read_line: Callable[[str], str]) -> str | None:
-    """One message from the terminal: lines ending in \\ continue, \"\"\" opens and closes a block. None at
-    end of input (Ctrl-D)."""
-    try:
-        first = read_line(">>> ")
-    except EOFError:
-        return None
-    if first.strip() == '"""':
-        return _read_block(read_line)
-    lines = [first]
-    while lines[-1].endswith("\\"):
-        lines[-1] = lines[-1][:-1]
-        try:
-            lines.append(read_line("... "))
-        except EOFError:
-            break
-    return "\n".join(lines)
-
-
-def _read_block(read_line: Callable[[str], str]) -> str:
-    lines: list[str] = []
-    while True:
-        try:
-            line = read_line("... ")
-        except EOFError:
-            break
-        if line.strip() == '"""':
-            break
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _terminal_modes(stream: TextIO) -> list | None:
-    """termios' attributes of `stream`; None where it is no terminal or the platform has no termios."""
-    try:
-        import termios
-    except ImportError:
-        return None
-    try:
-        return termios.tcgetattr(stream.fileno())
-    except (AttributeError, ValueError, OSError, termios.error):      # a test's stdin, a pipe, a file
-        return None
-
-
-@contextlib.contextmanager
-def input_held(stream: TextIO | None = None) -> Iterator[None]:
-    """While inside (an answer streaming): the terminal does not echo what the user types, so it never lands in
-    the answer; it stays in the terminal's input queue (TCSANOW discards nothing) and the next prompt reads and
-    shows it. No change where `stream` (default stdin) is not a terminal or the platform has no termios."""
-    before = _terminal_modes(stream or sys.stdin)
-    if before is None:
-        yield
-        return
-    import termios
-
-    fd = (stream or sys.stdin).fileno()
-    quiet = list(before)
-    quiet[3] &= ~termios.ECHO
-    termios.tcsetattr(fd, termios.TCSANOW, quiet)
-    try:
-        yield
-    finally:
-        termios.tcsetattr(fd, termios.TCSANOW, before)
-
+# -------------------------------------------------------------------- the loop
 
 def repl(session: ChatSession, read_line: Callable[[str], str] = input,
          hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> int:

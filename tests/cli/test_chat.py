@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.chat import ChatSession, read_message, repl
+from cli.chat import ChatSession, repl
 from cli.main import main
+from cli.terminal_input import read_message
 from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.tokenizer import encode_messages
@@ -299,7 +300,7 @@ def test_text_typed_during_an_answer_is_held_for_the_next_prompt(tiny_pair, tiny
 
 
 def test_input_held_is_a_no_op_without_a_terminal(tmp_path) -> None:
-    from cli.chat import input_held
+    from cli.terminal_input import input_held
 
     with open(tmp_path / "f", "w") as f, input_held(f):
         f.write("x")
