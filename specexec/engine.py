@@ -2,49 +2,53 @@
 
 1. draft   - the builder grows a token tree under the root with the draft (the tuner picks its budget);
 2. verify  - the target sees the whole tree in one forward (positions = prefix + depth, mask = prefix +
-             ancestors) and the acceptance rule picks the accepted path plus one bonus token;
+             ancestors) and the acceptance rule picks the accepted path plus one bonus token (what the
+             target says at the nodes: specexec/target_logits.py);
 3. commit  - both KV caches keep the accepted rows, the context gains the new tokens;
 4. observe - the builder learns from the outcome (accepted path; the target's top-k when it asks);
-5. account - the step goes into the one ledger (the profiler's step records, which GenerationStats reads);
-             once its times are known the budget tuner and a cost-following builder hear them.
+5. account - the step goes into the one ledger (the profiler's step records, which GenerationStats reads).
 
-With no builder the same loop is plain autoregressive decoding (the baseline); the gate (--gate,
-specexec/gate.py) makes a step such a plain one when the target alone is measured faster. Optional abilities of the
-builder and the models (specexec/builders/base.py, specexec/network/model.py Protocols) are checked once, when the
-engine is built. `--budget auto` calibration: the engine measures target passes when its tuner has no costs
-and hands them to `on_calibrated`; saving and loading them is the runtime's (specexec/tuning/calibration.py).
+All else that takes part in a step is a companion (specexec/companions.py: LongRoPE's switch, the pilot of
+--gate, the budget tuner, an MoE target's experts, a cost-following builder): hooks the stages run in the
+companions' one order, never asking who is there. With no builder the loop is plain autoregressive decoding
+(the baseline); the pilot makes a step such a plain one when the target alone is measured faster. Optional
+abilities of the builder, the models and the companions are checked once, when the engine is built. Before
+the first step the prompt is prefilled (specexec/prompt_passes.py); with `--budget auto` and no saved costs
+the engine measures target passes and hands them to `on_calibrated` (saving them is the runtime's).
 
 Does not know: tokenizers and text (stop strings come in as a callable), the CLI, files, where weights live
 (the target may be resident or an OffloadedTransformer with the same forward signature).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from specexec import prompt_passes, target_logits
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
+from specexec.companions import Step, engine_companions
 from specexec.network import longrope, mixers
-from specexec.config import PREFILL_CHUNK, Acceptance, EngineConfig, SamplingParams
+from specexec.config import Acceptance, EngineConfig, SamplingParams
 from specexec.constraint import Constraint, tree_paths
-from specexec.expert_passes import CountsExperts, ExpertPasses
+from specexec.expert_passes import ExpertPasses
 from specexec.feeding import TargetFeed, tell_taps
 from specexec.finite import checked_pass
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.drafter import Drafter
-from specexec.network.model import LOGIT_CHUNK, Closes, MakesCache, PlansPrefill, Transformer, TreeMask
+from specexec.network.model import Closes, MakesCache, Transformer, TreeMask
 from specexec.options import ConfigError
 from specexec.gate import Pilot
 from specexec.profiler import Profiler, Span
 from specexec.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
-from specexec.sampling import greedy, is_plain, make_generator, node_histories, process_logits, sample
+from specexec.sampling import make_generator
 from specexec.tree import TokenTree
 from specexec.uploads import upload
-from specexec.tuning.budget import BudgetTuner, CurveFit, calibration_sizes
+from specexec.tuning.budget import BudgetTuner, CurveFit
 from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
 
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
@@ -67,19 +71,6 @@ class StepState:
     draft: DraftState | None
 
 
-@dataclass
-class Drafted:
-    """What the draft stage made: the tree, the budget it asked for (None: no builder), the draft passes it
-    ran, the span that timed it, and whether the tuner was still descending from its first budget (the gate
-    does not judge drafting on such a step)."""
-
-    tree: TokenTree
-    budget: int | None
-    passes: int
-    span: Span
-    settling: bool = False
-
-
 class Engine:
     """Owns the target, the optional draft and their caches; generate() is the only way to run them."""
 
@@ -94,7 +85,7 @@ class Engine:
         tuner: --budget auto's tuner, e.g. holding saved target costs (None: a fresh one; only used with
         config.auto_budget and a builder). experts: an MoE target's ExpertPasses (its costs and trim mode; None:
         one that learns and counts with every expert held). The builder's and the models' optional abilities
-        are checked here, once."""
+        are checked here, once, and the step's companions built."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         check_verifier(config.verifier)
@@ -121,22 +112,34 @@ class Engine:
         self.target_closes = has(target, Closes)
         self.feed = (TargetFeed(target, draft) if isinstance(draft, Drafter) and builder is not None
                      and builder.needs_draft else None)             # a drafter reads the target's passes
-        self.counts_experts = has(target, CountsExperts)                 # its expert traffic, read each step
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
         self.recurrent = any(s is not None for s in mixers.layer_states(target.args))   # a state cannot go back
         self.experts = experts or (ExpertPasses(target.args, device=self.device) if target.args.moe else None)
-        if self.experts is not None:
-            self.experts.attach(target)
-            if self.tuner is not None:               # the one cost model gains the MoE term
-                self.tuner.costs.experts = self.experts.expected_seconds
-        self._trims = False                  # this call's trees are trimmed to their experts' worth (generate)
+        if self.experts is not None and self.tuner is not None:     # the one cost model gains the MoE term
+            self.tuner.costs.experts = self.experts.expected_seconds
+        self._trims = False                  # this call's drafted trees go through the companions' trim (generate)
         self._check_finite = False           # the next verification pass counts NaN/Inf (specexec/finite.py)
         self._constraint: Constraint | None = None   # this call's grammar (generate)
         self._top_logprobs: int | None = None        # this call's top_logprobs (None: no logprobs)
         self.logprobs: list[TokenLogprob] = []       # the last call's tokens' target log-probs, when asked
         self._accept = config.accept                 # this call's --accept (generate)
         self.neighbours = Neighbours(target.embed_tokens.weight, self.device)   # relaxed acceptance's, lazily
+
+    @property
+    def experts(self) -> ExpertPasses | None:
+        """An MoE target's ExpertPasses (None: a dense target)."""
+        return self._experts
+
+    @experts.setter
+    def experts(self, experts: ExpertPasses | None) -> None:
+        """Set (at construction, or replaced: a benchmark's synthetic costs): the target records its routing
+        and the step's companions are (re)built around it, in their one order (specexec/companions.py)."""
+        self._experts = experts
+        if experts is not None:
+            experts.attach(self.target)
+        self.companions = engine_companions(self.target, self.draft, self.prefill, self.profiler, self.pilot,
+                                            self.tuner, experts, self.builder if self.follows_costs else None)
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
         """Caches with room for `total` committed tokens plus what each model writes beyond them
@@ -173,37 +176,17 @@ class Engine:
             self.target.close()
 
     def prefill_chunk(self, model: Transformer) -> int:
-        """Prompt tokens per prefill pass of `model`: a streamed target's planned `prefill_tokens` (one pass
-        streams the whole model, so as many as its memory plan allows), else PREFILL_CHUNK; a configured
-        EngineConfig.prefill_chunk replaces the default and caps the planned figure. (`model` is asked each
-        prefill, not once: a plan may set prefill_tokens on a model after the engine was built.)"""
-        planned = model.prefill_tokens if has(model, PlansPrefill) else None
-        cap = self.config.prefill_chunk
-        if planned is None:
-            return cap or PREFILL_CHUNK
-        return min(planned, cap) if cap else planned
+        """Prompt tokens per prefill pass of `model` (prompt_passes.chunk_size under config.prefill_chunk; asked
+        each prefill, not once: a plan may set prefill_tokens on a model after the engine was built)."""
+        return prompt_passes.chunk_size(model, self.config.prefill_chunk)
 
     def prefill(self, model: Transformer, cache: KVCache, ids: list[int], which: str = "target",
-                states: torch.Tensor | None = None,
-                on_rows: Callable[[int, torch.Tensor], None] | None = None) -> None:
-        """Run ids through `model` in chunks of prefill_chunk(model) and commit them to `cache`; after each
-        chunk, on_rows(start, hidden [T, D]) hears its rows' output (ids[start:start + T]) and on_prefill (when
-        set) how far it got (host time: it never waits for the device). states [len(ids), D]: a drafter's
-        state before each token."""
-        chunk = self.prefill_chunk(model)
-        progress = PrefillProgress(which, len(ids), -(-len(ids) // chunk), time.perf_counter())
-        for start in range(0, len(ids), chunk):
-            part = upload(ids[start:start + chunk], self.device)
-            T, L = part.numel(), cache.length
-            pos = torch.arange(L, L + T, device=self.device)
-            fed = () if states is None else (None, states[start:start + T][None])
-            hidden = model(part[None], pos[None], TreeMask(L), cache, *fed)   # the prefix, then causal over it
-            cache.advance(T)
-            if on_rows is not None:
-                on_rows(start, hidden[0])
-            if self.on_prefill is not None:
-                progress.done, progress.passes_done = progress.done + T, progress.passes_done + 1
-                self.on_prefill(progress)
+                states: torch.Tensor | None = None, on_rows: prompt_passes.RowListener | None = None) -> None:
+        """Run ids through `model` in passes of prefill_chunk(model) and commit them to `cache`; on_rows hears
+        each pass's rows, on_prefill (when set) how far it got (prompt_passes.prefill). states [len(ids), D]: a
+        drafter's state before each token."""
+        prompt_passes.prefill(model, cache, ids, self.prefill_chunk(model), self.device, which, states, on_rows,
+                              self.on_prefill)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                  sampling: SamplingParams = SamplingParams(),
@@ -226,7 +209,7 @@ class Engine:
         self._accept = stats.accept = accept or self.config.accept
         check_relaxed(self._accept, self.target.args.vocab_size, self.builder is not None, self.config.verifier)
         rule = self.rule_for(sampling, self._accept)
-        self._trims = (self.experts is not None and self.builder is not None and not rule.needs_draft
+        self._trims = (self.companions.trims and self.builder is not None and not rule.needs_draft
                        and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
         tell_taps(self.target, self.draft.taps if self.feed is not None else ())
         with torch.inference_mode():
@@ -268,7 +251,7 @@ class Engine:
         KVCache.reusable), the rest of prompt[:-1] is prefilled; prompt[-1] is the first root."""
         span = self.profiler.start("prefill")
         target_cache, draft_cache = self._caches_for(len(prompt_ids) + limit)
-        shared = _common_prefix(self._context, prompt_ids[:-1])
+        shared = prompt_passes.common_prefix(self._context, prompt_ids[:-1])
         self._context = list(prompt_ids)
         self._generated_from = len(prompt_ids)   # earlier turns kept in the cache are prompt, not generated
         keep = target_cache.reusable(shared)
@@ -317,15 +300,9 @@ class Engine:
         """Measure target pass seconds at a few tree sizes for a budget tuner that has no costs yet, and hand
         them to on_calibrated (the runtime keeps them on disk: specexec/tuning/calibration.py). The trees are
         flat and written to scratch slots only."""
-        root = self._context[-1]
-        for n in calibration_sizes(self.config.budget):
-            tree = TokenTree.from_lists([root] * (n + 1), [-1] + [0] * n, device=self.device)
-            seconds = []
-            for _ in range(2 if n == 1 else 1):          # the first pass also warms up
-                t0 = time.perf_counter()
-                self._verify(tree, cache, SamplingParams(), RULES["greedy"], None)
-                seconds.append(time.perf_counter() - t0)
-            self.tuner.costs.target.add(n + 1, seconds[-1])
+        verify = partial(self._verify, cache=cache, sampling=SamplingParams(), rule=RULES["greedy"], rng=None)
+        for rows, seconds in prompt_passes.calibration(verify, self._context[-1], self.config.budget, self.device):
+            self.tuner.costs.target.add(rows, seconds)
         if self.on_calibrated is not None:
             self.on_calibrated(self.tuner.costs.target)
 
@@ -345,41 +322,42 @@ class Engine:
 
     def _step(self, state: StepState, root: int, sampling: SamplingParams, rule: Rule,
               rng: torch.Generator) -> Accepted:
-        """One decoding step, in its five stages; the target span times verify + commit + observe."""
-        cache, draft = state.cache, state.draft
-        longrope.rerun_past_switch([(self.target, cache, "target")] + ([(draft.model, draft.cache, "draft")] if draft
-                                   else []), self._context, self.prefill)
-        plain = self.pilot is not None and self.pilot.plain_next(draft)      # the gate: the target alone
-        drafted = self._draft(draft, root, sampling, rng, 0 if plain else longrope.budget_cap(self.target, cache))
-        counts = self.target.expert_counters() if self.counts_experts else None
+        """One decoding step, in its five stages; the target span times verify + commit + observe. The
+        companions (specexec/companions.py: LongRoPE's switch, the pilot, the tuner, an MoE target's experts,
+        a cost-following builder) take part between the stages, each hook running them in their one order."""
+        step = Step(state.cache, state.draft, self._context)
+        self.companions.before_step(step)                  # may re-run a cache, make the step plain, cap it
+        draft_span = self._draft(step, root, sampling, rng)
+        self.companions.before_verify(step)
         with self.profiler.span("target") as target_span:
-            acc, hidden = self._verify(drafted.tree, cache, sampling, rule, rng, self._constraint, record=True)
-            self._commit(drafted.tree, acc, cache, draft, hidden)
-            self._observe(drafted.tree, acc, hidden)
-            if self.experts is not None:
-                self.experts.observe(drafted.tree, acc.nodes, self.target, self.profiler, counts)
-        self._account(drafted, acc, target_span)
+            acc, hidden = self._verify(step.tree, step.cache, sampling, rule, rng, self._constraint, record=True)
+            self._commit(step.tree, acc, step.cache, step.draft, hidden)
+            self._observe(step.tree, acc, hidden)
+            step.accepted = acc
+            self.companions.after_verify(step)
+        self._account(step, draft_span, target_span)
         return acc
 
-    def _draft(self, draft: DraftState | None, root: int, sampling: SamplingParams,
-               rng: torch.Generator, cap: int | None = None) -> Drafted:
-        """Stage 1: the builder grows a tree under `root` (the tuner, which first hears the steps whose times
-        have settled, picks its budget); with no builder a root-only tree. The span stops on the host and
+    def _draft(self, step: Step, root: int, sampling: SamplingParams, rng: torch.Generator) -> Span:
+        """Stage 1: the builder grows step.tree under `root` (at most step.cap nodes; the tuner, which first
+        hears the steps whose times have settled, picks its budget), trimmed by the companions when this call
+        trims; with no builder (or a cap of 0) a root-only tree. -> the draft span, stopped on the host and
         CUDA events, never with a host sync."""
-        if self.builder is None or cap == 0:         # nothing drafted (cap: specexec/network/longrope.py): span empty
-            tree = TokenTree.root_only(root, self.device)
-            return Drafted(tree, None, 0, self.profiler.start("draft").stop())
+        draft, cap = step.draft, step.cap
+        if self.builder is None or cap == 0:         # nothing drafted (a plain step, LongRoPE's cap): span empty
+            step.tree = TokenTree.root_only(root, self.device)
+            return self.profiler.start("draft").stop()
         span = self.profiler.start("draft")
         self.profiler.settle()                       # the tuner hears finished steps' times (never waits)
         budget = self.tuner.next_budget() if self.tuner is not None else self.config.budget
-        budget = budget if cap is None else min(budget, cap)
+        step.budget = budget if cap is None else min(budget, cap)
         before = draft.passes if draft is not None else 0
-        tree = self.builder.build(draft, root, budget, sampling, rng)
-        if self._trims:                              # the nodes worth the experts they pull in
-            tree = self.experts.trim(tree, self.target)
+        tree = self.builder.build(draft, root, step.budget, sampling, rng)
+        step.tree = self.companions.trim(tree) if self._trims else tree     # the nodes worth their experts
         span.stop()
-        settling = self.tuner is not None and not self.tuner.settled
-        return Drafted(tree, budget, draft.passes - before if draft is not None else 0, span, settling)
+        step.settling = self.tuner is not None and not self.tuner.settled
+        step.passes = draft.passes - before if draft is not None else 0
+        return span
 
     def _commit(self, tree: TokenTree, acc: Accepted, cache: KVCache, draft: DraftState | None,
                 hidden: torch.Tensor) -> None:
@@ -403,29 +381,21 @@ class Engine:
         if self.builder is None:
             return
         if self.observe_topk:
-            self.builder.observe_target(tree, self._target_topk(hidden, self.observe_topk))
+            self.builder.observe_target(tree, target_logits.topk(self.target, hidden, self.observe_topk))
         self.builder.observe(tree, acc.nodes, acc.tokens[-1])
 
-    def _account(self, drafted: Drafted, acc: Accepted, target_span: Span) -> None:
+    def _account(self, step: Step, draft_span: Span, target_span: Span) -> None:
         """Stage 5: the step goes into the ledger (profiler.step, which stats.steps reads); once its spans'
-        times are known (CUDA: events, never waited for here) the tuner and a cost-following builder hear
-        them (r = target pass s / draft pass s)."""
-        tree, passes = drafted.tree, drafted.passes
-        expert_s = self.experts.last_expert_s if self.experts is not None else 0.0
+        times are known (CUDA: events, never waited for here) the companions hear them (`timed`, in their
+        order: the pilot before the tuner)."""
+        tree, acc = step.tree, step.accepted
 
         def timed(draft_s: float, target_s: float) -> None:
-            if self.pilot is not None:
-                self.pilot.heard(tree.size, len(acc.tokens), draft_s, target_s, expert_s, drafted.settling)
-            if self.tuner is not None and (tree.size or self.pilot is None):
-                self.tuner.observe(tree.size, tree.scores, acc.nodes, draft_s, target_s, expert_s)
-            if self.experts is not None:
-                self.experts.observe_times(draft_s)
-            if self.follows_costs and passes:
-                self.builder.observe_costs(draft_s, target_s, passes)
+            step.draft_s, step.target_s = draft_s, target_s
+            self.companions.timed(step)
 
         depth = acc.depth if acc.depth >= 0 else tree.max_depth()
-        self.profiler.step(tree.size, depth, len(acc.tokens), drafted.span, target_span,
-                           drafted.budget, timed)
+        self.profiler.step(tree.size, depth, len(acc.tokens), draft_span, target_span, step.budget, timed)
 
     def rule_for(self, sampling: SamplingParams, accept: Acceptance | None = None) -> Rule:
         """The acceptance rule: greedy at T = 0; else config.verifier ('auto': the builder's default), which
@@ -463,101 +433,20 @@ class Engine:
                                   self.target.args.n_layers)[0]
         else:
             hidden = self.target(tree.tokens[None], positions[None], mask, cache)[0]    # node i at slot L + i
-        history, gen_from = self._histories(tree, L, sampling)
+        history, gen_from = target_logits.histories(tree, L, sampling, self._context, self._generated_from,
+                                                    self.device)
         allowed = (constraint.allowed(tree_paths(tree), self.target.args.vocab_size, self.device)
                    if constraint is not None else None)
         if rule.target != "probs":
             relax = (Relaxation(tree, self.neighbours, self._accept, sampling.greedy)
                      if record and self._accept.relaxed else None)
-            choices = self._target_choices(hidden, sampling, rng, history, gen_from, allowed, relax)
+            choices = target_logits.choices(self.target, hidden, sampling, rng, history, gen_from, allowed, relax)
             acc = accept_greedy(tree, choices) if relax is None else relax.accept(tree, choices)
-        else:
-            acc = rule.fn(tree, self._probs_fn(hidden, sampling, history, gen_from, allowed),
-                          *self._draft_probs(rule, tree), rng)
+        else:                           # rules that need the draft's q: rule_for made sure the builder keeps it
+            q = (lambda node: self.builder.draft_probs(tree, node),) if rule.needs_draft else ()
+            acc = rule.fn(tree, target_logits.probs_at(self.target, hidden, sampling, history, gen_from, allowed),
+                          *q, rng)
         if record and self._top_logprobs is not None:
-            self._record_logprobs(hidden, acc, sampling, history, gen_from, allowed)
+            self.logprobs += target_logits.logprobs(self.target, hidden, acc, sampling, self._top_logprobs,
+                                                    history, gen_from, allowed, self.device)
         return acc, hidden                          # the host synced on the accepted tokens, nothing else
-
-    def _record_logprobs(self, hidden: torch.Tensor, acc: Accepted, sampling: SamplingParams,
-                         history: torch.Tensor | None, generated_from: int, allowed: torch.Tensor | None) -> None:
-        """Each emitted token's log-prob under the target's processed distribution at its parent node (the
-        rows the acceptance rule read), and the top_logprobs best there: the LM head on the accepted rows only."""
-        rows = upload(acc.nodes, self.device)
-        logp = process_logits(self.target.logits(hidden[rows]), sampling,
-                              None if history is None else history[rows], generated_from,
-                              None if allowed is None else allowed[rows])
-        tokens = upload(acc.tokens, self.device)
-        chosen = logp.gather(1, tokens[:, None])[:, 0]
-        top = logp.topk(min(self._top_logprobs, logp.shape[-1]), dim=-1)
-        host = torch.cat([chosen, top.values.flatten(), top.indices.flatten().to(chosen.dtype)]).tolist()
-        n, k = len(acc.tokens), top.values.shape[1]
-        values, ids = host[n:n + n * k], host[n + n * k:]
-        for i, token in enumerate(acc.tokens):
-            alt = tuple((int(ids[i * k + j]), values[i * k + j]) for j in range(k))
-            self.logprobs.append(TokenLogprob(token, host[i], alt))
-
-    def _histories(self, tree: TokenTree, L: int, sampling: SamplingParams) -> tuple[torch.Tensor | None, int]:
-        """Per node, the ids target-only decoding would have seen before that node's next token, and the column
-        where this call's generated ids begin: ([N+1, H], generated_from), or (None, 0) when no penalty reads
-        them. The committed context [0, L) plus the root (context[L]) then the node's path below the root, each
-        id as often as in the sequence (frequency counts). Only the repetition penalty reads the prompt, so
-        without it the rows start where generation began (H = generated + depth)."""
-        if not sampling.needs_history:
-            return None, 0
-        start = 0 if sampling.repetition_penalty != 1.0 else min(self._generated_from, L + 1)
-        prefix = upload(self._context[start:L + 1], self.device)
-        return node_histories(tree, prefix, with_root=False), self._generated_from - start
-
-    def _target_topk(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """hidden [N+1, D] -> the target's top-k token ids after each node [N+1, k] (raw logits, chunked)."""
-        return torch.cat([self.target.logits(hidden[s:s + LOGIT_CHUNK]).topk(k, dim=-1).indices
-                          for s in range(0, hidden.shape[0], LOGIT_CHUNK)])
-
-    def _probs_fn(self, hidden: torch.Tensor, sampling: SamplingParams, history: torch.Tensor | None,
-                  generated_from: int = 0, allowed: torch.Tensor | None = None):
-        """node -> the target's processed probabilities [V] there, computed lazily (only visited nodes)."""
-        def probs(node: int) -> torch.Tensor:
-            logits = self.target.logits(hidden[node:node + 1])
-            hist = None if history is None else history[node:node + 1]
-            ok = None if allowed is None else allowed[node:node + 1]
-            return process_logits(logits, sampling, hist, generated_from, ok).exp()[0]
-        return probs
-
-    def _draft_probs(self, rule: Rule, tree: TokenTree) -> tuple:
-        """The rule's draft-side argument: node -> the distribution its children were drawn from (rules that
-        need it only; rule_for made sure the builder KeepsDraftProbs)."""
-        if not rule.needs_draft:
-            return ()
-        builder = self.builder
-        return (lambda node: builder.draft_probs(tree, node),)
-
-    def _target_choices(self, hidden: torch.Tensor, sampling: SamplingParams, rng: torch.Generator,
-                        history: torch.Tensor | None, generated_from: int = 0,
-                        allowed: torch.Tensor | None = None, relax: Relaxation | None = None) -> torch.Tensor:
-        """hidden [N+1, D] -> one target choice per node [N+1]: the argmax (greedy) or an independent sample
-        of the processed distribution (sample-and-match). The LM head runs in chunks of LOGIT_CHUNK rows;
-        history [N+1, H] (penalties per node over prefix + ancestors, see _histories) when a penalty is set;
-        allowed bool [N+1, V] the constraint's mask per node; relax: relaxed acceptance's choice instead
-        (it keeps the exact one)."""
-        out = []
-        for start in range(0, hidden.shape[0], LOGIT_CHUNK):
-            logits = self.target.logits(hidden[start:start + LOGIT_CHUNK])
-            plain = is_plain(sampling, allowed)
-            if plain and relax is None:
-                out.append(greedy(logits))
-                continue
-            hist = None if history is None else history[start:start + LOGIT_CHUNK]
-            ok = None if allowed is None else allowed[start:start + LOGIT_CHUNK]
-            logp = process_logits(logits, sampling, hist, generated_from, ok)
-            choice = greedy(logits) if plain else greedy(logp) if sampling.greedy else sample(logp, rng)
-            out.append(choice if relax is None else relax.choose(start, logp, choice))
-        return torch.cat(out)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -1,5 +1,6 @@
-"""What the engine does for a mixture-of-experts target at each step: learn its routing, trim the tree to the
-nodes worth the experts they pull in, and count what the passes read (stats.moe). docs/algorithms.md §22.
+"""What the engine does for a mixture-of-experts target at each step (through its companion hooks,
+specexec/companions.py ExpertSteps): learn its routing, trim the tree to the nodes worth the experts they pull
+in, and count what the passes read (stats.moe). docs/algorithms.md §22.
 
 - `observe` (after each verification pass): the target's RoutingLog of that pass (every sparse layer's [T, k]
   routing of the tree's rows) feeds RoutingStats; the accepted nodes against the kept nodes' path

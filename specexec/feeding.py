@@ -16,7 +16,6 @@ Does not know: trees, acceptance, the builders (they see a DraftState like any o
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -25,9 +24,8 @@ from specexec.builders.base import DraftState, Prefill
 from specexec.kv.cache import KVCache
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer
+from specexec.prompt_passes import RowListener
 from specexec.uploads import upload
-
-RowListener = Callable[[int, torch.Tensor], None]     # (start, hidden [T, D]) of a target prefill chunk
 
 
 def tell_taps(target: Transformer, taps: tuple[int, ...]) -> None:

@@ -31,9 +31,9 @@ The decision (`Gate`):
   about that share times the probes' shortfall, plus the steps before the first switch.
 Both ways the margin is the hysteresis: rates within it never switch the gate.
 
-The loop's side (`Pilot`): before each step the engine asks `plain_next` which kind of step comes (a plain step
-is the engine's own draft-free step: a root-only tree the target verifies), and after it `heard` gives the step's
-times:
+The loop's side (`Pilot`, one of the engine's companions: specexec/companions.py): before each step it asks
+`plain_next` which kind of step comes (a plain step is the engine's own draft-free step: a root-only tree the
+target verifies), and once the step is timed `heard` takes its times:
 
 - before a speculative step that follows plain ones, the draft catches up on the tokens it has not seen (one
   prefill of its pending tokens, span "catch-up"), so the probe's draft time is a normal step's; the catch-up's
@@ -61,13 +61,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specexec.builders.base import DraftState, TreeBuilder
+from specexec.builders.base import DraftState, Prefill, TreeBuilder
+from specexec.companions import Step
 from specexec.config import EngineConfig
 from specexec.profiler import PLAIN_STEPS, SPECULATIVE_STEPS, SWITCHES, Profiler, Span
 from specexec.tuning.budget import BudgetTuner
-
-Prefill = Callable[..., None]     # Engine.prefill(model, cache, ids, which, states=None)
-
 
 def gates(mode: str, auto_budget: bool) -> bool:
     """Whether a run with --gate `mode` gates drafting (auto: only with --budget auto)."""
@@ -279,6 +277,16 @@ class Pilot:
                 draft.catch_up(self.prefill)
             self._catch_ups.append(span)
         return plain
+
+    def before_step(self, step: Step) -> None:
+        """(A companion, specexec/companions.py) The step is plain when the gate says so: the root alone."""
+        if self.plain_next(step.draft):
+            step.limit(0)
+
+    def timed(self, step: Step) -> None:
+        """(A companion) The step's times, as `heard` takes them."""
+        self.heard(step.tree.size, len(step.accepted.tokens), step.draft_s, step.target_s, step.expert_s,
+                   step.settling)
 
     def heard(self, tree_size: int, tokens: int, draft_s: float, target_s: float, expert_s: float = 0.0,
               settling: bool = False) -> None:

@@ -12,8 +12,10 @@ import torch
 
 from specexec.abilities import has
 from specexec.builders.base import FollowsCosts, KeepsDraftProbs, LearnsFromTarget
+from specexec.companions import Companions, CostsToBuilder, Step, TunerHears
 from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
+from specexec.gate import Pilot
 from specexec.network.model import Closes, MakesCache, PlansPrefill
 from specexec.options import ConfigError
 from specexec.runtime.assembly import make_builder
@@ -112,3 +114,63 @@ def test_one_ledger(models) -> None:
     first = stats
     list(engine.generate(prompt(8), 4))                             # a new call: a new ledger, new stats
     assert engine.stats is not first and engine.stats.steps is prof.steps and len(prof.steps) <= 4
+
+
+class Recorder:
+    """A companion with every hook: records them per step; makes every third step plain (the root alone)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.timed_sizes: list[int] = []
+        self.steps = 0
+
+    def before_step(self, step: Step) -> None:
+        self.steps += 1
+        self.calls.append("before_step")
+        if self.steps % 3 == 0:
+            step.limit(0)
+
+    def trim(self, tree):
+        self.calls.append("trim")
+        return tree
+
+    def before_verify(self, step: Step) -> None:
+        self.calls.append("before_verify")
+
+    def after_verify(self, step: Step) -> None:
+        assert step.accepted is not None and step.tree is not None
+        self.calls.append("after_verify")
+
+    def timed(self, step: Step) -> None:
+        self.timed_sizes.append(step.tree.size)
+
+
+def test_the_companions_and_their_order(models) -> None:
+    """One ordered list, built once: the pilot before the tuner (which then hears drafted trees only), the
+    experts after them, a cost-following builder last; nothing a run does not have."""
+    target, draft = models["target"], models["perturbed"]
+    gated = Engine(target, draft, EngineConfig(budget=16, auto_budget=True), make_builder("specexec"))
+    kinds = [type(c) for c in gated.companions.members]
+    assert kinds == [Pilot, TunerHears, CostsToBuilder] and not gated.companions.members[1].plain_steps
+    ungated = Engine(target, draft, EngineConfig(budget=16, auto_budget=True, gate="off"), make_builder("dynamic"))
+    assert [type(c) for c in ungated.companions.members] == [TunerHears]
+    assert ungated.companions.members[0].plain_steps
+    assert Engine(target, None, EngineConfig(), None).companions.members == []
+
+
+def test_a_companion_takes_part_in_every_step(models) -> None:
+    """A new companion is one more member, not a branch: its hooks run in stage order each step (trim on the
+    drafted trees of a call that trims), a plain step it asks for is the root alone, its timed hook hears every
+    step in order, and the output stays the target's."""
+    target, draft = models["target"], models["perturbed"]
+    want = [t for s in Engine(target, None, EngineConfig(), None).generate(prompt(9), 20) for t in s]
+    engine = Engine(target, draft, EngineConfig(budget=8), make_builder("specexec"))
+    recorder = Recorder()
+    engine.companions = Companions(engine.companions.members + [recorder])
+    assert [t for s in engine.generate(prompt(9), 20) for t in s] == want
+    steps = engine.stats.steps
+    per_step = [["before_step", "before_verify", "after_verify"] if i % 3 == 2 else
+                ["before_step", "trim", "before_verify", "after_verify"] for i in range(len(steps))]
+    assert len(steps) > 3 and recorder.calls == [c for calls in per_step for c in calls]
+    assert recorder.timed_sizes == [s.tree_size for s in steps]
+    assert all(s.tree_size == 0 for s in steps[2::3]) and all(s.tree_size > 0 for s in steps[::3])
