@@ -2,9 +2,9 @@
 construction instead of looking members up with getattr on every step.
 
 An ability is a small `typing.runtime_checkable` Protocol (builder abilities in specexec/builders/base.py,
-model abilities in specexec/network/model.py, the engine's companions' hooks in specexec/companions.py). `has` is isinstance against it, and also accepts objects that offer
-the members through `__getattr__` (wrappers that delegate to a builder: Python >= 3.12's isinstance looks
-members up statically and would miss them).
+model abilities in specexec/network/model.py, the companions' hooks in specexec/companions/protocol.py). `has`
+is isinstance against it, and also accepts objects that offer the members through `__getattr__` (wrappers
+that delegate to a builder: Python >= 3.12's isinstance looks members up statically and would miss them).
 
 Does not know: which abilities exist or what they mean.
 """

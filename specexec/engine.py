@@ -8,7 +8,7 @@
 4. observe - the builder learns from the outcome (accepted path; the target's top-k when it asks);
 5. account - the step goes into the one ledger (the profiler's step records, which GenerationStats reads).
 
-All else that takes part in a step is a companion (specexec/companions.py: LongRoPE's switch, the pilot of
+All else that takes part in a step is a companion (specexec/companions/: LongRoPE's switch, the pilot of
 --gate, the budget tuner, an MoE target's experts, a cost-following builder): hooks the stages run in the
 companions' one order, never asking who is there. With no builder the loop is plain autoregressive decoding
 (the baseline); the pilot makes a step such a plain one when the target alone is measured faster. Optional
@@ -30,18 +30,19 @@ import torch
 from specexec import prompt_passes, target_logits
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
-from specexec.companions import Step, engine_companions
+from specexec.companions.protocol import Step
+from specexec.companions.roster import engine_companions
 from specexec.network import longrope, mixers
 from specexec.config import Acceptance, EngineConfig, SamplingParams
 from specexec.constraint import Constraint, tree_paths
-from specexec.expert_passes import ExpertPasses
-from specexec.feeding import TargetFeed, tell_taps
+from specexec.companions.experts import ExpertPasses
+from specexec.companions.feeding import TargetFeed, tell_taps
 from specexec.finite import checked_pass
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.drafter import Drafter
 from specexec.network.model import Closes, MakesCache, Transformer, TreeMask
 from specexec.options import ConfigError
-from specexec.gate import Pilot
+from specexec.companions.gate import Pilot
 from specexec.profiler import Profiler, Span
 from specexec.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
@@ -134,7 +135,7 @@ class Engine:
     @experts.setter
     def experts(self, experts: ExpertPasses | None) -> None:
         """Set (at construction, or replaced: a benchmark's synthetic costs): the target records its routing
-        and the step's companions are (re)built around it, in their one order (specexec/companions.py)."""
+        and the step's companions are (re)built around it, in their one order (specexec/companions/)."""
         self._experts = experts
         if experts is not None:
             experts.attach(self.target)
@@ -323,7 +324,7 @@ class Engine:
     def _step(self, state: StepState, root: int, sampling: SamplingParams, rule: Rule,
               rng: torch.Generator) -> Accepted:
         """One decoding step, in its five stages; the target span times verify + commit + observe. The
-        companions (specexec/companions.py: LongRoPE's switch, the pilot, the tuner, an MoE target's experts,
+        companions (specexec/companions/: LongRoPE's switch, the pilot, the tuner, an MoE target's experts,
         a cost-following builder) take part between the stages, each hook running them in their one order."""
         step = Step(state.cache, state.draft, self._context)
         self.companions.before_step(step)                  # may re-run a cache, make the step plain, cap it

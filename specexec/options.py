@@ -93,12 +93,12 @@ def _quant_formats() -> tuple[str, ...]:
 # --kv-quant: the formats a KV cache may store its rows in. "int8" is LOSSY and opt-in (specexec/kv/rows.py).
 KV_QUANTS = ("none", "int8")
 
-# --expert-trim: which nodes of a grown tree a streamed MoE target verifies (specexec/expert_passes.py).
+# --expert-trim: which nodes of a grown tree a streamed MoE target verifies (specexec/companions/experts.py).
 # experts: the nodes worth the experts they pull in (specexec/tuning/expert_trim.select); nodes: as many
 # best-scoring nodes as the same predicted pass time holds (the node-count baseline); off: the tree as grown.
 TRIM_MODES = ("experts", "nodes", "off")
 
-# --gate: auto gates with --budget auto only, on always, off never (specexec/gate.py: what gating does).
+# --gate: auto gates with --budget auto only, on always, off never (specexec/companions/gate.py: what gating does).
 GATE_MODES = ("auto", "on", "off")
 
 # --experts: where the routed experts of streamed MoE layers compute. stream: copied to the compute device

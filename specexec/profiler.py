@@ -12,8 +12,8 @@ pager's bytes streamed, copy and stall seconds); every step records how much the
 the pager only has to keep running totals. `begin()` starts a new generation: spans, counters and steps are
 cleared and the clock for time-to-first-token starts. For a mixture-of-experts target the engine counts, per
 verification pass, its distinct experts per sparse layer and what the target's experts cost it (moe_* counters,
-specexec/expert_passes.py); `moe_stats` turns them into stats.moe (means over passes). `note()` keeps one-line
-events for people (the gate's switches, specexec/gate.py); with the gate_* counters they make stats.gate.
+specexec/companions/experts.py); `moe_stats` turns them into stats.moe (means over passes). `note()` keeps one-line
+events for people (the gate's switches, specexec/companions/gate.py); with the gate_* counters they make stats.gate.
 
 Also here: `PeakMemory`, which samples the process RSS on a thread and reads torch's CUDA peak, for benchmarks.
 

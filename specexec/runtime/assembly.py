@@ -53,7 +53,7 @@ from specexec.builders.registry import make_builder
 from specexec.config import EXACT, Acceptance, EngineConfig, OffloadConfig, SamplingParams
 from specexec.constraint import Constraint
 from specexec.engine import Engine
-from specexec.expert_passes import ExpertPasses
+from specexec.companions.experts import ExpertPasses
 from specexec.checkpoints.loading import check_checkpoint, resolve_dtype
 from specexec.network.model import Streams, Transformer
 from specexec.planning.target import TargetPlan, plan_target
@@ -68,7 +68,7 @@ from specexec.runtime.draft_vocab import align_vocab
 from specexec.runtime.grammar import Grammars
 from specexec.runtime.tokenizer import check_compatible, encode_prompt, eos_ids, load_tokenizer
 from specexec.tuning.depth import DepthChoice
-from specexec.gate import with_depth_verdict
+from specexec.companions.gate import with_depth_verdict
 from specexec.tuning.vocab_trim import TrimmedDraft, auto_size, load_or_measure_counts, measure_counts, select_vocab
 
 Progress = Callable[[str], None]
@@ -318,7 +318,7 @@ def _build_on_target(target: Transformer, src: Sources, plan: TargetPlan | None,
 
 
 def _gate_verdict(config: EngineConfig, depth: DepthChoice | None) -> EngineConfig:
-    """Stage 7: when no measured depth pays, the gate decides when to draft (specexec/gate.py); the config as
+    """Stage 7: when no measured depth pays, the gate decides when to draft (specexec/companions/gate.py); the config as
     it was without a measured depth."""
     if depth is None:
         return config

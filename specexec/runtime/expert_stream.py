@@ -39,7 +39,7 @@ from offload.quant.linear import bind_module
 from offload.streaming.storage import LayerLayout, unpack_region
 
 from specexec.checkpoints.naming import EXPERT_PREFIX
-from specexec.expert_passes import ExpertPasses
+from specexec.companions.experts import ExpertPasses
 from specexec.network.moe import RoutingLog, Routing
 
 COUNT_DECAY = 0.95          # an expert's routing count halves in ~14 passes without it

@@ -83,7 +83,7 @@ def _monotone(ys: list[float], weights: list[int]) -> list[float]:
 class CostModel:
     """Seconds of a step as a function of the tree: target(rows) + experts(rows) + draft(nodes).
 
-    `experts` is the MoE term (specexec/expert_passes.py: the expected seconds of bringing onto the device the
+    `experts` is the MoE term (specexec/companions/experts.py: the expected seconds of bringing onto the device the
     experts a pass of `rows` rows routes to, from the run's routing statistics: docs/algorithms.md §22); then
     the `target` curve holds the rest of the pass (measured seconds less the expert seconds the same pass was
     modelled to cost, BudgetTuner.observe). None (a dense target, or every expert resident): the target curve
@@ -216,7 +216,7 @@ class BudgetTuner:
         valley); else the best budget within one grid step (moving only for a > 2 % gain). `settled` turns
         true at the first choice that does not go down: until then the tuner is still descending from its
         start, and its steps show what those larger budgets cost, not what drafting at its choice does (the
-        gate does not judge drafting on them: specexec/gate.py)."""
+        gate does not judge drafting on them: specexec/companions/gate.py)."""
         before = self.index
         budget = self._next()
         self.settled = self.settled or self.index >= before

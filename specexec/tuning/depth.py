@@ -15,7 +15,7 @@ and the depth with the highest tokens/s wins. The target alone emits 1 / T_alone
 seconds per token, by default T). When even the best depth is predicted slower than the target alone by more
 than MARGIN (the gate's own hysteresis: within it timings are a tie, and the gate would not switch either) the
 choice says so (`loses`): the caller keeps the gate on for the run, and the gate stops drafting once it
-measures the same (specexec/gate.py).
+measures the same (specexec/companions/gate.py).
 
 A chain is the simplest tree; a tree builder only does better at each depth, and does so alike for every depth,
 so the ranking is what this model is for, not the absolute rate.

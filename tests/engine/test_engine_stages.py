@@ -12,10 +12,11 @@ import torch
 
 from specexec.abilities import has
 from specexec.builders.base import FollowsCosts, KeepsDraftProbs, LearnsFromTarget
-from specexec.companions import Companions, CostsToBuilder, Step, TunerHears
+from specexec.companions.protocol import Companions, Step
+from specexec.companions.roster import CostsToBuilder, TunerHears
 from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
-from specexec.gate import Pilot
+from specexec.companions.gate import Pilot
 from specexec.network.model import Closes, MakesCache, PlansPrefill
 from specexec.options import ConfigError
 from specexec.runtime.assembly import make_builder

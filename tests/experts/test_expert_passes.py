@@ -1,4 +1,4 @@
-"""specexec/expert_passes.py through the engine: an MoE target's routing learned, trees trimmed to the experts'
+"""specexec/companions/experts.py through the engine: an MoE target's routing learned, trees trimmed to the experts'
 worth (still exact), and stats.moe counted in the profiler's ledger."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specexec.config import EngineConfig, SamplingParams
-from specexec.expert_passes import ExpertPasses
+from specexec.companions.experts import ExpertPasses
 from specexec.runtime.assembly import Runtime
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model
 

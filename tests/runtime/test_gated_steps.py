@@ -1,4 +1,4 @@
-"""The gate in the decoding loop (specexec/gate.py): whatever it switches to, the output is the target's --
+"""The gate in the decoding loop (specexec/companions/gate.py): whatever it switches to, the output is the target's --
 greedy ids equal the target alone's, sampled tokens follow the target's distribution -- with a scripted gate
 that flips between plain and speculative steps; a gated run reports its steps in stats.gate; a fixed budget
 gates nothing unless --gate on."""
@@ -14,7 +14,7 @@ from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, SamplingParams
 from specexec.engine import Engine
 from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit
-from specexec.gate import Switch
+from specexec.companions.gate import Switch
 from tests.sampling.chi2 import chi2_pvalue
 from tests.sampling.sampling_pairs import PROMPT, exact_pairs, sample_pairs
 from tests.tiny_models import load_pair_models, prompt

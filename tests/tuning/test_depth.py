@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specexec.tuning.depth import (MARGIN, DepthSample, choose_depth, depth_ladder, expected_tokens, predict)
-from specexec.gate import with_depth_verdict
+from specexec.companions.gate import with_depth_verdict
 
 
 def test_the_ladder_is_distinct_deepest_first_and_never_below_the_floor() -> None:

@@ -1,4 +1,4 @@
-"""The gate's decision on scripted timings (specexec/gate.py): it turns drafting off when the target alone
+"""The gate's decision on scripted timings (specexec/companions/gate.py): it turns drafting off when the target alone
 is clearly faster, back on when speculating becomes faster, holds within the margin, and its probes and
 refreshes stay within their share of the steps. No models: the steps are (tokens, seconds) made up here."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from specexec.config import EngineConfig
 from specexec.options import ConfigError
-from specexec.gate import Gate
+from specexec.companions.gate import Gate
 from specexec.profiler import gate_stats
-from specexec.gate import gates
+from specexec.companions.gate import gates
 
 
 def drive(gate: Gate, steps: int, spec: tuple[int, float], plain_s: float) -> list[bool]:

@@ -2,7 +2,7 @@
 passes cost the experts they read (docs/algorithms.md §22), in a synthetic world on a CPU (cli/bench/components/moe_world.py).
 
 Rows: the target alone (one row per pass, one token: what speculation must beat), the node-count budgets (`--node-budgets`, the tree as grown, what `--budget N --expert-trim off` runs)
-and the expert-aware trees (`--budgets`: grown to B nodes, then trimmed by specexec/expert_passes.py with
+and the expert-aware trees (`--budgets`: grown to B nodes, then trimmed by specexec/companions/experts.py with
 --expert-trim experts, the engine's own code). Per row: tokens/s, tokens per pass, rows verified, distinct
 experts per layer, and the predicted and realised seconds per pass (realised: the world's cost of the experts
 the kept rows actually read). Then per expert-aware row the node-count budget's tokens/s at the SAME realised
@@ -28,7 +28,7 @@ from rich.table import Table
 
 from cli.bench.components.moe_world import FakeTarget, World, WorldRun
 from cli.bench.table import cell
-from specexec.expert_passes import ExpertPasses
+from specexec.companions.experts import ExpertPasses
 from specexec.options import check_number, parse_budget_list
 from specexec.profiler import Profiler
 

@@ -1,6 +1,6 @@
 """A synthetic streamed mixture-of-experts for `specexec bench moe --synthetic`: draft trees, acceptance and
 routing drawn from a stated model and priced by a stated cost model, so the trim policies of
-specexec/expert_passes.py can be compared at equal predicted pass time on a CPU in seconds.
+specexec/companions/experts.py can be compared at equal predicted pass time on a CPU in seconds.
 
 The model (every number a World field, printed with the results):
 - tokens: a Zipf(`zipf`) vocabulary of `vocab` ids (common tokens recur across branches and steps);

@@ -31,7 +31,7 @@ The decision (`Gate`):
   about that share times the probes' shortfall, plus the steps before the first switch.
 Both ways the margin is the hysteresis: rates within it never switch the gate.
 
-The loop's side (`Pilot`, one of the engine's companions: specexec/companions.py): before each step it asks
+The loop's side (`Pilot`, one of the engine's companions: specexec/companions/roster.py): before each step it asks
 `plain_next` which kind of step comes (a plain step is the engine's own draft-free step: a root-only tree the
 target verifies), and once the step is timed `heard` takes its times:
 
@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specexec.builders.base import DraftState, Prefill, TreeBuilder
-from specexec.companions import Step
+from specexec.companions.protocol import Step
 from specexec.config import EngineConfig
 from specexec.profiler import PLAIN_STEPS, SPECULATIVE_STEPS, SWITCHES, Profiler, Span
 from specexec.tuning.budget import BudgetTuner
@@ -279,7 +279,7 @@ class Pilot:
         return plain
 
     def before_step(self, step: Step) -> None:
-        """(A companion, specexec/companions.py) The step is plain when the gate says so: the root alone."""
+        """(A companion: specexec/companions/protocol.py) The step is plain when the gate says so: the root alone."""
         if self.plain_next(step.draft):
             step.limit(0)
 

@@ -1,6 +1,6 @@
-"""What the engine does for a mixture-of-experts target at each step (through its companion hooks,
-specexec/companions.py ExpertSteps): learn its routing, trim the tree to the nodes worth the experts they pull
-in, and count what the passes read (stats.moe). docs/algorithms.md §22.
+"""What the engine does for a mixture-of-experts target at each step (as a companion: `ExpertSteps`, the hooks of
+specexec/companions/protocol.py): learn its routing, trim the tree to the nodes worth the experts they pull in,
+and count what the passes read (stats.moe). docs/algorithms.md §22.
 
 - `observe` (after each verification pass): the target's RoutingLog of that pass (every sparse layer's [T, k]
   routing of the tree's rows) feeds RoutingStats; the accepted nodes against the kept nodes' path
@@ -28,6 +28,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from specexec.abilities import has
+from specexec.companions.protocol import Step
 from specexec.config import ModelArgs
 from specexec.network.moe import RoutingLog
 from specexec.profiler import Profiler
@@ -201,3 +203,25 @@ class ExpertPasses:
         """The step's drafting seconds (a decayed mean: the D of the next trim's rate)."""
         self.draft_s = draft_s if not self.draft_s else 0.8 * self.draft_s + 0.2 * draft_s
 
+
+class ExpertSteps:
+    """An MoE target's ExpertPasses in the loop: trims the drafted tree, reads a streaming target's expert
+    counters before the pass (CountsExperts), learns and counts after it, hears the drafting seconds."""
+
+    def __init__(self, experts: ExpertPasses, target, profiler: Profiler) -> None:
+        self.experts, self.target, self.profiler = experts, target, profiler
+        self.counts = has(target, CountsExperts)          # its expert traffic, read each step
+        self._before: dict[str, float] | None = None
+
+    def trim(self, tree: TokenTree) -> TokenTree:
+        return self.experts.trim(tree, self.target)
+
+    def before_verify(self, step: Step) -> None:
+        self._before = self.target.expert_counters() if self.counts else None
+
+    def after_verify(self, step: Step) -> None:
+        self.experts.observe(step.tree, step.accepted.nodes, self.target, self.profiler, self._before)
+        step.expert_s = self.experts.last_expert_s
+
+    def timed(self, step: Step) -> None:
+        self.experts.observe_times(step.draft_s)
