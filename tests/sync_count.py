@@ -89,15 +89,20 @@ class _Dispatch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _tensors(obj: object) -> Iterator[torch.Tensor]:
+def _tensors(obj: object) -> list[torch.Tensor]:
+    """Every tensor in `obj` and in the lists, tuples and dict values nested in it (in no particular order)."""
     if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
+        return [obj]
+    found: list[torch.Tensor] = []
+    todo = [obj] if isinstance(obj, (list, tuple, dict)) else []
+    while todo:
+        items = todo.pop()
+        for x in items.values() if isinstance(items, dict) else items:
+            if isinstance(x, torch.Tensor):
+                found.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                todo.append(x)
+    return found
 
 
 def _has_list(index: object) -> bool:
@@ -179,8 +184,13 @@ class _Function(TorchFunctionMode):
             if _has_list(index) or any(self._is_host(t) and t.dim() > 0 for t in _tensors(index)):
                 self.counter.add("index[list]")
             return None
-        inputs = [t for t in _tensors(args) if t.dim() > 0] + [t for t in _tensors(kwargs) if t.dim() > 0]
-        return "host" if inputs and all(self._is_host(t) for t in inputs) else None
+        inputs = False                          # "host" when there are inputs with a dimension, all the host's
+        for t in _tensors((args, kwargs)):
+            if t.dim() > 0:
+                if id(t) not in self.host:
+                    return None
+                inputs = True
+        return "host" if inputs else None
 
 
 class SyncCounter:

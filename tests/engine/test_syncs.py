@@ -15,6 +15,7 @@ from specexec.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.network.attention import TreeMask
 from specexec.builders.registry import make_builder
+from specexec.verify import default_rule
 from specexec.tree import TokenTree, best_nodes
 from specexec.uploads import upload
 from tests.sync_count import SyncCounter, count_calls
@@ -57,13 +58,46 @@ def run_counted(models, name: str, budget: int, sampling: SamplingParams, builde
     return counted.builds
 
 
+# (builder, budget, temperature, verifier) -> (every build's (passes, syncs, uploads, ops), every step after the
+# first: (its build's passes, its build's syncs, the whole step's syncs, the step's ops)); run once per module.
+_RUNS: dict[tuple[str, int, float, str], tuple[list[tuple[int, int, int, dict]], list[tuple[int, int, int, dict]]]] = {}
+
+
+def counted_steps(models, name: str, budget: int, sampling: SamplingParams, verifier: str = "auto"):
+    """Generates 16 tokens after prompt(11), counting each build (Counted) and, after the prefill and the first
+    step, each whole step the CUDA way (draft, verify, commit, observe, account). "auto" is resolved to the
+    builder's own rule first, so the two tests below share a run wherever they ask for the same rule."""
+    builder = make_builder(name)
+    if verifier == "auto":
+        verifier = default_rule(builder.drafting, sampling)
+    key = (name, budget, sampling.temperature, verifier)
+    if key not in _RUNS:
+        if hasattr(builder, "shape_for"):        # Sequoia's DP runs once per budget on the host (cached)
+            builder.shape_for(budget, sampling.temperature)
+        counted = Counted(builder, models["perturbed"])
+        engine = Engine(models["target"], models["perturbed"],
+                        EngineConfig(budget=budget, builder=name, verifier=verifier), counted)
+        steps, whole = engine.generate(prompt(11), 16, sampling), []
+        next(steps)                                                      # the prefill and a first step
+        while True:
+            n = len(counted.builds)
+            with SyncCounter() as c:
+                if next(steps, None) is None:
+                    break
+            passes, syncs = counted.builds[n][:2] if len(counted.builds) > n else (0, 0)
+            whole.append((passes, syncs, c.total, dict(c.ops)))
+        _RUNS[key] = counted.builds, whole
+    return _RUNS[key]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", GROWING)
 def test_at_most_one_host_sync_per_draft_pass(models, name: str) -> None:
     passes_total = 0
     for budget in (2, 40):
         for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1)):
-            for i, (passes, syncs, uploads, ops) in enumerate(run_counted(models, name, budget, sampling)):
+            builds, _ = counted_steps(models, name, budget, sampling)
+            for i, (passes, syncs, uploads, ops) in enumerate(builds):
                 assert syncs <= passes, f"{name} budget={budget} T={sampling.temperature}: {syncs} host syncs " \
                                         f"in {passes} draft passes: {ops}"
                 assert i == 0 or uploads <= 1, f"{name}: {uploads} tensors made from host data in one build"
@@ -80,21 +114,10 @@ def test_a_step_syncs_once_besides_its_draft_passes(models, name: str) -> None:
     for budget in (2, 40):
         for sampling, verifier in ((SamplingParams(), "auto"),
                                    (SamplingParams(temperature=0.8, top_p=0.9, seed=1), "sample_match")):
-            builder = make_builder(name)
-            if hasattr(builder, "shape_for"):
-                builder.shape_for(budget, sampling.temperature)
-            counted = Counted(builder, models["perturbed"])
-            engine = Engine(models["target"], models["perturbed"],
-                            EngineConfig(budget=budget, builder=name, verifier=verifier), counted)
-            steps = engine.generate(prompt(11), 16, sampling)
-            next(steps)                                                      # the prefill and a first step
-            while True:
-                n = len(counted.builds)
-                with SyncCounter() as c:
-                    if next(steps, None) is None:
-                        break
-                passes, syncs = counted.builds[n][:2] if len(counted.builds) > n else (0, 0)
-                assert syncs <= passes and c.total - syncs == 1, (name, budget, sampling.temperature, c.ops)
+            _, whole = counted_steps(models, name, budget, sampling, verifier)
+            assert whole                                             # steps after the first were counted
+            for passes, syncs, total, ops in whole:
+                assert syncs <= passes and total - syncs == 1, (name, budget, sampling.temperature, ops)
 
 
 def test_specexec_at_its_widest_still_syncs_once_per_pass(models) -> None:
