@@ -91,12 +91,25 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _run_kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The compiled CPU kernels' directory that this run's xdist workers share (each worker's basetemp is a
+    folder of the run's): the library is built once per run, not once per worker (cpu_kernels/build.py names
+    it by a hash of its sources, compiler and CPU and renames a finished build into place)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "cpu-kernels"
+    shared.mkdir(mode=0o700, exist_ok=True)
+    return shared
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Whatever cache a test does not name itself lands in this session's temporary directory (one per xdist
     worker), never in ~/.cache or a developer's $SPECEXEC_CACHE: $SPECEXEC_CACHE and $XDG_CACHE_HOME point there
-    (subprocesses inherit them). A test's own monkeypatch.setenv still wins."""
+    (subprocesses inherit them), except the compiled CPU kernels, which the run's workers share (_run_kernels). A
+    test's own monkeypatch.setenv still wins."""
     root = tmp_path_factory.mktemp("caches")
+    (root / "specexec").mkdir()
+    (root / "specexec" / "kernels").symlink_to(_run_kernels(tmp_path_factory), target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECEXEC_CACHE", str(root / "specexec"))
         mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
