@@ -129,13 +129,12 @@ class Engine:
 
     @property
     def experts(self) -> ExpertPasses | None:
-        """An MoE target's ExpertPasses (None: a dense target)."""
+        """An MoE target's ExpertPasses (None: a dense target). Setting it (at construction, or a benchmark's
+        synthetic costs) makes the target record its routing and rebuilds the step's companions around it."""
         return self._experts
 
     @experts.setter
     def experts(self, experts: ExpertPasses | None) -> None:
-        """Set (at construction, or replaced: a benchmark's synthetic costs): the target records its routing
-        and the step's companions are (re)built around it, in their one order (specexec/companions/)."""
         self._experts = experts
         if experts is not None:
             experts.attach(self.target)
@@ -324,8 +323,7 @@ class Engine:
     def _step(self, state: StepState, root: int, sampling: SamplingParams, rule: Rule,
               rng: torch.Generator) -> Accepted:
         """One decoding step, in its five stages; the target span times verify + commit + observe. The
-        companions (specexec/companions/: LongRoPE's switch, the pilot, the tuner, an MoE target's experts,
-        a cost-following builder) take part between the stages, each hook running them in their one order."""
+        companions take part between them, each hook running them in their one order (companions/roster.py)."""
         step = Step(state.cache, state.draft, self._context)
         self.companions.before_step(step)                  # may re-run a cache, make the step plain, cap it
         draft_span = self._draft(step, root, sampling, rng)
