@@ -89,20 +89,25 @@ class _Dispatch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_NESTED = (list, tuple, dict)
+
+
 def _tensors(obj: object) -> list[torch.Tensor]:
-    """Every tensor in `obj` and in the lists, tuples and dict values nested in it (in no particular order)."""
+    """Every tensor in `obj` and in the lists, tuples and dict values nested in it."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     found: list[torch.Tensor] = []
-    todo = [obj] if isinstance(obj, (list, tuple, dict)) else []
-    while todo:
-        items = todo.pop()
-        for x in items.values() if isinstance(items, dict) else items:
-            if isinstance(x, torch.Tensor):
-                found.append(x)
-            elif isinstance(x, (list, tuple, dict)):
-                todo.append(x)
+    if isinstance(obj, _NESTED):
+        _collect(obj, found)
     return found
+
+
+def _collect(items: list | tuple | dict, found: list[torch.Tensor]) -> None:
+    for x in items.values() if isinstance(items, dict) else items:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, _NESTED):
+            _collect(x, found)
 
 
 def _has_list(index: object) -> bool:
@@ -185,7 +190,7 @@ class _Function(TorchFunctionMode):
                 self.counter.add("index[list]")
             return None
         inputs = False                          # "host" when there are inputs with a dimension, all the host's
-        for t in _tensors((args, kwargs)):
+        for t in _tensors(args) + _tensors(kwargs) if kwargs else _tensors(args):
             if t.dim() > 0:
                 if id(t) not in self.host:
                     return None
