@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.generation import PrefillProgress
 
 SHOW_AFTER_S = 1.0

@@ -47,7 +47,7 @@ from typing import Any
 
 _WHERE = {
     "Runtime": "specexec.runtime.assembly",
-    "Engine": "specexec.engine",
+    "Engine": "specexec.decoding.engine",
     "EngineConfig": "specexec.config",
     "SamplingParams": "specexec.config",
     "OffloadConfig": "specexec.config",

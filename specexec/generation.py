@@ -2,7 +2,7 @@
 step records, read here, never kept twice) and PrefillProgress (how far a long prefill got, for a progress
 bar: Engine.on_prefill hears it after every pass).
 
-Does not know: how a step runs (specexec/engine.py), how the records are timed (specexec/profiler.py), the CLI.
+Does not know: how a step runs (specexec/decoding/engine.py), how the records are timed (specexec/profiler.py), the CLI.
 """
 from __future__ import annotations
 

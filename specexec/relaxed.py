@@ -30,7 +30,7 @@ from torch import Tensor
 from specexec.config import Acceptance, SamplingParams
 from specexec.options import ConfigError
 from specexec.tree import TokenTree
-from specexec.uploads import upload
+from specexec.decoding.uploads import upload
 from specexec.verify import Accepted, accept_greedy
 
 ROW_CHUNK = 16384           # embedding rows compared at once while filling neighbours ([n, 16k] fp32 scores)

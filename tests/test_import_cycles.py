@@ -72,9 +72,9 @@ def test_the_planner_never_reaches_the_engine_and_the_configs_no_builder() -> No
     reaches the engine or a builder; config and options reach no builder, no verifier, no model."""
     graph = import_graph(ROOT, TOPS)
     for module in (m for m in graph if m.startswith("specexec.planning.")):
-        bad = {m for m in _reach(graph, module) if m == "specexec.engine" or m.startswith("specexec.builders")}
+        bad = {m for m in _reach(graph, module) if m == "specexec.decoding.engine" or m.startswith("specexec.builders")}
         assert not bad, f"{module} reaches {sorted(bad)}"
     for module in ("specexec.config", "specexec.options"):
         bad = {m for m in _reach(graph, module)
-               if m.startswith("specexec.builders") or m in ("specexec.verify", "specexec.network.model", "specexec.engine")}
+               if m.startswith("specexec.builders") or m in ("specexec.verify", "specexec.network.model", "specexec.decoding.engine")}
         assert not bad, f"{module} reaches {sorted(bad)}"

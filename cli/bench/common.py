@@ -2,7 +2,7 @@
 configuration's result, prompt encoding, and running one runtime variant over every prompt.
 
 Does not know: which configurations a benchmark compares or how it reports them (cli/bench/main.py,
-cli/bench/builders.py), how a step works (specexec.engine).
+cli/bench/builders.py), how a step works (specexec.decoding.engine).
 """
 from __future__ import annotations
 

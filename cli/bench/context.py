@@ -13,7 +13,7 @@ prefill_s = the first prompt's prefill (the document); prefill_tok_s; pass_s = m
 alone at the same context with an exact cache. int8 rows are LOSSY: they are never called identical; the
 column gives the first token where each prompt's output diverges (or "same").
 
-Does not know: how a step works (specexec.engine), how prompts are encoded (Runtime.encode).
+Does not know: how a step works (specexec.decoding.engine), how prompts are encoded (Runtime.encode).
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ long shared document filling each context instead, and one table gives the cost 
 With --endpoint URL the same prompt set and table measure OpenAI-compatible servers instead (cli/bench/endpoint.py);
 --plot FILE draws the rows (cli/bench/plot.py); the rows and the table are cli/bench/table.py's.
 
-Does not know: how a step works (specexec.engine), how flags are validated (specexec.options), how models load
+Does not know: how a step works (specexec.decoding.engine), how flags are validated (specexec.options), how models load
 (specexec.runtime.assembly; transformers for the hf-* rows).
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ from specexec.kv.cache import KVCache
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer, TreeMask
 from specexec.tree import TokenTree
-from specexec.uploads import upload
+from specexec.decoding.uploads import upload
 from specexec.builders import draft_graphs
 
 

@@ -42,7 +42,7 @@ from specexec.config import SamplingParams
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
 from specexec.builders.base import DraftState
-from specexec.uploads import upload
+from specexec.decoding.uploads import upload
 
 
 def padded(b: int) -> int:

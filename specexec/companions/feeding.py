@@ -24,8 +24,8 @@ from specexec.builders.base import DraftState, Prefill
 from specexec.kv.cache import KVCache
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer
-from specexec.prompt_passes import RowListener
-from specexec.uploads import upload
+from specexec.decoding.prompt_passes import RowListener
+from specexec.decoding.uploads import upload
 
 
 def tell_taps(target: Transformer, taps: tuple[int, ...]) -> None:

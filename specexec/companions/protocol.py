@@ -1,5 +1,5 @@
 """The protocol of the engine's companions: what takes part in every decoding step besides its five stages
-(specexec/engine.py), through hooks. A companion offers any of them; each hook is an ability
+(specexec/decoding/engine.py), through hooks. A companion offers any of them; each hook is an ability
 (specexec/abilities.py) asked once, when the engine is built (`Companions`):
 
 - `before_step(step)`: before the draft stage; may prefill a cache again, make the step a plain one

@@ -52,7 +52,7 @@ from specexec.builders.base import TreeBuilder
 from specexec.builders.registry import make_builder
 from specexec.config import EXACT, Acceptance, EngineConfig, OffloadConfig, SamplingParams
 from specexec.constraint import Constraint
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.companions.experts import ExpertPasses
 from specexec.checkpoints.loading import check_checkpoint, resolve_dtype
 from specexec.network.model import Streams, Transformer

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specexec.abilities import has
-from specexec.engine import new_cache
+from specexec.decoding.engine import new_cache
 from specexec.network.model import PlansPrefill, Transformer, TreeMask
 from specexec.planning.run_shape import MIN_SELF_LAYERS, spaced_layers
 from specexec.runtime.self_draft import SelfDraft

@@ -9,7 +9,7 @@ running one before its next step: the engine's generator is closed and the worke
 share the engine, so a prompt that extends the previous one reuses its KV cache (Engine does it by prefix).
 
 Does not know: HTTP, JSON shapes (specexec.serving.openai_api), how a step works (specexec.runtime.assembly,
-specexec.engine).
+specexec.decoding.engine).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from specexec.builders.recycling import RecyclingBuilder
 from specexec.builders.rsd import RSDBuilder, branching_shape, shift_gumbel
 from specexec.builders.static import StaticBuilder, tree_shape
 from specexec.config import EngineConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.options import ConfigError
 from specexec.builders.registry import builder_needs_draft, make_builder, names as builder_names
 from specexec.runtime.assembly import Runtime

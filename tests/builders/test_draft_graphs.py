@@ -18,7 +18,7 @@ from specexec.builders import draft_graphs
 from specexec.builders.base import DraftState
 from specexec.builders.growth import padded
 from specexec.config import EngineConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.checkpoints.loading import load_model
 from specexec.builders.registry import make_builder

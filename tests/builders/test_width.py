@@ -11,7 +11,7 @@ import torch
 
 from specexec.builders.specexec import SpecExecBuilder, width_fraction
 from specexec.config import EngineConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from tests.sync_count import count_calls
 from tests.tiny_models import load_pair_models, prompt
 

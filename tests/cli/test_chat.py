@@ -228,7 +228,7 @@ def test_piped_stdin_subprocess_prints_only_the_answer(tiny_pair, tiny_perturbed
 
 SLOW_CHAT = """
 import sys, time
-import specexec.engine as engine
+import specexec.decoding.engine as engine
 step = engine.Engine._step
 def slow(self, *a, **k):
     time.sleep(0.05)                      # make the answer last long enough to interrupt it mid-way

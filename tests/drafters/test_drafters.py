@@ -22,7 +22,7 @@ from specexec.builders.registry import builder_needs_draft, make_builder, names
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.drafters.choose import choose, load_drafter
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.runtime.assembly import Runtime
 from tests.sampling.chi2 import chi2_pvalue
 from tests.drafters.drafter_writer import eagle3_reference, write_eagle3

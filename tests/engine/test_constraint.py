@@ -13,7 +13,7 @@ import torch
 from specexec.builders.registry import make_builder, names as builder_names
 from specexec.config import EngineConfig
 from specexec.constraint import MatcherConstraint, tree_paths, unpack_bits
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.tree import TokenTree
 from tests.tiny_models import load_pair_models, prompt
 

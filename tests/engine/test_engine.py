@@ -13,7 +13,7 @@ import torch
 
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.checkpoints.loading import load_model
 from specexec.tree import TokenTree
 from tests.tiny_models import load_pair_models, prompt

@@ -15,7 +15,7 @@ from specexec.builders.base import FollowsCosts, KeepsDraftProbs, LearnsFromTarg
 from specexec.companions.protocol import Companions, Step
 from specexec.companions.roster import CostsToBuilder, TunerHears
 from specexec.config import EngineConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.companions.gate import Pilot
 from specexec.network.model import Closes, MakesCache, PlansPrefill
 from specexec.options import ConfigError

@@ -23,7 +23,7 @@ from cli.prefill_bar import PrefillBar, worth_showing
 
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import PREFILL_CHUNK, EngineConfig, OffloadConfig
-from specexec.engine import KV_GROW_QUANTUM, Engine
+from specexec.decoding.engine import KV_GROW_QUANTUM, Engine
 from specexec.generation import PrefillProgress
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.network.model import prefix_tree_mask

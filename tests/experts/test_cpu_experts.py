@@ -11,7 +11,7 @@ import torch
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.config import EngineConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.network.model import TreeMask
 from specexec.runtime.cpu_experts import crossed_bytes
 from specexec.runtime.offloaded import build_offloaded, quantize_head

@@ -14,7 +14,7 @@ import torch
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model, read_args
 from specexec.config import EngineConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.network.moe import Routing
 from specexec.runtime.expert_stream import ExpertCache, ExpertStream
 from specexec.runtime.offloaded import build_offloaded

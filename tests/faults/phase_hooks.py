@@ -86,7 +86,7 @@ def install() -> None:
     from offload.cache import store as cache
     from specexec.network import model
     from specexec.builders import registry
-    from specexec.engine import Engine
+    from specexec.decoding.engine import Engine
 
     wrap_phase(Engine, "prefill", "prefill")
     wrap_phase(Engine, "_verify", "verify")

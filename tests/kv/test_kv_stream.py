@@ -24,7 +24,7 @@ from specexec.builders.chain import ChainBuilder
 from specexec.builders.dynamic import DynamicBuilder
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.kv.rows import row_bytes
 from specexec.checkpoints.loading import load_model, read_args

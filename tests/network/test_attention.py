@@ -272,7 +272,7 @@ def test_engine_and_draft_use_the_split(tiny_pair: tuple[Path, Path]) -> None:
     more keys than a tree or chunk holds runs without a mask."""
     from specexec.builders.specexec import SpecExecBuilder
     from specexec.config import EngineConfig
-    from specexec.engine import Engine
+    from specexec.decoding.engine import Engine
 
     target, draft = (load_model(p) for p in tiny_pair)
     engine = Engine(target, draft, EngineConfig(budget=16, prefill_chunk=64), SpecExecBuilder())

@@ -174,7 +174,7 @@ def test_longrope_prompts_on_both_sides_of_the_switch_in_one_engine(tiny_root: P
     """A prompt longer than the switch runs long from its first row; the next call, shorter again, does not
     reuse those rows (they were computed with the long factors): both equal transformers' generate."""
     from specexec.builders.specexec import SpecExecBuilder
-    from specexec.engine import Engine
+    from specexec.decoding.engine import Engine
 
     path = family_model(tiny_root, "phi3_long")
     target, draft = load_model(path), load_model(_draft(tiny_root, path))

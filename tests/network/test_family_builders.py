@@ -18,7 +18,7 @@ import torch
 from specexec.builders.registry import make_builder, names as builder_names
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.runtime.assembly import Runtime
 from tests.network.model_reference import hf_model
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model

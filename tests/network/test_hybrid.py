@@ -273,7 +273,7 @@ def test_an_unknown_layer_type_is_named() -> None:
 def test_a_32k_prompt_prefilled_in_chunks_equals_one_pass(tiny_root: Path) -> None:
     """32,768 prompt tokens through a tiny hybrid, prefilled in chunks of 4,096 (the state carried between them)
     and in one pass: the same committed states (to rounding) and the same greedy ids."""
-    from specexec.engine import Engine
+    from specexec.decoding.engine import Engine
     path = tiny_root / "hybrid-qwen3_5-long"
     if not (path / "config.json").exists():
         write_tiny_model(path, "qwen3_5", seed=44, n_layers=4, max_position_embeddings=40000)

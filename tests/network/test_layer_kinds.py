@@ -86,7 +86,7 @@ def test_streamed_kv_of_sliding_layers_moves_the_window_only(alternating: Path, 
     from offload.cache.store import LayerCache
     from specexec.builders.specexec import SpecExecBuilder
     from specexec.config import EngineConfig
-    from specexec.engine import Engine
+    from specexec.decoding.engine import Engine
     from specexec.kv.rows import row_bytes
     from specexec.checkpoints.loading import read_args
     from specexec.checkpoints.naming import layer_names

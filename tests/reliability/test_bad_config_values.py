@@ -135,7 +135,7 @@ def test_nan_weights_stop_at_the_first_pass_naming_the_layer(mode, cli, cache_ro
 
 
 def test_where_names_the_first_place() -> None:
-    from specexec.finite import where
+    from specexec.decoding.finite import where
 
     assert where([0, 0, 0, 0, 0], 3) is None
     assert where([3, 3, 3, 3, 3], 3) == "in the token embeddings"

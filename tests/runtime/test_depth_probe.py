@@ -10,7 +10,7 @@ import torch
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.runtime import depth_probe
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.depth_probe import candidate_ids, probe_depths, probe_window

@@ -12,7 +12,7 @@ import pytest
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.tuning.budget import BudgetTuner, CostModel, CurveFit
 from specexec.companions.gate import Switch
 from tests.sampling.chi2 import chi2_pvalue

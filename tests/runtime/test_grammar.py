@@ -17,7 +17,7 @@ from specexec.builders.registry import make_builder  # noqa: E402
 from specexec.builders.specexec import SpecExecBuilder  # noqa: E402
 from specexec.checkpoints.loading import load_model  # noqa: E402
 from specexec.config import EngineConfig, SamplingParams  # noqa: E402
-from specexec.engine import Engine  # noqa: E402
+from specexec.decoding.engine import Engine  # noqa: E402
 from specexec.options import ConfigError  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
 from specexec.runtime.grammar import Grammars  # noqa: E402

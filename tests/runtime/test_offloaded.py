@@ -18,7 +18,7 @@ from cli.main import main
 from offload.quant.linear import QuantLinear
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, OffloadConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.options import ConfigError
 from specexec.checkpoints.loading import load_model, read_args
@@ -244,7 +244,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from specexec.config import EngineConfig, OffloadConfig
-    from specexec.engine import Engine
+    from specexec.decoding.engine import Engine
     from specexec.checkpoints.loading import expected_shapes, read_args
     from specexec.planning.target import plan_target
     from specexec.runtime.offloaded import load_target

@@ -10,7 +10,7 @@ from cpu_kernels.build import library, status
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from tests.runtime.offloaded_models import reference
 
 

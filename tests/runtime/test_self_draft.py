@@ -23,7 +23,7 @@ from cli.main import main
 from offload.memory_plan import PlanError
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.options import ConfigError
 from specexec.planning.ledger import card_budget, plan_memory
 from specexec.planning.run_shape import RunShape, spaced_layers, with_self_draft

@@ -9,7 +9,7 @@ import torch
 
 from specexec.config import SamplingParams
 from specexec.constraint import Constraint
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.sampling import process_logits
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45, 46]

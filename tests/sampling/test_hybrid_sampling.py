@@ -12,7 +12,7 @@ import torch
 from specexec.builders.registry import make_builder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from tests.sampling.chi2 import chi2_pvalue
 from tests.sampling.sampling_pairs import exact_pairs, sample_pairs
 from tests.tiny_models import DRAFT_PERTURB, write_tiny_model

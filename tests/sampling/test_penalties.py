@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specexec.config import EngineConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.builders.registry import make_builder
 from specexec.options import ConfigError
 from specexec.sampling import apply_presence_frequency, process_logits

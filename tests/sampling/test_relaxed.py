@@ -13,7 +13,7 @@ import torch
 from specexec.builders.registry import make_builder
 from specexec.checkpoints.loading import load_model
 from specexec.config import EXACT, Acceptance, EngineConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.options import ConfigError
 from specexec.relaxed import Neighbours, Relaxation
 from specexec.tree import TokenTree

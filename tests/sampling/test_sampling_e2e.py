@@ -11,7 +11,7 @@ import torch
 
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig, SamplingParams
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.options import ConfigError
 from specexec.checkpoints.loading import load_model
 from tests.sampling.chi2 import chi2_pvalue

@@ -8,7 +8,7 @@ import pytest
 
 from specexec.builders.specexec import SpecExecBuilder
 from specexec.config import EngineConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.options import budget_options
 from specexec.checkpoints.loading import load_model
 from specexec.runtime.assembly import Runtime

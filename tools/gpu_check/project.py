@@ -22,7 +22,7 @@ from specexec.config import EngineConfig, OffloadConfig, SamplingParams  # noqa:
 
 RAM_BUDGET = 16 * 10**9          # every plan inside the check: an explicit RAM budget, not psutil's available
 RAM_BUDGET_TEXT = "16GB"         # memory (a lent machine's may start small and grow)
-from specexec.engine import Engine  # noqa: F401
+from specexec.decoding.engine import Engine  # noqa: F401
 from specexec.kv.cache import KVCache
 from specexec.network.model import Transformer, on_meta
 from specexec.runtime.assembly import Runtime  # noqa: F401

@@ -3,7 +3,7 @@
 1. draft   - the builder grows a token tree under the root with the draft (the tuner picks its budget);
 2. verify  - the target sees the whole tree in one forward (positions = prefix + depth, mask = prefix +
              ancestors) and the acceptance rule picks the accepted path plus one bonus token (what the
-             target says at the nodes: specexec/target_logits.py);
+             target says at the nodes: specexec/decoding/target_logits.py);
 3. commit  - both KV caches keep the accepted rows, the context gains the new tokens;
 4. observe - the builder learns from the outcome (accepted path; the target's top-k when it asks);
 5. account - the step goes into the one ledger (the profiler's step records, which GenerationStats reads).
@@ -13,7 +13,7 @@ All else that takes part in a step is a companion (specexec/companions/: LongRoP
 companions' one order, never asking who is there. With no builder the loop is plain autoregressive decoding
 (the baseline); the pilot makes a step such a plain one when the target alone is measured faster. Optional
 abilities of the builder, the models and the companions are checked once, when the engine is built. Before
-the first step the prompt is prefilled (specexec/prompt_passes.py); with `--budget auto` and no saved costs
+the first step the prompt is prefilled (specexec/decoding/prompt_passes.py); with `--budget auto` and no saved costs
 the engine measures target passes and hands them to `on_calibrated` (saving them is the runtime's).
 
 Does not know: tokenizers and text (stop strings come in as a callable), the CLI, files, where weights live
@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from specexec import prompt_passes, target_logits
+from specexec.decoding import prompt_passes, target_logits
 from specexec.abilities import has
 from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
 from specexec.companions.protocol import Step
@@ -37,7 +37,7 @@ from specexec.config import Acceptance, EngineConfig, SamplingParams
 from specexec.constraint import Constraint, tree_paths
 from specexec.companions.experts import ExpertPasses
 from specexec.companions.feeding import TargetFeed, tell_taps
-from specexec.finite import checked_pass
+from specexec.decoding.finite import checked_pass
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.drafter import Drafter
 from specexec.network.model import Closes, MakesCache, Transformer, TreeMask
@@ -48,7 +48,7 @@ from specexec.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import make_generator
 from specexec.tree import TokenTree
-from specexec.uploads import upload
+from specexec.decoding.uploads import upload
 from specexec.tuning.budget import BudgetTuner, CurveFit
 from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
 
@@ -120,7 +120,7 @@ class Engine:
         if self.experts is not None and self.tuner is not None:     # the one cost model gains the MoE term
             self.tuner.costs.experts = self.experts.expected_seconds
         self._trims = False                  # this call's drafted trees go through the companions' trim (generate)
-        self._check_finite = False           # the next verification pass counts NaN/Inf (specexec/finite.py)
+        self._check_finite = False           # the next verification pass counts NaN/Inf (specexec/decoding/finite.py)
         self._constraint: Constraint | None = None   # this call's grammar (generate)
         self._top_logprobs: int | None = None        # this call's top_logprobs (None: no logprobs)
         self.logprobs: list[TokenLogprob] = []       # the last call's tokens' target log-probs, when asked

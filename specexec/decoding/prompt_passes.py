@@ -19,7 +19,7 @@ from specexec.kv.cache import KVCache
 from specexec.network.model import PlansPrefill, Transformer, TreeMask
 from specexec.tree import TokenTree
 from specexec.tuning.budget import calibration_sizes
-from specexec.uploads import upload
+from specexec.decoding.uploads import upload
 
 RowListener = Callable[[int, torch.Tensor], None]        # (start, hidden [T, D]) of one prefill chunk
 
