@@ -7,6 +7,7 @@ module lists the names."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -156,15 +157,17 @@ def test_dtype_names_live_in_options_and_loading_maps_each_to_torch() -> None:
     assert set(loading.DTYPES) == set(options.DTYPES) - {"auto"} and choices("--dtype") == options.DTYPES
 
 
-def _name_lists(path: Path) -> list[tuple[int, set[str]]]:
-    """(line, names) for every literal tuple/list/set of strings, and every dict's string keys, in a module."""
+@functools.cache
+def _name_lists(path: Path) -> tuple[tuple[int, frozenset[str]], ...]:
+    """(line, names) for every literal tuple/list/set of strings, and every dict's string keys, in a module
+    (parsed once per session: each registry's case reads every module)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         elts = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
         if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) and elts:
-            strings = {e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            strings = frozenset(e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str))
             out.append((node.lineno, strings))
-    return out
+    return tuple(out)
 
 
 def _registries() -> list[tuple[str, set[str], str | None]]:
