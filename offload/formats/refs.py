@@ -2,7 +2,7 @@
 [E, ...] tensor, its interleaved gate or up columns, transposed), and how to read just that piece.
 
 A TensorRef is data (it goes into the layer cache's manifest as it is), so the one rule that names a model
-tensor's source (specexec/families/weights.py) serves every reader: the resident loader, the layer cache and
+tensor's source (specexec/checkpoints/weight_map.py) serves every reader: the resident loader, the layer cache and
 the checks before either. Reading a ref reads only its expert's bytes where the source can
 (`get_index(name, i)`: safetensors slices its memory map, the MXFP4 source dequantizes one expert), else the
 whole tensor and indexes it.

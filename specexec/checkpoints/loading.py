@@ -26,7 +26,7 @@ from offload.formats.sources import CheckpointSource, is_gguf, open_source, tens
 
 from specexec.config import ModelArgs
 from specexec.families import model_args
-from specexec.families.weights import checkpoint_refs, unused_tensors
+from specexec.checkpoints.weight_map import checkpoint_refs, unused_tensors
 from specexec.options import DTYPES as DTYPE_NAMES, ConfigError
 from specexec.checkpoints.hub import HubOptions
 from specexec.network.model import Transformer, on_meta
@@ -129,7 +129,7 @@ def _shapes(args: ModelArgs) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 def check_tensors(path: Path, source: CheckpointSource | _PickleSource, args: ModelArgs) -> dict[str, TensorRef]:
     """Every model tensor's source in the checkpoint (our name -> TensorRef, by the family's weight-name
-    mapping: specexec/families/weights.py), after CheckpointError unless `source` holds exactly the tensors
+    mapping: specexec/checkpoints/weight_map.py), after CheckpointError unless `source` holds exactly the tensors
     `args` implies: no unexpected name (an extra tensor means the checkpoint is not the model config.json
     describes; the tensors the family deliberately leaves unread, such as a multimodal checkpoint's vision tower,
     are not), the right shapes (of each expert's piece of a fused tensor too), floating-point dtypes, nothing

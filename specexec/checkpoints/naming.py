@@ -1,7 +1,7 @@
 """The tensors of a checkpoint as the streamed target needs them: one decoder Block's tensor names and shapes
 (block_specs, block_tensor_names; a dense and a sparse layer of an MoE model differ), the layer cache's naming
 of each layer's tensors (layer_names), and reading the resident embed/norm/head (read_resident). Both go
-through the family's weight-name mapping (specexec/families/weights.py): our name -> the TensorRef of its
+through the family's weight-name mapping (specexec/checkpoints/weight_map.py): our name -> the TensorRef of its
 source, a stored tensor or one expert's piece of a fused one.
 
 Does not know: bytes or plans (specexec/planning/), the layer cache's storage (offload.cache), the pager, the
@@ -22,7 +22,7 @@ from offload.formats.sources import open_source
 
 from specexec.checkpoints.loading import check_tensors, expected_shapes
 from specexec.config import ModelArgs
-from specexec.families.weights import checkpoint_refs
+from specexec.checkpoints.weight_map import checkpoint_refs
 from specexec.network.mixers import mixer_kind
 from specexec.network.model import Block, on_meta
 

@@ -12,7 +12,7 @@ Two layouts, as published:
   embedding and LM head.
 Either way the state handed to the next level is the layer's normed output, as the target's state is its normed
 output (SGLang's reading; vLLM hands on the next-n layer's output before its norm). The decoder layer's tensors
-are named by the target family's own rules (specexec/families/weights.py), so an expert stored fused is read as
+are named by the target family's own rules (specexec/checkpoints/weight_map.py), so an expert stored fused is read as
 the target's are.
 
 Checked before any weight loads (one line each): a config without an MTP layer, a checkpoint whose copy left the
@@ -32,7 +32,7 @@ from offload.formats.sources import is_gguf, tensor_specs
 from specexec.checkpoints.loading import open_weights, read_args, resolve_model_path
 from specexec.config import ModelArgs
 from specexec.drafters.load import check_layout, expected, load_weights
-from specexec.families.weights import checkpoint_prefix, checkpoint_refs
+from specexec.checkpoints.weight_map import checkpoint_prefix, checkpoint_refs
 from specexec.network.drafter import Drafter, DrafterShape, build_drafter
 from specexec.network.model import Transformer
 from specexec.options import ConfigError

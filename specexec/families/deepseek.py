@@ -5,7 +5,7 @@ q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave), i
 kv_lora_rank + qk_rope_head_dim values (ModelArgs.head_dim, one KV head). RoPE over the qk_rope_head_dim
 rotary part only, YaRN where the config says, and the score scale (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
 times YaRN's mscale(factor, mscale_all_dim) squared (transformers' yarn_apply_mscale). The feed-forward is the
-grouped sigmoid routing of specexec/families/routing.py, shared experts, first_k_dense_replace dense layers;
+grouped sigmoid routing of specexec/families/common.py, shared experts, first_k_dense_replace dense layers;
 the next-token-prediction layer stored after the decoder is skipped. attention_bias puts biases on q_a_proj,
 kv_a_proj_with_mqa and o_proj (transformers' choice).
 
@@ -23,7 +23,7 @@ from typing import Any
 from specexec.config import LatentArgs, ModelArgs
 from specexec.families.common import ROPE_KINDS, base_fields, check_activation
 from specexec.families.glm4_moe import WEIGHT_RULES as GLM_RULES
-from specexec.families.routing import grouped_sigmoid_moe, mtp_layers
+from specexec.families.common import grouped_sigmoid_moe, mtp_layers
 
 # what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
 SUMMARY = ('DeepSeek-V3, R1, V3.1; Kimi-K2: multi-head latent attention (low-rank q; the cache holds one latent '

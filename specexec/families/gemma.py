@@ -13,7 +13,7 @@ Gemma3ForConditionalGeneration (the 4B/12B/27B checkpoints on the Hub are multim
 decoder and only the decoder is run: the vision tower and the multimodal projector are not used (their tensors
 are skipped, never read), and prompts are text only. Its tensors live under language_model.model.* (Hub
 checkpoints, the head beside it as language_model.lm_head) or model.language_model.* (saved by transformers 5,
-the head at the top level): STORED_PREFIXES for specexec/families/weights.py, which reads both; UNUSED names the
+the head at the top level): STORED_PREFIXES for specexec/checkpoints/weight_map.py, which reads both; UNUSED names the
 vision tower and projector.
 
 Does not know: the network (specexec/network/model.py), tensors' data.
@@ -38,7 +38,7 @@ ARCHITECTURES = {
 }
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
 ROPE_KINDS = ("default", "linear", "llama3")
-# where the multimodal checkpoints keep the text decoder -> where its head (specexec/families/weights.py)
+# where the multimodal checkpoints keep the text decoder -> where its head (specexec/checkpoints/weight_map.py)
 STORED_PREFIXES = {"language_model.model.": "language_model.", "model.language_model.": ""}
 UNUSED = (r"(?:model\.)?(?:vision_tower|vision_model|multi_modal_projector)\..*",)   # stored, never read
 

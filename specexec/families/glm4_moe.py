@@ -2,7 +2,7 @@
 
 A pre-norm decoder with q/k/v biases (attention_bias; o_proj never has one), per-head q/k RMSNorm where
 use_qk_norm, partial rotary (partial_rotary_factor, 0.5 when the config leaves it out, as transformers), and
-DeepSeek-V3's routed feed-forward (specexec/families/routing.py): sigmoid scores with a correction bias,
+DeepSeek-V3's routed feed-forward (specexec/families/common.py): sigmoid scores with a correction bias,
 group-limited top-k, routed_scaling_factor, one shared expert, the first first_k_dense_replace layers dense.
 Its next-token-prediction layer (num_nextn_predict_layers, stored as layer num_hidden_layers) is skipped.
 
@@ -17,8 +17,8 @@ from typing import Any
 
 from specexec.config import ModelArgs
 from specexec.families.common import ROPE_KINDS, base_fields, check_activation
-from specexec.families.routing import grouped_sigmoid_moe, mtp_layers
-from specexec.families.rules import Rule
+from specexec.families.common import grouped_sigmoid_moe, mtp_layers
+from specexec.checkpoints.weight_rules import Rule
 
 # what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
 SUMMARY = ('GLM-4.5, 4.5-Air, 4.6, 4.7: q/k/v biases, optional q/k norms, partial rotary; sigmoid router '

@@ -3,7 +3,7 @@ config.json), and the one precise line for every architecture outside it.
 
 A family module exposes ARCHITECTURES ({HF architecture: family name}) and `model_args(family, cfg) ->
 ModelArgs` (HYBRID = True where its configs name layer kinds beyond attention that it runs), and where its
-checkpoints name tensors otherwise, what specexec/families/weights.py reads (WEIGHT_RULES, STORED_PREFIXES,
+checkpoints name tensors otherwise, what specexec/checkpoints/weight_map.py reads (WEIGHT_RULES, STORED_PREFIXES,
 UNUSED), and SUMMARY: one line of what its maths adds to Llama's. Adding a
 family is adding its module to FAMILY_MODULES; nothing else lists architectures: `specexec --help`, `specexec
 models` and the README's table of supported models are made from `summaries()`.
@@ -20,7 +20,7 @@ from specexec.config import ModelArgs
 from specexec.families import (deepseek, gemma, gemma4, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, olmoe,
                                phi3, qwen_hybrid, qwen_moe)
 from specexec.families.common import recurrent_reason, sparse_attention_reason
-from specexec.families.config_values import check_config_values
+from specexec.checkpoints.config_values import check_config_values
 from specexec.options import ConfigError
 
 FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3, qwen_moe, mixtral, olmoe, gpt_oss, glm4_moe,

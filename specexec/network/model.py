@@ -12,7 +12,7 @@ table per RoPE, and each layer attends with its kind's (specexec/network/attenti
 merged exactly; soft-capping inside each part, attention sinks at the merge). A layer's feed-forward is the dense
 MLP or, where ModelArgs.moe says the layer is sparse, specexec/network/moe.py's router-then-experts block, whose routing
 of each pass goes to its Execution's `routing` (a RoutingLog; None records nothing). Parameter names follow the Hub
-checkpoints without the leading "model." (the MoE names are specexec/network/moe.py's; specexec/families/weights.py maps a
+checkpoints without the leading "model." (the MoE names are specexec/network/moe.py's; specexec/checkpoints/weight_map.py maps a
 checkpoint's own names onto them). `logits(hidden, rows)` computes the LM head only for the rows a caller needs;
 callers chunk it (2,048 nodes x 152k vocabulary in fp32 is 1.2 GB). The pieces a layer is made of live beside it:
 specexec/network/mixers.py (the token mixer of each layer, by kind: specexec/network/self_attention.py, ...),

@@ -10,7 +10,7 @@ the experts a pass routed to, and counts them, before any expert weight is read:
 each layer's Routing to the model's routing log (Execution.routing: a RoutingLog; None records nothing) between
 them, and lets the log compute the combination (`RoutingLog.combine`: by default `mlp.combine`).
 
-Parameter names, inside a decoder layer (the contract the weight-name mapping, specexec/families/weights.py,
+Parameter names, inside a decoder layer (the contract the weight-name mapping, specexec/checkpoints/weight_map.py,
 and the layer cache use; the checkpoint's own names are mapped onto these):
 
     mlp.router.weight [E, D]                    (+ mlp.router.bias [E] with MoEArgs.router_bias)

@@ -1,4 +1,4 @@
-"""The weight-name mapping's family-level naming (specexec/families/weights.py): where a checkpoint keeps the
+"""The weight-name mapping's family-level naming (specexec/checkpoints/weight_map.py): where a checkpoint keeps the
 decoder (Gemma 3's multimodal checkpoints nest it under language_model.model.* or model.language_model.*, with
 the head beside it or at the top level), and the stored tensors a family deliberately leaves unread (the vision
 tower and projector, RoPE's inv_freq, a tied head's copy): never read, never "unexpected"; any other stored
@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from offload.formats.checkpoint import CheckpointError, SafetensorsCheckpoint
 from specexec.checkpoints.loading import load_model, read_args
-from specexec.families.weights import checkpoint_prefix, checkpoint_refs, unused_tensors
+from specexec.checkpoints.weight_map import checkpoint_prefix, checkpoint_refs, unused_tensors
 from tests.tiny_models import family_model
 
 VISION = ["vision_tower.vision_model.embeddings.patch_embedding.weight",

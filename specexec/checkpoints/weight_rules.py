@@ -1,5 +1,5 @@
 """One rule of a family's WEIGHT_RULES: our parameter name inside a decoder layer -> the stored tensor (and the
-piece of it) that holds it. The family modules list them; specexec/families/weights.py applies them.
+piece of it) that holds it. The family modules list them; specexec/checkpoints/weight_map.py applies them.
 
 Does not know: which family uses which rules, how tensors are read (offload/formats/refs).
 """
