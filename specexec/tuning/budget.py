@@ -45,16 +45,25 @@ class CurveFit:
     points: dict[int, tuple[float, int]] = field(default_factory=dict)   # size -> (mean seconds, count)
     origin: bool = False
 
-    def add(self, size: int, seconds: float, weight_cap: int = 20) -> None:
+    def add(self, size: int, seconds: float, weight_cap: int = 20, provisional: bool = False) -> None:
+        """One measured pass. provisional (a cold one): held with count 0 when its size is new, and ignored
+        when it is not; the fit reads count-0 points only while there are no others, and the next sample of
+        their size replaces them."""
         mean, n = self.points.get(size, (0.0, 0))
+        if provisional:
+            if size not in self.points:
+                self.points[size] = (seconds, 0)
+            return
         n = min(n + 1, weight_cap)                    # a capped count keeps following a drifting machine
         self.points[size] = (mean + (seconds - mean) / n, n)
 
     def __call__(self, size: int) -> float:
         if not self.points:
             return 0.0
-        xs = sorted(self.points)
-        ys = _monotone([self.points[x][0] for x in xs], [self.points[x][1] for x in xs])
+        firm = {x: p for x, p in self.points.items() if p[1] > 0}
+        points = firm or {x: (m, 1) for x, (m, _) in self.points.items()}
+        xs = sorted(points)
+        ys = _monotone([points[x][0] for x in xs], [points[x][1] for x in xs])
         if size <= xs[0]:
             return ys[0] * max(size, 0) / xs[0] if self.origin else ys[0]
         for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
@@ -196,6 +205,8 @@ class BudgetTuner:
     leap_gain: float = 1.5          # leap across the grid for a predicted gain of at least this factor
     steps: int = 0
     settled: bool = False           # the descent from start_budget is over (a choice that did not go down)
+    cold_steps: int = 1             # the first steps heard: their seconds are provisional (observe)
+    heard: int = 0
 
     def __post_init__(self) -> None:
         self.grid = budget_grid(self.max_budget)
@@ -255,9 +266,15 @@ class BudgetTuner:
     def observe(self, tree_size: int, scores: torch.Tensor, accepted_nodes: list[int],
                 draft_s: float, target_s: float, expert_s: float = 0.0) -> None:
         """A finished step; expert_s: what the cost model's MoE term says that pass's experts cost (the target
-        curve learns the rest)."""
-        self.costs.target.add(tree_size + 1, max(target_s - expert_s, 0.0))
-        self.costs.draft.add(max(tree_size, 1), draft_s)
+        curve learns the rest). The first `cold_steps` steps teach acceptance only: their seconds hold one-off
+        warm-up work (the draft's first tree passes: a 0.5B draft on a CPU took 20x its later time), and one
+        such sample would price its size, and by extrapolation every larger one, out of reach for good (the
+        tuner seldom goes back there, and a running mean kept the spike): they count as provisional points,
+        which the next sample of their size replaces."""
+        self.heard += 1
+        cold = self.heard <= self.cold_steps
+        self.costs.target.add(tree_size + 1, max(target_s - expert_s, 0.0), provisional=cold)
+        self.costs.draft.add(max(tree_size, 1), draft_s, provisional=cold)
         self.acceptance.observe(scores, accepted_nodes)
 
 
