@@ -266,7 +266,7 @@ class BudgetTuner:
     def observe(self, tree_size: int, scores: torch.Tensor, accepted_nodes: list[int],
                 draft_s: float, target_s: float, expert_s: float = 0.0) -> None:
         """A finished step; expert_s: what the cost model's MoE term says that pass's experts cost (the target
-        curve learns the rest). The first `cold_steps` steps teach acceptance only: their seconds hold one-off
+        curve learns the rest). The seconds of the first `cold_steps` steps hold one-off
         warm-up work (the draft's first tree passes: a 0.5B draft on a CPU took 20x its later time), and one
         such sample would price its size, and by extrapolation every larger one, out of reach for good (the
         tuner seldom goes back there, and a running mean kept the spike): they count as provisional points,
