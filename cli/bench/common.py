@@ -129,12 +129,16 @@ def config_name(kind: str, budget: int | str | None = None, builder: str = "spec
 
 def run_variant(name: str, rt: Runtime, budget: int | str | None, plan: Plan, prompt_ids: list[list[int]],
                  warmup: int, progress: Callable[[str], None], sampling: SamplingParams | None = None) -> Result:
-    """Every prompt through `rt` (KV cache reset before each) at `sampling` (default the plan's)."""
+    """Every prompt through `rt` (KV cache reset before each) at `sampling` (default the plan's). The untimed
+    warm-up warms kernels and caches; a --budget auto tuner keeps the seconds it measured there but forgets its
+    acceptance, which says nothing of the prompts (it would start the row at the budget a 4-token "Hello" chose)."""
     max_new, sampling = plan.config.max_new_tokens, sampling or plan.sampling
     if warmup:
         rt.engine.reset()
         for _ in rt.generate_ids(rt.encode(WARMUP_PROMPT), warmup, sampling):
             pass
+        if rt.engine.tuner is not None:
+            rt.engine.tuner.forget_acceptance()
     res = Result(name, budget=budget, builder=rt.builder_name if budget is not None else None,
                  accept=rt.config.accept.label)
     with PeakMemory(rt.engine.device) as mem:

@@ -259,6 +259,14 @@ class BudgetTuner:
         sizes = self.costs.draft.points
         return bool(sizes) and bool(self.costs.target.points) and min(sizes) <= budget <= 2 * max(sizes)
 
+    def forget_acceptance(self) -> None:
+        """Start the walk again from the start budget with no acceptance heard (the prior alone), keeping the
+        measured costs: for a warm-up generation whose acceptance says nothing of the prompts after it (a
+        benchmark's "Hello"), while its seconds are this machine's."""
+        self.acceptance = AcceptanceModel(decay=self.acceptance.decay, prior_weight=self.acceptance.prior_weight,
+                                          prior_top=self.acceptance.prior_top)
+        self.index, self.steps, self.settled = start_index(self.grid, self.start_budget), 0, False
+
     def best_budget(self) -> int:
         """The global optimum over the grid (what next_budget converges to)."""
         return max(self.grid, key=self.rate)

@@ -88,6 +88,24 @@ def test_each_configuration_reports_its_prompts(tiny_pair, tiny_perturbed_draft)
     assert heard == [("x", 0, 3), ("x", 1, 3), ("x", 2, 3), ("x", 3, 3)]
 
 
+def test_the_warm_up_leaves_an_auto_tuner_its_costs_but_not_its_acceptance(tiny_pair, tiny_perturbed_draft) -> None:
+    """A --budget auto row starts its prompts where a fresh run starts (the start budget, the prior's
+    acceptance) with the seconds the warm-up measured; before, the warm-up's trees taught the row's first choice."""
+    from cli.bench.common import Plan, run_variant
+    from specexec.config import EngineConfig, OffloadConfig, SamplingParams
+    from specexec.runtime.assembly import Runtime
+
+    cfg = EngineConfig(budget=64, max_new_tokens=8, auto_budget=True)
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), cfg)
+    tuner = rt.engine.tuner
+    start = tuner.budget
+    plan = Plan(rt.config, SamplingParams(), OffloadConfig(), ("auto",), None, ("specexec",), (), 1)
+    run_variant("auto", rt, "auto", plan, [], 8, lambda _m: None)
+    assert tuner.heard > 0 and tuner.costs.draft.points           # the warm-up was heard and timed
+    assert float(tuner.acceptance.seen.sum()) == 0.0               # its acceptance is forgotten
+    assert tuner.budget == start and tuner.steps == 0 and not tuner.settled
+
+
 def test_prompt_bars_show_prompts_done_and_time_left() -> None:
     import io
 
