@@ -56,13 +56,13 @@ def ensure_models(root: Path, rebuild: bool = False) -> tuple[Path, Path, bool]:
         return target, draft, False
     from transformers.utils import logging as hf_logging
 
-    from specexec.checkpoints.demo_models import write_model, write_perturbed
+    from specexec.checkpoints.demo_models import TOOL_CHAT_TEMPLATE, write_model, write_perturbed
 
     hf_logging.disable_progress_bar()
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent))
     try:
-        write_model(tmp / "target", seed=0, **TARGET_SHAPE)
+        write_model(tmp / "target", seed=0, chat_template=TOOL_CHAT_TEMPLATE, **TARGET_SHAPE)
         write_perturbed(tmp / "draft", tmp / "target", DRAFT_NOISE, seed=1)
         if root.exists():
             shutil.rmtree(root)

@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (default "
                    "$SPECEXEC_API_KEY; none: no key)")
     g.add_argument("--served-model-name", metavar="NAME", nargs="+", help="model id in /v1/models and "
-                   "responses (default: the --model name or directory name); further names are aliases requests "
+                   "responses (default: --model as typed: a catalogue name, a Hub id, a directory's name); further names are aliases requests "
                    "may use (any other name gets 404 model_not_found)")
     g.add_argument("--quiet", action="store_true", help="no access log line per request on stderr")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
@@ -66,10 +66,12 @@ def require_serve_deps() -> None:
 
 
 def model_id(model: str, served_name: list[str] | str | None) -> str:
-    """The id clients see: --served-model-name's first name, else a directory's name, else the --model string."""
+    """The id clients see: --served-model-name's first name, else what --model said: a directory's name, a Hub
+    id (ORG/NAME) or a catalogue name as typed (`demo`, not the directory it resolves to). `model` is --model as
+    the user typed it, before the catalogue or the Hub turned it into a local path."""
     if served_name:
         return served_name if isinstance(served_name, str) else served_name[0]
-    path = Path(model)
+    path = Path(model).expanduser()
     return path.resolve().name if path.is_dir() else model
 
 
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     check_integer("--max-queue", args.max_queue, 1, 100_000)
     check_integer("--max-choices", args.max_choices, 1, 100_000)
     api_key = args.api_key or os.environ.get("SPECEXEC_API_KEY") or None
+    typed = args.model                            # `demo` or ORG/NAME, before it becomes a local directory
     common.apply_catalog_defaults(args, console)
     config = common.engine_config(args, auto_budget=True, max_new_tokens=DEFAULT_MAX_TOKENS)
     sampling = common.sampling_params(args)
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                       "can use the model", style="yellow", highlight=False)
     runtime = common.load_runtime(args, config, console, offload, spinner=sys.stderr.isatty())
     aliases = tuple((args.served_model_name or [])[1:])
-    return serve(runtime, sock, model_id(args.model, args.served_model_name), sampling, api_key, args.max_queue,
+    return serve(runtime, sock, model_id(typed, args.served_model_name), sampling, api_key, args.max_queue,
                  console, aliases, args.quiet, args.max_choices)
 
 

@@ -189,7 +189,7 @@ def _check_self(spec: str, at: str) -> None:
                           f"FORMAT one of: {', '.join(formats)}")
 
 
-DEMO_VERSION = "v1"                 # bump when `specexec demo`'s recipe (cli/demo.py) changes: a new directory
+DEMO_VERSION = "v2"                 # bump when `specexec demo`'s recipe (cli/demo.py) changes: a new directory
 
 
 def demo_dir() -> Path:

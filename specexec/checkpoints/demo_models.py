@@ -27,6 +27,22 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
+# The demo pair's template (`specexec demo`): the same turns, plus tools in the hermes format (Qwen's
+# <tool_call>{"name", "arguments"}</tool_call>), so `specexec serve --model demo` can be tried with tools.
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}</tools>\nCall a function as <tool_call>\n{\"name\": <name>, \"arguments\": <object>}\n"
+    "</tool_call>{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.tool_calls %}<|assistant|>\n"
+    "{% for call in message.tool_calls %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}{{ eos_token }}\n"
+    "{% elif message['role'] == 'tool' %}<|user|>\n<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{{ eos_token }}\n"
+    "{% else %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A draft model proposes a tree of tokens and the target model
 checks the whole tree in one pass; the longest path that the target agrees with is emitted.
@@ -68,23 +84,23 @@ def train_tokenizer(vocab_size: int, corpus: str = CORPUS, special: tuple[str, .
     return tok
 
 
-def save_tokenizer(dest: Path, tok: Any, max_length: int = 2048) -> None:
+def save_tokenizer(dest: Path, tok: Any, max_length: int = 2048, chat_template: str = CHAT_TEMPLATE) -> None:
     """Write a trained tokenizer into `dest` as transformers saves it, with the chat template."""
     from transformers import PreTrainedTokenizerFast
 
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-        additional_special_tokens=list(CHAT_TOKENS), chat_template=CHAT_TEMPLATE, model_max_length=max_length,
+        additional_special_tokens=list(CHAT_TOKENS), chat_template=chat_template, model_max_length=max_length,
         clean_up_tokenization_spaces=False)
     Path(dest).mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(dest)
 
 
 def write_tokenizer(dest: Path, vocab_size: int = 320, corpus: str = CORPUS,
-                    special: tuple[str, ...] = SPECIAL_TOKENS) -> int:
+                    special: tuple[str, ...] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE) -> int:
     """Train a Llama-style tokenizer (train_tokenizer) into `dest`; return its size."""
     tok = train_tokenizer(vocab_size, corpus, special)
-    save_tokenizer(dest, tok)
+    save_tokenizer(dest, tok, chat_template=chat_template)
     return tok.get_vocab_size()
 
 
@@ -158,13 +174,14 @@ def randomize(model: torch.nn.Module, seed: int, std: float, head_scale: float) 
 
 def write_model(dest: Path, family: str = "llama", seed: int = 0, n_layers: int = 4, hidden: int = 256,
                 n_heads: int = 4, n_kv_heads: int = 2, intermediate: int = 688, vocab_size: int = 320,
-                std: float | None = None, head_scale: float = 1.0, **config_overrides: Any) -> Path:
-    """Write a random float32 checkpoint with its tokenizer into `dest`; return `dest`.
+                std: float | None = None, head_scale: float = 1.0, chat_template: str = CHAT_TEMPLATE,
+                **config_overrides: Any) -> Path:
+    """Write a random float32 checkpoint with its tokenizer (and `chat_template`) into `dest`; return `dest`.
 
     std defaults to 1.6 / sqrt(hidden); the LM head's std is head_scale * 4 / sqrt(hidden) (logits std ~4).
     config_overrides go to the transformers config class (e.g. rope_scaling, tie_word_embeddings)."""
     dest = Path(dest)
-    tok_size = write_tokenizer(dest, vocab_size)
+    tok_size = write_tokenizer(dest, vocab_size, chat_template=chat_template)
     kw: dict[str, Any] = dict(
         vocab_size=max(vocab_size, tok_size), hidden_size=hidden, num_hidden_layers=n_layers,
         num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=hidden // n_heads,

@@ -272,13 +272,39 @@ def test_demo_runs_and_caches(capsys, tmp_path, monkeypatch) -> None:
                  "--json"]) == 0                                  # what the last line says to run, drafting
     out = json.loads(capsys.readouterr().out)                    # with demo-draft (the entry's draft)
     assert len(out["token_ids"]) == 4 and out["stats"]["builder"] == "specexec"
+    _demo_serves_as_demo_with_tools(monkeypatch)
+
+
+def _demo_serves_as_demo_with_tools(monkeypatch) -> None:
+    """`serve --model demo` names the model `demo` (not its directory, `target`), and the demo's chat template
+    writes tool calls in a format the server knows (hermes)."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from cli.demo import cache_dir
+    from specexec.serving.tools import format_for
+
+    template = AutoTokenizer.from_pretrained(str(cache_dir() / "target")).chat_template
+    assert format_for(template) is not None and format_for(template).name == "hermes"
+    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("starlette") is None:
+        return
+    from cli.serve import command
+
+    served = {}
+    monkeypatch.setattr(command, "serve", lambda runtime, sock, name, *a, **k: served.update(name=name, aliases=a[4]))
+    assert main(["serve", "--model", "demo", "--no-draft", "--port", "0"]) == 0
+    assert served == {"name": "demo", "aliases": ()}
+    assert main(["serve", "--model", str(cache_dir() / "target"), "--no-draft", "--port", "0",
+                 "--served-model-name", "a", "b", "c"]) == 0
+    assert served == {"name": "a", "aliases": ("b", "c")}
 
 
 def test_demo_by_name_before_the_demo_says_what_builds_it(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path))
     code = main(["generate", "--model", "demo", "--prompt", "x"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err == (f"error: model 'demo' is not on this machine yet: {tmp_path}/demo/v1/target has no "
+    assert code == 2 and err == (f"error: model 'demo' is not on this machine yet: {tmp_path}/demo/v2/target has no "
                                  "config.json (`specexec demo` builds it)")
 
 
