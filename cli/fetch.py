@@ -21,7 +21,7 @@ from rich.console import Console
 
 from specexec.checkpoints.hub import HubOptions, Progress, Reserve
 from specexec.checkpoints.loading import HUB_ID, resolve_model_path
-from specexec.options import drafter_spec
+from specexec.drafters.registry import parse_draft
 
 
 def add_hub_args(p: argparse.ArgumentParser) -> None:
@@ -42,13 +42,14 @@ def is_remote_name(spec: str | None) -> bool:
 def fetch_model(args: argparse.Namespace, attr: str, reserve: Reserve | None = None) -> None:
     """args.<attr> (model or draft) -> the local checkpoint path, downloading it when needed."""
     spec = getattr(args, attr, None)
-    drafter = drafter_spec(spec) if attr == "draft" else None
-    if drafter is not None:                  # eagle3:ORG/NAME: fetch the head, keep its kind
-        kind, where = drafter
+    parsed = parse_draft(spec) if attr == "draft" else None
+    drafter = parsed.drafter if parsed is not None else None
+    if drafter is not None and drafter.written != "PATH":     # KIND:ORG/NAME: fetch the head, keep its kind
+        where = parsed.where
         if is_remote_name(where):
             with download_bar(Console(stderr=True, soft_wrap=True), where) as progress:
                 opts = HubOptions(offline=bool(getattr(args, "offline", False)), progress=progress, model=False)
-                setattr(args, attr, f"{kind}:{resolve_model_path(where, opts)}")
+                setattr(args, attr, f"{drafter.name}:{resolve_model_path(where, opts)}")
         return
     if not is_remote_name(spec):
         return

@@ -156,11 +156,12 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
     from specexec.runtime.self_draft import self_draft_shape
 
     from specexec.drafters.choose import choose
+    from specexec.drafters.registry import parse_draft
 
     t_path = _local(ns.model, "--model")
     target = read_args(t_path)
     own = is_self_draft(ns.draft)
-    drafter = choose(ns.draft, t_path, target, headers=False) if ns.draft and not own else None
+    drafter = choose(parse_draft(ns.draft), t_path, target, headers=False) if ns.draft and not own else None
     if drafter is not None and ns.draft_quant is not None:
         raise ConfigError(f"--draft-quant is for a draft model; the {drafter.kind} drafter runs in the run dtype")
     draft = (drafter.plan_args(target) if drafter is not None else

@@ -245,25 +245,6 @@ def is_self_draft(spec: str | None) -> bool:
     return spec is not None and (spec.strip() == SELF_DRAFT or spec.strip().startswith(SELF_DRAFT + ":"))
 
 
-DRAFTER_KINDS = ("eagle3", "mtp")   # --draft eagle3:PATH|ORG/NAME, --draft mtp: drafters that read the target
-
-
-def drafter_spec(spec: str | None) -> tuple[str, str] | None:
-    """A --draft value naming a drafter -> (kind, its checkpoint: "" for mtp, the target's own), else None.
-    ConfigError (one line) for a kind without its checkpoint or mtp with one."""
-    if spec is None:
-        return None
-    kind, colon, rest = spec.strip().partition(":")
-    kind, rest = kind.lower(), rest.strip()
-    if kind not in DRAFTER_KINDS:
-        return None
-    if kind == "mtp" and (colon or rest):
-        raise ConfigError(f"--draft {spec}: mtp reads the target's own checkpoint; write --draft mtp alone")
-    if kind != "mtp" and not rest:
-        raise ConfigError(f"--draft {spec}: name the head's checkpoint, e.g. --draft {kind}:PATH or {kind}:ORG/NAME")
-    return kind, rest
-
-
 def parse_draft_layers(text: str | int) -> int | str:
     """--draft-layers N|auto -> N or "auto"."""
     return _count_or_auto("--draft-layers", text, "decoder layers")

@@ -20,16 +20,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from offload.formats.refs import TensorRef
 from offload.formats.sources import tensor_specs
 from specexec.checkpoints.loading import open_weights
 from specexec.config import ModelArgs
-from specexec.drafters.load import check_layout, expected, load_weights
+from specexec.drafters.load import Layout, checked_layout, expected
 from specexec.network.assistant import Assistant, build_assistant
 from specexec.network.drafter import DrafterShape
-from specexec.network.model import Transformer
 from specexec.options import ConfigError
 
 KIND = "gemma4-assistant"
@@ -79,7 +76,7 @@ def shape_of(path: Path, target: ModelArgs) -> tuple[ModelArgs, DrafterShape, di
         sources[window] = source
     centroids = ((int(cfg.get("num_centroids", 2048)), int(cfg.get("centroid_intermediate_top_k", 32)))
                  if cfg.get("use_ordered_embeddings") else None)
-    return replace(args, tie_word_embeddings=True), DrafterShape(KIND, target.dim), sources, centroids
+    return replace(args, tie_word_embeddings=True), DrafterShape(target.dim), sources, centroids
 
 
 def _source(target: ModelArgs, full: bool) -> int | None:
@@ -104,19 +101,19 @@ def refs(assistant: Assistant, specs: dict) -> dict[str, TensorRef]:
     return out
 
 
-def layout(path: Path, target: ModelArgs, allow_pickle: bool = False) -> tuple[Assistant, dict, object]:
-    """The meta-built assistant, our name -> stored tensor, and the open source; checked, nothing read."""
+def checked(where: str, t_path: Path, target: ModelArgs, allow_pickle: bool = False) -> Layout:
+    """The assistant in the directory `where`, its config and stored headers checked against the target (one line
+    each), nothing read: its Layout (it shares nothing by module: its input embeds with the target's, `share`)."""
+    path = Path(where)
     args, shape, sources, centroids = shape_of(path, target)
     source = open_weights(path, allow_pickle)
-    assistant = build_assistant(args, shape, sources, centroids)
-    found = refs(assistant, tensor_specs(source))
-    check_layout(path, tensor_specs(source), found, expected(assistant, ()))
-    return assistant, found, source
+    specs = tensor_specs(source)
+    drafter = build_assistant(args, shape, sources, centroids)
+    return checked_layout(path, args, shape, drafter, (), refs(drafter, specs), source, specs)
 
 
-def load_assistant(path: Path, target: Transformer, dtype: torch.dtype, device: torch.device,
-                   allow_pickle: bool = False) -> Assistant:
-    """The assistant at `path` for `target`, its input embedding the target's."""
-    assistant, found, source = layout(path, target.args, allow_pickle)
-    return load_weights(assistant, path, found, target, dtype, device, share_embed=False, share_head=False,
-                        source=source)
+def planned(where: str, t_path: Path, target: ModelArgs) -> Layout:
+    """The assistant in the directory `where` from its config.json alone (`specexec plan`)."""
+    path = Path(where)
+    args, shape, sources, centroids = shape_of(path, target)
+    return Layout(path, args, shape, build_assistant(args, shape, sources, centroids))

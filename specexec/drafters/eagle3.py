@@ -22,16 +22,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from offload.formats.refs import TensorRef
 from offload.formats.sources import tensor_specs
-from specexec.checkpoints.loading import open_weights
+from specexec.checkpoints.loading import open_weights, resolve_model_path
 from specexec.config import ModelArgs
-from specexec.drafters.load import check_layout, expected, load_weights
+from specexec.drafters.load import Layout, checked_layout
 from specexec.families import llama
-from specexec.network.drafter import Drafter, DrafterShape, build_drafter
-from specexec.network.model import Transformer
+from specexec.network.drafter import Drafter, DrafterShape, Eagle3Drafter
 from specexec.options import ConfigError
 
 KIND = "eagle3"
@@ -86,7 +83,7 @@ def shape_of(cfg: dict[str, Any], target: ModelArgs, path: Path) -> tuple[ModelA
         raise ConfigError(f"{where} reads target layer {bad[0]}, the target has {target.n_layers} layers; "
                           f"use a head trained for this target")
     draft_vocab = int(cfg.get("draft_vocab_size") or vocab)
-    shape = DrafterShape(KIND, target.dim, taps if uses_aux else (), draft_vocab,
+    shape = DrafterShape(target.dim, taps if uses_aux else (), draft_vocab,
                          bool(cfg.get("norm_before_residual", False)))
     return replace(args, vocab_size=vocab, tie_word_embeddings=False), shape
 
@@ -105,13 +102,14 @@ def stored_names(drafter: Drafter, specs: dict) -> dict[str, TensorRef]:
     return names
 
 
-def layout(path: Path, args: ModelArgs, shape: DrafterShape, allow_pickle: bool = False
-           ) -> tuple[Drafter, dict[str, TensorRef], object]:
-    """The meta-built drafter, our name -> stored tensor, and the open source; checked against the stored
-    headers (one line each), nothing read."""
+def checked(where: str, t_path: Path, target: ModelArgs, allow_pickle: bool = False) -> Layout:
+    """The head `where` names, its config and stored headers checked against the target (one line each), nothing
+    read: its Layout (our name -> stored tensor, the open source)."""
+    path = resolve_model_path(where)
+    args, shape = shape_of(read_config(path), target, path)
     source = open_weights(path, allow_pickle)
     specs = tensor_specs(source)
-    drafter = build_drafter(args, shape)
+    drafter = Eagle3Drafter.build(args, shape)
     names = stored_names(drafter, specs)
     if shape.draft_vocab != args.vocab_size and "d2t" not in names:
         raise ConfigError(f"EAGLE-3 head {path} has a vocabulary of {shape.draft_vocab} tokens but no d2t map to "
@@ -122,14 +120,12 @@ def layout(path: Path, args: ModelArgs, shape: DrafterShape, allow_pickle: bool 
         raise ConfigError(f"EAGLE-3 head {path} has no embedding of its own and a hidden size of {args.dim}; it "
                           f"cannot share the target's ({shape.target_dim})")
     shared = () if "embed_tokens.weight" in names else ("embed_tokens",)
-    check_layout(path, specs, names, expected(drafter, shared))
-    return drafter, names, source
+    return checked_layout(path, args, shape, drafter, shared, names, source, specs)
 
 
-def load_eagle3(path: Path, args: ModelArgs, shape: DrafterShape, target: Transformer, dtype: torch.dtype,
-                device: torch.device, allow_pickle: bool = False) -> Drafter:
-    """The EAGLE-3 head at `path` for `target` (layout checked, then read; shares the target's embedding when
-    the head has none of its own)."""
-    drafter, names, source = layout(path, args, shape, allow_pickle)
-    return load_weights(drafter, path, names, target, dtype, device, share_embed="embed_tokens.weight" not in names,
-                        share_head=False, source=source)
+def planned(where: str, t_path: Path, target: ModelArgs) -> Layout:
+    """The head `where` names from its config.json alone (`specexec plan`): assumed to share the target's
+    embedding."""
+    path = resolve_model_path(where)
+    args, shape = shape_of(read_config(path), target, path)
+    return Layout(path, args, shape, Eagle3Drafter.build(args, shape), ("embed_tokens",))

@@ -1,25 +1,48 @@
 """Loading a drafter's weights: each layout module names, for every parameter of the Drafter it describes, the
 stored tensor it comes from; here the names and shapes are checked against the stored headers (before anything
-is read), then the tensors are read, cast and bound, and what the drafter shares is taken from the target.
+is read: a Layout, made once when --draft is chosen), then the tensors are read, cast and bound, and what the
+drafter shares is taken from the target.
 
 Does not know: any one layout (eagle3.py and mtp.py say which tensor is which), trees, the engine.
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from offload.formats.refs import TensorRef, read_ref, ref_shape
-from offload.formats.sources import tensor_specs
-from specexec.checkpoints.loading import open_weights
-from specexec.network.drafter import Drafter
+from specexec.config import ModelArgs
+from specexec.network.drafter import Drafter, DrafterShape
 from specexec.network.model import Transformer
 from specexec.options import ConfigError
 
 INDEX_BUFFERS = ("d2t", "token_ordering")       # integer buffers read as stored (long), never cast to the run dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """A drafter as its checkpoint holds it: its checkpoint, its decoder's args and shape, the meta-built network,
+    the modules it takes from the target (`shared`: "embed_tokens", "lm_head"), and, once checked against the
+    stored headers (read once), our name -> stored tensor (`refs`) and the open source; both None for a layout
+    made from config.json alone (a plan), which cannot load."""
+
+    path: Path
+    args: ModelArgs
+    shape: DrafterShape
+    drafter: Drafter
+    shared: tuple[str, ...] = ()
+    refs: Mapping[str, TensorRef] | None = None
+    source: Any = None
+
+    def params(self) -> int:
+        """Parameters the drafter holds itself (not those it shares with the target)."""
+        return drafter_params(self.drafter, self.shared)
 
 
 def expected(drafter: Drafter, shared: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
@@ -46,26 +69,33 @@ def check_layout(path: Path, specs: Mapping[str, tuple[torch.dtype, tuple[int, .
                               f"{list(shape)}")
 
 
-def load_weights(drafter: Drafter, path: Path, refs: Mapping[str, TensorRef], target: Transformer,
-                 dtype: torch.dtype, device: torch.device, share_embed: bool, share_head: bool,
-                 allow_pickle: bool = False, source=None) -> Drafter:
-    """Read the stored tensors `refs` (ours -> stored) into the meta-built `drafter` (cast to dtype on device;
-    index buffers as long), share the target's embedding / LM head as told, set RoPE. Returns it in eval mode."""
-    source = source if source is not None else open_weights(path, allow_pickle)
-    shared = (("embed_tokens",) if share_embed else ()) + (("lm_head",) if share_head else ())
-    shapes = expected(drafter, shared)
-    check_layout(path, tensor_specs(source), refs, shapes)
+def load_layout(layout: Layout, target: Transformer, dtype: torch.dtype, device: torch.device) -> Drafter:
+    """Read a checked layout's stored tensors into a copy of its meta-built drafter (cast to dtype on device;
+    index buffers as long), share the target's embedding / LM head as the layout says, set RoPE. Returns it in
+    eval mode. The names and shapes were checked when the layout was made: nothing is checked twice."""
+    if layout.refs is None:
+        raise RuntimeError(f"{layout.path}: a drafter's layout made from config.json alone cannot load")
+    drafter = copy.deepcopy(layout.drafter)
     state = {}
-    for ours in shapes:
-        t = read_ref(source, refs[ours])
+    for ours in expected(drafter, layout.shared):
+        t = read_ref(layout.source, layout.refs[ours])
         state[ours] = t.to(device=device, dtype=torch.long if ours in INDEX_BUFFERS else dtype)
     drafter.load_state_dict(state, strict=False, assign=True)
-    drafter.share(target, embed=share_embed, head=share_head)
+    drafter.share(target, embed="embed_tokens" in layout.shared, head="lm_head" in layout.shared)
     drafter.init_rope(device)
     left = [n for n, p in drafter.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"drafter parameters left unloaded: {left[:3]}")
     return drafter.eval().requires_grad_(False)
+
+
+def checked_layout(path: Path, args: ModelArgs, shape: DrafterShape, drafter: Drafter, shared: tuple[str, ...],
+                   refs: Mapping[str, TensorRef], source: Any,
+                   specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Layout:
+    """The Layout once its every expected tensor is found in `source`'s headers (`specs`, read once by the
+    kind's check) with its shape (check_layout)."""
+    check_layout(path, specs, refs, expected(drafter, shared))
+    return Layout(path, args, shape, drafter, shared, refs, source)
 
 
 def drafter_params(drafter: Drafter, shared: tuple[str, ...] = ()) -> int:

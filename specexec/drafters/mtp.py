@@ -25,24 +25,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from offload.formats.refs import TensorRef
 from offload.formats.sources import is_gguf, tensor_specs
 from specexec.checkpoints.loading import open_weights, read_args, resolve_model_path
 from specexec.config import ModelArgs
-from specexec.drafters.load import check_layout, expected, load_weights
+from specexec.drafters.load import Layout, checked_layout
 from specexec.checkpoints.weight_map import checkpoint_prefix, checkpoint_refs
-from specexec.network.drafter import Drafter, DrafterShape, build_drafter
-from specexec.network.model import Transformer
+from specexec.network.drafter import Drafter, DrafterShape, MtpDrafter
 from specexec.options import ConfigError
 
 KIND = "mtp"
 LINEAR = "linear_attention"
+SHARED = ("embed_tokens", "lm_head")          # the target's embedding and LM head
 
 
 @dataclass(frozen=True)
-class Layout:
+class Stored:
     """Where an MTP layer's tensors live: its decoder layer's prefix and its own tensors (ours -> stored)."""
 
     name: str
@@ -51,18 +49,18 @@ class Layout:
     mask_first: bool
 
 
-def find_layout(args: ModelArgs, stored: set[str]) -> Layout | None:
+def find_layout(args: ModelArgs, stored: set[str]) -> Stored | None:
     """The MTP layout the stored names hold (None: no MTP tensors)."""
     prefix, _ = checkpoint_prefix(args, stored)
     nextn = f"{prefix}layers.{args.n_layers}."
     if nextn + "eh_proj.weight" in stored:
         own = (("proj.weight", "eh_proj.weight"), ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
                ("norm.weight", "shared_head.norm.weight"))
-        return Layout("next-n", nextn, tuple((o, nextn + s) for o, s in own), True)
+        return Stored("next-n", nextn, tuple((o, nextn + s) for o, s in own), True)
     if "mtp.fc.weight" in stored:
         own = (("proj.weight", "mtp.fc.weight"), ("enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
                ("hnorm.weight", "mtp.pre_fc_norm_hidden.weight"), ("norm.weight", "mtp.norm.weight"))
-        return Layout("mtp.*", "mtp.layers.0.", own, False)
+        return Stored("mtp.*", "mtp.layers.0.", own, False)
     return None
 
 
@@ -88,13 +86,15 @@ def layer_args(args: ModelArgs) -> ModelArgs:
     return replace(args, n_layers=1, layer_types=tuple(types[-1:]), moe=moe, mtp_layers=0)
 
 
-def check_target(path: Path, args: ModelArgs, allow_pickle: bool = False) -> tuple[Layout, object, set[str]]:
-    """The target's MTP layout, its open source and stored names; ConfigError (one line) when it has none."""
+def check_target(path: Path, args: ModelArgs, allow_pickle: bool = False) -> tuple[Stored, object, dict]:
+    """The target's MTP layout, its open source and stored headers (name -> dtype, shape); ConfigError (one
+    line) when it has none."""
     if is_gguf(path):
         raise ConfigError(f"--draft mtp: {path} is a GGUF file; its MTP layer is not read yet: name a draft, or "
                           f"use the safetensors checkpoint")
     source = open_weights(path, allow_pickle)
-    stored = set(tensor_specs(source))
+    specs = tensor_specs(source)
+    stored = set(specs)
     layout = find_layout(args, stored)
     if layout is None:
         said = ("config.json names no MTP layer (num_nextn_predict_layers)" if not args.mtp_layers else
@@ -102,10 +102,10 @@ def check_target(path: Path, args: ModelArgs, allow_pickle: bool = False) -> tup
                 f"their tensors")
         raise ConfigError(f"--draft mtp: {path} has no MTP layer to draft with ({said}); name a draft model, "
                           f"or --draft self")
-    return layout, source, stored
+    return layout, source, specs
 
 
-def refs(args: ModelArgs, drafter: Drafter, layout: Layout, stored: set[str]) -> dict[str, TensorRef]:
+def refs(args: ModelArgs, drafter: Drafter, layout: Stored, stored: set[str]) -> dict[str, TensorRef]:
     """Our name -> the stored tensor, the decoder layer's by the family's rules for layer N, moved to the
     layout's prefix."""
     n = args.n_layers
@@ -119,24 +119,24 @@ def refs(args: ModelArgs, drafter: Drafter, layout: Layout, stored: set[str]) ->
     return out | {ours: TensorRef(name) for ours, name in layout.own}
 
 
-def shape_of(args: ModelArgs, layout: Layout) -> tuple[ModelArgs, DrafterShape]:
-    return layer_args(args), DrafterShape(KIND, args.dim, mask_first=layout.mask_first)
+def shape_of(args: ModelArgs, layout: Stored) -> tuple[ModelArgs, DrafterShape]:
+    return layer_args(args), DrafterShape(args.dim, mask_first=layout.mask_first)
 
 
-def layout_checked(path: Path, args: ModelArgs, allow_pickle: bool = False
-                   ) -> tuple[Drafter, dict[str, TensorRef], object, ModelArgs, DrafterShape]:
-    """The meta-built MTP drafter of the target at `path`, its refs and source, checked against the headers."""
-    layout, source, stored = check_target(path, args, allow_pickle)
-    d_args, shape = shape_of(args, layout)
-    drafter = build_drafter(d_args, shape)
-    found = refs(args, drafter, layout, stored)
-    check_layout(path, tensor_specs(source), found, expected(drafter, ("embed_tokens", "lm_head")))
-    return drafter, found, source, d_args, shape
+def checked(where: str, path: Path, args: ModelArgs, allow_pickle: bool = False) -> Layout:
+    """The MTP layer of the target at `path` (`where` is ""), checked against its stored headers: its Layout
+    (the target's embedding and LM head shared)."""
+    stored_at, source, specs = check_target(path, args, allow_pickle)
+    d_args, shape = shape_of(args, stored_at)
+    drafter = MtpDrafter.build(d_args, shape)
+    return checked_layout(path, d_args, shape, drafter, SHARED, refs(args, drafter, stored_at, set(specs)), source,
+                          specs)
 
 
-def load_mtp(path: Path, target: Transformer, dtype: torch.dtype, device: torch.device,
-             allow_pickle: bool = False) -> Drafter:
-    """The target's MTP layer as a drafter sharing the target's embedding and LM head."""
-    drafter, found, source, _, _ = layout_checked(path, target.args, allow_pickle)
-    return load_weights(drafter, path, found, target, dtype, device, share_embed=True, share_head=True,
-                        source=source)
+def planned(where: str, path: Path, args: ModelArgs) -> Layout:
+    """The MTP layer from the target's config.json alone (`specexec plan`)."""
+    if not args.mtp_layers:
+        raise ConfigError(f"--draft mtp: {path} has no MTP layer to draft with (config.json names none: "
+                          f"num_nextn_predict_layers); name a draft model, or --draft self")
+    d_args, shape = layer_args(args), DrafterShape(args.dim)
+    return Layout(path, d_args, shape, MtpDrafter.build(d_args, shape), SHARED)

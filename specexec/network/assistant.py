@@ -41,8 +41,8 @@ class Assistant(Drafter):
 
     def __init__(self, args: ModelArgs, shape: DrafterShape, sources: dict[int | None, int],
                  centroids: tuple[int, int] | None = None) -> None:
-        Transformer.__init__(self, args)                   # its own n_layers: none of Drafter's one-layer set-up
-        self.shape, self.taps, self.sources = shape, (), dict(sources)
+        super().__init__(args, shape)                      # its own n_layers: every layer of its decoder
+        self.sources = dict(sources)
         for block in self.layers:                          # no K/V of its own: the target's are read
             for name in ("k_proj", "v_proj", "k_norm", "v_norm"):
                 block.self_attn._modules.pop(name, None)

@@ -313,7 +313,7 @@ def _build_on_target(target: Transformer, src: Sources, plan: TargetPlan | None,
         return Draft(model, self_draft_info(model, src.target, config, t0), depth)
     if src.drafter is not None:
         say(f"loading drafter {src.drafter.describe()}")
-        return Draft(*load_chosen_drafter(src.drafter, target, src.args, config, allow_pickle))
+        return Draft(*load_chosen_drafter(src.drafter, target, src.args, config))
     return None
 
 

@@ -127,12 +127,13 @@ def self_draft_info(draft: SelfDraft, path: Path, config: EngineConfig, t0: floa
                      time.perf_counter() - t0)
 
 
-def load_chosen_drafter(choice: DrafterChoice, target: Transformer, t_args: ModelArgs, config: EngineConfig,
-                        allow_pickle: bool) -> tuple[Drafter, ModelInfo]:
-    """The chosen drafter for the loaded target, and its load line (its context is the target's: RoPE is
-    relative, so a head trained on shorter sequences still runs)."""
+def load_chosen_drafter(choice: DrafterChoice, target: Transformer, t_args: ModelArgs, config: EngineConfig
+                        ) -> tuple[Drafter, ModelInfo]:
+    """The chosen drafter for the loaded target (from the layout its choice checked: its checkpoint is open
+    already), and its load line (its context is the target's: RoPE is relative, so a head trained on shorter
+    sequences still runs)."""
     t0 = time.perf_counter()
     dtype, dtype_name = _dtype_name(config)
-    model, params = load_drafter(choice, target, dtype, torch.device(config.device), allow_pickle)
+    model, params = load_drafter(choice, target, dtype, torch.device(config.device))
     return model, ModelInfo(choice.path, choice.plan_args(t_args), params, f"{dtype_name} ({choice.kind})",
                             config.device, time.perf_counter() - t0)

@@ -15,7 +15,8 @@ from specexec.builders.registry import check_builder
 from specexec.checkpoints.loading import read_args, resolve_model_path
 from specexec.config import EngineConfig, ModelArgs, OffloadConfig
 from specexec.drafters.choose import DrafterChoice, choose
-from specexec.options import ConfigError, check_device, is_self_draft
+from specexec.drafters.registry import MODEL, SELF, DraftSpec, parse_draft
+from specexec.options import ConfigError, check_device
 from specexec.planning.run_shape import SelfDraftShape
 from specexec.runtime.self_draft import self_draft_shape
 from specexec.verify import check_verifier
@@ -45,30 +46,31 @@ def resolve_sources(model: str, draft: str | None, config: EngineConfig, offload
     check_verifier(config.verifier)
     t_path = resolve_model_path(model)
     t_args = read_args(t_path)
-    self_spec = _self_spec(draft, config, offload)
-    drafter = _choose_drafter(draft, t_path, t_args, config, offload, allow_pickle) if self_spec is None else None
-    d_path = resolve_model_path(draft) if draft is not None and self_spec is None and drafter is None else None
+    spec = parse_draft(draft)
+    self_spec = _self_spec(spec, config, offload)
+    drafter = _choose_drafter(spec, t_path, t_args, config, offload, allow_pickle)
+    d_path = resolve_model_path(spec.where) if spec is not None and spec.kind == MODEL else None
     d_args = read_args(d_path) if d_path is not None else None
     return Sources(t_path, t_args, d_path, d_args, self_spec, drafter)
 
 
-def _self_spec(draft: str | None, config: EngineConfig, offload: OffloadConfig) -> SelfDraftShape | None:
+def _self_spec(spec: DraftSpec | None, config: EngineConfig, offload: OffloadConfig) -> SelfDraftShape | None:
     """--draft self[:FORMAT] and --draft-layers, checked (None for a model draft or none)."""
-    if not is_self_draft(draft):
+    if spec is None or spec.kind != SELF:
         if offload.draft_layers is not None:
             raise ConfigError("--draft-layers applies to --draft self (a draft made of the target's own layers)")
         return None
     if offload.draft_quant != "none":
         raise ConfigError(f"--draft-quant is for a draft model; a self-draft's copies take --draft self:FORMAT "
                           f"(e.g. self:{offload.draft_quant})")
-    return self_draft_shape(draft, offload.draft_layers, config.device)
+    return self_draft_shape(spec.where, offload.draft_layers, config.device)
 
 
-def _choose_drafter(draft: str | None, t_path: Path, t_args: ModelArgs, config: EngineConfig,
+def _choose_drafter(spec: DraftSpec | None, t_path: Path, t_args: ModelArgs, config: EngineConfig,
                     offload: OffloadConfig, allow_pickle: bool) -> DrafterChoice | None:
-    """The drafter --draft names (eagle3:..., mtp), checked against the target before any weight loads; None
-    for a draft model or none."""
-    choice = choose(draft, t_path, t_args, allow_pickle) if draft is not None else None
+    """The drafter --draft names (a drafter kind's), checked against the target before any weight loads; None
+    for a self-draft, a draft model or none."""
+    choice = choose(spec, t_path, t_args, allow_pickle)
     if choice is not None:
         if config.draft_vocab is not None:
             raise ConfigError(f"--draft-vocab trims a draft model's head; the {choice.kind} drafter drafts over "

@@ -18,6 +18,7 @@ from specexec.builders.registry import builder_needs_draft, names
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.drafters.choose import choose, load_drafter
+from specexec.drafters.registry import parse_draft
 from specexec.network.model import TreeMask
 from specexec.runtime.assembly import Runtime
 from tests.drafters.drafter_writer import write_gemma4_assistant
@@ -46,7 +47,7 @@ def test_logits_and_state_equal_transformers(gemma4: Path, assistant: Path) -> N
     hf_target = AutoModelForCausalLM.from_pretrained(gemma4, dtype=torch.float32).eval()
     hf = Gemma4AssistantForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval()
     target = load_model(gemma4, "cpu", "float32")
-    ours, _ = load_drafter(choose(str(assistant), gemma4, target.args), target, torch.float32, torch.device("cpu"))
+    ours, _ = load_drafter(choose(parse_draft(str(assistant)), gemma4, target.args), target, torch.float32, torch.device("cpu"))
     ids = torch.tensor(prompt(15))                                   # past the window of 6
     n = ids.numel() - 1
     out = hf_target(ids[None, :n], output_hidden_states=True, return_shared_kv_states=True, use_cache=True)

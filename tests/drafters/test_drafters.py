@@ -22,6 +22,7 @@ from specexec.builders.registry import builder_needs_draft, make_builder, names
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from specexec.drafters.choose import choose, load_drafter
+from specexec.drafters.registry import parse_draft
 from specexec.decoding.engine import Engine
 from specexec.runtime.assembly import Runtime
 from tests.sampling.chi2 import chi2_pvalue
@@ -43,7 +44,7 @@ def head(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
 
 
 def _drafter(target, path: Path):
-    return load_drafter(choose(f"eagle3:{path}", path, target.args), target, torch.float32, CPU)[0]
+    return load_drafter(choose(parse_draft(f"eagle3:{path}"), path, target.args), target, torch.float32, CPU)[0]
 
 
 @torch.inference_mode()

@@ -18,6 +18,7 @@ import pytest
 from cli.main import main
 from specexec.builders.registry import builder_needs_draft, names
 from specexec.config import EngineConfig, OffloadConfig
+from specexec.network.drafter import MtpDrafter
 from specexec.runtime.assembly import Runtime
 from tests.drafters.drafter_writer import write_nextn, write_qwen_mtp
 from tests.tiny_models import hybrid_model, prompt
@@ -46,7 +47,7 @@ def test_the_drafter_is_the_next_n_layer_with_the_targets_embedding_and_head(glm
     rt = Runtime.load(str(glm_mtp), "mtp", F32)
     drafter, target = rt.engine.draft, rt.engine.target
     assert drafter.embed_tokens is target.embed_tokens and drafter.lm_head is target.lm_head
-    assert drafter.shape.style == "mtp" and drafter.shape.mask_first and drafter.taps == ()
+    assert isinstance(drafter, MtpDrafter) and drafter.shape.mask_first and drafter.taps == ()
     experts = drafter.layers[0].mlp.experts
     assert len(experts) == target.args.moe.n_experts                     # an MoE's MTP layer: every expert
     assert rt.draft_info.args.n_layers == 1 and "mtp" in rt.draft_info.dtype

@@ -17,6 +17,7 @@ from cli.main import main
 from specexec.builders.registry import make_builder
 from specexec.checkpoints.loading import read_args
 from specexec.drafters.choose import choose
+from specexec.drafters.registry import parse_draft
 from specexec.planning.ledger import plan_memory
 from specexec.planning.run_shape import RunShape
 from specexec.checkpoints.naming import block_specs
@@ -30,7 +31,7 @@ GB = 10**9
 
 def _plan(target: Path, spec: str, budget: int = 64):
     args = read_args(target)
-    choice = choose(spec, target, args, headers=False)
+    choice = choose(parse_draft(spec), target, args, headers=False)
     builder = make_builder("specexec")
     shape = RunShape(args, choice.plan_args(args), torch.bfloat16, "cuda", budget, 4096, draft_kv=builder.kv_slots,
                      drafter=choice.size())

@@ -11,6 +11,7 @@ import torch
 
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.drafters.choose import choose, load_drafter
+from specexec.drafters.registry import parse_draft
 from specexec.drafters.eagle3 import default_taps
 from specexec.runtime.assembly import Runtime
 from tools.eagle_head import data, train
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     report = train.train(head, train_set, vocab, budget, args.ttt_steps, say)
     report["held_out_top1_by_depth"] = train.top1(head, held, vocab, args.ttt_steps)
     out = train.save(head, cfg, vocab, Path(args.out))
-    choice = choose(f"eagle3:{out}", Path(args.target), target.args)
+    choice = choose(parse_draft(f"eagle3:{out}"), Path(args.target), target.args)
     loaded, _ = load_drafter(choice, target, torch.float32, torch.device("cpu"))
     report["saved_vs_trained_max_logit_diff"] = train.check_saved(head, loaded, held[0])
     report |= {"head": str(out.resolve()), "rows": sum(s.tokens.numel() for s in train_set),

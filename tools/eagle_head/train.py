@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specexec.drafters import eagle3
-from specexec.network.drafter import Drafter, build_drafter
+from specexec.network.drafter import Drafter, Eagle3Drafter
 from specexec.network.rope import apply_rope
 from tools.eagle_head.data import Sample
 
@@ -48,7 +48,7 @@ def new_head(target, cfg: dict, vocab: torch.Tensor, seed: int = 0) -> Drafter:
     final norm, the LM head from the target's rows of the head's vocabulary; the target's embedding (frozen)."""
     torch.manual_seed(seed)
     args, shape = eagle3.shape_of(cfg, target.args, Path("(training)"))
-    head = build_drafter(args, shape)
+    head = Eagle3Drafter.build(args, shape)
     for name, p in list(head.named_parameters()):
         if name.startswith("embed_tokens"):
             continue
