@@ -248,6 +248,16 @@ HYBRID_MODELS: dict[str, tuple[str, int]] = {
 }
 
 
+def hybrid_model_2layers(root: Path, name: str) -> Path:
+    """HYBRID_MODELS[name] at 2 layers (one Gated DeltaNet layer, one full attention) under `root`, written once:
+    what the tree-size and builder matrices run (the recurrent scratch's arithmetic does not depend on depth)."""
+    family, seed = HYBRID_MODELS[name]
+    path = root / f"hybrid-{name}-2layers"
+    if not (path / "config.json").exists():
+        write_tiny_model(path, family, seed=seed, n_layers=2, layer_types=["linear_attention", "full_attention"])
+    return path
+
+
 def hybrid_model(root: Path, name: str) -> Path:
     """The tiny checkpoint of HYBRID_MODELS[name] under `root`, written once."""
     family, seed = HYBRID_MODELS[name]

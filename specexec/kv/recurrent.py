@@ -9,8 +9,12 @@ Per layer:
   the committed prefix), and its convolution input x [conv_dim]. Nothing of it depends on the base the path is
   committed from except G, which a commit shifts;
 - pending: the state and window after a causal pass (a prefill chunk), which `advance` commits.
-Scratch rows live in a ring indexed by slot modulo its size (grown when a pass writes further ahead), so a commit
-moves nothing: the rows of the slots after the committed ones stay where they are (a draft's root).
+Scratch rows live in a ring indexed by slot modulo its size, so a commit moves nothing: the rows of the slots after
+the committed ones stay where they are (a draft's root). Every pass names its slot span [prefix, prefix + width)
+to `columns` and `write`, which grow the ring first (`reserve`) so that no slot of the span shares a row with
+another live slot; each row also records the slot that wrote it, and `keep` checks that every slot it replays still
+owns its row (a cheap check: no host sync on a GPU) — a slot overwritten before its commit would otherwise give
+wrong tokens silently (issue 55: a 65-node verification pass over a ring of 64).
 
 `keep(slots)` replays the accepted path: S = exp(G_n) S + sum_j exp(G_n - G_j) k_j u_j^T and the window's last
 inputs; no weights. A state cannot go back: `truncate` returns only to the current length, to 0, into the
@@ -67,8 +71,9 @@ class RecurrentSpec:
         return STATE_COPIES * self.state_bytes()
 
     def node_bytes(self, elem: int = 4) -> int:
-        """Bytes a scratch slot holds: position, k, u, g, G (fp32) and the convolution input (run dtype)."""
-        return 8 + 4 * (self.k_heads * self.k_dim + self.v_heads * self.v_dim + 2 * self.v_heads) + \
+        """Bytes a scratch slot holds: position and owner (int64), k, u, g, G (fp32) and the convolution input
+        (run dtype)."""
+        return 16 + 4 * (self.k_heads * self.k_dim + self.v_heads * self.v_dim + 2 * self.v_heads) + \
             elem * self.conv_dim
 
 
@@ -114,6 +119,7 @@ class RecurrentStates:
         s, n, dev = self.spec, self.n, self.device
         self.ring = size
         self.pos = torch.full((size,), -1, dtype=torch.long, device=dev)
+        self.owner = torch.full((size,), -1, dtype=torch.long, device=dev)     # the slot whose rows a row holds
         self.k = torch.zeros(n, size, s.k_heads, s.k_dim, device=dev)
         self.u = torch.zeros(n, size, s.v_heads, s.v_dim, device=dev)
         self.g = torch.zeros(n, size, s.v_heads, device=dev)
@@ -122,7 +128,7 @@ class RecurrentStates:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.state, self.window, self.pos, self.k, self.u, self.g, self.G, self.x]
+        tensors = [self.state, self.window, self.pos, self.owner, self.k, self.u, self.g, self.G, self.x]
         if self.pending is not None:
             tensors += list(self.pending[1:])
         if self.saved is not None:
@@ -141,12 +147,13 @@ class RecurrentStates:
             return
         size = ring_rows(need)
         live = torch.arange(length, length + self.ring, device=self.device)
-        old = (self.pos.clone(), self.k, self.u, self.g, self.G, self.x)
+        old = (self.pos, self.owner, self.k, self.u, self.g, self.G, self.x)
         rows = live % self.ring
         self._alloc_ring(size)
         dest = live % size
         self.pos[dest] = old[0][rows]
-        for new, was in zip((self.k, self.u, self.g, self.G, self.x), old[1:]):
+        self.owner[dest] = old[1][rows]
+        for new, was in zip((self.k, self.u, self.g, self.G, self.x), old[2:]):
             new[:, dest] = was[:, rows]
 
     def columns(self, layer: int, prefix: int, width: int) -> tuple[Tensor, ...]:
@@ -157,11 +164,15 @@ class RecurrentStates:
         return (self.pos[rows], self.k[layer, rows], self.u[layer, rows], self.g[layer, rows], self.G[layer, rows],
                 self.x[layer, rows])
 
-    def write(self, layer: int, slots: Tensor, pos: Tensor, k: Tensor, u: Tensor, g: Tensor, G: Tensor,
-              x: Tensor) -> None:
-        """Store a pass's nodes at `slots` [T] (the ring already holds them: `columns` reserved it)."""
+    def write(self, layer: int, prefix: int, width: int, slots: Tensor, pos: Tensor, k: Tensor, u: Tensor,
+              g: Tensor, G: Tensor, x: Tensor) -> None:
+        """Store a pass's nodes at `slots` [T], all in its span [prefix, prefix + width) (prefix: the committed
+        length), growing the ring first so that no row of a live slot is overwritten: pos [T], k [T, Hk, dk],
+        u [T, Hv, dv], g, G [T, Hv], x [T, conv_dim]."""
+        self.reserve(prefix + width - 1, prefix)
         rows = slots % self.ring
         self.pos[rows] = pos
+        self.owner[rows] = slots
         for dst, src in zip((self.k, self.u, self.g, self.G, self.x), (k, u, g, G, x)):
             dst[layer].index_copy_(0, rows, src.to(dst.dtype))
 
@@ -195,7 +206,10 @@ class RecurrentStates:
             if n == self.pending[0] and bool((slots == torch.arange(length, length + n, device=slots.device)).all()):
                 return self.advance(n, length)
             raise ValueError("a causal pass's tokens are committed in order, all of them (advance)")
-        rows = slots.to(self.device) % self.ring
+        slots = slots.to(self.device)
+        rows = slots % self.ring
+        _check(self.owner[rows] == slots, "a recurrent scratch slot was overwritten before its commit read it "
+               "(a pass wrote past its ring); the state would be wrong")
         group = self.spec.v_heads // self.spec.k_heads
         k = self.k[:, rows].repeat_interleave(group, dim=2).transpose(1, 2)    # [n_layers, Hv, n, dk]
         path = Commit(length, self.state, self.window, k, self.u[:, rows].transpose(1, 2),
@@ -232,3 +246,13 @@ class RecurrentStates:
 
     def grow(self, capacity: int) -> None:
         """Nothing grows with the context: the ring grows with the passes (reserve)."""
+
+
+def _check(ok: Tensor, why: str) -> None:
+    """Assert every element of `ok` (bool) without a host sync on a GPU (torch._assert_async there: a failure
+    surfaces at a later kernel launch); on the CPU a RuntimeError naming `why`."""
+    if ok.device.type == "cpu":
+        if not bool(ok.all()):
+            raise RuntimeError(why)
+    else:
+        torch._assert_async(ok.all())

@@ -194,8 +194,8 @@ class GatedDeltaNet(nn.Module):
             cols = Columns(k_c, u_c.transpose(0, 1), G_c.index_copy(0, at, G.transpose(0, 1)).transpose(0, 1), new)
         o, u = tree_pass(q, k, v, beta, G, S0, seen, cols, at)
         if store is not None:
-            store.write(j, plan.slots, plan.positions, k_own, u.transpose(0, 1), g.transpose(0, 1),
-                        G.transpose(0, 1), mixed)
+            store.write(j, P, seen.shape[1], plan.slots, plan.positions, k_own, u.transpose(0, 1),
+                        g.transpose(0, 1), G.transpose(0, 1), mixed)
         return o
 
     def _tree_conv(self, mixed: Tensor, x_c: Tensor, taps: Tensor, window: Tensor) -> Tensor:

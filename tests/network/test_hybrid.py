@@ -139,7 +139,7 @@ def test_recurrent_store_commits_and_returns() -> None:
         store.reserve(10, 5)
         g = torch.Generator().manual_seed(0)
         G = torch.tensor([[-0.1], [-0.2], [-0.3]]).expand(3, 2)              # g = -0.1 summed along the path
-        store.write(1, torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7]), torch.randn(3, 1, 2, generator=g),
+        store.write(1, 5, 3, torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7]), torch.randn(3, 1, 2, generator=g),
                     torch.randn(3, 2, 3, generator=g), torch.full((3, 2), -0.1), G, torch.randn(3, 8, generator=g))
         return store
 

@@ -36,7 +36,7 @@ def test_the_recurrent_state_is_counted_by_hand(capsys) -> None:
     got = plan_json(capsys, "--model", str(Q35), "--gpu-memory", "12GB", "--ram-budget", "32GB", "--quant", "nf4",
                     "--budget", "64", "--context", "32768")
     state = 4 * (32 * 128 * 128 + 8192 * 3)                      # fp32 state + window, one layer
-    node = 8 + 4 * (16 * 128 + 32 * 128 + 2 * 32) + 2 * 8192     # position, k, u, g, G; x in bf16
+    node = 16 + 4 * (16 * 128 + 32 * 128 + 2 * 32) + 2 * 8192    # position, owner, k, u, g, G; x in bf16
     assert got["recurrent_layers"] == 30 and got["recurrent_state_bytes_per_node"] == 30 * node
     assert got["recurrent_state_bytes"] == 30 * (4 * state + 128 * node)    # 4 copies; 65 nodes: 2 x 64 rows
     assert got["ledger"]["target recurrent state"] == got["recurrent_state_bytes"]
