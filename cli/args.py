@@ -241,9 +241,11 @@ def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = N
     cli/fetch.py), then for a models.yaml name use its recommended draft (unless --draft/--no-draft), default
     budget and quantization (unless given), then bring the draft. A directory path is never looked up."""
     from specexec.checkpoints.catalog import find
+    from specexec.checkpoints.loading import check_model_path
 
     entry = find(args.model)
     fetch_model(args, "model", target_reserve(args))
+    check_model_path(args.model)                  # a wrong path is said first, before any flag that needs it
     if entry is not None:
         _entry_defaults(args, entry, console)
     if not getattr(args, "no_draft", False) and not is_self_draft(getattr(args, "draft", None)):

@@ -90,6 +90,16 @@ def _gguf_in(directory: Path) -> Path | None:
     return found[0] if found else None
 
 
+def check_model_path(spec: str) -> Path:
+    """The checkpoint `spec` names on this machine (resolve_model_path, offline), checked to be one: a .gguf file
+    or a directory with config.json; else one ConfigError naming the path. The commands call it before any
+    other check, so a mistyped path is reported as such (not as a missing draft)."""
+    path = resolve_model_path(spec)
+    if not is_gguf(path) and not (path / "config.json").exists():
+        raise ConfigError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+    return path
+
+
 def read_args(path: Path) -> ModelArgs:
     """ModelArgs from path/config.json (or a .gguf file's metadata) with one-line errors for a missing or
     unreadable file."""

@@ -100,3 +100,16 @@ def test_sizes_with_a_unit_parse() -> None:
 def test_the_commands_refuse_a_size_without_a_unit(capsys, argv) -> None:
     line = _error(capsys, argv)
     assert f"{argv[-2]} {argv[-1]} has no unit; add a unit: {argv[-1]}GB" in line
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench"], ["serve"], ["chat"]])
+def test_a_wrong_model_path_is_said_before_the_missing_draft(capsys, tmp_path: Path, command: list[str]) -> None:
+    """No --draft: the wrong --model is the mistake to name, not the builder's missing draft."""
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "folder").mkdir()
+    said = {str(tmp_path / "nope"): f"error: model path {tmp_path / 'nope'} does not exist; ",
+            str(tmp_path / "nope.gguf"): f"error: model path {tmp_path / 'nope.gguf'} does not exist; ",
+            str(tmp_path / "notes.txt"): f"error: {tmp_path / 'notes.txt'} is a file; ",
+            str(tmp_path / "folder"): f"error: {tmp_path / 'folder'} has no config.json; "}
+    for model, start in said.items():
+        assert _error(capsys, [command[0], "--model", model, *command[1:]]).startswith(start), (command, model)
