@@ -89,7 +89,9 @@ def runner(model: torch.nn.Module, cache: KVCache, flag: bool | None) -> "DraftG
 def capturable(model: torch.nn.Module) -> bool:
     """Whether the draft's forward can be one graph: no sliding-window layer, no routed (MoE) layer, no layer
     whose mixer reads the tree itself (a recurrent state: its scratch is found by slot, and a dense mask is not a
-    tree)."""
+    tree); nor a model that says it `captures` nothing (a forest's seat: batching/seats.py)."""
+    if getattr(model, "captures", True) is False:
+        return False
     args = getattr(model, "args", None)
     return args is None or one_graph(args)
 

@@ -163,6 +163,13 @@ class Block(nn.Module):
             if y is not None:
                 return y
         h = self.mixer(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
+        return self.after_mixer(x, h, layer, routing, layer_input)
+
+    def after_mixer(self, x: torch.Tensor, h: torch.Tensor, layer: int, routing: RoutingLog | None = None,
+                    layer_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer past its token mixer, row by row: x [B, T, D] the layer's input, h [B, T, D] the mixer's
+        output -> the layer's output [B, T, D] (residuals, norms, the feed-forward, the per-layer input). A forest
+        pass (specexec/batching/) runs it once over every request's rows."""
         sandwich = hasattr(self, "post_feedforward_layernorm")
         if sandwich:
             x = x + self.post_attention_layernorm(h)

@@ -90,8 +90,22 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
-        B, T, _ = x.shape
         q, k, v, gate = self.project(x)
+        return self.output(self.attention_rows(q, k, v, cos, sin, plan, cache, layer, slots), gate)
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention's output rows out [B, T, H * hd] (and the gate, when the layer has one) -> o_proj's
+        [B, T, D]: row by row."""
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+
+    def attention_rows(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, plan: AttentionPlan, cache: KVCache | None, layer: int,
+                       slots: torch.Tensor | None) -> torch.Tensor:
+        """project's q [B, T, H, hd], k and v [B, T, H_kv, hd] (None: the layer reads another's K/V) -> the
+        attention's output rows [B, T, H * hd] before the gate and o_proj: RoPE, the rows written to the cache at
+        `slots`, the plan's split attention over the cache. A forest pass (specexec/batching/) calls it once per
+        request with that request's rows, cos/sin, plan and cache."""
+        B, T = q.shape[:2]
         q = apply_rope(q.transpose(1, 2), cos, sin)
         if k is not None:
             v = v.transpose(1, 2)
@@ -104,5 +118,4 @@ class Attention(nn.Module):
             raise ValueError(f"layer {layer} attends to layer {self.source_of(layer)}'s K/V: it needs the cache "
                              "holding them")
         out = attend(q, k.to(q.dtype), v.to(q.dtype), plan, getattr(self, "sinks", None))
-        out = out.transpose(1, 2).reshape(B, T, -1)
-        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+        return out.transpose(1, 2).reshape(B, T, -1)

@@ -157,6 +157,18 @@ class Runtime:
         runtime.pair, runtime.depth = self.pair, self.depth if use_draft else None
         return runtime
 
+    def seated(self, target: torch.nn.Module, draft: torch.nn.Module | None) -> "Runtime":
+        """The same run with `target` and `draft` standing in for its loaded models (a forest's seats:
+        specexec/batching/seats.py): an engine of its own (caches, builder, tuner, sampler), the same settings and
+        tokenizer. draft is ignored when this runtime decodes without one."""
+        own = self.engine
+        engine = _make_engine(target, draft if own.draft is not None else None, own.config,
+                              tuple(sorted(own.eos_ids)), own.planned_context, self.plan)
+        engine.neighbours = own.neighbours
+        runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info, self.config, self.plan)
+        runtime.pair, runtime.depth = self.pair, self.depth
+        return runtime
+
     @property
     def context(self) -> int:
         """Longest sequence (prompt + generated) every loaded model supports."""

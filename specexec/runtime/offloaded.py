@@ -204,14 +204,19 @@ class OffloadedTransformer(Transformer):
                 slots: torch.Tensor | None = None) -> torch.Tensor:
         """Transformer.forward; a cache with streamed layers becomes the pager's companion first (a read-ahead
         made for another cache is discarded)."""
+        self.begin_pass(cache)
+        if not self._stack_examined:
+            self._stack_all_resident()
+        return super().forward(tokens, positions, mask, cache, slots)
+
+    def begin_pass(self, cache: KVCache | None) -> None:
+        """A pass over `cache` starts: when its rows stream with the layers it becomes the pager's companion (a
+        read-ahead made for another cache is discarded); a forest pass (specexec/batching/) names None."""
         kv = cache if cache is not None and cache.streams else None
         if kv is not self._kv:
             self.pager.discard()
             self.pager.companion = kv.companion if kv is not None else None
             self._kv = kv
-        if not self._stack_examined:
-            self._stack_all_resident()
-        return super().forward(tokens, positions, mask, cache, slots)
 
     def _stack_all_resident(self) -> None:
         """When the plan keeps every layer resident and each runs compiled, the whole stack in one call
