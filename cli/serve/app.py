@@ -1,10 +1,12 @@
 """The ASGI app behind `specexec serve`: starlette routes over one GenerationQueue (specexec/serving/queue.py).
 
-Routes: POST /v1/chat/completions (with tools: specexec/serving/tools.py), /v1/completions and /v1/responses
-(the Responses API: specexec/serving/responses.py runs it as the chat body it translates to), each as JSON or
-server-sent events (specexec/serving/chat_stream.py, response_stream.py), GET /v1/models,
-/v1/models/{id}, /health and /metrics (Prometheus text; `?format=json` for JSON). With an API key every route
-but /health wants `Authorization: Bearer KEY` (401 otherwise). Each request is read (at most max_body bytes),
+Routes: POST /v1/chat/completions (with tools: specexec/serving/tools.py), /v1/completions, /v1/responses
+(the Responses API: specexec/serving/responses.py runs it as the chat body it translates to) and /v1/messages
+(Anthropic's Messages API, likewise: specexec/serving/anthropic_api.py; its errors in Anthropic's shape), each
+as JSON or server-sent events (specexec/serving/chat_stream.py, response_stream.py, anthropic_stream.py),
+/v1/messages/count_tokens, GET /v1/models, /v1/models/{id}, /health and /metrics (Prometheus text;
+`?format=json` for JSON). With an API key every route but /health wants `Authorization: Bearer KEY` or
+`x-api-key: KEY` (401 otherwise). Each request is read (at most max_body bytes),
 checked and tokenized on the event loop's side (tokenizing on one helper thread), then queued: the engine runs
 on the queue's single worker thread, so the loop stays free to answer /health, /metrics and new requests while a
 generation runs. A client that disconnects (streamed or not) cancels its job: a waiting one leaves the queue at
@@ -39,9 +41,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from specexec.options import ConfigError
+from specexec.serving import anthropic_api as anth
 from specexec.serving import openai_api as api
 from specexec.serving import messages as chat_messages
 from specexec.serving import responses, structured, tools
+from specexec.serving.anthropic_stream import MessagesStream
 from specexec.serving.chat_stream import ChatStream, apply, finish_choices
 from specexec.serving.response_stream import ResponseStream
 from specexec.runtime.assembly import Runtime
@@ -62,6 +66,10 @@ class ServeSettings:
 
 def error_response(err: api.ApiError) -> JSONResponse:
     return JSONResponse(api.api_error_body(err), status_code=err.status)
+
+
+def anthropic_error_response(err: api.ApiError) -> JSONResponse:
+    return JSONResponse(anth.error_body(err), status_code=err.status)
 
 
 class EventStream(StreamingResponse):
@@ -109,9 +117,11 @@ class Server:
         self.vocab_size = runtime.target_info.args.vocab_size
 
     # ---------------------------------------------------------------- plumbing
-    def route(self, handler: Handler, template: str, guarded: bool = True) -> Handler:
-        """Wrap a handler: API key check, ApiError/ConfigError -> OpenAI error body, request counting by the
-        route's `template` (never the raw path: /metrics stays bounded whatever paths clients send)."""
+    def route(self, handler: Handler, template: str, guarded: bool = True,
+              errors: Callable[[api.ApiError], Response] = error_response) -> Handler:
+        """Wrap a handler: API key check, ApiError/ConfigError -> the API's error body (`errors`: OpenAI's by
+        default), request counting by the route's `template` (never the raw path: /metrics stays bounded
+        whatever paths clients send)."""
         async def endpoint(request: Request) -> Response:
             request.state.started = time.perf_counter()
             try:
@@ -119,9 +129,9 @@ class Server:
                     self._authorize(request)
                 response = await handler(request)
             except api.ApiError as e:
-                response = error_response(e)
+                response = errors(e)
             except ConfigError as e:
-                response = error_response(api.ApiError(str(e)))
+                response = errors(api.ApiError(str(e)))
             self.requests[(template, response.status_code)] += 1
             if not isinstance(response, EventStream):         # a stream logs itself when it ends
                 self._access(request, response.status_code)
@@ -146,8 +156,9 @@ class Server:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise api.ApiError("missing or incorrect API key: send 'Authorization: Bearer KEY'",
+        token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise api.ApiError("missing or incorrect API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                code="invalid_api_key", status=401)
 
     async def _body(self, request: Request) -> dict:
@@ -180,6 +191,24 @@ class Server:
         except api.ApiError as e:
             raise responses.rename_error(e) from None
         return await self._run(request, job, req)
+
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages: the Anthropic Messages request runs as the chat body it translates to."""
+        req = anth.read_request(await self._body(request))
+        try:
+            job = replace(await self._chat_job(req.chat), id=anth.new_id("msg"))
+        except api.ApiError as e:
+            raise anth.rename_error(e) from None
+        return await self._run(request, job, req)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens: the prompt's tokens as the model's chat template renders them."""
+        chat = anth.read_request(await self._body(request), counting=True).chat
+        given = tools.parse_tools(chat)
+        messages = chat_messages.parse_messages(chat)
+        ids = await self._tokenize(lambda: chat_messages.encode_chat(self.runtime.tokenizer, messages,
+                                                                     given and list(given.tools)))
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def _chat_job(self, body: dict) -> api.Job:
         """A chat body checked, rendered through the chat template and tokenized, with its grammar."""
@@ -223,10 +252,10 @@ class Server:
         job = api.make_job("text", options, ids, self.defaults, self.runtime.context, texts, grammar)
         return await self._run(request, job)
 
-    async def _run(self, request: Request, job: api.Job, req: responses.ResponseRequest | None = None
-                   ) -> Response:
+    async def _run(self, request: Request, job: api.Job,
+                   req: responses.ResponseRequest | anth.MessagesRequest | None = None) -> Response:
         """Queue the job; its answer streamed or whole, in the chat/completions shape or (req) the Responses
-        API's."""
+        API's or the Messages API's."""
         if job.choices > self.settings.max_choices:
             raise api.ApiError(f"this request asks for {len(job.prompts)} prompt(s) x n {job.n} = {job.choices} "
                                f"choices; this server takes at most {self.settings.max_choices} per request "
@@ -244,7 +273,8 @@ class Server:
             raise api.ApiError(str(e), code="queue_full", status=429, kind="server_error") from None
         tok = self.runtime.tokenizer
         if job.stream:
-            shape = ResponseStream(req, job, tok) if req is not None else ChatStream(job, tok)
+            shape = (MessagesStream(req, job, tok) if isinstance(req, anth.MessagesRequest) else
+                     ResponseStream(req, job, tok) if req is not None else ChatStream(job, tok))
             return EventStream(self._stream(ticket, request, shape), headers={"Cache-Control": "no-cache",
                                                                               "X-Accel-Buffering": "no"})
         result = await self._collect(request, ticket)
@@ -253,6 +283,10 @@ class Server:
         choices, queue_ms = result
         request.state.tokens, request.state.queue_ms = sum(c.completion_tokens for c in choices), queue_ms
         finish_choices(job, choices, tok)
+        if isinstance(req, anth.MessagesRequest):
+            c = choices[0]
+            stop = anth.stop_met(c, job.prompts[0], req.stop_sequences, tok)
+            return JSONResponse(anth.message_object(job, anth.content_blocks(c), c, stop, queue_ms))
         if req is not None:
             c = choices[0]
             output = responses.output_items(c, job.logprobs is not None)
@@ -276,7 +310,7 @@ class Server:
             gone.cancel()
             ticket.cancel()
 
-    async def _stream(self, ticket: Ticket, request: Request, shape: ChatStream | ResponseStream
+    async def _stream(self, ticket: Ticket, request: Request, shape: ChatStream | ResponseStream | MessagesStream
                       ) -> AsyncIterator[bytes]:
         """SSE frames as the worker's events arrive, shaped by `shape`; cancelling this iterator cancels the job
         (499 in the access log)."""
@@ -385,10 +419,13 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 def build_app(runtime: Runtime, defaults: api.ServerDefaults, settings: ServeSettings = ServeSettings()) -> Starlette:
     """The app; its lifespan starts the generation worker and stops it (cancelling what runs) at shutdown."""
     server = Server(runtime, defaults, settings)
-    def route(path: str, handler: Handler, method: str, guarded: bool = True) -> Route:
-        return Route(path, server.route(handler, path, guarded), methods=[method])
+    def route(path: str, handler: Handler, method: str, guarded: bool = True,
+              errors: Callable[[api.ApiError], Response] = error_response) -> Route:
+        return Route(path, server.route(handler, path, guarded, errors), methods=[method])
 
     routes = [route("/v1/chat/completions", server.chat, "POST"),
+              route("/v1/messages", server.messages, "POST", errors=anthropic_error_response),
+              route("/v1/messages/count_tokens", server.count_tokens, "POST", errors=anthropic_error_response),
               route("/v1/responses", server.responses, "POST"),
               route("/v1/completions", server.completions, "POST"),
               route("/v1/models", server.models, "GET"),

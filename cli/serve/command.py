@@ -31,7 +31,8 @@ DEFAULT_MAX_TOKENS = 512
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions, streaming)",
                        description="Serve the target model (drafting with --draft) over the OpenAI HTTP API: "
-                                   "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
+                                   "/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, "
+                                   "/metrics, and Anthropic's /v1/messages. "
                                    "One generation at a time; requests queue in arrival order.")
     common.add_common_args(p, max_new_default=f"{DEFAULT_MAX_TOKENS}: max_tokens of requests that name none")
     g = p.add_argument_group("server")
