@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from cli import threads
 from specexec.config import EngineConfig, SamplingParams
 from specexec.runtime.assembly import Runtime
 from specexec.checkpoints.catalog import demo_dir
@@ -121,12 +122,15 @@ NEXT = ("Next, with these checkpoints (`specexec models` lists them as demo and 
 
 
 def run(args: argparse.Namespace) -> int:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)         # 3M-parameter models: threads cost more than they save (and far more
-    try:                             # than that on a busy machine, where OpenMP barriers wait for a core)
+    before = torch.get_num_threads()
+    chosen = threads.current()
+    # 3M-parameter models: threads cost more than they save (and far more than that on a busy machine, where
+    # OpenMP barriers wait for a core), so one unless --threads (or $OMP_NUM_THREADS) says otherwise
+    torch.set_num_threads(chosen.count if chosen is not None and chosen.given else 1)
+    try:
         return _demo(args, Console(stderr=True, soft_wrap=True))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:

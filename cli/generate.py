@@ -20,7 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
+from cli import threads
 from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sampling_args, apply_catalog_defaults,
                       engine_config, offload_config, print_plan, sampling_params)
 from offload.formats.bounded_read import MAX_BYTES, read_bytes, read_stream, too_large
@@ -126,12 +128,12 @@ def _human(n: float) -> str:
 def print_load_summary(console: Console, runtime: Runtime, sweep: str | None = None) -> None:
     """The loaded models, one line each, then the builder and budget (`sweep`: what a benchmark sweeps instead,
     e.g. "sweeping 40 prompts over budgets 8, 32, no-draft")."""
-    def line(role: str, info: ModelInfo) -> None:
+    def line(role: str, info: ModelInfo, tail: str = "") -> None:
         console.print(f"[bold]{role}[/] {info.path} · {info.args.family} · {info.args.n_layers} layers · "
-                      f"{_human(info.params)} params · {info.dtype} · {info.device} · loaded in {info.load_s:.2f} s",
-                      markup=True, highlight=False)
+                      f"{_human(info.params)} params · {info.dtype} · {info.device} · loaded in {info.load_s:.2f} s"
+                      + escape(tail), markup=True, highlight=False)
 
-    line("target", runtime.target_info)
+    line("target", runtime.target_info, threads.note(str(runtime.target_info.device).split(":")[0]))
     if runtime.draft_info is not None:
         line("draft ", runtime.draft_info)
         if runtime.pair_note:

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import specexec
 from specexec.options import choice_error
-from cli import chat, convert, demo, doctor, generate, plan
+from cli import chat, convert, demo, doctor, generate, plan, threads
 from cli.serve import command as serve
 from offload.formats.checkpoint import allow_outside_shards
 from cli.bench import main as bench
@@ -71,6 +71,7 @@ def build_parser() -> Parser:
     for command in COMMANDS:
         p = command.add_parser(sub)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+        threads.add_flag(p)
         p.set_defaults(handler=command.run, parser=p)
     add_bench_group(sub)
     return parser
@@ -85,11 +86,13 @@ def add_bench_group(sub: argparse._SubParsersAction) -> Parser:
                            allow_abbrev=False)   # a sub-benchmark's flag (--k) must not read as the group's (--kv-*)
     group.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     bench.add_run_arguments(group)
+    threads.add_flag(group)
     group.set_defaults(handler=bench.run, parser=group)
     benches = group.add_subparsers(dest="bench_command", metavar="BENCH", required=False, parser_class=Parser)
     for command in BENCH_COMMANDS:
         p = command.add_parser(benches)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+        threads.add_flag(p)
         p.set_defaults(handler=command.run, parser=p)
     return group
 
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
             if getattr(args, "allow_outside_shards", False):
                 allow_outside_shards()            # the user means it: weight files outside the checkpoint
-            return int(args.handler(args) or 0)
+            with threads.applied(args):
+                return int(args.handler(args) or 0)
     except Exception as e:                        # noqa: BLE001 -- the one place exceptions become exit codes
         if closed_stdout(e):                      # the reader went away (`| head`): a normal end, as for any tool
             return 0

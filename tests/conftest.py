@@ -21,6 +21,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The commands the tests run (in-process through cli.main.main, and as child processes) take one thread, as the
+# suite does below: $OMP_NUM_THREADS counts as --threads (cli/threads.py), so no run's threads follow the load.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from collections.abc import Iterator
 from pathlib import Path

@@ -353,3 +353,23 @@ def test_decoding_commands_default_to_cuda_where_torch_sees_one(monkeypatch, cud
         args = parser.parse_args([*command, "--model", "m", "--device", "cpu", "--budget", "8"])
         config = engine_config(args, auto_budget=True)
         assert config.device == "cpu" and not config.auto_budget and config.budget == 8, command
+
+
+def test_threads_flag_sets_the_command_s_threads_and_the_load_line_says_them(capsys, monkeypatch, tiny_llama) -> None:
+    import torch
+
+    from cli.generate import print_load_summary
+
+    seen = []
+    monkeypatch.setattr("cli.generate.print_load_summary",
+                        lambda console, runtime: (seen.append(torch.get_num_threads()),
+                                                  print_load_summary(console, runtime)))
+    before = torch.get_num_threads()
+    assert main(["generate", "--model", str(tiny_llama), "--no-draft", "--prompt", "hi", "--max-new-tokens", "2",
+                 "--threads", "3"]) == 0
+    assert seen == [3] and torch.get_num_threads() == before                 # set for the run, then restored
+    target = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("target "))
+    assert " · 3 threads" in target, target
+    for cmd in (["generate", "--model", str(tiny_llama), "--prompt", "x"], ["models"], ["plan", "--model", "x"]):
+        assert main([*cmd, "--threads", "0"]) == 2
+        assert capsys.readouterr().err.strip() == "error: --threads must be in [1, 1024], got 0"
