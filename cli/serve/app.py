@@ -8,8 +8,8 @@ as JSON or server-sent events (specexec/serving/chat_stream.py, response_stream.
 `?format=json` for JSON). With an API key every route but /health wants `Authorization: Bearer KEY` or
 `x-api-key: KEY` (401 otherwise). Each request is read (at most max_body bytes),
 checked and tokenized on the event loop's side (tokenizing on one helper thread), then queued: the engine runs
-on the queue's single worker thread, so the loop stays free to answer /health, /metrics and new requests while a
-generation runs. A client that disconnects (streamed or not) cancels its job: a waiting one leaves the queue at
+on the queue's worker threads (--parallel of them), so the loop stays free to answer /health, /metrics and new
+requests while generations run. A client that disconnects (streamed or not) cancels its job: a waiting one leaves the queue at
 once, a running one stops at its next step. Every failure is an OpenAI-style JSON error body: 4xx for the
 client's mistakes, 500 only for bugs, and the server lives on. With an access_log, one line per request:
 method, path, status, generated tokens, its wait for the worker, seconds, the queue's depth (a stream's when
@@ -61,7 +61,8 @@ class ServeSettings:
     max_queue: int = 64                    # waiting requests before 429
     max_body: int = 8 * 2**20              # request body bytes before 413
     access_log: Callable[[str], None] | None = None    # hears one line per request (None: no access log)
-    max_choices: int = 64                  # prompts x n of one request before 400 (it holds the only worker)
+    max_choices: int = 64                  # prompts x n of one request before 400 (it holds a worker)
+    parallel: int = 1                      # requests running at once (their trees share each target pass)
 
 
 def error_response(err: api.ApiError) -> JSONResponse:
@@ -110,7 +111,7 @@ class Server:
 
     def __init__(self, runtime: Runtime, defaults: api.ServerDefaults, settings: ServeSettings) -> None:
         self.runtime, self.defaults, self.settings = runtime, defaults, settings
-        self.queue = GenerationQueue(runtime, settings.max_queue)
+        self.queue = GenerationQueue(runtime, settings.max_queue, settings.parallel)
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specexec-tokenize")
         self.requests: Counter[tuple[str, int]] = Counter()
         self.created = int(time.time())
@@ -342,10 +343,11 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.defaults.model_id, "queue_depth": self.queue.depth,
-                             "busy": self.queue.busy})
+                             "busy": self.queue.busy, "running": self.queue.running, "parallel": self.queue.parallel})
 
     async def metrics(self, request: Request) -> Response:
         snap = {**self.queue.metrics.snapshot(), "queue_depth": self.queue.depth, "busy": self.queue.busy,
+                "running": self.queue.running, "parallel": self.queue.parallel, **self.queue.forest(),
                 "requests": [{"path": p, "status": s, "count": n} for (p, s), n in sorted(self.requests.items())]}
         if request.query_params.get("format") == "json":
             return JSONResponse(snap)
@@ -360,6 +362,13 @@ class Server:
 PROMETHEUS = {
     "specexec_queue_depth": ("gauge", "Requests waiting for the generation worker.", "queue_depth"),
     "specexec_busy": ("gauge", "1 while a generation runs.", "busy"),
+    "specexec_running": ("gauge", "Requests running now (their trees share each target pass).", "running"),
+    "specexec_parallel": ("gauge", "Requests that may run at once (--parallel).", "parallel"),
+    "specexec_forest_passes_total": ("counter", "Target passes shared by the running requests.", "forest_passes"),
+    "specexec_forest_requests_total": ("counter", "Requests those passes carried (summed over passes).",
+                                       "forest_requests"),
+    "specexec_forest_size_mean": ("gauge", "Requests per shared target pass, all time.", "forest_size_mean"),
+    "specexec_forest_size_last": ("gauge", "Requests the last shared target pass carried.", "forest_size_last"),
     "specexec_jobs_submitted_total": ("counter", "Generation jobs accepted into the queue.", "jobs_submitted"),
     "specexec_generated_tokens_total": ("counter", "Tokens generated.", "generated_tokens"),
     "specexec_prefilled_tokens_total": ("counter", "Prompt tokens run through the target.", "prefilled_tokens"),

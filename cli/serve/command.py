@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        description="Serve the target model (drafting with --draft) over the OpenAI HTTP API: "
                                    "/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, "
                                    "/metrics, and Anthropic's /v1/messages. "
-                                   "One generation at a time; requests queue in arrival order.")
+                                   "--parallel requests run at once, their trees in the same target pass; more "
+                                   "queue in arrival order.")
     common.add_common_args(p, max_new_default=f"{DEFAULT_MAX_TOKENS}: max_tokens of requests that name none")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", metavar="ADDR",
@@ -49,7 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="requests that may wait for the engine before new ones get 429 (default 64)")
     g.add_argument("--max-choices", type=int, default=64, metavar="N",
                    help="prompts x n one request may ask for before it gets 400 (default 64): one request holds "
-                        "the only worker until every choice is done")
+                        "its worker until every choice is done")
+    g.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="requests running at once, their trees verified in the same target pass (default: what "
+                        "the memory free for their KV caches fits, at most 4; 1 where the model cannot batch)")
     return p
 
 
@@ -108,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
     check_integer("--max-queue", args.max_queue, 1, 100_000)
     check_integer("--max-choices", args.max_choices, 1, 100_000)
+    if args.parallel is not None:
+        check_integer("--parallel", args.parallel, 1, 1024)
     api_key = args.api_key or os.environ.get("SPECEXEC_API_KEY") or None
     typed = args.model                            # `demo` or ORG/NAME, before it becomes a local directory
     common.apply_catalog_defaults(args, console)
@@ -122,25 +128,28 @@ def run(args: argparse.Namespace) -> int:
     runtime = common.load_runtime(args, config, console, offload, spinner=sys.stderr.isatty())
     aliases = tuple((args.served_model_name or [])[1:])
     return serve(runtime, sock, model_id(typed, args.served_model_name), sampling, api_key, args.max_queue,
-                 console, aliases, args.quiet, args.max_choices)
+                 console, aliases, args.quiet, args.max_choices, args.parallel)
 
 
 def serve(runtime, sock: socket.socket, name: str, sampling, api_key: str | None, max_queue: int,
           console: Console, aliases: tuple[str, ...] = (), quiet: bool = False,
-          max_choices: int = 64) -> int:
-    """Run the app on `sock` until Ctrl-C / SIGTERM."""
+          max_choices: int = 64, parallel: int | None = None) -> int:
+    """Run the app on `sock` until Ctrl-C / SIGTERM. parallel: --parallel (None: what fits, batching.pool)."""
     import uvicorn
 
     from cli.generate import print_load_summary
     from cli.serve.app import ServeSettings, build_app
+    from specexec.batching.pool import seating
     from specexec.serving.openai_api import ServerDefaults
 
     print_load_summary(console, runtime)
+    seats = seating(runtime, parallel)
+    console.print(seats.line(), highlight=False)
     defaults = ServerDefaults(name, sampling, runtime.config.max_new_tokens, aliases,
                               runtime.config.accept)
     log = None if quiet else (lambda line: console.print(line, highlight=False, markup=False))
     app = build_app(runtime, defaults, ServeSettings(api_key=api_key, max_queue=max_queue, access_log=log,
-                                                     max_choices=max_choices))
+                                                     max_choices=max_choices, parallel=seats.parallel))
     console.print(f"serving {name} on {url_of(sock)}/v1 (Ctrl-C stops)", highlight=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

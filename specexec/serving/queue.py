@@ -1,12 +1,14 @@
-"""One generation at a time for a server: a FIFO of Jobs run by ONE worker thread, events handed to the asyncio
-loop of the request that submitted them, cancellation at the next step, and running totals for /metrics.
+"""Generations for a server: a FIFO of Jobs run by `parallel` worker threads (one by default; more share each
+target pass: GenerationQueue), events handed to the asyncio loop of the request that submitted them,
+cancellation at the next step, and running totals for /metrics.
 
 `GenerationQueue.submit(job)` (on the event loop) returns a Ticket; the worker runs the ticket's job with
 `run_job`, which calls Runtime.generate_text once per choice and emits `Delta` (new text of one choice),
 `Finished` (its finish reason, token counts and the engine's step statistics) and finally `End` (or `Failed`
 when the job raised). `Ticket.cancel()` (a client went away) takes a waiting ticket out of the queue, or stops a
 running one before its next step: the engine's generator is closed and the worker moves on. Consecutive jobs
-share the engine, so a prompt that extends the previous one reuses its KV cache (Engine does it by prefix).
+of a worker share its engine, so a prompt that extends its previous one reuses its KV cache (Engine does it by
+prefix).
 
 Does not know: HTTP, JSON shapes (specexec.serving.openai_api), how a step works (specexec.runtime.assembly,
 specexec.decoding.engine).
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from specexec.batching.pool import SeatPool
 from specexec.serving.openai_api import Job
 from specexec.runtime.assembly import Runtime
 from specexec.serving import logprobs as lp
@@ -196,30 +199,54 @@ def run_job(runtime: Runtime, ticket: Ticket, metrics: Metrics) -> None:
 
 
 class GenerationQueue:
-    """FIFO of tickets and the ONE thread that runs them (start() it; close() stops it)."""
+    """FIFO of tickets and the `parallel` worker threads that run them (start() it; close() stops it). With
+    parallel > 1 each worker is a seat of one SeatPool (specexec/batching/pool.py): the running requests' trees
+    share each target pass, a request joins the passes when a worker takes it and leaves them when it ends
+    (finished, cancelled, failed), and every running request advances one pass per pass (step-level fairness);
+    over `parallel`, requests wait in arrival order."""
 
-    def __init__(self, runtime: Runtime, max_queue: int = 64) -> None:
-        self.runtime, self.max_queue = runtime, max_queue
+    def __init__(self, runtime: Runtime, max_queue: int = 64, parallel: int = 1) -> None:
+        self.runtime, self.max_queue, self.parallel = runtime, max_queue, parallel
         self.metrics = Metrics()
+        self.pool = SeatPool(runtime, parallel) if parallel > 1 else None
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._cond = threading.Condition()
-        self._running: Ticket | None = None
+        self._running: dict[int, Ticket] = {}
         self._closed = False
-        self._threads = torch.get_num_threads()    # intra-op threads of the starting thread, for the worker
-        self._thread = threading.Thread(target=self._work, name="specexec-generate", daemon=True)
+        self._threads = torch.get_num_threads()    # intra-op threads of the starting thread, for the workers
+        self._workers = [threading.Thread(target=self._work, args=(seat,), name=f"specexec-generate-{seat}",
+                                          daemon=True) for seat in range(parallel)]
 
     def start(self) -> None:
-        self._thread.start()
+        for worker in self._workers:
+            worker.start()
 
     @property
     def depth(self) -> int:
-        """Requests waiting (not counting the one running)."""
+        """Requests waiting (not counting the running ones)."""
         with self._cond:
             return len(self._waiting)
 
     @property
+    def running(self) -> int:
+        """Requests running now."""
+        with self._cond:
+            return len(self._running)
+
+    @property
     def busy(self) -> bool:
-        return self._running is not None
+        return self.running > 0
+
+    def forest(self) -> dict[str, float | None]:
+        """The shared target passes so far: passes, requests they carried, the mean and the last pass's forest
+        size (requests per pass); zeros with one request at a time."""
+        if self.pool is None:
+            return {"forest_passes": 0, "forest_requests": 0, "forest_size_mean": None, "forest_size_last": None}
+        s = self.pool.forest.stats
+        passes, calls = s.passes["target"], s.calls["target"]
+        return {"forest_passes": passes, "forest_requests": calls,
+                "forest_size_mean": round(calls / passes, 3) if passes else None,
+                "forest_size_last": s.last_size.get("target")}
 
     def submit(self, job: Job) -> Ticket:
         """Queue `job` (from a running event loop); QueueFull when max_queue tickets already wait."""
@@ -241,22 +268,26 @@ class GenerationQueue:
                 self._waiting.remove(ticket)
                 self.metrics.add(jobs_cancelled=1)
 
-    def _next(self) -> Ticket | None:
+    def _next(self, seat: int) -> Ticket | None:
         with self._cond:
             while not self._waiting and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            self._running = self._waiting.popleft()
-            return self._running
+            self._running[seat] = ticket = self._waiting.popleft()
+            return ticket
 
-    def _work(self) -> None:
+    def _work(self, seat: int) -> None:
         torch.set_num_threads(self._threads)
-        while (ticket := self._next()) is not None:
+        while (ticket := self._next(seat)) is not None:
+            runtime = self.pool.start(seat) if self.pool is not None else self.runtime
             try:
-                run_job(self.runtime, ticket, self.metrics)
+                run_job(runtime, ticket, self.metrics)
             finally:
-                self._running = None
+                if self.pool is not None:
+                    self.pool.end(seat)
+                with self._cond:
+                    self._running.pop(seat, None)
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel the running job and every waiting one, then stop the worker."""
@@ -264,12 +295,15 @@ class GenerationQueue:
             self._closed = True
             waiting, self._waiting = list(self._waiting), collections.deque()
             self._cond.notify_all()
-        for t in waiting:                        # the running one ends itself at its next step
+        for t in waiting:                        # the running ones end themselves at their next step
             t.cancelled.set()
             t.emit(End(0.0))
-        if self._running is not None:
-            self._running.cancelled.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        if not self._thread.is_alive():
+        with self._cond:
+            running = list(self._running.values())
+        for t in running:
+            t.cancelled.set()
+        for worker in self._workers:
+            if worker.is_alive():
+                worker.join(timeout)
+        if not any(worker.is_alive() for worker in self._workers):
             self.runtime.engine.close()          # an offloaded target's pager thread

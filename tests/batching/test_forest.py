@@ -88,3 +88,13 @@ def test_streamed_target_reads_each_layer_once_per_forest_pass(tiny_pair: tuple[
         assert forest.calls["target"] > forest.passes["target"]       # several requests per streamed pass
     finally:
         rt.engine.close()
+
+
+def test_seeded_sampling_in_a_forest_equals_each_request_alone(tiny_pair: tuple[Path, Path],
+                                                               tiny_perturbed_draft: Path) -> None:
+    config = EngineConfig(budget=8, dtype="float32", max_new_tokens=16)
+    rt = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft), config)
+    samplings = [SamplingParams(temperature=0.9, top_p=0.95, seed=s) for s in (5, 6, 7)]
+    alone = [_ids(rt.variant(config), p, 16, s) for p, s in zip(PROMPTS, samplings)]
+    assert alone[0] != _ids(rt.variant(config), PROMPTS[0], 16, SamplingParams(temperature=0.9, seed=8))
+    assert together(SeatPool(rt, 3), PROMPTS, 16, samplings) == alone
