@@ -17,6 +17,16 @@ such a node or the end), allows nothing as a draft row (the draft grows nothing 
 row (no target row is all -inf; the engine stops at the end, and a dead node is never accepted: its parent's mask
 forbids its token).
 
+A grammar library has limits of its own (llguidance: Earley items per row or per step, lexer states): a mask can
+allow a token whose consumption the library then refuses, or the library cannot compute a path's mask at all.
+That is not a rejection (the grammar allowed the token) but the end of what the library can follow: the matcher
+raises GrammarLimit and stands where it stood before the call, and the path is "limited". A limited path grows
+nothing as a draft row and allows everything as a target row, like a dead one; but it can be accepted (its token
+was allowed), so `commit` keeps the accepted tokens up to the first one the library could not take (or, when it
+could not compute a node's mask, up to that node) and returns how many it kept: the engine ends the generation
+there (`limit`, the library's message, joins the counters). Exactly where the target alone under the same
+library ends: that step commits the same tokens, then fails on the same one.
+
 Counters (`stats`): draft_rows / target_rows masked, `pruned` (over the draft's expanded nodes: the tokens the
 grammar forbade that the draft ranked above the best token it allows, i.e. proposals it would have tried
 first), `dead` (verified nodes the grammar rejects: zero when the draft was masked), mask_ms.
@@ -35,7 +45,11 @@ from torch import Tensor
 from specexec.tree import TokenTree
 
 Path = tuple[int, ...]
-DEAD, END = "dead", "end"          # memo entries of paths without a mask
+DEAD, END, LIMIT = "dead", "end", "limit"          # memo entries of paths without a mask
+
+
+class GrammarLimit(RuntimeError):
+    """The grammar library cannot follow the text past this point (a limit of its own, not a rejection)."""
 
 
 @runtime_checkable
@@ -49,13 +63,16 @@ class Constraint(Protocol):
         """bool [R, vocab]: row r = the tokens allowed after paths[r]. draft_logits [R, V] (the draft's own,
         before the mask): the rows are the draft's, counted as such (draft_rows, pruned)."""
 
-    def commit(self, tokens: Sequence[int]) -> None:
-        """The step's accepted tokens (then the bonus) become committed text."""
+    def commit(self, tokens: Sequence[int]) -> int:
+        """The step's accepted tokens (then the bonus) become committed text; -> how many of them the grammar
+        library could follow (fewer than given: the generation ends after those)."""
 
 
 class Matcher(Protocol):
     """A grammar library's parser state over token ids (specexec/runtime/grammar.py); `ended`: the last token
-    it consumed ended the text (an end-of-sequence token where the grammar is complete)."""
+    it consumed ended the text (an end-of-sequence token where the grammar is complete). consume and fill
+    raise GrammarLimit where the library hits a limit of its own; the matcher then stands where it stood
+    before the call."""
 
     ended: bool
 
@@ -94,12 +111,14 @@ class MatcherConstraint:
         self.matcher, self.vocab = matcher, vocab
         self.words = (vocab + 31) // 32
         self._at: list[int] = []                       # tokens consumed beyond the committed text
-        self._memo: dict[Path, Tensor | str] = {}      # path -> bitmask [W], DEAD or END, this step
-        self.stats = {"draft_rows": 0, "target_rows": 0, "pruned": 0, "dead": 0, "mask_ms": 0.0}
+        self._memo: dict[Path, Tensor | str] = {}      # path -> bitmask [W], DEAD, END or LIMIT, this step
+        self._why: dict[Path, str] = {}                # a limited path -> the library's message, this step
+        self.stats: dict = {"draft_rows": 0, "target_rows": 0, "pruned": 0, "dead": 0, "mask_ms": 0.0}
 
     def _move(self, path: Path) -> bool:
         """Stand on `path`: roll back to the common prefix, consume the rest; False when the grammar rejects
-        it (the matcher then stands on its longest accepted prefix)."""
+        it (the matcher then stands on its longest accepted prefix). GrammarLimit: it stands on the common
+        prefix."""
         at, common = self._at, 0
         for a, b in zip(at, path):
             if a != b:
@@ -118,15 +137,20 @@ class MatcherConstraint:
         how many are dead; unknown paths filled in path order."""
         for path in sorted({p for p in paths if p not in self._memo}):
             if path[:-1] in self._memo and not isinstance(self._memo[path[:-1]], Tensor):
-                self._memo[path] = DEAD                # below a dead node or the end
-            elif not self._move(path):
-                self._memo[path] = DEAD
-            elif self.matcher.ended:
-                self._memo[path] = END
-            else:
-                row = torch.empty(self.words, dtype=torch.int32)
-                self.matcher.fill(row)
-                self._memo[path] = row
+                self._memo[path] = DEAD                # below a dead or limited node, or the end
+                continue
+            try:
+                if not self._move(path):
+                    self._memo[path] = DEAD
+                elif self.matcher.ended:
+                    self._memo[path] = END
+                else:
+                    row = torch.empty(self.words, dtype=torch.int32)
+                    self.matcher.fill(row)
+                    self._memo[path] = row
+            except GrammarLimit as e:
+                self._memo[path] = LIMIT
+                self._why[path] = str(e)
         rows = [self._memo[p] for p in paths]
         none = [not isinstance(r, Tensor) for r in rows]
         full = torch.full((self.words,), -1, dtype=torch.int32)
@@ -153,11 +177,22 @@ class MatcherConstraint:
         self.stats["mask_ms"] += 1000 * (time.perf_counter() - t0)
         return mask
 
-    def commit(self, tokens: Sequence[int]) -> None:
-        """Stand on the accepted path and make it the committed text (the masks of this step are dropped)."""
-        path = tuple(tokens)
-        if not self._move(path):
-            raise ValueError(f"the grammar rejects the accepted tokens {list(path)}: a step emitted a token "
-                             "its own mask forbids")
-        self._at = []
-        self._memo = {}
+    def commit(self, tokens: Sequence[int]) -> int:
+        """Stand on the accepted path and make it the committed text (the masks of this step are dropped);
+        -> how many tokens it kept: all, or up to the first the grammar library could not follow (a limited
+        node's token, or the token after a node whose mask it could not compute)."""
+        path, kept = tuple(tokens), len(tokens)
+        for i in range(len(path)):                     # one token at a time: the matcher stands on path[:i]
+            if self._memo.get(path[:i]) is LIMIT:      # no mask here: the token below was not the grammar's
+                self.stats["limit"], kept = self._why[path[:i]], i
+                break
+            try:
+                moved = self._move(path[:i + 1])
+            except GrammarLimit as e:
+                self.stats["limit"], kept = str(e), i
+                break
+            if not moved:
+                raise ValueError(f"the grammar rejects the accepted tokens {list(path)}: a step emitted a "
+                                 "token its own mask forbids")
+        self._at, self._memo, self._why = [], {}, {}
+        return kept

@@ -122,6 +122,7 @@ class Engine:
         self._trims = False                  # this call's drafted trees go through the companions' trim (generate)
         self._check_finite = False           # the next verification pass counts NaN/Inf (specexec/decoding/finite.py)
         self._constraint: Constraint | None = None   # this call's grammar (generate)
+        self._grammar_end: int | None = None         # the step's tokens its grammar library could follow, if fewer
         self._top_logprobs: int | None = None        # this call's top_logprobs (None: no logprobs)
         self.logprobs: list[TokenLogprob] = []       # the last call's tokens' target log-probs, when asked
         self._accept = config.accept                 # this call's --accept (generate)
@@ -206,6 +207,7 @@ class Engine:
         self._check_finite = True
         self.stats = stats = GenerationStats(ledger=self.profiler, constraint=constraint)
         self._constraint, self._top_logprobs, self.logprobs = constraint, logprobs, []
+        self._grammar_end = None
         self._accept = stats.accept = accept or self.config.accept
         check_relaxed(self._accept, self.target.args.vocab_size, self.builder is not None, self.config.verifier)
         rule = self.rule_for(sampling, self._accept)
@@ -222,7 +224,9 @@ class Engine:
                 except BaseException:                # Ctrl-C mid-step: the step is counted nowhere
                     self.profiler.abandon()
                     raise
-                new, stop = self._trim(acc.tokens, generated, limit, should_stop)
+                cut, self._grammar_end = self._grammar_end, None     # the grammar library's limit: it ends here
+                new, stop = self._trim(acc.tokens[:cut], generated, limit, should_stop)
+                stop = stop or cut is not None
                 stats.relaxed_tokens += sum(acc.relaxed[:len(new)])
                 del self.logprobs[len(generated) + len(new):]
                 generated += new
@@ -366,7 +370,9 @@ class Engine:
         self._context += acc.tokens
         if self._constraint is not None:                     # up to the end of sequence: generation stops there
             end = next((i + 1 for i, t in enumerate(acc.tokens) if t in self.eos_ids), len(acc.tokens))
-            self._constraint.commit(acc.tokens[:end])
+            kept = self._constraint.commit(acc.tokens[:end])
+            if kept is not None and kept < end:        # its library cannot follow further (constraint.py)
+                self._grammar_end = kept
         if draft is not None:                           # the rule read the path's tokens and slots already
             path = ([acc.root] + acc.tokens[:-1], acc.draft_slots) if acc.root >= 0 else (None, None)
             if self.feed is not None:

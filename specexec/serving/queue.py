@@ -177,6 +177,8 @@ def run_choice(runtime: Runtime, job: Job, choice: int, ticket: Ticket, metrics:
     if ticket.cancelled.is_set():
         return False
     reason = _finish_reason(ids, limit, runtime.engine.eos_ids)
+    if constraint is not None and "limit" in constraint.stats:     # the grammar library could not go on: cut
+        reason = "length"
     ticket.emit(Finished(choice, reason, len(prompt), len(ids), stats, tuple(ids)))
     return True
 

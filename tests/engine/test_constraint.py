@@ -12,7 +12,7 @@ import torch
 
 from specexec.builders.registry import make_builder, names as builder_names
 from specexec.config import EngineConfig
-from specexec.constraint import MatcherConstraint, tree_paths, unpack_bits
+from specexec.constraint import GrammarLimit, MatcherConstraint, tree_paths, unpack_bits
 from specexec.decoding.engine import Engine
 from specexec.tree import TokenTree
 from tests.tiny_models import load_pair_models, prompt
@@ -133,3 +133,42 @@ def test_a_rejected_path_is_dead_and_its_row_allows_everything() -> None:
     assert c.allowed([()], 20, torch.device("cpu"))[0].tolist() == [ok([1], t) for t in range(20)]
     with pytest.raises(ValueError, match="rejects"):
         c.commit([1])                                             # after [1]: (1 + 1 + 1) % 3 == 0
+
+
+def trips(prefix: Sequence[int], token: int) -> bool:
+    """Where LimitedMatcher's library gives up: past 8 tokens, a token the rule allows with token % 5 == 0."""
+    return len(prefix) >= 8 and token % 5 == 0
+
+
+class LimitedMatcher(ToyMatcher):
+    """ToyMatcher with a library limit: consuming a token that `trips` raises GrammarLimit (the token is
+    allowed: a limit, not a rejection), standing where it stood before the call."""
+
+    def consume(self, tokens: Sequence[int]) -> int:
+        before = len(self.done)
+        n = super().consume(tokens)
+        for i in range(before, len(self.done)):
+            if trips(self.done[:i], self.done[i]):
+                del self.done[before:]
+                raise GrammarLimit(f"limit at {i}")
+        return n
+
+
+@pytest.mark.parametrize("name", ["specexec", "chain"])
+def test_a_library_limit_ends_the_generation_where_the_target_alone_meets_it(models, name: str) -> None:
+    """A token the grammar allows but its library cannot take ends the text before it: the tree's limited
+    paths neither fail the step nor shift the end (the target alone, cut at its first tripping token)."""
+    target, draft = models["target"], models["perturbed"]
+    V = target.args.vocab_size
+    ids = prompt(3)
+    free = decode(Engine(target, None, EngineConfig(budget=1), None), ids, toy(V))
+    cut = next(i for i in range(len(free)) if trips(free[:i], free[i]))
+    assert 8 <= cut < N_NEW - 1
+    alone = toy(V)
+    alone.matcher = LimitedMatcher(V)
+    assert decode(Engine(target, None, EngineConfig(budget=1), None), ids, alone) == free[:cut]
+    limited = toy(V)
+    limited.matcher = LimitedMatcher(V)
+    engine = Engine(target, draft, EngineConfig(budget=16), make_builder(name))
+    assert decode(engine, ids, limited) == free[:cut], name
+    assert limited.stats["limit"] == f"limit at {cut}" and limited.stats["dead"] == 0

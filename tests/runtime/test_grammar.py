@@ -2,7 +2,8 @@
 rollback gives the masks a fresh matcher fed each path gives; greedy decoding under a JSON schema equals the
 target alone under it (every builder that drafts, and Token Recycling, whose trees are not masked), the answer
 validates, the draft's trees hold no node the grammar rejects; sampling under a grammar follows the
-constrained target's distribution (chi-square); a bad schema is one ConfigError."""
+constrained target's distribution (chi-square); a bad schema is one ConfigError, and so is one beyond
+llguidance's limits within its first tokens; a limit met later ends the text where the target alone ends it."""
 from __future__ import annotations
 
 import json
@@ -80,6 +81,40 @@ def test_greedy_under_a_schema_is_the_constrained_target_alone(runtime, builder:
 def test_a_bad_schema_is_one_config_error(runtime) -> None:
     with pytest.raises(ConfigError, match="not valid"):
         runtime.grammars.constraint(runtime.grammars.json_schema({"type": "bogus"}))
+
+
+# schemas llguidance compiles but cannot follow (issue 55): each fails within its first tokens
+BEYOND_LIMITS = {"recursive": ({"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]},
+                               "Too many items"),
+                 "a $ref loop": ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                  "$ref": "#/$defs/a"}, "admits no value"),
+                 "1,000 optional properties": ({"type": "object", "properties": {
+                     f"p{i}": {"type": "integer"} for i in range(1000)}}, "max is 2000")}
+
+
+@pytest.mark.parametrize("name", BEYOND_LIMITS)
+def test_a_schema_beyond_the_librarys_limits_is_a_config_error_before_generating(runtime, name: str) -> None:
+    schema, limit = BEYOND_LIMITS[name]
+    with pytest.raises(ConfigError, match=f"beyond the grammar library's limits .*{limit}"):
+        runtime.grammars.check(runtime.grammars.json_schema(schema))
+
+
+def test_a_limit_met_while_generating_ends_the_text_where_the_target_alone_ends(runtime) -> None:
+    """A schema whose limit (a 1,000-property object's Earley row) comes after a free string: the probe
+    passes; greedy decoding ends before the token the library cannot take, the same with a tree as without."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+    schema = {"type": "object", "properties": {"first_property_name": {"type": "string", "maxLength": 12},
+                                               "b": big},
+              "required": ["first_property_name", "b"], "additionalProperties": False}
+    grammar = runtime.grammars.json_schema(schema)
+    runtime.grammars.check(grammar)
+    ids = runtime.encode("Describe a pet.", chat=True)
+    want, alone_stats = run(runtime.variant(runtime.config, use_draft=False), ids, grammar)
+    got, stats = run(runtime, ids, grammar)
+    assert got == want and 20 < len(got) < 80
+    assert runtime.tokenizer.decode(got).startswith('{"first_property_name": "')
+    assert "max is 2000" in stats["grammar"]["limit"] and stats["grammar"]["dead"] == 0
+    assert alone_stats["grammar"]["limit"] == stats["grammar"]["limit"] and stats["tokens_per_step"] > 1
 
 
 @pytest.mark.slow

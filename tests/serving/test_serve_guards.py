@@ -1,0 +1,77 @@
+"""Bad input that used to reach an internal error through `specexec serve` (issue 55), on loopback with the tiny
+hermes-template pair (conftest.tool_server): a schema beyond the grammar library's limits is a 400 naming the
+limit before anything is generated (chat and Responses, streamed or not, response formats and forced tool
+calls), and a limit met only while generating ends the answer cleanly (finish_reason "length", the library's
+message in the `specexec` extension), never a 500."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+pytest.importorskip("llguidance")
+
+from tests.serving.live_server import raw  # noqa: E402
+from tests.serving.tool_models import TOOL_MODEL  # noqa: E402
+
+RECURSIVE = {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+PATTERN = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+           "required": ["s"]}
+BEYOND = {"recursive": (RECURSIVE, "Too many items"), "a $ref loop": (LOOP, "admits no value"),
+          "1,000 optional properties": (WIDE, "max is 2000")}
+USER = [{"role": "user", "content": "Answer."}]
+
+
+def chat_body(schema: dict, stream: bool) -> dict:
+    return {"model": TOOL_MODEL, "messages": USER, "max_tokens": 8, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def tool_body(schema: dict, stream: bool) -> dict:
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    return {"model": TOOL_MODEL, "messages": USER, "max_tokens": 8, "stream": stream, "tools": [tool],
+            "tool_choice": "required"}
+
+
+def responses_body(schema: dict, stream: bool) -> dict:
+    return {"model": TOOL_MODEL, "input": "Answer.", "max_output_tokens": 8, "stream": stream,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", BEYOND)
+def test_a_schema_beyond_the_librarys_limits_is_a_400_naming_the_limit(tool_url, name: str, stream: bool) -> None:
+    schema, limit = BEYOND[name]
+    for path, body, param in (("/v1/chat/completions", chat_body(schema, stream), "response_format"),
+                              ("/v1/responses", responses_body(schema, stream), "text.format")):
+        status, reply = raw(tool_url, "POST", path, body)
+        assert status == 400, (path, reply)
+        message = reply["error"]["message"]
+        assert "beyond the grammar library's limits" in message and limit in message, message
+        assert reply["error"]["param"] == param and "\n" not in message
+    if name != "a $ref loop":                                # a tool's parameters are an object schema
+        status, reply = raw(tool_url, "POST", "/v1/chat/completions", tool_body(schema, stream))
+        assert status == 400 and reply["error"]["param"] == "tools" and limit in reply["error"]["message"], reply
+
+
+@pytest.mark.slow
+def test_a_pattern_beyond_the_lexers_limits_is_a_400(tool_url) -> None:
+    """(a{1000}){1000}: llguidance's first mask spends seconds before its lexer gives up."""
+    status, reply = raw(tool_url, "POST", "/v1/chat/completions", chat_body(PATTERN, False))
+    assert status == 400 and "lexer error: too many expressions" in reply["error"]["message"], reply
+
+
+def test_a_limit_met_while_generating_ends_the_answer_cleanly(tool_url) -> None:
+    """The first property is free text, so the check passes; the 1,000-property object after it is beyond
+    the library: the answer stops before it with finish_reason "length" and the library's message."""
+    schema = {"type": "object", "properties": {"first_property_name": {"type": "string", "maxLength": 12},
+                                               "b": WIDE},
+              "required": ["first_property_name", "b"], "additionalProperties": False}
+    status, reply = raw(tool_url, "POST", "/v1/chat/completions", {**chat_body(schema, False), "max_tokens": 96})
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith('{"first_property_name')
+    assert reply["usage"]["completion_tokens"] < 96
+    assert "max is 2000" in reply["specexec"]["choices"][0]["grammar"]["limit"]
