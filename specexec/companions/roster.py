@@ -13,13 +13,21 @@
    and hears the drafting seconds;
 5. a builder that follows costs (`CostsToBuilder`): the draft and target seconds of a step that drafted.
 
+The engine is handed its roster (`Roster`: the hooks' companions in that order, the draft's feed, and the
+parts a stage asks of itself: the tuner's budget, the pilot's verdict for a prefill); the engine imports none
+of the companions, and each is wired to the others here (the tuner's cost model gains the MoE term).
+
 Does not know: how the stages run, how the pilot or the experts decide, where the times come from.
 """
 from __future__ import annotations
 
-from specexec.builders.base import Prefill, TreeBuilder
+from specexec.abilities import has
+from specexec.builders.base import FollowsCosts, Prefill, TreeBuilder
 from specexec.companions.experts import ExpertPasses, ExpertSteps
+from specexec.companions.feeding import DraftFeed, feed_for
+from specexec.companions.gate import Pilot
 from specexec.companions.protocol import Companions, Step
+from specexec.config import EngineConfig
 from specexec.network import longrope
 from specexec.network.model import Transformer
 from specexec.profiler import Profiler
@@ -78,3 +86,38 @@ def engine_companions(target: Transformer, draft: Transformer | None, prefill: P
         ExpertSteps(experts, target, profiler) if experts is not None else None,
         CostsToBuilder(cost_builder) if cost_builder is not None else None,
     ])
+
+
+class Roster:
+    """An engine's companions, built when the engine is assembled: the budget tuner (--budget auto with a builder;
+    `tuner` a given one, e.g. holding saved costs), the pilot (--gate), an MoE target's experts (`experts`: a given
+    ExpertPasses, else one that learns and counts with every expert held; None for a dense target), the draft's
+    feed, and `companions`: the hooks' members in their order. Setting `experts` (a benchmark's synthetic
+    costs) makes the target record its routing and rebuilds the members around it."""
+
+    def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
+                 builder: TreeBuilder | None, profiler: Profiler, prefill: Prefill,
+                 tuner: BudgetTuner | None = None, experts: ExpertPasses | None = None) -> None:
+        auto = config.auto_budget and builder is not None
+        self.tuner = (tuner if tuner is not None else BudgetTuner(config.budget)) if auto else None
+        self.pilot = Pilot.for_engine(config, builder, self.tuner, profiler, prefill)
+        self.feed: DraftFeed = feed_for(target, draft, builder, lambda: self.pilot is None or self.pilot.drafting)
+        self.cost_builder = builder if has(builder, FollowsCosts) else None    # its width follows the cost ratio
+        self._parts = (target, draft, prefill, profiler)
+        device = next(target.parameters()).device
+        self.experts = experts or (ExpertPasses(target.args, device=device) if target.args.moe else None)
+        if self.experts is not None and self.tuner is not None:     # the one cost model gains the MoE term
+            self.tuner.costs.experts = self.experts.expected_seconds
+
+    @property
+    def experts(self) -> ExpertPasses | None:
+        return self._experts
+
+    @experts.setter
+    def experts(self, experts: ExpertPasses | None) -> None:
+        target, draft, prefill, profiler = self._parts
+        self._experts = experts
+        if experts is not None:
+            experts.attach(target)
+        self.companions = engine_companions(target, draft, prefill, profiler, self.pilot, self.tuner, experts,
+                                            self.cost_builder)

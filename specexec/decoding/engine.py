@@ -9,8 +9,9 @@
 5. account - the step goes into the one ledger (the profiler's step records, which GenerationStats reads).
 
 All else that takes part in a step is a companion (specexec/companions/: LongRoPE's switch, the pilot of
---gate, the budget tuner, an MoE target's experts, a cost-following builder): hooks the stages run in the
-companions' one order, never asking who is there. With no builder the loop is plain autoregressive decoding
+--gate, the budget tuner, an MoE target's experts, a cost-following builder, the draft's feed): hooks the stages
+run in the companions' one order, never asking who is there; the engine is handed them as its roster
+(companions/roster.Roster) and imports none of them. With no builder the loop is plain autoregressive decoding
 (the baseline); the pilot makes a step such a plain one when the target alone is measured faster. Optional
 abilities of the builder, the models and the companions are checked once, when the engine is built. Before
 the first step the prompt is prefilled (specexec/decoding/prompt_passes.py); with `--budget auto` and no saved costs
@@ -29,27 +30,23 @@ import torch
 
 from specexec.decoding import prompt_passes, target_logits
 from specexec.abilities import has
-from specexec.builders.base import DraftState, FollowsCosts, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
-from specexec.companions.protocol import Step
-from specexec.companions.roster import engine_companions
+from specexec.builders.base import DraftState, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
+from specexec.companions.protocol import Companions, Step
+from specexec.companions.roster import Roster
 from specexec.network import longrope, mixers
 from specexec.config import Acceptance, EngineConfig, SamplingParams
 from specexec.constraint import Constraint, tree_paths
-from specexec.companions.experts import ExpertPasses
-from specexec.companions.feeding import TargetFeed, tell_taps
 from specexec.decoding.finite import checked_pass
 from specexec.kv.cache import KVCache, kv_slots_for
-from specexec.network.drafter import Drafter
 from specexec.network.model import Closes, MakesCache, Transformer, TreeMask
 from specexec.options import ConfigError
-from specexec.companions.gate import Pilot
 from specexec.profiler import Profiler, Span
 from specexec.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import make_generator
 from specexec.tree import TokenTree
 from specexec.decoding.uploads import upload
-from specexec.tuning.budget import BudgetTuner, CurveFit
+from specexec.tuning.budget import CurveFit
 from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
 
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
@@ -78,15 +75,16 @@ class Engine:
     def __init__(self, target: Transformer, draft: Transformer | None, config: EngineConfig,
                  builder: TreeBuilder | None, eos_ids: tuple[int, ...] = (),
                  profiler: Profiler | None = None, context: int | None = None,
-                 draft_kv_quant: str | None = None, tuner: BudgetTuner | None = None,
-                 experts: ExpertPasses | None = None) -> None:
+                 draft_kv_quant: str | None = None, tuner=None, experts=None,
+                 roster: type[Roster] = Roster) -> None:
         """context: the tokens (prompt + answer) a memory plan reserved KV cache for; the caches are then
         allocated for it at the first generate() (None: sized for each call's need, growing as it grows).
         draft_kv_quant: the draft cache's format when the plan chose one (None: config.kv_quant's).
         tuner: --budget auto's tuner, e.g. holding saved target costs (None: a fresh one; only used with
         config.auto_budget and a builder). experts: an MoE target's ExpertPasses (its costs and trim mode; None:
         one that learns and counts with every expert held). The builder's and the models' optional abilities
-        are checked here, once, and the step's companions built."""
+        are checked here, once; `roster` assembles the step's companions (companions/roster.Roster) from the
+        run's parts, tuner and experts."""
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         check_verifier(config.verifier)
@@ -103,22 +101,16 @@ class Engine:
         self._prefill_span: Span | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
         self._generated_from = 0        # where this generate() call's own tokens begin in _context
-        auto = config.auto_budget and builder is not None
-        self.tuner = (tuner if tuner is not None else BudgetTuner(config.budget)) if auto else None
         self.on_calibrated: Callable[[CurveFit], None] | None = None     # hears measured target pass costs
-        self.pilot = Pilot.for_engine(config, builder, self.tuner, self.profiler, self.prefill)   # --gate
+        self.roster = roster(target, draft, config, builder, self.profiler, self.prefill, tuner, experts)
+        self.tuner, self.pilot, self.feed = self.roster.tuner, self.roster.pilot, self.roster.feed
+        self.follows_costs = self.roster.cost_builder is not None          # width follows the cost ratio
         self.keeps_draft_probs = has(builder, KeepsDraftProbs)            # may be verified with rrs_wor
         self.observe_topk = int(builder.observe_topk or 0) if has(builder, LearnsFromTarget) else 0
-        self.follows_costs = has(builder, FollowsCosts)                   # width follows the cost ratio
         self.target_closes = has(target, Closes)
-        self.feed = (TargetFeed(target, draft) if isinstance(draft, Drafter) and builder is not None
-                     and builder.needs_draft else None)             # a drafter reads the target's passes
         if self.observe_topk:
             builder.bind(target.args.vocab_size, self.device)
         self.recurrent = any(s is not None for s in mixers.layer_states(target.args))   # a state cannot go back
-        self.experts = experts or (ExpertPasses(target.args, device=self.device) if target.args.moe else None)
-        if self.experts is not None and self.tuner is not None:     # the one cost model gains the MoE term
-            self.tuner.costs.experts = self.experts.expected_seconds
         self._trims = False                  # this call's drafted trees go through the companions' trim (generate)
         self._check_finite = False           # the next verification pass counts NaN/Inf (specexec/decoding/finite.py)
         self._constraint: Constraint | None = None   # this call's grammar (generate)
@@ -129,18 +121,22 @@ class Engine:
         self.neighbours = Neighbours(target.embed_tokens.weight, self.device)   # relaxed acceptance's, lazily
 
     @property
-    def experts(self) -> ExpertPasses | None:
-        """An MoE target's ExpertPasses (None: a dense target). Setting it (at construction, or a benchmark's
-        synthetic costs) makes the target record its routing and rebuilds the step's companions around it."""
-        return self._experts
+    def experts(self):
+        """An MoE target's ExpertPasses (None: a dense target); setting it goes to the roster (Roster.experts)."""
+        return self.roster.experts
 
     @experts.setter
-    def experts(self, experts: ExpertPasses | None) -> None:
-        self._experts = experts
-        if experts is not None:
-            experts.attach(self.target)
-        self.companions = engine_companions(self.target, self.draft, self.prefill, self.profiler, self.pilot,
-                                            self.tuner, experts, self.builder if self.follows_costs else None)
+    def experts(self, experts) -> None:
+        self.roster.experts = experts
+
+    @property
+    def companions(self) -> Companions:
+        """The hooks' members in their order (the roster's)."""
+        return self.roster.companions
+
+    @companions.setter
+    def companions(self, companions: Companions) -> None:
+        self.roster.companions = companions
 
     def _caches_for(self, total: int) -> tuple[KVCache, KVCache | None]:
         """Caches with room for `total` committed tokens plus what each model writes beyond them
@@ -213,7 +209,7 @@ class Engine:
         rule = self.rule_for(sampling, self._accept)
         self._trims = (self.companions.trims and self.builder is not None and not rule.needs_draft
                        and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
-        tell_taps(self.target, self.draft.taps if self.feed is not None else ())
+        self.feed.begin()                            # the target keeps the layers' inputs a drafter reads
         with torch.inference_mode():
             state = self._start(prompt_ids, limit, stats)
             generated: list[int] = []
@@ -258,15 +254,12 @@ class Engine:
         shared = prompt_passes.common_prefix(self._context, prompt_ids[:-1])
         self._context = list(prompt_ids)
         self._generated_from = len(prompt_ids)   # earlier turns kept in the cache are prompt, not generated
-        keep = target_cache.reusable(shared)
-        if draft_cache is not None and self.feed is not None:    # a drafter's rows lag the target's by one
-            keep = target_cache.reusable(self.feed.reusable(keep, draft_cache.length, len(prompt_ids)))
-            draft_cache.truncate(keep)
+        keep = self.feed.reusable(target_cache.reusable(shared), target_cache, draft_cache, len(prompt_ids))
         target_cache.truncate(keep)
         longrope.begin(self.target, target_cache, len(prompt_ids))
         stats.reused_tokens = target_cache.length
         stats.prompt_tokens = len(prompt_ids) - 1 - target_cache.length
-        draft = self._prefill_both(prompt_ids, shared, target_cache, draft_cache)
+        draft = self.feed.prefill(prompt_ids, shared, target_cache, draft_cache, self.prefill)
         if draft is not None:
             draft.constraint = self._constraint
         span.stop()                                  # CUDA: read at the end (_settle), never waited for here
@@ -277,28 +270,6 @@ class Engine:
         self.profiler.count(prompt_tokens=stats.prompt_tokens, reused_tokens=stats.reused_tokens)
         self.profiler.keep()
         return StepState(target_cache, draft)
-
-    def _prefill_both(self, prompt_ids: list[int], shared: int, target_cache: KVCache,
-                      draft_cache: KVCache | None) -> DraftState | None:
-        """The target prefills prompt[L:-1] (L = its cache's length); a drafter is fed from its rows as they
-        come, a draft model prefills its own part (unless the gate is off). -> the draft's state (None: none)."""
-        keep = target_cache.length
-        if draft_cache is not None and self.feed is not None:
-            draft, on_rows = self.feed.start(prompt_ids, keep, draft_cache, self.prefill, target_cache)
-            self.prefill(self.target, target_cache, prompt_ids[keep:-1], on_rows=on_rows)
-            target_cache.snapshot()                   # a recurrent state can return here (a later turn's prefix)
-            self.feed.finish_start(draft, prompt_ids)
-            return draft
-        self.prefill(self.target, target_cache, prompt_ids[keep:-1])
-        target_cache.snapshot()                       # a recurrent state can return here (the next turn's /retry)
-        if draft_cache is None:
-            return None
-        draft_cache.truncate(draft_cache.reusable(shared))
-        longrope.begin(self.draft, draft_cache, len(prompt_ids))
-        if self.pilot is None or self.pilot.drafting:     # gated off: it catches up when a probe starts
-            self.prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
-            draft_cache.snapshot()
-        return DraftState(self.draft, draft_cache, list(prompt_ids[draft_cache.length:]))
 
     def _calibrate(self, cache: KVCache) -> None:
         """Measure target pass seconds at a few tree sizes for a budget tuner that has no costs yet, and hand
@@ -373,12 +344,7 @@ class Engine:
             kept = self._constraint.commit(acc.tokens[:end])
             if kept is not None and kept < end:        # its library cannot follow further (constraint.py)
                 self._grammar_end = kept
-        if draft is not None:                           # the rule read the path's tokens and slots already
-            path = ([acc.root] + acc.tokens[:-1], acc.draft_slots) if acc.root >= 0 else (None, None)
-            if self.feed is not None:
-                self.feed.committed(draft, tree, acc.nodes, acc.tokens[-1], hidden, *path)
-            else:
-                draft.commit(tree, acc.nodes, acc.tokens[-1], None, *path)
+        self.feed.committed(draft, tree, acc, hidden)     # the draft's accepted rows (none without a draft)
 
     def _observe(self, tree: TokenTree, acc: Accepted, hidden: torch.Tensor) -> None:
         """Stage 4: the builder learns from the step: the target's top-k after every node (builders that
