@@ -88,6 +88,22 @@ def ref_shape(ref: TensorRef, stored: tuple[int, ...]) -> tuple[int, ...]:
     return shape
 
 
+WEIGHT_ALIGN = 64          # bytes: where every weight a model computes with starts (torch's CPU allocator's own)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous in memory that starts on a WEIGHT_ALIGN-byte boundary: t itself when it already is, else a
+    copy. A safetensors tensor read as stored is a view of the file's memory map at whatever offset its header
+    gave it (4-byte aligned at best), while a layer streamed from the layer cache sits in a slot at a multiple of
+    64 (offload/streaming/storage.py). A BLAS GEMV's rounding follows its weight's address (MKL's SSE/AVX2 paths,
+    which an AMD CPU runs, peel an unaligned head: a one-row product differs in the last bits), so a resident
+    weight must sit as a streamed one does for the two to compute alike, bit for bit."""
+    if t.is_contiguous() and t.data_ptr() % WEIGHT_ALIGN == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)          # the allocator's alignment (>= 64)
+    return out.copy_(t)
+
+
 def read_ref(source: Any, ref: TensorRef) -> torch.Tensor:
     """The tensor `ref` names, read from a checkpoint source (offload.formats.sources), contiguous."""
     if ref.plain:

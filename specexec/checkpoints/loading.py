@@ -21,7 +21,7 @@ import torch
 
 from offload.formats.checkpoint import CheckpointError, pickle_files
 from offload.formats.json_files import read_json
-from offload.formats.refs import TensorRef, read_ref, ref_shape
+from offload.formats.refs import TensorRef, aligned, read_ref, ref_shape
 from offload.formats.sources import CheckpointSource, is_gguf, open_source, tensor_specs
 
 from specexec.config import ModelArgs
@@ -194,10 +194,11 @@ def check_checkpoint(path: Path, args: ModelArgs, allow_pickle: bool = False) ->
 
 def read_state(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device,
                allow_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """Checked tensors (check_tensors) by model parameter name, cast to dtype on device, one tensor at a time."""
+    """Checked tensors (check_tensors) by model parameter name, cast to dtype on device, one tensor at a time,
+    each in 64-byte-aligned memory of its own (refs.aligned: as a streamed layer's, so both compute alike)."""
     source = _open_weights(path, allow_pickle)
     refs = check_tensors(path, source, args)
-    return {name: read_ref(source, ref).to(device=device, dtype=dtype) for name, ref in refs.items()}
+    return {name: aligned(read_ref(source, ref).to(device=device, dtype=dtype)) for name, ref in refs.items()}
 
 
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: str = "auto",

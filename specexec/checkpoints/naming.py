@@ -17,7 +17,7 @@ from torch import nn
 
 from offload.cache.identity import LayerNames
 from offload.formats.checkpoint import CheckpointError
-from offload.formats.refs import read_ref, ref_shape
+from offload.formats.refs import aligned, read_ref, ref_shape
 from offload.formats.sources import open_source
 
 from specexec.checkpoints.loading import check_tensors, expected_shapes
@@ -106,5 +106,5 @@ def read_resident(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch
         if ref_shape(ref, tuple(ckpt.shape(ref.name))) != shapes[name]:
             raise CheckpointError(f"{path}: {ref.describe()} has shape {list(ckpt.shape(ref.name))}, config.json "
                                   f"implies {list(shapes[name])}")
-        out[name] = read_ref(ckpt, ref).to(device="cpu" if name in host else device, dtype=dtype)
+        out[name] = aligned(read_ref(ckpt, ref).to(device="cpu" if name in host else device, dtype=dtype))
     return out

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from offload.formats.refs import TensorRef, read_ref, ref_shape
+from offload.formats.refs import TensorRef, aligned, read_ref, ref_shape
 from specexec.config import ModelArgs
 from specexec.network.drafter import Drafter, DrafterShape
 from specexec.network.model import Transformer
@@ -79,7 +79,7 @@ def load_layout(layout: Layout, target: Transformer, dtype: torch.dtype, device:
     state = {}
     for ours in expected(drafter, layout.shared):
         t = read_ref(layout.source, layout.refs[ours])
-        state[ours] = t.to(device=device, dtype=torch.long if ours in INDEX_BUFFERS else dtype)
+        state[ours] = aligned(t.to(device=device, dtype=torch.long if ours in INDEX_BUFFERS else dtype))
     drafter.load_state_dict(state, strict=False, assign=True)
     drafter.share(target, embed="embed_tokens" in layout.shared, head="lm_head" in layout.shared)
     drafter.init_rope(device)

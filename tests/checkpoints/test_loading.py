@@ -47,6 +47,34 @@ def test_load_model_matches_transformers_logits(tiny_model: Path) -> None:
     assert all(not p.requires_grad and p.dtype == torch.float32 for p in ours.parameters())
 
 
+def test_every_loaded_weight_sits_64_byte_aligned_as_a_streamed_one_does(tiny_minimax_m2: Path) -> None:
+    """A safetensors tensor read as stored is a view of the file's map at its header's offset; a BLAS GEMV's
+    rounding follows its weight's address (MKL's SSE/AVX2 paths, an AMD CPU's), so resident weights are copied
+    to 64-byte-aligned memory like a streamed layer's slot (offload.formats.refs.aligned): the two then compute
+    alike on any CPU (issue 55: the expert-cache bit-for-bit tests failed on an AMD EPYC)."""
+    from offload.formats.refs import WEIGHT_ALIGN
+    from specexec.checkpoints.loading import read_args
+    from specexec.checkpoints.naming import read_resident
+
+    model = load_model(tiny_minimax_m2, "cpu", "float32")
+    odd = [n for n, t in model.state_dict().items() if t.data_ptr() % WEIGHT_ALIGN]
+    assert not odd, odd[:3]
+    resident = read_resident(tiny_minimax_m2, read_args(tiny_minimax_m2), torch.float32, torch.device("cpu"))
+    assert all(t.data_ptr() % WEIGHT_ALIGN == 0 for t in resident.values())
+
+
+def test_aligned_copies_only_what_is_not() -> None:
+    from offload.formats.refs import aligned
+
+    buf = torch.arange(40, dtype=torch.float32)
+    view = buf[1:33].view(4, 8)                              # 4 bytes past the allocator's 64-byte boundary
+    out = aligned(view)
+    assert out.data_ptr() % 64 == 0 and torch.equal(out, view) and out.data_ptr() != view.data_ptr()
+    assert aligned(buf) is buf
+    t = torch.arange(12.0).view(3, 4).t()                    # not contiguous: a contiguous copy
+    assert aligned(t).is_contiguous() and torch.equal(aligned(t), t)
+
+
 def test_dtype_is_applied(tiny_llama: Path) -> None:
     model = load_model(tiny_llama, "cpu", "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

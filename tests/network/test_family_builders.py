@@ -131,6 +131,50 @@ def test_the_expert_cache_serves_a_tree_pass_bit_for_bit(family: Path, tmp_path:
         model.close()
 
 
+SSE_PASS = """
+import sys, torch
+from pathlib import Path
+from specexec.checkpoints.loading import load_model
+from specexec.network.model import TreeMask
+from specexec.tree import TokenTree
+from tests.network.model_reference import new_cache, prefill
+from tests.runtime.offloaded_models import offloaded
+path, root = Path(sys.argv[1]), Path(sys.argv[2])
+ref = load_model(path)
+model = offloaded(path, "none", ["ssd"] * ref.args.n_layers, root, expert_cache=3)
+g = torch.Generator().manual_seed(4)
+ids = torch.randint(7, 300, (9,), generator=g)
+tree = TokenTree.from_lists(torch.randint(7, 300, (10,), generator=g).tolist(), [-1, 0, 0, 1, 1, 2, 3, 3, 5, 6])
+out = []
+with torch.inference_mode():
+    for m in (model, ref):
+        cache = new_cache(m)
+        prefill(m, cache, ids)
+        L = cache.length
+        out.append(m.logits(m(tree.tokens[None], tree.positions(L)[None], TreeMask(L, tree.ancestor_mask()), cache)))
+model.close()
+print("equal" if torch.equal(*out) else f"differ {(out[0] - out[1]).abs().max().item():.3g}")
+"""
+
+
+@pytest.mark.slow          # a fresh interpreter (~10 s)
+@pytest.mark.skipif(not torch.backends.mkl.is_available() or __import__("platform").machine() != "x86_64",
+                    reason="emulates MKL's code path on an AMD CPU")
+def test_the_expert_cache_is_bit_for_bit_on_mkls_sse_path(tiny_minimax_m2: Path, tmp_path: Path) -> None:
+    """The test above under MKL's SSE4.2 kernels (what MKL runs on many non-Intel CPUs): its one-row GEMVs round
+    by the weight's address, so the resident model's weights must sit aligned as the streamed ones do (issue 55:
+    it failed on an AMD EPYC while passing on Intel's AVX-512 path)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "PYTHONPATH": str(Path(__file__).parents[2])}
+    run = subprocess.run([sys.executable, "-c", SSE_PASS, str(tiny_minimax_m2), str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "equal"
+
+
 # ------------------------------------------------------------------------ GLM's next-token-prediction layer
 
 def with_mtp_layer(src: Path, dest: Path, index: int) -> Path:
