@@ -29,6 +29,7 @@ from cli.bench.components import attention as bench_attention
 from cli.bench.components import decode as bench_decode
 from cli.bench.components import hybrid as bench_hybrid
 from cli.bench import builders as bench_builders
+from cli.bench import serve as bench_serve
 from cli.bench.components import kernels as bench_kernels
 from cli.bench.components import moe as bench_moe
 from cli.bench.components import stream as bench_stream
@@ -41,7 +42,7 @@ COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
 # A plain `specexec bench --model ...` (no name) is the end-to-end benchmark, cli/bench/main.py.
 BENCH_COMMANDS = (bench_builders, bench_accept, bench_relaxed, bench_stream, bench_attention, bench_kernels,
-                  bench_decode, bench_moe, bench_hybrid)
+                  bench_decode, bench_moe, bench_hybrid, bench_serve)
 
 
 class Parser(argparse.ArgumentParser):

@@ -9,8 +9,8 @@ as JSON or server-sent events (specexec/serving/chat_stream.py, response_stream.
 `x-api-key: KEY` (401 otherwise). Each request is read (at most max_body bytes),
 checked and tokenized on the event loop's side (tokenizing on one helper thread), then queued: the engine runs
 on the queue's worker threads (--parallel of them), so the loop stays free to answer /health, /metrics and new
-requests while generations run. A client that disconnects (streamed or not) cancels its job: a waiting one leaves the queue at
-once, a running one stops at its next step. Every failure is an OpenAI-style JSON error body: 4xx for the
+requests while generations run. A client that disconnects (streamed or not) cancels its job: a waiting one
+leaves the queue at once, a running one stops at its next step. Every failure is an OpenAI-style JSON error body: 4xx for the
 client's mistakes, 500 only for bugs, and the server lives on. With an access_log, one line per request:
 method, path, status, generated tokens, its wait for the worker, seconds, the queue's depth (a stream's when
 it ends; 499 when its client left). /metrics counts the wait (specexec_queue_wait_seconds_total, the mean, the

@@ -58,10 +58,10 @@ class Call:
 
 
 def why_not(model: object) -> str | None:
-    """None when forest_forward batches this model's passes; else why not, in a few words."""
+    """None when forest_forward batches this model's passes; else why not, in a few words that follow "it has"."""
     if not isinstance(model, Transformer) or (type(model).forward is not Transformer.forward
                                               and not hasattr(model, "begin_pass")):
-        return f"a {type(model).__name__} is not a plain decoder stack"
+        return f"no plain decoder stack (a {type(model).__name__})"
     a = model.args
     if a.moe is not None:
         return "a mixture of experts (its routing is learned per request)"

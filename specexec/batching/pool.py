@@ -47,7 +47,7 @@ class SeatPool:
         engine = runtime.engine
         problem = pass_why_not(engine.target)
         if problem is not None:
-            return f"the target has {problem}" if not problem.startswith("a ") else problem
+            return f"the target has {problem}"
         draft = engine.draft
         if draft is not None and engine.builder is not None and engine.builder.needs_draft:
             if isinstance(draft, SelfDraft) or (isinstance(draft, Transformer)
@@ -92,7 +92,7 @@ class Seating:
     def line(self) -> str:
         """The serve start line."""
         if self.why_not is not None:
-            return f"parallel: 1 request at a time ({self.why_not}); more requests queue"
+            return f"parallel: 1 request at a time, as {self.why_not}; more requests queue"
         each = f"{_mb(self.per_request)} each (target KV {_mb(self.target_kv)}" + (
             f" + draft KV {_mb(self.draft_kv)}" if self.draft_kv else "") + f" at {self.context} tokens)"
         return (f"parallel: {self.parallel} requests share each pass; {each}; {self.fits} fit in the "
