@@ -34,7 +34,7 @@ from specexec.options import (
     parse_draft_vocab)
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.loaders import ModelInfo
-from specexec.verify import verifier_names
+from specexec.acceptance.rules import verifier_names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

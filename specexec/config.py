@@ -237,7 +237,7 @@ class Acceptance:
     """How drafted tokens are judged (--accept). "exact": the acceptance rules keep the target's output (greedy
     equal to the target alone, sampling its distribution). "relaxed": LOSSY, opt-in, labelled wherever it shows: a
     drafted token also passes when the target's mass on its `k` nearest tokens (input-embedding cosine), moved onto
-    it, keeps the total variation from the target's distribution at each node <= `delta` (specexec/relaxed.py,
+    it, keeps the total variation from the target's distribution at each node <= `delta` (specexec/acceptance/relaxed.py,
     docs/algorithms.md §32). delta and k mean nothing in exact mode."""
 
     mode: str = "exact"
@@ -287,7 +287,7 @@ class EngineConfig:
     kv_quant: str = "none"          # --kv-quant: "int8" stores KV rows quantized (LOSSY; never in an exactness claim)
     expert_trim: str = "experts"    # --expert-trim: a streamed MoE target verifies the nodes worth their experts
     gate: str = "auto"              # --gate: drafting stops while the target alone is faster (auto: with auto_budget)
-    accept: Acceptance = EXACT      # --accept: exact, or relaxed (LOSSY, labelled: specexec/relaxed.py)
+    accept: Acceptance = EXACT      # --accept: exact, or relaxed (LOSSY, labelled: specexec/acceptance/relaxed.py)
 
     def __post_init__(self) -> None:
         check_number("budget", self.budget, low=1, high=MAX_BUDGET)

@@ -110,7 +110,7 @@ EXPERT_MODES = ("stream", "cpu", "auto")
 
 # --accept: how drafted tokens are judged. exact: every rule keeps the target's output (the default); relaxed: LOSSY,
 # LANTERN's latent-proximity rule within a total-variation budget delta over the k nearest tokens by input-embedding
-# cosine (specexec/relaxed.py). Defaults of relaxed's two parameters:
+# cosine (specexec/acceptance/relaxed.py). Defaults of relaxed's two parameters:
 ACCEPT_MODES = ("exact", "relaxed")
 RELAXED_DELTA = 0.1
 RELAXED_K = 10
@@ -173,7 +173,7 @@ def check_experts(value: Any) -> None:
 
 # Choice flag -> where its accepted values are registered. Flags, --help text, validation and error messages
 # all call choices(); no other module lists these names. --builder and --verifier are not here: their
-# registries (specexec.builders.registry.names(), specexec.verify.verifier_names()) import the configs, so
+# registries (specexec.builders.registry.names(), specexec.acceptance.rules.verifier_names()) import the configs, so
 # their names are checked where those registries are used (make_builder, the Engine, Runtime.load), never by
 # a config under construction (which would import torch and every builder, and close an import cycle).
 _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {

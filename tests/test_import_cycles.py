@@ -76,5 +76,5 @@ def test_the_planner_never_reaches_the_engine_and_the_configs_no_builder() -> No
         assert not bad, f"{module} reaches {sorted(bad)}"
     for module in ("specexec.config", "specexec.options"):
         bad = {m for m in _reach(graph, module)
-               if m.startswith("specexec.builders") or m in ("specexec.verify", "specexec.network.model", "specexec.decoding.engine")}
+               if m.startswith("specexec.builders") or m in ("specexec.acceptance.rules", "specexec.network.model", "specexec.decoding.engine")}
         assert not bad, f"{module} reaches {sorted(bad)}"

@@ -12,7 +12,7 @@ share of completions that pass their problem's tests, run in a child process (cl
 Problems are completed raw (no chat template: the prompt is the code to continue) and end at HumanEval's stop
 sequences or --max-new-tokens, whichever comes first.
 
-Does not know: how relaxed acceptance works (specexec/relaxed.py), how tests run (code_tasks.py).
+Does not know: how relaxed acceptance works (specexec/acceptance/relaxed.py), how tests run (code_tasks.py).
 """
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ from specexec.serving.anthropic_stream import MessagesStream
 from specexec.serving.chat_stream import ChatStream, apply, finish_choices
 from specexec.serving.response_stream import ResponseStream
 from specexec.runtime.assembly import Runtime
-from specexec.relaxed import check_relaxed
+from specexec.acceptance.relaxed import check_relaxed
 from specexec.serving.queue import End, Failed, GenerationQueue, QueueFull, Ticket
 
 Handler = Callable[[Request], Awaitable[Response]]

@@ -35,7 +35,7 @@ from specexec.network.model import Transformer
 from specexec.decoding.prompt_passes import RowListener
 from specexec.decoding.uploads import upload
 from specexec.tree import TokenTree
-from specexec.verify import Accepted
+from specexec.acceptance.rules import Accepted
 
 
 def tell_taps(target: Transformer, taps: tuple[int, ...]) -> None:

@@ -25,7 +25,7 @@ from specexec.abilities import has
 from specexec.builders.base import DraftState
 from specexec.kv.cache import KVCache
 from specexec.tree import TokenTree
-from specexec.verify import Accepted
+from specexec.acceptance.rules import Accepted
 
 
 @dataclass

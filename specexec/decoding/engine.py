@@ -41,13 +41,13 @@ from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.model import Closes, MakesCache, Transformer, TreeMask
 from specexec.options import ConfigError
 from specexec.profiler import Profiler, Span
-from specexec.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
+from specexec.acceptance.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import make_generator
 from specexec.tree import TokenTree
 from specexec.decoding.uploads import upload
 from specexec.tuning.budget import CurveFit
-from specexec.verify import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
+from specexec.acceptance.rules import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
 
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
 
@@ -194,7 +194,7 @@ class Engine:
         the number of tokens to keep. Stats accumulate in self.stats. constraint: a grammar masking draft and
         target alike (specexec/constraint.py), fresh for this call. logprobs: record each generated token's
         target log-prob and its `logprobs` best alternatives in self.logprobs (None: record nothing).
-        accept: this call's acceptance (None: config.accept; relaxed is LOSSY, specexec/relaxed.py)."""
+        accept: this call's acceptance (None: config.accept; relaxed is LOSSY, specexec/acceptance/relaxed.py)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         limit = max_new_tokens or self.config.max_new_tokens

@@ -14,11 +14,11 @@ import torch
 from specexec.config import SamplingParams
 from specexec.generation import TokenLogprob
 from specexec.network.model import LOGIT_CHUNK, Transformer
-from specexec.relaxed import Relaxation
+from specexec.acceptance.relaxed import Relaxation
 from specexec.sampling import greedy, is_plain, node_histories, process_logits, sample
 from specexec.tree import TokenTree
 from specexec.decoding.uploads import upload
-from specexec.verify import Accepted
+from specexec.acceptance.rules import Accepted
 
 
 def histories(tree: TokenTree, L: int, sampling: SamplingParams, context: list[int], generated_from: int,

@@ -32,7 +32,7 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   stream's cuBLAS workspace (CUBLAS_WORKSPACE, sm90's size) and the graphs' memory pool, which holds the
   transients of the widest captured pass apart from the eager allocator's (one draft pass of its rows).
 - relaxed neighbours (--accept relaxed only): each token's k nearest tokens by input-embedding cosine, int32
-  [V, k], plus a filled flag per token (specexec/relaxed.py Neighbours.bytes_for).
+  [V, k], plus a filled flag per token (specexec/acceptance/relaxed.py Neighbours.bytes_for).
 - resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
 
 Does not know: budgets, tiers or which plan is best (ledger.py and offload/planner.py decide), checkpoints.

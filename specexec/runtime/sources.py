@@ -19,7 +19,7 @@ from specexec.drafters.registry import MODEL, SELF, DraftSpec, parse_draft
 from specexec.options import ConfigError, check_device
 from specexec.planning.run_shape import SelfDraftShape
 from specexec.runtime.self_draft import self_draft_shape
-from specexec.verify import check_verifier
+from specexec.acceptance.rules import check_verifier
 
 
 @dataclass(frozen=True)

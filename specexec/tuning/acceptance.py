@@ -37,7 +37,7 @@ from specexec.options import ConfigError
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
 from specexec.tuning.store import read_json, store_path, write_json
-from specexec.verify import accept_rrs_without_replacement
+from specexec.acceptance.rules import accept_rrs_without_replacement
 
 POSITIONS = 16           # length of a measured vector (children per node the static shape may use)
 

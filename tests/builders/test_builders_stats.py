@@ -24,7 +24,7 @@ from specexec.builders.static import StaticBuilder
 from specexec.config import SamplingParams
 from specexec.sampling import make_generator, process_logits, sample
 from specexec.tree import TokenTree
-from specexec.verify import RULES, accept_greedy, default_rule, exact_rules_for
+from specexec.acceptance.rules import RULES, accept_greedy, default_rule, exact_rules_for
 from tests.sampling.chi2 import chi2_pvalue
 
 V, ROOT, BUDGET = 10, 3, 6

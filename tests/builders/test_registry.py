@@ -19,7 +19,8 @@ from cli.bench.builders import parse_builders
 from cli.main import build_parser
 from offload import memory_plan
 from offload.quant import weights
-from specexec import options, verify
+from specexec import options
+from specexec.acceptance import rules as verify
 from specexec.builders import registry
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.options import ConfigError, choices
@@ -172,7 +173,7 @@ def _name_lists(path: Path) -> tuple[tuple[int, frozenset[str]], ...]:
 
 def _registries() -> list[tuple[str, set[str], str | None]]:
     return [("builders", set(registry.names()), None),       # each builder names itself, in its own module
-            ("verify.RULES", set(verify.RULES), "specexec/verify.py"),
+            ("verify.RULES", set(verify.RULES), "specexec/acceptance/rules.py"),
             ("quant FORMATS", set(weights.FORMATS), "offload/quant/weights.py"),
             ("OFFLOAD_MODES", set(memory_plan.OFFLOAD_MODES), "offload/memory_plan.py"),
             ("COMPANION_MODES", set(memory_plan.COMPANION_MODES), "offload/memory_plan.py"),

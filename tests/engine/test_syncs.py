@@ -15,7 +15,7 @@ from specexec.decoding.engine import Engine
 from specexec.kv.cache import KVCache
 from specexec.network.attention import TreeMask
 from specexec.builders.registry import make_builder
-from specexec.verify import default_rule
+from specexec.acceptance.rules import default_rule
 from specexec.tree import TokenTree, best_nodes
 from specexec.decoding.uploads import upload
 from tests.sync_count import SyncCounter, count_calls

@@ -23,7 +23,7 @@ from specexec.config import SamplingParams  # noqa: E402
 from specexec.kv.cache import KVCache  # noqa: E402
 from specexec.sampling import process_logits  # noqa: E402
 from specexec.tree import TokenTree  # noqa: E402
-from specexec.verify import RULES, Accepted  # noqa: E402
+from specexec.acceptance.rules import RULES, Accepted  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from specexec.checkpoints.loading import load_model
 from specexec.config import EXACT, Acceptance, EngineConfig, SamplingParams
 from specexec.decoding.engine import Engine
 from specexec.options import ConfigError
-from specexec.relaxed import Neighbours, Relaxation
+from specexec.acceptance.relaxed import Neighbours, Relaxation
 from specexec.tree import TokenTree
 from specexec.tuning.acceptance import position_log_probs
 from tests.tiny_models import prompt

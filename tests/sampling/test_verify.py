@@ -1,4 +1,4 @@
-"""specexec.verify: greedy matching on hand-built trees, and exactness of the sampling rules checked
+"""specexec.acceptance.rules: greedy matching on hand-built trees, and exactness of the sampling rules checked
 statistically on a toy Markov target/draft (docs/algorithms.md §18), with negative controls that must fail."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Callable
 import pytest
 import torch
 
-from specexec import verify as verify_module
+from specexec.acceptance import rules as verify_module
 from specexec.config import SamplingParams
 from specexec.sampling import gumbel_topk, make_generator, probs, sample
 from specexec.tree import TokenTree
-from specexec.verify import (RULES, Accepted, accept_greedy, accept_rrs_deterministic,
+from specexec.acceptance.rules import (RULES, Accepted, accept_greedy, accept_rrs_deterministic,
                              accept_rrs_without_replacement, default_rule, exact_rules_for)
 from tests.sampling.chi2 import chi2_pvalue
 

@@ -35,7 +35,7 @@ ProbsFn = Callable[[int], Tensor]          # node -> processed probabilities [V]
 class Accepted:
     """nodes: accepted tree nodes root -> deepest (node 0 included); tokens: the accepted non-root nodes'
     tokens followed by ONE bonus token from the target (so len(tokens) == len(nodes)). relaxed: under relaxed
-    acceptance (specexec/relaxed.py), per token whether it differs from what exact acceptance chose at its node
+    acceptance (specexec/acceptance/relaxed.py), per token whether it differs from what exact acceptance chose at its node
     (empty: an exact rule). Read in the rule's one transfer to the host, so the step needs no other: root, the
     root's token; depth, the tree's largest depth; draft_slots, tree.draft_slots at `nodes` (None without them)."""
 

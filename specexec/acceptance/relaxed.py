@@ -31,7 +31,7 @@ from specexec.config import Acceptance, SamplingParams
 from specexec.options import ConfigError
 from specexec.tree import TokenTree
 from specexec.decoding.uploads import upload
-from specexec.verify import Accepted, accept_greedy
+from specexec.acceptance.rules import Accepted, accept_greedy
 
 ROW_CHUNK = 16384           # embedding rows compared at once while filling neighbours ([n, 16k] fp32 scores)
 
