@@ -1,11 +1,13 @@
 """A chat request's conversation: `messages` checked and put in the form the model's chat template takes
-(text content; an assistant's tool_calls with their arguments as objects; a tool message's tool_call_id), and
+(text content; an assistant's tool_calls with their arguments as objects; a tool message's tool_call_id, which
+must name a call of the assistant message before it, as OpenAI requires), and
 encoded to prompt ids through that template, with the request's tools when it has some.
 
 Does not know: HTTP, sampling fields (specexec/serving/openai_api.py), tool formats (specexec/serving/tools.py).
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from specexec.options import ConfigError
@@ -40,13 +42,33 @@ def parse_messages(body: dict) -> list[dict]:
         raise ApiError("'messages' must be a non-empty array of {'role', 'content'} objects", param="messages",
                        code="invalid_value")
     out = []
+    calls: list | None = None               # the ids of the tool calls the tool messages here may answer
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(f"messages[{i}] must be an object whose 'role' is one of {', '.join(ROLES)}",
                            param=f"messages[{i}]", code="invalid_value")
         role = "system" if m["role"] == "developer" else m["role"]
+        if role == "tool":
+            _check_answer(m, i, calls)
+        elif role == "assistant" and m.get("tool_calls"):
+            calls = [c.get("id") for c in m["tool_calls"] if isinstance(c, dict)] if isinstance(
+                m["tool_calls"], list) else []
+        else:
+            calls = None
         out.append(chat_message({**m, "role": role, "content": _content_text(m.get("content"), i)}, i))
     return out
+
+
+def _check_answer(m: dict, i: int, calls: list | None) -> None:
+    """A tool message answers one call of the assistant message before it (tool messages between), as OpenAI
+    requires: a 400 otherwise."""
+    if calls is None:
+        raise ApiError(f"messages[{i}]: a message with role 'tool' must answer a preceding assistant message with "
+                       "'tool_calls'", param=f"messages[{i}].role", code="invalid_value")
+    if m.get("tool_call_id") not in calls:
+        raise ApiError(f"messages[{i}].tool_call_id {json.dumps(m.get('tool_call_id'))} matches no call of the "
+                       f"assistant message before it (its calls: {', '.join(map(json.dumps, calls)) or 'none'})",
+                       param=f"messages[{i}].tool_call_id", code="invalid_value")
 
 
 def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

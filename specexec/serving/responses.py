@@ -6,7 +6,8 @@ Requests (`read_request`): `input` (a string: one user message; or an item list:
 message first) become `messages`; function tools ({"type": "function", "name", "parameters"}) become chat
 tools, `tool_choice` {"type": "function", "name"} a named function; `text.format` (text, json_object,
 json_schema with its `schema` beside `name`) becomes `response_format`; `max_output_tokens` becomes
-max_tokens; `include: ["message.output_text.logprobs"]` (with `top_logprobs`) asks for log-probs. The rest of
+max_tokens; `include: ["message.output_text.logprobs"]` (with `top_logprobs`) asks for log-probs (OpenAI's
+other include values add nothing here; an unknown one is a 400, as is a `text` that is not an object). The rest of
 the checks are the chat path's (specexec/serving/openai_api.py, messages.py, tools.py, structured.py); their
 errors are renamed to the Responses fields (`rename_error`). Nothing is stored: `store` is answered false and
 `previous_response_id` / `conversation` are a 400 that says to send the conversation as input items. Tools
@@ -31,6 +32,11 @@ from typing import Any
 from specexec.serving import openai_api as api
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's `include` values: the log-probs are this server's; the others name outputs of tools and stored state
+# it has none of, so they add nothing; any other value is a 400, as OpenAI answers it
+INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+            "web_search_call.action.sources", "message.input_image.image_url",
+            "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 PART_TYPES = ("input_text", "output_text", "text")
 # fields passed to the chat path unchanged (sampling, logit_bias, model, the acceptance rule)
 PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -144,7 +150,10 @@ def _format(body: dict) -> dict | None:
     text = body.get("text")
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise _bad("'text' must be an object, e.g. {'format': {'type': 'json_schema', 'name', 'schema'}}", "text",
+                   "invalid_type")
+    fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -158,6 +167,10 @@ def _logprobs(body: dict) -> dict:
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
         raise _bad("'include' must be an array of strings", "include", "invalid_type")
+    for i, x in enumerate(include):
+        if x not in INCLUDES:
+            raise _bad(f"include[{i}]: {json.dumps(x)} is not one of OpenAI's values ({', '.join(INCLUDES)})",
+                       f"include[{i}]")
     if LOGPROBS_INCLUDE not in include:
         return {}
     return {"logprobs": True, "top_logprobs": body.get("top_logprobs") or 0}

@@ -66,6 +66,10 @@ def _function(tool: object, i: int) -> dict:
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise _bad(f"tools[{i}].function.parameters must be a JSON schema object")
+    if params and params.get("type") != "object":           # OpenAI's rule: the arguments are one JSON object
+        got = f"type: {json.dumps(params['type'])}" if "type" in params else f"no type ({', '.join(sorted(params))})"
+        raise _bad(f"tools[{i}].function.parameters of {fn['name']!r} must be a JSON schema of type 'object' "
+                   f"(got {got}): a call's arguments are a JSON object")
     return {"type": "function", "function": {**fn, "parameters": params}}
 
 

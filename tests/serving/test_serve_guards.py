@@ -1,8 +1,10 @@
-"""Bad input that used to reach an internal error through `specexec serve` (issue 55), on loopback with the tiny
-hermes-template pair (conftest.tool_server): a schema beyond the grammar library's limits is a 400 naming the
+"""Bad input that used to reach an internal error, or pass where OpenAI refuses it, through `specexec serve`
+(issue 55), on loopback with the tiny hermes-template pair (conftest.tool_server): a schema beyond the grammar library's limits is a 400 naming the
 limit before anything is generated (chat and Responses, streamed or not, response formats and forced tool
 calls), and a limit met only while generating ends the answer cleanly (finish_reason "length", the library's
-message in the `specexec` extension), never a 500."""
+message in the `specexec` extension), never a 500; a tool's parameters that are not an object schema, a tool
+message that answers no call before it, a `text` that is not an object and an unknown `include` in Responses
+are 400s, as OpenAI answers them."""
 from __future__ import annotations
 
 import pytest
@@ -75,3 +77,55 @@ def test_a_limit_met_while_generating_ends_the_answer_cleanly(tool_url) -> None:
     assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith('{"first_property_name')
     assert reply["usage"]["completion_tokens"] < 96
     assert "max is 2000" in reply["specexec"]["choices"][0]["grammar"]["limit"]
+
+
+@pytest.mark.parametrize("params", [{"enum": ["a", "b"]}, {"type": "string"}, {"type": "array", "items": {}},
+                                    [{"type": "object"}]], ids=["enum", "string", "array", "a list"])
+def test_a_tools_parameters_must_be_an_object_schema(tool_url, params) -> None:
+    chat = {**tool_body({}, False), "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]}
+    status, reply = raw(tool_url, "POST", "/v1/chat/completions", chat)
+    assert status == 400 and reply["error"]["param"] == "tools", reply
+    assert "object" in reply["error"]["message"]
+    body = {"model": TOOL_MODEL, "input": "x", "tools": [{"type": "function", "name": "f", "parameters": params}],
+            "tool_choice": "required"}
+    status, reply = raw(tool_url, "POST", "/v1/responses", body)
+    assert status == 400 and reply["error"]["param"] == "tools", reply
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "tool", "tool_call_id": "call_1", "content": "x"}, *USER], "messages[0].role"),
+    ([*USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}], "messages[1].role"),
+    ([*USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_2", "content": "x"}],
+     "messages[2].tool_call_id"),
+    ([*USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+      *USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}], "messages[4].role")],
+    ids=["tool first", "no call before", "no matching id", "after a user turn"])
+def test_a_tool_message_must_answer_a_call_before_it(tool_url, messages: list, param: str) -> None:
+    status, reply = raw(tool_url, "POST", "/v1/chat/completions",
+                        {"model": TOOL_MODEL, "messages": messages, "max_tokens": 2})
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_a_tool_message_answering_its_call_passes(tool_url) -> None:
+    messages = [*USER, {"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "call_2"}]},
+                {"role": "tool", "tool_call_id": "call_2", "content": "x"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "y"}]
+    status, reply = raw(tool_url, "POST", "/v1/chat/completions",
+                        {"model": TOOL_MODEL, "messages": messages, "max_tokens": 2})
+    assert status == 200, reply
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"text": "json"}, "text"), ({"include": ["message.output_text.everything"]}, "include[0]"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input")],
+    ids=["text as a string", "unknown include", "an output with no call"])
+def test_responses_is_as_strict_as_openai(tool_url, extra: dict, param: str) -> None:
+    status, reply = raw(tool_url, "POST", "/v1/responses", {"model": TOOL_MODEL, "input": "x", **extra})
+    assert status == 400 and reply["error"]["param"] == param, reply
+    include = ["reasoning.encrypted_content", "message.output_text.logprobs"]     # OpenAI's: accepted
+    status, reply = raw(tool_url, "POST", "/v1/responses", {"model": TOOL_MODEL, "input": "x", "include": include,
+                                                            "max_output_tokens": 2})
+    assert status == 200, reply
