@@ -15,9 +15,10 @@ from typing import Any
 
 from specexec.layer_shapes import (  # noqa: F401  (re-exported: the configs' one import)
     EXPERT_ACTIVATIONS, LAYER_TYPES, LINEAR_LAYOUTS, MLP_ACTS, ROUTERS, LatentArgs, LayerKind, LinearArgs, MoEArgs)
+from specexec.acceptance.parsing import RELAXED_DELTA, RELAXED_K, check_accept, parse_accept
 from specexec.options import (
-    DTYPES, MAX_BUDGET, RELAXED_DELTA, RELAXED_K, ConfigError, check_accept, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
-    check_experts, choice_error, parse_accept, parse_draft_layers, parse_size)
+    DTYPES, MAX_BUDGET, ConfigError, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
+    check_experts, choice_error, parse_draft_layers, parse_size)
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ class Acceptance:
 
     @classmethod
     def parse(cls, text: str) -> "Acceptance":
-        """From --accept's text: exact | relaxed[:delta=D,k=K] (options.parse_accept)."""
+        """From --accept's text: exact | relaxed[:delta=D,k=K] (acceptance/parsing.parse_accept)."""
         return cls(*parse_accept(text))
 
     @property

@@ -38,11 +38,14 @@ class ConfigError(ValueError):
         return _about(name, self.value, str(self).replace(self.subject, name, 1))
 
 
-def _about(subject: str, value: Any, message: str) -> ConfigError:
-    """A ConfigError about `subject`'s `value`."""
+def about(subject: str, value: Any, message: str) -> ConfigError:
+    """A ConfigError about `subject`'s `value` (the setting it names travels with it: `subject`)."""
     error = ConfigError(message)
     error.subject, error.value = subject, value
     return error
+
+
+_about = about
 
 
 def choice_error(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> ConfigError:
@@ -108,47 +111,6 @@ GATE_MODES = ("auto", "on", "off")
 EXPERT_MODES = ("stream", "cpu", "auto")
 
 
-# --accept: how drafted tokens are judged. exact: every rule keeps the target's output (the default); relaxed: LOSSY,
-# LANTERN's latent-proximity rule within a total-variation budget delta over the k nearest tokens by input-embedding
-# cosine (specexec/acceptance/relaxed.py). Defaults of relaxed's two parameters:
-ACCEPT_MODES = ("exact", "relaxed")
-RELAXED_DELTA = 0.1
-RELAXED_K = 10
-
-
-def parse_accept(text: str) -> tuple[str, float, int]:
-    """'exact' | 'relaxed' | 'relaxed:delta=D,k=K' (either or both, any order) -> (mode, delta, k), checked: delta in
-    [0, 1], k >= 1 (its upper bound, the vocabulary, is the model's: the engine checks it). ConfigError naming
-    the value and what to write for anything else."""
-    raw = str(text).strip()
-    mode, sep, rest = raw.partition(":")
-    if mode not in ACCEPT_MODES or (sep and mode != "relaxed"):
-        raise _about("--accept", text, f"unknown --accept {text!r}; choose one of: exact, relaxed, "
-                     "relaxed:delta=D,k=K (e.g. relaxed:delta=0.1,k=10)")
-    values: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))) if sep else ():
-        key, eq, value = part.partition("=")
-        if not eq or key.strip() not in ("delta", "k") or key.strip() in values:
-            raise _about("--accept", text, f"--accept {text!r}: write relaxed:delta=D,k=K (each at most once), "
-                         f"not {part!r}")
-        values[key.strip()] = value.strip()
-    try:
-        delta = float(values.get("delta", RELAXED_DELTA))
-        k = int(values.get("k", RELAXED_K))
-    except ValueError:
-        raise _about("--accept", text, f"--accept {text!r}: delta must be a number in [0, 1] and k a whole "
-                     "number >= 1") from None
-    check_accept(mode, delta, k)
-    return mode, delta, k
-
-
-def check_accept(mode: str, delta: Any, k: Any) -> None:
-    """ConfigError unless (mode, delta, k) is an --accept value: delta in [0, 1], k >= 1."""
-    check_choice("--accept", mode, ACCEPT_MODES)
-    check_number("--accept delta", delta, low=0.0, high=1.0)
-    check_integer("--accept k", k, low=1, high=10**7)
-
-
 def parse_experts(text: str) -> tuple[str, int | None]:
     """'stream' | 'cpu' | 'cpu:N' | 'auto' -> (mode, N or None: every eligible layer). ValueError (one line
     naming the value and what to write) for anything else."""
@@ -185,7 +147,6 @@ _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "--kv-offload": lambda: memory_plan.COMPANION_MODES,   # where streamed layers' KV rows live
     "--expert-trim": lambda: TRIM_MODES,
     "--gate": lambda: GATE_MODES,
-    "--accept": lambda: ACCEPT_MODES,
 }
 
 

@@ -49,7 +49,6 @@ from specexec.serving.anthropic_stream import MessagesStream
 from specexec.serving.chat_stream import ChatStream, apply, finish_choices
 from specexec.serving.response_stream import ResponseStream
 from specexec.runtime.assembly import Runtime
-from specexec.acceptance.relaxed import check_relaxed
 from specexec.serving.queue import End, Failed, GenerationQueue, QueueFull, Ticket
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -263,10 +262,8 @@ class Server:
                                "(specexec serve --max-choices)", param="n", code="too_many_choices")
         try:
             self.runtime.engine.rule_for(job.sampling, job.accept)   # e.g. a verifier not exact at T > 0
-            check_relaxed(job.accept, self.vocab_size, self.runtime.engine.builder is not None,
-                          self.runtime.engine.config.verifier)
         except ConfigError as e:
-            param = "accept" if "--accept" in str(e) else "temperature"
+            param = "accept" if e.subject == "--accept" else "temperature"
             raise api.ApiError(str(e), param=param, code="invalid_value") from None
         try:
             ticket = self.queue.submit(job)

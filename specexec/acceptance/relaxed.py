@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from specexec.config import Acceptance, SamplingParams
-from specexec.options import ConfigError
+from specexec.options import about
 from specexec.tree import TokenTree
 from specexec.decoding.uploads import upload
 from specexec.acceptance.rules import Accepted, accept_greedy
@@ -37,17 +37,18 @@ ROW_CHUNK = 16384           # embedding rows compared at once while filling neig
 
 
 def check_relaxed(accept: Acceptance, vocab_size: int, has_builder: bool, verifier: str = "auto") -> None:
-    """ConfigError (one line) when `accept` cannot run here: k must leave the token itself out of the vocabulary
-    (k <= V - 1), something must draft, and the verifier must be one relaxed acceptance runs on (auto or
-    sample_match: refused at the start, whatever temperature a later request asks for)."""
+    """ConfigError (one line, about "--accept") when `accept` cannot run here: k must leave the token itself out
+    of the vocabulary (k <= V - 1), something must draft, and the verifier must be one relaxed acceptance runs on
+    (auto or sample_match: refused at the start, whatever temperature a later request asks for). Its one caller
+    is acceptance/choice.rule_for."""
     if not accept.relaxed:
         return
     if accept.k > vocab_size - 1:
-        raise ConfigError(f"--accept {accept.label}: k={accept.k} is above the target's vocabulary of {vocab_size} "
-                          f"tokens (a token's neighbours leave it out: k <= {vocab_size - 1})")
+        raise about("--accept", accept.label, f"--accept {accept.label}: k={accept.k} is above the target's "
+                    f"vocabulary of {vocab_size} tokens (a token's neighbours leave it out: k <= {vocab_size - 1})")
     if not has_builder:
-        raise ConfigError(f"--accept {accept.label} relaxes the check of drafted tokens, and nothing drafts here "
-                          "(--no-draft): drop one of the two")
+        raise about("--accept", accept.label, f"--accept {accept.label} relaxes the check of drafted tokens, and "
+                    "nothing drafts here (--no-draft): drop one of the two")
     _check_rule(verifier)
 
 
@@ -64,8 +65,8 @@ def _check_rule(verifier: str) -> None:
     why = {"rrs_wor": "divides by the draft's q, which can amplify the moved mass far past delta",
            "greedy": "is exact at temperature 0 only"}.get(verifier,
                                                             "is equal in law to sample_match on the trees it is exact for")
-    raise ConfigError(f"--accept relaxed runs on the greedy and sample_match rules; --verifier {verifier} {why}: "
-                      "use --verifier sample_match (or auto)")
+    raise about("--accept", "relaxed", f"--accept relaxed runs on the greedy and sample_match rules; --verifier "
+                f"{verifier} {why}: use --verifier sample_match (or auto)")
 
 
 class Neighbours:
@@ -84,8 +85,14 @@ class Neighbours:
         return self.embedding.shape[0]
 
     def bytes_for(self, k: int) -> int:
-        """Device bytes the table for `k` holds once made: ids int32 [V, k] + filled flags [V]."""
-        return self.vocab_size * (4 * k + 1)
+        """Device bytes the table for `k` holds once made (table_bytes)."""
+        return self.table_bytes(self.vocab_size, k)
+
+    @staticmethod
+    def table_bytes(vocab_size: int, k: int) -> int:
+        """Device bytes of the table of `k` neighbours per token of a `vocab_size` vocabulary: ids int32 [V, k] +
+        filled flags [V] (what the memory plan counts: planning/needs.py)."""
+        return vocab_size * (4 * k + 1)
 
     def lookup(self, tokens: Tensor, k: int) -> Tensor:
         """tokens long [n] -> their k nearest tokens, long [n, k] on `device` (filling the ones not known yet: one

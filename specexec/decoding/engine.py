@@ -39,15 +39,15 @@ from specexec.constraint import Constraint, tree_paths
 from specexec.decoding.finite import checked_pass
 from specexec.kv.cache import KVCache, kv_slots_for
 from specexec.network.model import Closes, MakesCache, Transformer, TreeMask
-from specexec.options import ConfigError
 from specexec.profiler import Profiler, Span
-from specexec.acceptance.relaxed import Neighbours, Relaxation, check_relaxed, relaxed_rule
+from specexec.acceptance.choice import Drafting, rule_for
+from specexec.acceptance.relaxed import Neighbours, Relaxation
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import make_generator
 from specexec.tree import TokenTree
 from specexec.decoding.uploads import upload
 from specexec.tuning.budget import CurveFit
-from specexec.acceptance.rules import RULES, Accepted, Rule, accept_greedy, check_verifier, default_rule, exact_rules_for
+from specexec.acceptance.rules import RULES, Accepted, Rule, accept_greedy, check_verifier
 
 KV_GROW_QUANTUM = 256    # caches grow past their planned size in steps of this many slots (never doubling)
 
@@ -88,7 +88,6 @@ class Engine:
         if builder is not None and builder.needs_draft and draft is None:
             raise ValueError(f"builder {builder.name!r} needs a draft model")
         check_verifier(config.verifier)
-        check_relaxed(config.accept, target.args.vocab_size, builder is not None, config.verifier)
         self.target, self.draft, self.config, self.builder = target, draft, config, builder
         self.planned_context = context
         self.draft_kv_quant = draft_kv_quant or config.kv_quant
@@ -106,6 +105,10 @@ class Engine:
         self.tuner, self.pilot, self.feed = self.roster.tuner, self.roster.pilot, self.roster.feed
         self.follows_costs = self.roster.cost_builder is not None          # width follows the cost ratio
         self.keeps_draft_probs = has(builder, KeepsDraftProbs)            # may be verified with rrs_wor
+        self.drafting = Drafting(config.verifier, builder.drafting if builder is not None else "deterministic",
+                                 self.keeps_draft_probs, builder.name if builder is not None else None,
+                                 target.args.vocab_size)
+        self.rule_for(SamplingParams(), config.accept)    # what --accept relaxed cannot run on: refused here
         self.observe_topk = int(builder.observe_topk or 0) if has(builder, LearnsFromTarget) else 0
         self.target_closes = has(target, Closes)
         if self.observe_topk:
@@ -205,7 +208,6 @@ class Engine:
         self._constraint, self._top_logprobs, self.logprobs = constraint, logprobs, []
         self._grammar_end = None
         self._accept = stats.accept = accept or self.config.accept
-        check_relaxed(self._accept, self.target.args.vocab_size, self.builder is not None, self.config.verifier)
         rule = self.rule_for(sampling, self._accept)
         self._trims = (self.companions.trims and self.builder is not None and not rule.needs_draft
                        and self.builder.drafting == "deterministic")     # a sub-tree is verified exactly
@@ -369,24 +371,9 @@ class Engine:
         self.profiler.step(tree.size, depth, len(acc.tokens), draft_span, target_span, step.budget, timed)
 
     def rule_for(self, sampling: SamplingParams, accept: Acceptance | None = None) -> Rule:
-        """The acceptance rule: greedy at T = 0; else config.verifier ('auto': the builder's default), which
-        must be exact for the builder's drafting scheme (docs/algorithms.md §5.5). Relaxed acceptance (accept,
-        default config.accept) runs on greedy / sample_match only (relaxed.relaxed_rule)."""
-        if (accept or self.config.accept).relaxed:
-            return RULES[relaxed_rule(self.config.verifier, sampling)]
-        drafting = self.builder.drafting if self.builder is not None else "deterministic"
-        if sampling.greedy:
-            return RULES["greedy"]
-        name = self.config.verifier
-        if name == "auto":
-            name = default_rule(drafting, sampling)
-        if name not in exact_rules_for(drafting, sampling):
-            raise ConfigError(f"verifier {name!r} is not exact for {drafting} trees at temperature > 0; "
-                              f"use one of: {', '.join(exact_rules_for(drafting, sampling))}")
-        if RULES[name].needs_draft and not self.keeps_draft_probs:
-            raise ConfigError(f"verifier {name!r} needs the draft's probabilities, which builder "
-                              f"{self.builder.name if self.builder else 'none'!r} does not keep")
-        return RULES[name]
+        """The acceptance rule of a call (acceptance/choice.rule_for over this engine's Drafting): accept,
+        default config.accept; ConfigError about "--accept" or "--verifier" for what cannot run here."""
+        return rule_for(sampling, accept or self.config.accept, self.drafting)
 
     def _verify(self, tree: TokenTree, cache: KVCache, sampling: SamplingParams, rule: Rule,
                 rng: torch.Generator | None, constraint: Constraint | None = None,

@@ -32,7 +32,7 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   stream's cuBLAS workspace (CUBLAS_WORKSPACE, sm90's size) and the graphs' memory pool, which holds the
   transients of the widest captured pass apart from the eager allocator's (one draft pass of its rows).
 - relaxed neighbours (--accept relaxed only): each token's k nearest tokens by input-embedding cosine, int32
-  [V, k], plus a filled flag per token (specexec/acceptance/relaxed.py Neighbours.bytes_for).
+  [V, k], plus a filled flag per token (specexec/acceptance/relaxed.py Neighbours.table_bytes).
 - resident target layers, streaming slots; host side: RAM tier layers, SSD bounce buffers; disk: SSD tier.
 
 Does not know: budgets, tiers or which plan is best (ledger.py and offload/planner.py decide), checkpoints.
@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from offload.memory_plan import GB, Needs
+from specexec.acceptance.relaxed import Neighbours
 
 from specexec.config import PREFILL_CHUNK
 from specexec.kv.recurrent import STATE_COPIES, ring_rows
@@ -127,7 +128,7 @@ def needs_for(shape: RunShape, fmt: str, embed_on_host: bool = False, prefill: i
                                                                           shape.draft_quant_kv)))
         notes["draft graphs"] = f"the captures' side stream's cuBLAS workspace and the graph pool ({rows} rows)"
     if shape.neighbours_k:
-        device.append(("relaxed neighbours", t.vocab_size * (4 * shape.neighbours_k + 1)))
+        device.append(("relaxed neighbours", Neighbours.table_bytes(t.vocab_size, shape.neighbours_k)))
         notes["relaxed neighbours"] = f"--accept relaxed: {shape.neighbours_k} per token, {t.vocab_size} tokens"
     sizes = layer_sizes(t, fmt, shape.dtype, shape.device)
     fixed = fixed_layers(t)                  # their cache stays on the device: a line of its own, no companion
