@@ -241,7 +241,7 @@ def what_fits(shape: RunShape, formats: tuple[str, ...], ram: int, gpu: int | No
     tries += [(f"--context {c}", replace(shape, context=c)) for c in contexts]
     tries += [(f"--budget {b} --context {c}", replace(shape, budget=b, context=c)) for c in contexts for b in budgets]
     if shape.draft is not None:
-        tries.append(("no draft", replace(shape, draft=None, draft_kv=None, self_draft=None)))
+        tries.append(("no draft", replace(shape, draft=None, draft_kv=None, self_draft=None, drafter=None)))
     for flags, candidate in tries:
         try:
             m = plan_memory(candidate, formats, ram, gpu, mode, bandwidths)

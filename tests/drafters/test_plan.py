@@ -79,3 +79,16 @@ def test_plan_mtp_on_a_config_without_one_is_one_line(capsys) -> None:
     code = main(["plan", "--model", str(L8), "--draft", "mtp", "--gpu-memory", "24GB"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "has no MTP layer to draft with (config.json names none" in err and "\n" not in err
+
+
+def test_a_drafter_plan_that_does_not_fit_says_what_would(capsys) -> None:
+    """DeepSeek-V3's MTP layer (256 experts) in 20 GB of RAM: the plan does not fit, and its 'what would fit'
+    tries, the last without a draft, must drop the drafter with the draft (issue 55: an internal AttributeError
+    from planning the drafter's states of no draft model)."""
+    code = main(["plan", "--model", str(CONFIGS / "deepseek-v3"), "--draft", "mtp", "--device", "cpu",
+                 "--ram-budget", "20GB"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "cannot hold" in err and "no draft would fit" in err and "\n" not in err
+    assert main(["plan", "--model", str(CONFIGS / "deepseek-v3"), "--draft", "mtp", "--device", "cpu",
+                 "--ram-budget", "100GB"]) == 0
+    assert "mtp: 1 decoder layer(s), all 256 experts" in capsys.readouterr().out
