@@ -171,9 +171,11 @@ def check_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab: int)
                               "pick a draft with the target's tokenizer (e.g. an instruct draft for an instruct "
                               "target)")
     for who, vocab, rows in (("target", tv, target_vocab), ("draft", dv, draft_vocab)):
-        if max(vocab.values()) >= rows:
-            raise ConfigError(f"the {who}'s tokenizer has ids up to {max(vocab.values())} but its model's "
-                              f"vocabulary has only {rows} rows")
+        top = max(vocab.values())
+        if top >= rows:
+            raise ConfigError(f"the {who}'s tokenizer has ids up to {top}, which need {top + 1} embedding rows, but "
+                              f"its model's vocabulary has {rows} rows; pair the model with "
+                              f"its own tokenizer")
     notes = []
     if len(dv) < len(tv):
         notes.append(f"the draft's vocabulary is the first {len(dv)} of the target's {len(tv)} tokens (the target's "

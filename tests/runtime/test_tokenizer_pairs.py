@@ -104,3 +104,15 @@ def test_a_text_longer_than_model_max_length_is_not_warned_about(tiny_pair) -> N
         logger.removeHandler(handler)
     assert len(ids) > tok.model_max_length
     assert not [r for r in records if "longer than the specified maximum" in r.getMessage()]
+
+
+def test_a_vocabulary_too_small_for_its_tokenizer_says_how_many_rows_it_needs(tiny_pair) -> None:
+    """Ids up to N need N + 1 rows: the line's numbers say what is wrong (issue 55: 'ids up to 373 but ... only
+    373 rows')."""
+    target, draft = tiny_pair
+    tok = load_tokenizer(target)
+    top = max(tok.get_vocab().values())
+    with pytest.raises(ConfigError) as e:
+        check_compatible(tok, load_tokenizer(draft), top, 10**6)
+    msg = str(e.value)
+    assert f"ids up to {top}, which need {top + 1} embedding rows" in msg and f"has {top} rows;" in msg, msg
