@@ -15,6 +15,8 @@ Does not know: what a value may be (specexec.options checks every one of them), 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -23,7 +25,8 @@ from rich.console import Console
 from specexec.config import Acceptance, EngineConfig, OffloadConfig, SamplingParams
 from cli.fetch import add_hub_args, fetch_model
 from specexec.checkpoints.hub import Reserve
-from specexec.options import ConfigError, budget_options, check_draft_choice, choices_help, help_list, is_self_draft
+from specexec.options import (ConfigError, budget_options, check_draft_choice, choices_help, help_list, is_self_draft,
+                              parse_size)
 from specexec.planning.disk_need import reserve_for
 from specexec.planning.target import TargetPlan
 from specexec.builders.registry import builder_needs_draft, names as builder_names
@@ -109,6 +112,11 @@ def _flags() -> dict[str, Flag]:
                           "to the device as routed), cpu (in RAM on the CPU, only hidden states cross the link), "
                           "cpu:N (the last N such layers), auto (per layer, whichever the planner prices lower)",
                           "stream", {"metavar": "stream|cpu[:N]|auto"}),
+        "--prompt-cache": Flag("keep the KV rows of prompts (in blocks) for any later prompt that begins with "
+                               "them: in RAM and on disk under the cache root, so a restarted server or a new "
+                               "chat finds them; SIZE bounds the disk tier (least recently used out first), e.g. "
+                               "8GB", "0: off (the previous answer's prefix is still reused)",
+                               {"metavar": "SIZE"}),
         "--draft-layers": Flag("with --draft self: how many of the target's decoder layers the draft runs, evenly "
                                "spaced, first and last included", "auto: measured at load, the fastest of "
                                "the most whose copies fit (half of a wholly resident target) and 3/4 to 1/4 of "
@@ -286,6 +294,26 @@ def print_plan(console: Console) -> Callable[[TargetPlan], None]:
         if notice:
             console.print(notice, highlight=False, markup=False)
     return show
+
+
+def prompt_cache_size(args: argparse.Namespace) -> int:
+    """--prompt-cache's bytes (0: off), checked before anything loads."""
+    return parse_size(args.prompt_cache, "--prompt-cache") if getattr(args, "prompt_cache", None) else 0
+
+
+def attach_prompt_cache(args: argparse.Namespace, runtime: Runtime, console: Console | None) -> None:
+    """--prompt-cache SIZE: the runtime's prefix cache under <--cache-dir or the cache root>/prefix/ (0: none);
+    its one-line warnings go to `console`."""
+    size = prompt_cache_size(args)
+    if not size:
+        return
+    from specexec.runtime import prompt_cache
+
+    root = Path(args.cache_dir) if getattr(args, "cache_dir", None) else None
+    warn = (lambda line: console.print(line, style="yellow", highlight=False, markup=False)) if console else \
+        (lambda line: print(line, file=sys.stderr))
+    directory = "auto" if root is None else root / "prefix" / prompt_cache.kv_fingerprint(runtime)
+    prompt_cache.attach(runtime, size, directory, warn)
 
 
 def load_runtime(args: argparse.Namespace, config: EngineConfig, console: Console | None,

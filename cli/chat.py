@@ -77,6 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     common.add_common_args(p, max_new_default=f"{DEFAULT_MAX_NEW}, at most half the context")
     p.add_argument("--system", metavar="TEXT", help="system message")
     p.add_argument("--profile", action="store_true", help="print the per-phase profile after each answer")
+    common.add_flag(p, "--prompt-cache")
     return p
 
 
@@ -409,12 +410,14 @@ def run(args: argparse.Namespace) -> int:
     config = common.engine_config(args, auto_budget=True)
     sampling = common.sampling_params(args)
     offload = common.offload_config(args)
+    common.prompt_cache_size(args)
     if common.check_draft(args, config, default_self=True) and interactive:
         how = ("the model's own MTP layer (--draft mtp" if args.draft == "mtp" else
                "the target itself (--draft self")
         console.print(f"no draft named or recommended: drafting with {how}; --no-draft decodes with the target "
                       "alone)", style="dim", highlight=False, markup=False)
     runtime = common.load_runtime(args, config, console if interactive else None, offload)
+    common.attach_prompt_cache(args, runtime, console)
     try:
         return _session(args, runtime, sampling, console, interactive)
     finally:

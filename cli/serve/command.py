@@ -45,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", metavar="NAME", nargs="+", help="model id in /v1/models and "
                    "responses (default: --model as typed: a catalogue name, a Hub id, a directory's name); further names are aliases requests "
                    "may use (any other name gets 404 model_not_found)")
+    common.add_flag(g, "--prompt-cache")
     g.add_argument("--quiet", action="store_true", help="no access log line per request on stderr")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for the engine before new ones get 429 (default 64)")
@@ -121,11 +122,13 @@ def run(args: argparse.Namespace) -> int:
     sampling = common.sampling_params(args)
     offload = common.offload_config(args)
     common.check_draft(args, config)
+    common.prompt_cache_size(args)
     sock = listen(args.host, args.port)
     if not is_loopback(args.host) and api_key is None:
         console.print(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine "
                       "can use the model", style="yellow", highlight=False)
     runtime = common.load_runtime(args, config, console, offload, spinner=sys.stderr.isatty())
+    common.attach_prompt_cache(args, runtime, console)
     aliases = tuple((args.served_model_name or [])[1:])
     return serve(runtime, sock, model_id(typed, args.served_model_name), sampling, api_key, args.max_queue,
                  console, aliases, args.quiet, args.max_choices, args.parallel)

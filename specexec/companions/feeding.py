@@ -47,6 +47,8 @@ def tell_taps(target: Transformer, taps: tuple[int, ...]) -> None:
 class DraftFeed(Protocol):
     """The draft's feed (module docstring): the engine calls each hook whoever drafts."""
 
+    reads_target_rows: bool          # the draft's cache is built from the target's prefill rows (a drafter)
+
     def begin(self) -> None:
         """Before a generation: the target is told which layers' inputs its passes keep."""
 
@@ -77,6 +79,8 @@ def _path(acc: Accepted) -> tuple[list[int] | None, list[int] | None]:
 
 class NoDraft:
     """Nothing drafts with a draft model (no draft, or a builder that needs none): the target alone."""
+
+    reads_target_rows = False        # the draft hears nothing of the target's prefill (a prefix cache may skip it)
 
     def __init__(self, target: Transformer) -> None:
         self.target = target
@@ -128,6 +132,8 @@ def feed_for(target: Transformer, draft: Transformer | None, builder: TreeBuilde
 
 class TargetFeed:
     """One drafter fed by one target (see the module docstring)."""
+
+    reads_target_rows = True         # its cache is built from the target's prefill rows
 
     def __init__(self, target: Transformer, drafter: Drafter) -> None:
         self.target, self.drafter = target, drafter

@@ -38,6 +38,7 @@ from specexec.config import Acceptance, EngineConfig, SamplingParams
 from specexec.constraint import Constraint, tree_paths
 from specexec.decoding.finite import checked_pass
 from specexec.kv.cache import KVCache, kv_slots_for
+from specexec.kv.prefix_cache import PrefixCache
 from specexec.network.model import Closes, MakesCache, Transformer, TreeMask
 from specexec.profiler import Profiler, Span
 from specexec.acceptance.choice import Drafting, rule_for
@@ -100,6 +101,7 @@ class Engine:
         self._prefill_span: Span | None = None
         self._context: list[int] = []   # ids the caches were built from: cache rows [0, length) hold a prefix
         self._generated_from = 0        # where this generate() call's own tokens begin in _context
+        self.prefix_cache: PrefixCache | None = None    # prompts' KV blocks kept across calls (kv/prefix_cache.py)
         self.on_calibrated: Callable[[CurveFit], None] | None = None     # hears measured target pass costs
         self.roster = roster(target, draft, config, builder, self.profiler, self.prefill, tuner, experts)
         self.tuner, self.pilot, self.feed = self.roster.tuner, self.roster.pilot, self.roster.feed
@@ -259,9 +261,14 @@ class Engine:
         keep = self.feed.reusable(target_cache.reusable(shared), target_cache, draft_cache, len(prompt_ids))
         target_cache.truncate(keep)
         longrope.begin(self.target, target_cache, len(prompt_ids))
+        cached = self.prefix_cache is not None and not self.feed.reads_target_rows and not target_cache.long_rope
+        if cached:
+            self.prefix_cache.restore(prompt_ids[:-1], target_cache, target_cache.length)
         stats.reused_tokens = target_cache.length
         stats.prompt_tokens = len(prompt_ids) - 1 - target_cache.length
         draft = self.feed.prefill(prompt_ids, shared, target_cache, draft_cache, self.prefill)
+        if cached:
+            self.prefix_cache.store(prompt_ids[:-1], target_cache)
         if draft is not None:
             draft.constraint = self._constraint
         span.stop()                                  # CUDA: read at the end (_settle), never waited for here

@@ -164,7 +164,7 @@ class Runtime:
         own = self.engine
         engine = _make_engine(target, draft if own.draft is not None else None, own.config,
                               tuple(sorted(own.eos_ids)), own.planned_context, self.plan)
-        engine.neighbours = own.neighbours
+        engine.neighbours, engine.prefix_cache = own.neighbours, own.prefix_cache    # one prefix cache for all seats
         runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info, self.config, self.plan)
         runtime.pair, runtime.depth = self.pair, self.depth
         return runtime

@@ -338,10 +338,14 @@ class Choice:
 
 
 def usage(choices: Sequence[Choice], job: Job) -> dict:
-    """OpenAI usage: each prompt counted once, every choice's generated tokens."""
+    """OpenAI usage: each prompt counted once, every choice's generated tokens; prompt_tokens_details.cached_tokens:
+    the prompt tokens whose KV rows were reused (the engine's live prefix or the prefix cache), each prompt's
+    first choice's."""
     prompt = sum(len(p) for p in job.prompts)
     completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.stats.get("reused_tokens") or 0 for c in choices if c.index % job.n == 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def extension(choices: Sequence[Choice], queue_ms: float) -> dict:
