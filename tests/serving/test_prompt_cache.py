@@ -1,7 +1,8 @@
 """`--prompt-cache` through `specexec serve`: two conversations alternating each find their own prefix again
 (OpenAI's usage.prompt_tokens_details.cached_tokens, Anthropic's cache_read_input_tokens), with the answers of
 a server without the cache; a restarted server (a new app and a new cache over the same directory) finds the
-first conversation's prefix on disk; `--prompt-cache` with a bad size is one line."""
+first conversation's prefix on disk, and so do the seats of a --parallel 2 server; `--prompt-cache` with a bad
+size is one line."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
-from cli.serve.app import build_app  # noqa: E402
+from cli.serve.app import ServeSettings, build_app  # noqa: E402
 from specexec.config import SamplingParams  # noqa: E402
 from specexec.runtime import prompt_cache  # noqa: E402
 from specexec.serving.openai_api import ServerDefaults  # noqa: E402
@@ -53,6 +54,10 @@ def test_alternating_conversations_and_a_restart_find_their_prefix(tool_runtime,
             _ask(base, "Cid", 0)                                            # the engine's own cache moves on
             text, cached, _, _ = _ask(base, "Ann", 1)
         assert text == plain[0][0] and cached >= len(SYSTEM) // 2
+        with running(build_app(tool_runtime, defaults, ServeSettings(parallel=2))) as base:   # seats share it
+            _ask(base, "Cid", 0)
+            text, cached, _, _ = _ask(base, "Bob", 1)
+        assert text == plain[1][0] and cached >= len(SYSTEM) // 2
     finally:
         tool_runtime.engine.prefix_cache = None
 
