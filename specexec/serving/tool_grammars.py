@@ -2,7 +2,7 @@
 functions a call may name, whether several calls may come, and `token` (a piece of the envelope -> its
 reference: a special token's `<name>` when the tokenizer has it as one added token, else a quoted string).
 
-- hermes: <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one or more.
+- hermes: <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one or more (one: parallel false).
 - llama3: one JSON object {"name": ..., "parameters": {...}}.
 - mistral: [TOOL_CALLS] and a JSON array of {"name", "arguments"}.
 - glm: an optional <think>...</think>, then <tool_call>NAME\\n (after an optional newline) and one
@@ -14,7 +14,9 @@ reference: a special token's `<name>` when the tokenizer has it as one added tok
   then <|channel|>commentary to=functions.NAME <|constrain|>json<|message|> and the arguments' JSON; the model's
   end-of-sequence (<|call|>) then ends the answer. One call per answer (harmony stops at each call).
 
-Every JSON part is on one line with json.dumps' separators, as the templates render arguments.
+Every JSON part is on one line with json.dumps' separators, as the templates render arguments. After a complete
+call the grammar is complete (hermes and glm: a newline may follow), so the model's end-of-sequence token ends
+the list where the model stops; with parallel false one call is all the grammar allows.
 
 Does not know: parsing answers (specexec/serving/tools.py), compiling grammars (specexec/runtime/grammar.py).
 """
@@ -55,7 +57,7 @@ def hermes(functions: list[dict], parallel: bool, token: Token) -> str:
     call = f'{token("<tool_call>")} "\\n" {_json(call_schema(functions, "arguments"))} "\\n" ' \
            f'{token("</tool_call>")}'
     more = ' ("\\n" call)*' if parallel else ""
-    return f"start: call{more}\ncall: {call}\n"
+    return f'start: call{more} "\\n"?\ncall: {call}\n'            # a newline may come before the end
 
 
 def llama3(functions: list[dict], parallel: bool, token: Token) -> str:
@@ -102,7 +104,7 @@ def glm(functions: list[dict], parallel: bool, token: Token) -> str:
     rules = "".join(_glm_function(fn, i, token) for i, fn in enumerate(functions))
     names = " | ".join(f"fn{i}" for i in range(len(functions)))
     more = "+" if parallel else ""
-    return (f'start: "\\n"? reasoning? ("\\n"? call){more}\n'
+    return (f'start: "\\n"? reasoning? ("\\n"? call){more} "\\n"?\n'
             f'reasoning: {token("<think>")} {think}\n{think_rules}'
             f'call: {token("<tool_call>")} ({names})\n{rules}')
 

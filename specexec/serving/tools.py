@@ -159,8 +159,16 @@ def _json_calls(blobs: list[str], key: str = "arguments") -> list[Call] | None:
     return calls
 
 
+def _complete(blocks: list[tuple[str, str]]) -> list[str]:
+    """The bodies of (body, closing tag) blocks, less a last one cut off (no closing tag) after complete ones:
+    an answer cut at max_tokens keeps the calls it finished."""
+    if len(blocks) > 1 and not blocks[-1][1]:
+        blocks = blocks[:-1]
+    return [body for body, _ in blocks]
+
+
 def _parse_hermes(text: str) -> tuple[str, list[Call]]:
-    blobs = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S)
+    blobs = _complete(re.findall(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", text, re.S))
     calls = _json_calls(blobs) if blobs else []
     if calls is None:
         return text, []
@@ -181,11 +189,24 @@ def _parse_mistral(text: str) -> tuple[str, list[Call]]:
         return text, []
     rest = rest.strip()
     if rest.startswith("["):
-        calls = _json_calls([rest])
+        calls = _json_calls([rest]) or _json_calls(_array_items(rest))
     else:                                      # name[ARGS]{...} (newer Mistral templates)
         calls = [(n, a) for n, a in re.findall(r"([A-Za-z0-9_.\-]+)\[ARGS\](\{.*?\})(?=\s*(?:\[TOOL_CALLS\]|$))",
                                                rest, re.S)]
     return (head.strip(), calls) if calls else (text, [])
+
+
+def _array_items(text: str) -> list[str]:
+    """The complete items of a JSON array cut off after some ('[{...}, {...}, {"na'), each as JSON text."""
+    decoder, items, at = json.JSONDecoder(), [], 1
+    while True:
+        at = len(text) - len(text[at:].lstrip(" \n,"))
+        try:
+            item, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items
+        items.append(json.dumps(item, ensure_ascii=False))
+        at = end
 
 
 def _glm_value(v: str) -> object:
@@ -197,7 +218,7 @@ def _glm_value(v: str) -> object:
 
 def _parse_glm(text: str) -> tuple[str, list[Call]]:
     calls = []
-    for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S):
+    for block in _complete(re.findall(r"<tool_call>(.*?)(</tool_call>|$)", text, re.S)):
         name, _, rest = block.strip().partition("\n")
         pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", rest, re.S)
         if not name.strip():

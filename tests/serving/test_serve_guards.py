@@ -4,7 +4,9 @@ limit before anything is generated (chat and Responses, streamed or not, respons
 calls), and a limit met only while generating ends the answer cleanly (finish_reason "length", the library's
 message in the `specexec` extension), never a 500; a tool's parameters that are not an object schema, a tool
 message that answers no call before it, a `text` that is not an object and an unknown `include` in Responses
-are 400s, as OpenAI answers them."""
+are 400s, as OpenAI answers them. A forced call list cut by max_tokens keeps the calls it finished; the forced
+hermes grammar ends after any complete call (a newline may come first) and allows one call with
+parallel_tool_calls false."""
 from __future__ import annotations
 
 import pytest
@@ -129,3 +131,48 @@ def test_responses_is_as_strict_as_openai(tool_url, extra: dict, param: str) -> 
     status, reply = raw(tool_url, "POST", "/v1/responses", {"model": TOOL_MODEL, "input": "x", "include": include,
                                                             "max_output_tokens": 2})
     assert status == 200, reply
+
+
+# ------------------------------------------------------------------------------------------ forced call lists
+
+HERMES_CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("fmt,text,calls", [
+    ("hermes", f"{HERMES_CALL}\n{HERMES_CALL}\n<tool_call>\n{{\"name\": \"f\", \"argu", [("f", '{"a": 1}')] * 2),
+    ("glm", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>\n<tool_call>f\n"
+            "<arg_key>a</arg_key>\n<arg_val", [("f", '{"a": 1}')]),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "f", "arguments": {"a": 2}}, {"na',
+     [("f", '{"a": 1}'), ("f", '{"a": 2}')])], ids=["hermes", "glm", "mistral"])
+def test_an_answer_cut_inside_a_call_keeps_the_calls_it_finished(fmt: str, text: str, calls: list) -> None:
+    """max_tokens cutting the model's third call had dropped every call (tool_calls [] and the markup left in
+    the content); the finished ones are the answer's calls, the cut one is neither call nor content."""
+    from specexec.serving import tools
+
+    content, got = tools.by_name(fmt).parse(text)
+    assert got == calls and content == ""
+
+
+def test_a_forced_hermes_list_may_end_after_any_complete_call_and_parallel_false_allows_one(tool_runtime) -> None:
+    """The model's end after a call (with or without a newline) ends the list; parallel_tool_calls false: the
+    grammar allows exactly one call."""
+    import llguidance
+
+    from specexec.serving import tools
+
+    tok, grammars = tool_runtime.tokenizer, tool_runtime.grammars
+    fn = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+
+    def takes(parallel: bool, text: str) -> tuple[bool, bool]:
+        request = tools.parse_tools({"tools": [fn], "tool_choice": "required", "parallel_tool_calls": parallel})
+        grammar = grammars.lark(tools.forced_grammar(tools.by_name("hermes"), request, tok))
+        matcher = llguidance.LLMatcher(grammars.view(), grammar, log_level=0)
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids), matcher.is_accepting()
+
+    assert takes(True, HERMES_CALL) == (True, True)
+    assert takes(True, HERMES_CALL + "\n") == (True, True)                  # the model's newline, then its end
+    assert takes(True, f"{HERMES_CALL}\n{HERMES_CALL}\n") == (True, True)
+    assert takes(False, HERMES_CALL + "\n") == (True, True)
+    assert takes(False, f"{HERMES_CALL}\n{HERMES_CALL}")[0] is False          # one call, no second
