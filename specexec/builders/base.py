@@ -49,6 +49,7 @@ class DraftState:
     states: torch.Tensor | None = None
     fed: bool = True
     constraint: Constraint | None = None      # the generation's grammar: growth masks with it
+    slot_positions: torch.Tensor | None = field(default=None, repr=False)   # per cache slot: its position
 
     @property
     def reads_target(self) -> bool:
@@ -67,8 +68,29 @@ class DraftState:
         if graphs is not None:
             logits = graphs.run(tokens, positions, tree_mask, slots)
             return logits[-1:] if last_only else logits
-        hidden = self.model(tokens[None], positions[None], TreeMask(self.cache.length, tree_mask), self.cache, slots)
+        hidden = self.model(tokens[None], positions[None], self.tree_mask(tree_mask, positions, slots), self.cache,
+                            slots)
         return self.model.logits(hidden[:, -1:] if last_only else hidden)
+
+    def tree_mask(self, tree_mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> TreeMask:
+        """The TreeMask of a pass whose rows [b] see tree_mask [b, K] over the scratch [L0, L0 + K). A draft
+        with a sliding window narrower than K (a tree grown deeper than the window) also needs the positions of
+        the K columns, written by earlier passes, so that a node does not see ancestors past its window
+        (attention windows the tree part by the keys' positions): each slot's position as last written, kept
+        here (one index write a pass, no sync); unwritten columns are masked by tree_mask anyway."""
+        L0, K = self.cache.length, tree_mask.shape[1]
+        windows = [k.window for k in getattr(getattr(self.model, "args", None), "layer_kinds", ()) if k.window]
+        if not windows:
+            return TreeMask(L0, tree_mask)
+        held = self.slot_positions
+        if held is None or held.numel() < self.cache.capacity or held.device != positions.device:
+            self.slot_positions = torch.zeros(self.cache.capacity, dtype=torch.long, device=positions.device)
+            if held is not None and held.device == positions.device:
+                self.slot_positions[:held.numel()] = held[:self.cache.capacity]
+        self.slot_positions[slots] = positions
+        if K <= min(windows):
+            return TreeMask(L0, tree_mask)
+        return TreeMask(L0, tree_mask, self.slot_positions[L0:L0 + K])
 
     def fed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                     slots: torch.Tensor, states: torch.Tensor, last_only: bool = False
@@ -76,7 +98,7 @@ class DraftState:
         """A drafter's pass: forward's arguments plus each row's state before its token, states [b, D] ->
         (fp32 logits [b, V] (or [1, V] of the last row), the states it hands on [b, D])."""
         self.passes += 1
-        out = self.model(tokens[None], positions[None], TreeMask(self.cache.length, tree_mask), self.cache, slots,
+        out = self.model(tokens[None], positions[None], self.tree_mask(tree_mask, positions, slots), self.cache, slots,
                          states[None])[0]
         return self.model.logits(out[-1:] if last_only else out), out
 
