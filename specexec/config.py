@@ -51,7 +51,8 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEArgs | None = None
-    # per-layer attention kinds: layer_types[i] is one of LAYER_TYPES (HF's names); () = every layer alike,
+    # per-layer mixer kinds: layer_types[i] names one (HF's names; network/mixers.py runs them; the families read
+    # LAYER_TYPES from config.json); () = every layer alike,
     # sliding when sliding_window is set (Mistral). A sliding layer sees the last `sliding_window` positions.
     layer_types: tuple[str, ...] = ()
     local_rope_theta: float | None = None      # RoPE base of the sliding layers when they have their own (Gemma 3)
@@ -74,6 +75,8 @@ class ModelArgs:
     # Qwen3-Next / Qwen3.5
     attn_output_gate: bool = False       # q_proj also yields a per-head gate: attention out x sigmoid(gate)
     linear: LinearArgs | None = None     # the linear_attention layers' shape (layer_types names them)
+    # other token-mixer kinds' own shapes, (kind name, its args: a frozen value) each (network/mixers.py)
+    mixer_args: tuple[tuple[str, Any], ...] = ()
     # DeepSeek-V3, Kimi-K2: latent attention in its "latent_attention" layers (None: no such layer)
     latent: LatentArgs | None = None
     # Gemma 4: full-attention layers with their own head size and KV heads, values from the key projection
@@ -108,8 +111,8 @@ class ModelArgs:
         if self.layer_types:
             if len(self.layer_types) != self.n_layers:
                 raise ConfigError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.n_layers}")
-            for kind in self.layer_types:
-                check_choice("layer type", kind, LAYER_TYPES)
+            for kind in self.layer_types:        # which kinds run: network/mixers.py's registry says
+                check_name("layer type", kind)
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
             if "linear_attention" in self.layer_types and self.linear is None:
@@ -136,6 +139,10 @@ class ModelArgs:
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def mixer_args_of(self, kind: str) -> Any:
+        """The shape a token-mixer kind keeps in mixer_args under its name (None: none given)."""
+        return next((value for name, value in self.mixer_args if name == kind), None)
 
     def layer_kind(self, layer: int) -> LayerKind:
         """The attention kind of decoder layer `layer` (see LayerKind)."""

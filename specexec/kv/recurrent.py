@@ -17,21 +17,21 @@ owns its row (a cheap check: no host sync on a GPU) — a slot overwritten befor
 wrong tokens silently (issue 55: a 65-node verification pass over a ring of 64).
 
 `keep(slots)` replays the accepted path: S = exp(G_n) S + sum_j exp(G_n - G_j) k_j u_j^T and the window's last
-inputs; no weights. A state cannot go back: `truncate` returns only to the current length, to 0, into the
+inputs; no weights. The replay is the kind's (its spec's `advance`: network/delta_rule.advance_state, handed in
+by the mixer that makes the spec), so this store knows the data it keeps, not the maths. A state cannot go back: `truncate` returns only to the current length, to 0, into the
 latest commit (its states before it are kept, not copied, with the path's replay data: a generation that
 accepted tokens past its end), or to the one `snapshot` (the end of the last prompt); `reusable` says which.
 
-Does not know: projections or the maths of a pass (specexec/network/linear_attention.py, delta_rule.py), trees
-beyond slots, how many layers of other kinds the cache holds.
+Does not know: projections or the maths of a pass or a commit (specexec/network/linear_attention.py,
+delta_rule.py), trees beyond slots, how many layers of other kinds the cache holds.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from specexec.network.delta_rule import advance_state
 
 MIN_RING = 64
 STATE_COPIES = 4    # per layer and sequence at most: committed, a prefill chunk's pending end, the latest
@@ -46,7 +46,9 @@ def ring_rows(nodes: int) -> int:
 
 @dataclass(frozen=True)
 class RecurrentSpec:
-    """One linear-attention layer's state shape (specexec/config.py LinearArgs)."""
+    """One linear-attention layer's state shape (specexec/config.py LinearArgs) and its kind's commit: `advance`
+    (state [.., Hv, dk, dv], k [.., Hv, n, dk], u [.., Hv, n, dv], G [.., Hv, n]) -> the state after the n
+    nodes of a path (network/delta_rule.advance_state)."""
 
     k_heads: int
     v_heads: int
@@ -54,6 +56,7 @@ class RecurrentSpec:
     v_dim: int
     conv_dim: int
     conv_kernel: int
+    advance: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
     @classmethod
     def new_store(cls, specs: list["RecurrentSpec"], capacity: int, batch: int, dtype: torch.dtype,
@@ -91,11 +94,11 @@ class Commit:
     G: Tensor | None = None
     x: Tensor | None = None
 
-    def replay(self, m: int) -> tuple[Tensor, Tensor]:
-        """(state, window) after the first m nodes of the path from the states before it."""
+    def replay(self, m: int, advance: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+        """(state, window) after the first m nodes of the path from the states before it (advance: the kind's)."""
         if m == 0:
             return self.state, self.window
-        state = advance_state(self.state, self.k[:, :, :m], self.u[:, :, :m], self.G[:, :, :m])
+        state = advance(self.state, self.k[:, :, :m], self.u[:, :, :m], self.G[:, :, :m])
         inputs = torch.cat([self.window, self.x[:, :, :m]], dim=-1)
         return state, inputs[..., inputs.shape[-1] - self.window.shape[-1]:].contiguous()
 
@@ -214,7 +217,7 @@ class RecurrentStates:
         k = self.k[:, rows].repeat_interleave(group, dim=2).transpose(1, 2)    # [n_layers, Hv, n, dk]
         path = Commit(length, self.state, self.window, k, self.u[:, rows].transpose(1, 2),
                       self.G[:, rows].transpose(1, 2), self.x[:, rows].transpose(1, 2))
-        self.state, self.window = path.replay(n)
+        self.state, self.window = path.replay(n, self.spec.advance)
         self.last = path                                    # the states before it: not copied, replaced
         self.G -= self.G[:, rows[-1]].unsqueeze(1).clone()  # live rows after the path: decay from the new base
 
@@ -226,7 +229,7 @@ class RecurrentStates:
         if length == 0:
             self.state, self.window = torch.zeros_like(self.state), torch.zeros_like(self.window)
         elif last is not None and last.length <= length and (last.k is not None or last.length == length):
-            self.state, self.window = last.replay(length - last.length)
+            self.state, self.window = last.replay(length - last.length, self.spec.advance)
         elif self.saved is not None and self.saved[0] == length:
             self.state, self.window = self.saved[1].clone(), self.saved[2].clone()
         else:

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from cpu_kernels.attend import attend_rows, slot_lists
+from specexec.config import ModelArgs
 
 NEG_INF = float("-inf")
 CUDA_MASK_ALIGN = 16           # the efficient kernel wants the mask's row stride a multiple of 16 elements
@@ -309,3 +310,24 @@ def attend_math(q: Tensor, k: Tensor, v: Tensor, part: Part, scale: float | None
     probs = (scores - lse.unsqueeze(-1)).exp().nan_to_num(0.0)
     out = probs @ v.float().unsqueeze(2)
     return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
+
+
+PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
+MATH_COPIES = 3               # fp32 score tensors plain-maths attention holds at once (scores, capped, probs)
+
+
+def pass_bytes(args: ModelArgs, tokens: int, context: int, elem: int, device: str, tree: bool = True) -> int:
+    """Transient bytes of one layer's attention for `tokens` queries over `context` cache slots, for the
+    kernels that run: the committed prefix is attended WITHOUT a mask (flash / memory-efficient SDPA never
+    builds the H x T x S scores; on CPU budgeted as query chunks of PREFIX_CHUNK rows x context in fp32), the
+    tree part with its small [T, T] mask (budgeted as H x T x T scores plus the mask), and the two partial
+    results merged by log-sum-exp (two fp32 outputs and their H x T log-sum-exps). With attention-logit
+    soft-capping (Gemma 2) no fused kernel runs: both parts hold MATH_COPIES fp32 H x T x keys score tensors."""
+    H, T = args.n_heads, tokens
+    merge = 2 * T * H * args.head_dim * 4 + 2 * H * T * 4
+    tree = H * T * T * elem + T * T * (elem + 1)
+    prefix = 0 if device == "cuda" else H * min(T, PREFIX_CHUNK) * context * 4
+    if args.attn_softcap is not None:       # soft-capped scores: plain maths over every key (attention.py)
+        tree = MATH_COPIES * H * T * T * 4 + T * T * (elem + 1)
+        prefix = MATH_COPIES * H * T * context * 4
+    return merge + tree + prefix

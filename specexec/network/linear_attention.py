@@ -30,7 +30,7 @@ from specexec.config import ModelArgs
 from specexec.kv.cache import KVCache
 from specexec.kv.recurrent import RecurrentSpec, RecurrentStates
 from specexec.network.attention import TreeMask
-from specexec.network.delta_rule import Columns, causal_pass, tree_pass
+from specexec.network.delta_rule import CHUNK, Columns, advance_state, causal_pass, tree_pass
 from specexec.network.norms import GatedRMSNorm
 
 L2_EPS = 1e-6
@@ -81,7 +81,24 @@ def tree_plan(mask: TreeMask | Tensor | None, positions: Tensor, slots: Tensor |
 
 def spec_of(args: ModelArgs) -> RecurrentSpec:
     la = args.linear
-    return RecurrentSpec(la.k_heads, la.v_heads, la.k_dim, la.v_dim, la.conv_dim, la.conv_kernel)
+    return RecurrentSpec(la.k_heads, la.v_heads, la.k_dim, la.v_dim, la.conv_dim, la.conv_kernel, advance_state)
+
+
+def pass_bytes(args: ModelArgs, tokens: int, context: int, elem: int, device: str, tree: bool = True) -> int:
+    """Transient bytes of one linear-attention layer's pass over `tokens` rows (0 without such layers): its
+    projections and convolution, q/k/v per value head in fp32, the output and its gate, and the closed form's
+    [Hv, T, K] fp32 matrices (decays, key and query scores, the solve) over K columns (a tree: T nodes and
+    K = T columns; a causal pass: chunks of delta_rule.CHUNK) with the columns' gathered scratch."""
+    la = args.linear
+    if la is None:
+        return 0
+    T, value = tokens, la.v_heads * la.v_dim
+    n = T if tree else min(T, CHUNK)
+    rows = T * (la.conv_dim * 3 + value * 2 + 2 * la.v_heads) * elem
+    heads = T * la.v_heads * (2 * la.k_dim + 3 * la.v_dim) * 4
+    scores = 4 * la.v_heads * n * n * 4
+    cols = n * (la.k_heads * la.k_dim + la.v_heads * (la.k_dim + la.v_dim) + 2 * la.v_heads + la.conv_dim) * 4
+    return rows + heads + scores + cols
 
 
 class GatedDeltaNet(nn.Module):

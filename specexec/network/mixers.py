@@ -4,8 +4,10 @@ A decoder layer is a token mixer (what mixes positions: attention, linear attent
 config.json's `layer_types` names each layer's mixer with HF's names (ModelArgs.layer_types; every layer is
 "full_attention" when a config has none); a MixerKind serves some of those names and says:
 - `attribute`: the Block attribute holding the mixer, as checkpoints name it ("self_attn", ...);
-- `build(args, layer)`: the mixer module; every mixer is called alike,
-  mixer(x [B, T, D], cos, sin, plan, cache, layer, slots) -> [B, T, D];
+- `build(args, layer)`: the mixer module (None: a layer of this kind mixes nothing, Block builds no mixer);
+  every mixer is called alike, mixer(x [B, T, D], cos, sin, plan, cache, layer, slots) -> [B, T, D]; a kind's
+  own shape rides in ModelArgs.mixer_args under its name (`args.mixer_args_of(name)`), not in a field of
+  ModelArgs of its own;
 - `state(args, layer)`: what the layer's cache holds: None for K/V rows per slot (KVCache's row stores), else
   a StateSpec of specexec/kv/ whose store the cache builds (specexec/kv/layer_store.py); `parts` of a row-keeping
   kind: 2 (K and V) or 1 (latent attention's one row read as both: specexec/kv/latent.py);
@@ -13,11 +15,16 @@ config.json's `layer_types` names each layer's mixer with HF's names (ModelArgs.
   layer, elem)` what it keeps per tree node beyond that (the planner's functions per kind: `cache_bytes` below);
 - `streams`: whether the layer's cache may live in host RAM and travel with the layer (K/V rows: the planner's
   companions) or stays on the device (a recurrent state);
+- `pass_bytes(args, tokens, context, elem, device, tree)`: the transient bytes of one layer's pass (the planner
+  counts the widest kind a model has: `pass_bytes` below);
+- `ffn`: whether a layer of this kind carries a feed-forward after its mixer (Block builds none otherwise);
 - `plan`: what tells the mixer which tokens each new token sees, built once per forward by the model:
   "attention" (the AttentionPlan of its window) or "tree" (linear_attention.TreePlan: the ancestor mask itself).
 Each kind's cache answers the two questions of a tree pass: every node's output sees only its ancestors, and
 `cache.keep(slots)` commits the accepted path without weights. Nothing above the network asks which kind (or
-which family) a layer is; `new_cache` makes the cache of any model from its args.
+which family) a layer is; `new_cache` makes the cache of any model from its args. A new kind is its module (the
+mixer, its args, its StateSpec and store, its pass's bytes) and one row of MIXERS; a layer type no row serves is
+refused here (`mixer_kind`: ConfigError), as config.py only checks that it is a name.
 
 Does not know: checkpoints (their names are the attributes'), families, devices beyond the cache's, trees.
 """
@@ -31,11 +38,13 @@ import torch
 from torch import nn
 
 from specexec.config import LAYER_TYPES, ModelArgs
+from specexec.options import choice_error
 from specexec.kv.cache import KVCache, pinned_layers
 from specexec.kv.layer_store import StateSpec
 from specexec.kv.recurrent import ring_rows
 from specexec.kv.rows import row_bytes
 from specexec.kv.latent import PARTS as LATENT_PARTS, latent_row_bytes
+from specexec.network import attention, linear_attention
 from specexec.network.latent import LatentAttention
 from specexec.network.linear_attention import GatedDeltaNet, spec_of
 from specexec.network.self_attention import Attention
@@ -55,6 +64,8 @@ class MixerKind:
     parts: int = 2                     # a K/V-row kind's parts per row: 2 (K and V), 1 (one row read as both)
     node_bytes: Callable[[ModelArgs, int, int], int] = lambda args, layer, elem: 0
     streams: bool = True
+    pass_bytes: Callable[[ModelArgs, int, int, int, str, bool], int] = attention.pass_bytes
+    ffn: bool = True
 
 
 def _rows_bytes(args: ModelArgs, layer: int, slots: int, elem: int, quant: str) -> int:
@@ -72,14 +83,15 @@ ATTENTION = MixerKind("attention", ("full_attention", "sliding_attention"), "sel
                       lambda args, layer: Attention(args, layer), lambda args, layer: None, _rows_bytes)
 LINEAR = MixerKind("linear_attention", ("linear_attention",), "linear_attn",
                    lambda args, layer: GatedDeltaNet(args), lambda args, layer: spec_of(args), _state_bytes, "tree",
-                   node_bytes=lambda args, layer, elem: spec_of(args).node_bytes(elem), streams=False)
+                   node_bytes=lambda args, layer, elem: spec_of(args).node_bytes(elem), streams=False,
+                   pass_bytes=linear_attention.pass_bytes)
 LATENT = MixerKind("latent_attention", ("latent_attention",), "self_attn", lambda args, layer: LatentAttention(args),
                    lambda args, layer: None, lambda args, layer, slots, elem, quant:
                    latent_row_bytes(args, slots, elem, quant), parts=LATENT_PARTS)
 
 MIXERS: tuple[MixerKind, ...] = (ATTENTION, LINEAR, LATENT)
-_BY_TYPE = {t: kind for kind in MIXERS for t in kind.layer_types}
-assert set(_BY_TYPE) == set(LAYER_TYPES), "every layer type config.py accepts needs one mixer kind"
+assert set(LAYER_TYPES) <= {t for kind in MIXERS for t in kind.layer_types}, \
+    "every layer type the families accept needs one mixer kind"
 
 
 def layer_type(args: ModelArgs, layer: int) -> str:
@@ -90,8 +102,12 @@ def layer_type(args: ModelArgs, layer: int) -> str:
 
 
 def mixer_kind(args: ModelArgs, layer: int) -> MixerKind:
-    """The MixerKind of decoder layer `layer`."""
-    return _BY_TYPE[layer_type(args, layer)]
+    """The MixerKind of decoder layer `layer` (ConfigError, one line, for a layer type no kind serves)."""
+    name = layer_type(args, layer)
+    for kind in MIXERS:
+        if name in kind.layer_types:
+            return kind
+    raise choice_error("layer type", name, [t for kind in MIXERS for t in kind.layer_types])
 
 
 def has_tree_plans(args: ModelArgs) -> bool:
@@ -112,6 +128,13 @@ def cache_bytes(args: ModelArgs, slots: int, elem: int, quant: str = "none",
     rows = ring_rows(nodes)
     return sum(mixer_kind(args, i).cache_bytes(args, i, slots, elem, quant)
                + mixer_kind(args, i).node_bytes(args, i, elem) * rows for i in ids)
+
+
+def pass_bytes(args: ModelArgs, tokens: int, context: int, elem: int, device: str, tree: bool = True) -> int:
+    """Transient bytes of the widest layer pass of a model of `args` over `tokens` rows and `context` slots (each
+    kind of its layers asked: MixerKind.pass_bytes; `tree`: a tree pass, else a causal prefill chunk)."""
+    kinds = {mixer_kind(args, i).name: mixer_kind(args, i) for i in range(args.n_layers)}
+    return max((k.pass_bytes(args, tokens, context, elem, device, tree) for k in kinds.values()), default=0)
 
 
 def fixed_layers(args: ModelArgs) -> tuple[int, ...]:

@@ -118,18 +118,22 @@ class Block(nn.Module):
         super().__init__()
         self.fast: BlockPath | None = None
         norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)     # noqa: E731
-        self.input_layernorm = norm()
         kind = mixer_kind(args, layer)
-        self.mixer_attribute = kind.attribute
-        setattr(self, kind.attribute, kind.build(args, layer))
-        self.post_attention_layernorm = norm()
+        mixer = kind.build(args, layer)                 # None: a layer of this kind has no token mixer
+        self.mixer_attribute = kind.attribute if mixer is not None else None
+        if mixer is not None:
+            self.input_layernorm = norm()
+            setattr(self, kind.attribute, mixer)
         sparse = args.moe is not None and args.moe.sparse(layer)
-        self.parallel = sparse and args.moe.parallel_dense        # the sparse block normalises its own input
-        if args.sandwich_norms:
-            if not self.parallel:
-                self.pre_feedforward_layernorm = norm()
-            self.post_feedforward_layernorm = norm()
-        self.mlp = SparseMLP(args, layer) if sparse else MLP(args, layer)
+        self.parallel = kind.ffn and sparse and args.moe.parallel_dense    # the sparse block normalises its input
+        self.mlp: nn.Module | None = None               # a kind without a feed-forward (MixerKind.ffn) has none
+        if kind.ffn:
+            self.post_attention_layernorm = norm()
+            if args.sandwich_norms:
+                if not self.parallel:
+                    self.pre_feedforward_layernorm = norm()
+                self.post_feedforward_layernorm = norm()
+            self.mlp = SparseMLP(args, layer) if sparse else MLP(args, layer)
         if args.ple_dim:                            # Gemma 4: this layer's per-layer input, gated by its output
             self.per_layer_input_gate = nn.Linear(args.dim, args.ple_dim, bias=False)
             self.per_layer_projection = nn.Linear(args.ple_dim, args.dim, bias=False)
@@ -147,9 +151,9 @@ class Block(nn.Module):
             router.row_exact = row_exact
 
     @property
-    def mixer(self) -> nn.Module:
-        """The layer's token mixer (its kind's attribute)."""
-        return self._modules[self.mixer_attribute]
+    def mixer(self) -> nn.Module | None:
+        """The layer's token mixer (its kind's attribute; None: its kind has none)."""
+        return self._modules[self.mixer_attribute] if self.mixer_attribute is not None else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache | None, layer: int, slots: torch.Tensor | None,
@@ -162,20 +166,24 @@ class Block(nn.Module):
             y = self.fast(x, cos, sin, plan, cache, layer, slots)
             if y is not None:
                 return y
-        h = self.mixer(self.input_layernorm(x), cos, sin, plan, cache, layer, slots)
+        mixer = self.mixer
+        h = mixer(self.input_layernorm(x), cos, sin, plan, cache, layer, slots) if mixer is not None else None
         return self.after_mixer(x, h, layer, routing, layer_input)
 
     def after_mixer(self, x: torch.Tensor, h: torch.Tensor, layer: int, routing: RoutingLog | None = None,
                     layer_input: torch.Tensor | None = None) -> torch.Tensor:
         """The layer past its token mixer, row by row: x [B, T, D] the layer's input, h [B, T, D] the mixer's
-        output -> the layer's output [B, T, D] (residuals, norms, the feed-forward, the per-layer input). A forest
-        pass (specexec/batching/) runs it once over every request's rows."""
+        output (None: the layer has no mixer) -> the layer's output [B, T, D] (residuals, norms, the feed-forward
+        when it has one, the per-layer input). A forest pass (specexec/batching/) runs it once over every request's
+        rows."""
+        if self.mlp is None:                                 # a kind without a feed-forward: the mixer's residual
+            return self._finish(x + h, layer_input)
         sandwich = hasattr(self, "post_feedforward_layernorm")
         if sandwich:
-            x = x + self.post_attention_layernorm(h)
+            x = x + self.post_attention_layernorm(h) if h is not None else x
             h = x if self.parallel else self.pre_feedforward_layernorm(x)
         else:
-            x = x + h
+            x = x + h if h is not None else x
             h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, SparseMLP):
             route = self.mlp.route(h)
@@ -185,6 +193,10 @@ class Block(nn.Module):
         else:
             out = self.mlp(h)
         x = x + (self.post_feedforward_layernorm(out) if sandwich else out)
+        return self._finish(x, layer_input)
+
+    def _finish(self, x: torch.Tensor, layer_input: torch.Tensor | None) -> torch.Tensor:
+        """The per-layer input (Gemma 4) and the layer's scalar, where it has them."""
         if layer_input is not None:
             gate = self.act(self.per_layer_input_gate(x)) * layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))

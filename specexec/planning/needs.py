@@ -25,7 +25,7 @@ Ledger lines (device side: the GPU on CUDA, RAM on CPU):
   each such layer keeps on the device until they are committed). When nothing fits with the draft's cache in
   the run dtype, the draft's cache is planned in int8 (exact: the draft only proposes). --kv-quant int8
   sizes both caches in int8 (LOSSY) and adds one layer's dequantized K/V to the activations.
-- activations: the largest transient of any pass that runs (sizes.attention_bytes has the attention formula):
+- activations: the largest transient of any pass that runs (each mixer kind's pass: network/mixers.pass_bytes):
   the target's tree pass, a streamed prefill chunk of ledger.PREFILL_RESERVE tokens (dropped when it does not fit),
   the draft's widest pass and its prefill; one chunk of fp32 logits and one dequantized weight included.
 - draft graphs (CUDA, a draft model whose passes are captured: builders/draft_graphs.py): the captures' one side

@@ -23,12 +23,9 @@ from offload.streaming.storage import LayerLayout, plan_layout
 
 from specexec.checkpoints.naming import expert_regions, form_specs, layer_form
 from specexec.config import ModelArgs
-from specexec.network.delta_rule import CHUNK
-from specexec.network.mixers import cache_bytes
+from specexec.network.mixers import cache_bytes, pass_bytes
 from specexec.network.model import LOGIT_CHUNK
 
-PREFIX_CHUNK = 256            # CPU: prefix attention is budgeted as query chunks of this many rows
-MATH_COPIES = 3               # fp32 score tensors plain-maths attention holds at once (scores, capped, probs)
 
 
 def layer_bytes(args: ModelArgs, fmt: str, dtype: torch.dtype, device: str = "cpu", layer: int = 0) -> int:
@@ -99,33 +96,17 @@ def dequant_bytes(args: ModelArgs, context: int, elem: int, quant: str) -> int:
     return 2 * args.n_kv_heads * context * args.head_dim * elem if quant == "int8" else 0
 
 
-def attention_bytes(args: ModelArgs, tokens: int, context: int, elem: int, device: str) -> int:
-    """Transient bytes of one layer's attention for `tokens` queries over `context` cache slots, for the
-    kernels that run: the committed prefix is attended WITHOUT a mask (flash / memory-efficient SDPA never
-    builds the H x T x S scores; on CPU budgeted as query chunks of PREFIX_CHUNK rows x context in fp32), the
-    tree part with its small [T, T] mask (budgeted as H x T x T scores plus the mask), and the two partial
-    results merged by log-sum-exp (two fp32 outputs and their H x T log-sum-exps). With attention-logit
-    soft-capping (Gemma 2) no fused kernel runs: both parts hold MATH_COPIES fp32 H x T x keys score tensors."""
-    H, T = args.n_heads, tokens
-    merge = 2 * T * H * args.head_dim * 4 + 2 * H * T * 4
-    tree = H * T * T * elem + T * T * (elem + 1)
-    prefix = 0 if device == "cuda" else H * min(T, PREFIX_CHUNK) * context * 4
-    if args.attn_softcap is not None:       # soft-capped scores: plain maths over every key (attention.py)
-        tree = MATH_COPIES * H * T * T * 4 + T * T * (elem + 1)
-        prefix = MATH_COPIES * H * T * context * 4
-    return merge + tree + prefix
-
-
 def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str,
                   logit_rows: int, kv_quant: str = "none", tree: bool = True) -> int:
     """Peak transient bytes of one forward of `tokens` rows over `context` slots: the residual stream, norm
     outputs (and RMSNorm's fp32 copies), q/k/v before and after RoPE, the attention output, the MLP's gate,
-    up and product, the attention (attention_bytes), one dequantized weight (when the format's kernel on
+    up and product, the token mixer's pass, one dequantized weight (when the format's kernel on
     `device` dequantizes: quant.kernel_for) and `logit_rows` rows of fp32 logits with their processed copy;
     with an int8 cache, one layer's dequantized K/V. An MoE layer (specexec/network/moe.py) counts its widest MLP (the
     dense one, an expert's over all T rows, the shared expert's), the router's fp32 scores, the top-k pairs
-    sorted by expert and the output it accumulates. A hybrid's layer mixes with attention or linear attention
-    (linear_bytes; `tree`: a tree pass, else a causal prefill chunk): the larger of the two is counted."""
+    sorted by expert and the output it accumulates. Each kind of token mixer the model's layers have says its
+    pass's bytes (network/mixers.pass_bytes; `tree`: a tree pass, else a causal prefill chunk): the widest is
+    counted."""
     T, D, I = tokens, args.dim, args.intermediate_size
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     routed = 0
@@ -138,25 +119,8 @@ def forward_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: st
     hidden += routed
     dequant = max(I, q) * D * elem if fmt != "none" and kernel_for(fmt, device) == "dequantize" else 0
     logits = min(T, logit_rows) * args.vocab_size * 4 * 2
-    mixer = max(attention_bytes(args, T, context, elem, device), linear_bytes(args, T, elem, tree))
+    mixer = pass_bytes(args, T, context, elem, device, tree)          # the widest kind of layer's
     return hidden + mixer + dequant + logits + dequant_bytes(args, context, elem, kv_quant)
-
-
-def linear_bytes(args: ModelArgs, tokens: int, elem: int, tree: bool = True) -> int:
-    """Transient bytes of one linear-attention layer's pass over `tokens` rows (0 without such layers): its
-    projections and convolution, q/k/v per value head in fp32, the output and its gate, and the closed form's
-    [Hv, T, K] fp32 matrices (decays, key and query scores, the solve) over K columns (a tree: T nodes and
-    K = T columns; a causal pass: chunks of delta_rule.CHUNK) with the columns' gathered scratch."""
-    la = args.linear
-    if la is None:
-        return 0
-    T, value = tokens, la.v_heads * la.v_dim
-    n = T if tree else min(T, CHUNK)
-    rows = T * (la.conv_dim * 3 + value * 2 + 2 * la.v_heads) * elem
-    heads = T * la.v_heads * (2 * la.k_dim + 3 * la.v_dim) * 4
-    scores = 4 * la.v_heads * n * n * 4
-    cols = n * (la.k_heads * la.k_dim + la.v_heads * (la.k_dim + la.v_dim) + 2 * la.v_heads + la.conv_dim) * 4
-    return rows + heads + scores + cols
 
 
 def activation_bytes(args: ModelArgs, tokens: int, context: int, elem: int, fmt: str, device: str = "cpu") -> int:

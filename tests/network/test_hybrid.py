@@ -20,6 +20,7 @@ import torch
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.kv.recurrent import RecurrentSpec, RecurrentStates
+from specexec.network.delta_rule import advance_state
 from specexec.network.model import Transformer, TreeMask
 from specexec.runtime.assembly import Runtime
 from specexec.tree import TokenTree
@@ -132,7 +133,7 @@ def test_recurrent_store_commits_and_returns() -> None:
     """The ring keeps live rows when it grows; a commit shifts the live rows' decay to the new base; truncate
     returns only to the current length, 0, a point of the latest commit or the snapshot, and reusable says which;
     a causal pass's end state is committed by advance, in order."""
-    spec = RecurrentSpec(k_heads=1, v_heads=2, k_dim=2, v_dim=3, conv_dim=8, conv_kernel=3)
+    spec = RecurrentSpec(k_heads=1, v_heads=2, k_dim=2, v_dim=3, conv_dim=8, conv_kernel=3, advance=advance_state)
 
     def written() -> RecurrentStates:
         store = RecurrentStates(spec, 2, torch.float32, torch.device("cpu"))

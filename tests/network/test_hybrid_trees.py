@@ -17,6 +17,7 @@ import torch
 
 from specexec.checkpoints.loading import load_model
 from specexec.kv.recurrent import MIN_RING, RecurrentSpec, RecurrentStates
+from specexec.network.delta_rule import advance_state
 from specexec.network.model import TreeMask
 from specexec.tree import TokenTree
 from tests.network.model_reference import hf_model
@@ -55,7 +56,7 @@ def test_a_tree_pass_of_any_size_commits_its_own_path(name: str, T: int, pairs: 
     assert (got - want).abs().max() < TOL
 
 
-SPEC = RecurrentSpec(k_heads=1, v_heads=2, k_dim=2, v_dim=3, conv_dim=8, conv_kernel=3)
+SPEC = RecurrentSpec(k_heads=1, v_heads=2, k_dim=2, v_dim=3, conv_dim=8, conv_kernel=3, advance=advance_state)
 
 
 def write_span(store: RecurrentStates, prefix: int, width: int, slots: torch.Tensor) -> None:
