@@ -22,20 +22,22 @@ from specexec.options import about
 class Drafting:
     """What the rule depends on beyond a call's sampling and acceptance: the configured verifier ('auto': the
     builder's default), the builder's drafting scheme ("deterministic" without a builder), whether it keeps the
-    draft's probabilities, its name (None: no builder), the target's vocabulary size."""
+    draft's probabilities, its name (None: no builder), the target's vocabulary size, the width of the run's
+    neighbour table (relaxed acceptance's k at most)."""
 
     verifier: str
     scheme: str
     keeps_draft_probs: bool
     builder: str | None
     vocab_size: int
+    max_k: int | None = None            # relaxed acceptance's neighbours per token at most (the run's table)
 
 
 def rule_for(sampling: SamplingParams, accept: Acceptance, how: Drafting) -> Rule:
     """The acceptance rule: greedy at T = 0; else the verifier ('auto': the builder's default), which must be
     exact for the builder's drafting scheme (docs/algorithms.md §5.5). Relaxed acceptance is checked against the
     run (relaxed.check_relaxed) and runs on greedy / sample_match only (relaxed.relaxed_rule)."""
-    check_relaxed(accept, how.vocab_size, how.builder is not None, how.verifier)
+    check_relaxed(accept, how.vocab_size, how.builder is not None, how.verifier, how.max_k)
     if accept.relaxed:
         return RULES[relaxed_rule(how.verifier, sampling)]
     if sampling.greedy:

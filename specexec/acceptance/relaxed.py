@@ -16,7 +16,9 @@ The rest is accept_greedy unchanged. A token counts as relaxed when the relaxed 
 the exact one; the bonus token never does (no child matched there, so nothing was claimed from its choice).
 
 Neighbours are computed where the target's embedding table lives, once per token per model (the first time the
-token is drafted; on CUDA the whole table at the first use), and kept for the model's life.
+token is drafted; on CUDA the whole table at the first use), and kept for the model's life, in ONE table as wide
+as the run's k (its --accept's, else the default: what its plan counts); a request may lower k (the first of
+each token's neighbours), never raise it (check_relaxed).
 
 Does not know: models beyond their embedding table, logits processing (probabilities arrive processed), the
 engine's loop, which builder drew the tree; rules that divide by the draft's q (rrs_wor) or walk node by node
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from specexec.config import Acceptance, SamplingParams
+from specexec.acceptance.parsing import RELAXED_K
 from specexec.options import about
 from specexec.tree import TokenTree
 from specexec.decoding.uploads import upload
@@ -36,16 +39,28 @@ from specexec.acceptance.rules import Accepted, accept_greedy
 ROW_CHUNK = 16384           # embedding rows compared at once while filling neighbours ([n, 16k] fp32 scores)
 
 
-def check_relaxed(accept: Acceptance, vocab_size: int, has_builder: bool, verifier: str = "auto") -> None:
+def table_k(accept: Acceptance) -> int:
+    """The width of a run's one neighbour table: its --accept's k when relaxed, else the default k (what a
+    server's request may ask for without the run's --accept saying more)."""
+    return accept.k if accept.relaxed else RELAXED_K
+
+
+def check_relaxed(accept: Acceptance, vocab_size: int, has_builder: bool, verifier: str = "auto",
+                  max_k: int | None = None) -> None:
     """ConfigError (one line, about "--accept") when `accept` cannot run here: k must leave the token itself out
-    of the vocabulary (k <= V - 1), something must draft, and the verifier must be one relaxed acceptance runs on
-    (auto or sample_match: refused at the start, whatever temperature a later request asks for). Its one caller
-    is acceptance/choice.rule_for."""
+    of the vocabulary (k <= V - 1) and stay within the run's neighbour table (max_k: its width, table_k of the
+    run's --accept, what its plan counts), something must draft, and the verifier must be one relaxed acceptance
+    runs on (auto or sample_match: refused at the start, whatever temperature a later request asks for). Its one
+    caller is acceptance/choice.rule_for."""
     if not accept.relaxed:
         return
     if accept.k > vocab_size - 1:
         raise about("--accept", accept.label, f"--accept {accept.label}: k={accept.k} is above the target's "
                     f"vocabulary of {vocab_size} tokens (a token's neighbours leave it out: k <= {vocab_size - 1})")
+    if max_k is not None and accept.k > max_k:
+        raise about("--accept", accept.label, f"--accept {accept.label}: k={accept.k} is above the {max_k} "
+                    f"neighbours per token this run's table holds ({max_k} is what its plan counts; a request may "
+                    f"lower k, not raise it): start the run with --accept relaxed:k={accept.k} to allow it")
     if not has_builder:
         raise about("--accept", accept.label, f"--accept {accept.label} relaxes the check of drafted tokens, and "
                     "nothing drafts here (--no-draft): drop one of the two")
@@ -71,21 +86,22 @@ def _check_rule(verifier: str) -> None:
 
 class Neighbours:
     """Each token's nearest tokens by cosine similarity of the rows of `embedding` [V, D] (the token itself left
-    out), nearest first. Filled per token on demand and kept: one int32 table [V, k] per k asked for, on `device`.
+    out), nearest first. ONE int32 table [V, k] on `device` (k: the run's table_k, what its plan counts), made at
+    its first use, filled per token on demand and kept; a lookup of fewer neighbours reads the first of them.
     The scores are computed where `embedding` lives (its device), in fp32, ROW_CHUNK rows at a time."""
 
-    def __init__(self, embedding: Tensor, device: torch.device | str) -> None:
-        self.embedding, self.device = embedding, torch.device(device)
+    def __init__(self, embedding: Tensor, device: torch.device | str, k: int = RELAXED_K) -> None:
+        self.embedding, self.device, self.k = embedding, torch.device(device), k
         self.eager = self.device.type == "cuda"          # a GPU fills the whole table at its first use
         self._inv_norms: Tensor | None = None
-        self._tables: dict[int, tuple[Tensor, Tensor, list[bool]]] = {}   # k -> (ids, filled, [complete])
+        self._table_: tuple[Tensor, Tensor, list[bool]] | None = None   # (ids, filled, [complete])
 
     @property
     def vocab_size(self) -> int:
         return self.embedding.shape[0]
 
     def bytes_for(self, k: int) -> int:
-        """Device bytes the table for `k` holds once made (table_bytes)."""
+        """Device bytes a table of width `k` holds once made (table_bytes)."""
         return self.table_bytes(self.vocab_size, k)
 
     @staticmethod
@@ -96,25 +112,32 @@ class Neighbours:
 
     def lookup(self, tokens: Tensor, k: int) -> Tensor:
         """tokens long [n] -> their k nearest tokens, long [n, k] on `device` (filling the ones not known yet: one
-        host sync, none once the table is complete)."""
-        ids, filled, complete = self._table(k)
+        host sync, none once the table is complete); k <= the table's width."""
+        if not 1 <= k <= self.k:
+            raise ValueError(f"k={k} neighbours: this table holds {self.k} per token")
+        ids, filled, complete = self._table()
         tokens = tokens.to(self.device).long()
         if not complete[0]:
             todo = torch.arange(self.vocab_size, device=self.device) if self.eager else \
                 torch.unique(tokens[~filled[tokens]])
             if todo.numel():
-                ids[todo] = self._nearest(todo, k).to(device=self.device, dtype=torch.int32)
+                ids[todo] = self._nearest(todo, self.k).to(device=self.device, dtype=torch.int32)
                 filled[todo] = True
                 complete[0] = bool(filled.all())
-        return ids[tokens].long()
+        return ids[tokens, :k].long()
 
-    def _table(self, k: int) -> tuple[Tensor, Tensor, list[bool]]:
-        if k not in self._tables:
-            if not 1 <= k < self.vocab_size:
-                raise ValueError(f"k={k} neighbours do not fit a vocabulary of {self.vocab_size}")
-            self._tables[k] = (torch.zeros(self.vocab_size, k, dtype=torch.int32, device=self.device),
-                               torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device), [False])
-        return self._tables[k]
+    @property
+    def made(self) -> int:
+        """Device bytes of the table made so far (0 before the first lookup)."""
+        return 0 if self._table_ is None else self.bytes_for(self.k)
+
+    def _table(self) -> tuple[Tensor, Tensor, list[bool]]:
+        if self._table_ is None:
+            if not 1 <= self.k < self.vocab_size:
+                raise ValueError(f"k={self.k} neighbours do not fit a vocabulary of {self.vocab_size}")
+            self._table_ = (torch.zeros(self.vocab_size, self.k, dtype=torch.int32, device=self.device),
+                            torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device), [False])
+        return self._table_
 
     def _norms(self) -> Tensor:
         """1 / |row| of every embedding row [V] fp32 (a zero row scores 0 against everything)."""

@@ -42,7 +42,7 @@ from specexec.kv.prefix_cache import PrefixCache
 from specexec.network.model import Closes, MakesCache, Transformer, TreeMask
 from specexec.profiler import Profiler, Span
 from specexec.acceptance.choice import Drafting, rule_for
-from specexec.acceptance.relaxed import Neighbours, Relaxation
+from specexec.acceptance.relaxed import Neighbours, Relaxation, table_k
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import make_generator
 from specexec.tree import TokenTree
@@ -109,7 +109,7 @@ class Engine:
         self.keeps_draft_probs = has(builder, KeepsDraftProbs)            # may be verified with rrs_wor
         self.drafting = Drafting(config.verifier, builder.drafting if builder is not None else "deterministic",
                                  self.keeps_draft_probs, builder.name if builder is not None else None,
-                                 target.args.vocab_size)
+                                 target.args.vocab_size, table_k(config.accept))
         self.rule_for(SamplingParams(), config.accept)    # what --accept relaxed cannot run on: refused here
         self.observe_topk = int(builder.observe_topk or 0) if has(builder, LearnsFromTarget) else 0
         self.target_closes = has(target, Closes)
@@ -123,7 +123,8 @@ class Engine:
         self._top_logprobs: int | None = None        # this call's top_logprobs (None: no logprobs)
         self.logprobs: list[TokenLogprob] = []       # the last call's tokens' target log-probs, when asked
         self._accept = config.accept                 # this call's --accept (generate)
-        self.neighbours = Neighbours(target.embed_tokens.weight, self.device)   # relaxed acceptance's, lazily
+        self.neighbours = Neighbours(target.embed_tokens.weight, self.device,   # relaxed acceptance's, lazily
+                                     table_k(config.accept))
 
     @property
     def experts(self):

@@ -151,7 +151,8 @@ class Runtime:
         engine = _make_engine(self.engine.target, draft, with_measured_acceptance(config, self.pair),
                               tuple(sorted(self.engine.eos_ids)), self.engine.planned_context,
                               self.plan)
-        engine.neighbours = self.engine.neighbours           # relaxed acceptance's table: once per target
+        if engine.neighbours.k == self.engine.neighbours.k:
+            engine.neighbours = self.engine.neighbours       # relaxed acceptance's table: once per target and k
         runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info if use_draft else None, config,
                           self.plan)
         runtime.pair, runtime.depth = self.pair, self.depth if use_draft else None

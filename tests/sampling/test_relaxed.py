@@ -30,7 +30,7 @@ def pair(tiny_small_pair: tuple[Path, Path]):
 
 def _run(pair, builder: str, accept: Acceptance, sampling: SamplingParams, n: int = 24,
          budget: int = 12, verifier: str = "auto") -> tuple[list[int], Engine]:
-    config = EngineConfig(budget=budget, builder=builder, verifier=verifier)
+    config = EngineConfig(budget=budget, builder=builder, verifier=verifier, accept=accept)   # its table: k wide
     engine = Engine(pair[0], pair[1], config, make_builder(builder))
     return [t for s in engine.generate(prompt(5), n, sampling, accept=accept) for t in s], engine
 
@@ -149,7 +149,8 @@ class RecordingEngine(Engine):
 
 def test_the_bonus_token_is_never_relaxed(pair) -> None:
     """relaxed flags line up with the emitted tokens; the last (the bonus) is always the exact choice."""
-    engine = RecordingEngine(pair[0], pair[1], EngineConfig(budget=16), make_builder("specexec"))
+    engine = RecordingEngine(pair[0], pair[1], EngineConfig(budget=16, accept=Acceptance("relaxed", 0.6, 40)),
+                             make_builder("specexec"))
     for _ in engine.generate(prompt(5), 40, SamplingParams(), accept=Acceptance("relaxed", 0.6, 40)):
         pass
     assert all(len(a.relaxed) == len(a.tokens) and not a.relaxed[-1] for a in engine.accepted)
@@ -166,17 +167,17 @@ def test_neighbours_are_the_cosine_top_k_without_the_token_itself() -> None:
     sims = unit @ unit.T
     sims.fill_diagonal_(float("-inf"))
     want = sims.topk(5, dim=1).indices
-    lazy = Neighbours(emb, "cpu")
+    lazy = Neighbours(emb, "cpu", 5)
     tokens = torch.tensor([3, 9, 3, 7, 49])
     got = lazy.lookup(tokens, 5)
     assert torch.equal(sims.gather(1, got), sims.gather(1, want[tokens]))   # equal scores (ties may reorder)
     assert not (got == tokens[:, None]).any()
-    filled = lazy._tables[5][1]
+    filled = lazy._table_[1]
     assert filled.sum() == 4                                            # only what was asked for
-    eager = Neighbours(emb, "cpu")
+    eager = Neighbours(emb, "cpu", 5)
     eager.eager = True
     assert torch.equal(eager.lookup(tokens, 5), got)
-    assert eager._tables[5][2] == [True]
+    assert eager._table_[2] == [True]
     assert lazy.bytes_for(5) == 50 * (4 * 5 + 1)
 
 
