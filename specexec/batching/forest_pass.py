@@ -9,8 +9,10 @@ each offloaded layer ONCE for all the requests, which is the point (a streamed p
 row as for a thousand).
 
 What a request gets is what its own forward would give: the same attention plan, the same RoPE tables and the
-same per-row arithmetic, where the linears are row-exact (the CPU integer kernels) bit for bit; otherwise up to
-the float rounding a matrix product may have at another row count (as a tree pass has against one-token decode).
+same per-row arithmetic, up to the float rounding a matrix product may have at another row count (as a tree pass
+has against one-token decode). A row-exact model (the CPU integer kernels, whose solo passes run each layer as
+one compiled call) runs each arriving layer once per request instead, as that request's own forward would: the
+very bits of its solo pass, the layer still read once for all of them.
 
 Does not know: trees, acceptance, who the requests are or when to run (seats.py gathers the calls), sampling.
 Families it cannot batch (`why_not`) run their requests' passes one after another instead (seats.py).
@@ -98,6 +100,8 @@ def forest_forward(model: Transformer, calls: list[Call]) -> list[Tensor]:
     begin = getattr(model, "begin_pass", None)
     if begin is not None:
         begin(None)                             # an offloaded target: no cache's rows travel with the layers
+    if model.execution.row_exact:
+        return _per_request(model, [x[:, s:e] for s, e in spans], calls, per_call)
     for i, layer in model.layer_modules():
         kind = kinds[i]
         mixer = layer.mixer
@@ -110,3 +114,15 @@ def forest_forward(model: Transformer, calls: list[Call]) -> list[Tensor]:
         x = layer.after_mixer(x, mixer.output(torch.cat(outs, dim=1), gate), i)
     hidden = model.norm(x)
     return [hidden[:, s:e] for s, e in spans]
+
+
+def _per_request(model: Transformer, xs: list[Tensor], calls: list[Call], per_call: list) -> list[Tensor]:
+    """A row-exact model's forest pass: each layer arrives once (streamed once) and runs each request's rows as
+    that request's own forward runs them (its compiled layer where it takes the pass, else the modules), so
+    every request gets the very bits of its solo pass; what the pass shares is the layer's arrival."""
+    kinds = model.args.layer_kinds
+    for i, layer in model.layer_modules():
+        kind = kinds[i]
+        for r, (c, (ropes, plans, slots)) in enumerate(zip(calls, per_call)):
+            xs[r] = layer(xs[r], *ropes[kind.rope], plans[kind.window], c.cache, i, slots)
+    return [model.norm(x) for x in xs]

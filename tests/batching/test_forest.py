@@ -98,3 +98,52 @@ def test_seeded_sampling_in_a_forest_equals_each_request_alone(tiny_pair: tuple[
     alone = [_ids(rt.variant(config), p, 16, s) for p, s in zip(PROMPTS, samplings)]
     assert alone[0] != _ids(rt.variant(config), PROMPTS[0], 16, SamplingParams(temperature=0.9, seed=8))
     assert together(SeatPool(rt, 3), PROMPTS, 16, samplings) == alone
+
+
+def _calls(model, lengths: list[int], tree: int) -> list:
+    """One call per prompt length: its own cache holding a prefilled prompt, then a tree of `tree` nodes (node i
+    under node (i - 1) // 2: a binary tree) to verify after it."""
+    from specexec.batching.forest_pass import Call
+    from specexec.network.attention import TreeMask
+
+    parent = [-1] + [(i - 1) // 2 for i in range(1, tree)]
+    seen = torch.zeros(tree, tree, dtype=torch.bool)
+    depth = [0] * tree
+    for i in range(tree):
+        j = i
+        while j >= 0:
+            seen[i, j] = True
+            j = parent[j]
+        depth[i] = 0 if i == 0 else depth[parent[i]] + 1
+    calls = []
+    for n, length in enumerate(lengths):
+        cache = model.new_cache(length + tree + 8)
+        ids = torch.tensor(prompt(20 + n, length))
+        model(ids[None], torch.arange(length)[None], TreeMask(0), cache)
+        cache.advance(length)
+        tokens = torch.tensor(prompt(40 + n, tree))[None]
+        calls.append(Call(tokens, (length + torch.tensor(depth))[None], TreeMask(length, seen), cache))
+    return calls
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_a_forest_pass_gives_each_request_its_solo_rows(tiny_pair: tuple[Path, Path], tmp_path: Path,
+                                                       quant: str) -> None:
+    """Each request's hidden rows from one forest pass against its own forward: bit for bit on a row-exact
+    target (int8 layers on the CPU kernels, streamed from the SSD tier), within fp32 rounding otherwise."""
+    from specexec.batching.forest_pass import forest_forward
+
+    rt = Runtime.load(str(tiny_pair[0]), None, EngineConfig(dtype="float32", max_new_tokens=8),
+                      offload=OffloadConfig(offload="ssd", quant=quant, cache_dir=str(tmp_path)))
+    model = rt.engine.target
+    try:
+        assert model.execution.row_exact == (quant == "int8")
+        calls = _calls(model, [3, 11, 6], 7)
+        with torch.inference_mode():
+            solo = [model(c.tokens, c.positions, c.mask, c.cache) for c in calls]
+            together = forest_forward(model, calls)
+        for a, b in zip(together, solo):
+            assert a.shape == b.shape
+            assert torch.equal(a, b) if quant == "int8" else torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    finally:
+        model.close()
