@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import specexec
 from specexec.options import choice_error
-from cli import chat, convert, demo, doctor, generate, plan, threads
+from cli import chat, convert, demo, doctor, generate, launch, plan, threads
 from cli.serve import command as serve
 from offload.formats.checkpoint import allow_outside_shards
 from cli.bench import main as bench
@@ -36,7 +36,7 @@ from cli.bench.components import stream as bench_stream
 from cli.errors import (INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError, as_typed, closed_stdout, report,
                         sigterm_raises)
 
-COMMANDS = (chat, generate, serve, demo, convert, models_cmd, plan, doctor)
+COMMANDS = (chat, generate, serve, launch, demo, convert, models_cmd, plan, doctor)
 
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.

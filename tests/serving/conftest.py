@@ -8,18 +8,13 @@ from typing import Any, Literal
 
 import pytest
 
-from tests.serving.tool_models import TOOL_MODEL, TOOL_TOKENS, with_tool_template
+from tests.serving.tool_models import TOOL_MODEL, TOOL_TOKENS, load_tool_runtime
 
 
 @pytest.fixture(scope="session")
 def tool_runtime(tiny_pair, tiny_perturbed_draft, tiny_root):
     """tiny_pair's target with tiny_perturbed_draft, both with the hermes tool template (budget 16, fp32)."""
-    from specexec.config import EngineConfig
-    from specexec.runtime.assembly import Runtime
-
-    target = with_tool_template(tiny_root / "pair-target-tools", tiny_pair[0])
-    draft = with_tool_template(tiny_root / "pair-draft-tools", tiny_perturbed_draft)
-    return Runtime.load(str(target), str(draft), EngineConfig(budget=16, dtype="float32", max_new_tokens=TOOL_TOKENS))
+    return load_tool_runtime(tiny_root, tiny_pair[0], tiny_perturbed_draft)
 
 
 @pytest.fixture(scope="session")

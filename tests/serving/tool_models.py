@@ -34,6 +34,17 @@ def with_tool_template(dest: Path, base: Path) -> Path:
     return dest
 
 
+def load_tool_runtime(root: Path, target: Path, draft: Path):
+    """A Runtime of `target` drafted by `draft`, both copied under `root` with HERMES_TEMPLATE (budget 16, fp32,
+    TOOL_TOKENS new tokens by default)."""
+    from specexec.config import EngineConfig
+    from specexec.runtime.assembly import Runtime
+
+    target = with_tool_template(root / "pair-target-tools", target)
+    draft = with_tool_template(root / "pair-draft-tools", draft)
+    return Runtime.load(str(target), str(draft), EngineConfig(budget=16, dtype="float32", max_new_tokens=TOOL_TOKENS))
+
+
 GLM_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
     "Call a function as <tool_call>name\n<arg_key>key</arg_key>\n<arg_value>value</arg_value>\n</tool_call>"
