@@ -6,8 +6,8 @@ Routes: POST /v1/chat/completions (with tools: specexec/serving/tools.py), /v1/c
 as JSON or server-sent events (specexec/serving/chat_stream.py, response_stream.py, anthropic_stream.py),
 /v1/messages/count_tokens, GET /v1/models, /v1/models/{id}, /health and /metrics (Prometheus text;
 `?format=json` for JSON). With an API key every route but /health wants `Authorization: Bearer KEY` or
-`x-api-key: KEY` (401 otherwise). Each request is read (at most max_body bytes),
-checked and tokenized on the event loop's side (tokenizing on one helper thread), then queued: the engine runs
+`x-api-key: KEY` (401 otherwise). Each request is read (at most max_body bytes), made
+into its Job (specexec/serving/jobs.py: checked, tokenized, its grammar; on one helper thread), then queued: the engine runs
 on the queue's worker threads (--parallel of them), so the loop stays free to answer /health, /metrics and new
 requests while generations run. A client that disconnects (streamed or not) cancels its job: a waiting one
 leaves the queue at once, a running one stops at its next step. Every failure is an OpenAI-style JSON error body: 4xx for the
@@ -18,7 +18,7 @@ last job's).
 
 Importing this module needs starlette (the `serve` extra); cli/serve/command.py imports it only when serving.
 
-Does not know: request semantics (specexec.serving.openai_api), how jobs run (specexec.serving.queue), argument parsing
+Does not know: request semantics (specexec.serving.openai_api, jobs.py), how jobs run (specexec.serving.queue), argument parsing
 and binding sockets (cli/serve/command.py).
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ from starlette.routing import Route
 from specexec.options import ConfigError
 from specexec.serving import anthropic_api as anth
 from specexec.serving import openai_api as api
-from specexec.serving import messages as chat_messages
-from specexec.serving import responses, structured, tools
+from specexec.serving import responses
 from specexec.serving.anthropic_stream import MessagesStream
 from specexec.serving.chat_stream import ChatStream, apply, finish_choices
+from specexec.serving.jobs import JobMaker
 from specexec.serving.response_stream import ResponseStream
 from specexec.runtime.assembly import Runtime
 from specexec.serving.queue import End, Failed, GenerationQueue, QueueFull, Ticket
@@ -115,6 +115,7 @@ class Server:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.created = int(time.time())
         self.vocab_size = runtime.target_info.args.vocab_size
+        self.jobs = JobMaker(runtime, defaults, self.vocab_size)
 
     # ---------------------------------------------------------------- plumbing
     def route(self, handler: Handler, template: str, guarded: bool = True,
@@ -204,67 +205,21 @@ class Server:
     async def count_tokens(self, request: Request) -> Response:
         """POST /v1/messages/count_tokens: the prompt's tokens as the model's chat template renders them."""
         chat = anth.read_request(await self._body(request), counting=True).chat
-        given = tools.parse_tools(chat)
-        messages = chat_messages.parse_messages(chat)
-        ids = await self._tokenize(lambda: chat_messages.encode_chat(self.runtime.tokenizer, messages,
-                                                                     given and list(given.tools)))
-        return JSONResponse({"input_tokens": len(ids)})
+        return JSONResponse({"input_tokens": await self._tokenize(lambda: self.jobs.count_tokens(chat))})
 
     async def _chat_job(self, body: dict) -> api.Job:
-        """A chat body checked, rendered through the chat template and tokenized, with its grammar."""
-        options = api.parse_options(body, self.defaults, self.vocab_size)
-        tok = self.runtime.tokenizer
-        given = tools.parse_tools(body)                  # rendered even with "none": the model sees its tools
-        wanted = given if given is not None and given.choice != "none" else None
-        fmt = tools.require_format(getattr(tok, "chat_template", None)) if wanted else None
-        messages = chat_messages.parse_messages(body)
-        ids = await self._tokenize(lambda: chat_messages.encode_chat(tok, messages, given and list(given.tools)))
-        grammar = await self._tokenize(lambda: self._grammar(body, wanted, fmt))
-        return api.make_job("chat", options, [ids], self.defaults, self.runtime.context, grammar=grammar,
-                            tool_format=fmt.name if fmt else None)
-
-    def _grammar(self, body: dict, wanted: tools.ToolRequest | None, fmt: tools.ToolFormat | None) -> str | None:
-        """A forced tool call's grammar, else response_format's (checked; a 400 when llguidance refuses it)."""
-        grammars = self.runtime.grammars
-        if wanted is None or not wanted.forced:
-            return structured.response_grammar(body, grammars)
-        grammar = grammars.lark(tools.forced_grammar(fmt, wanted, self.runtime.tokenizer))
-        try:
-            grammars.check(grammar)
-        except ConfigError as e:
-            raise api.ApiError(str(e), param="tools", code="invalid_value") from None
-        return grammar
+        """A chat body's Job (specexec/serving/jobs.py), made off the event loop (it tokenizes)."""
+        return await self._tokenize(lambda: self.jobs.chat(body))
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
-        options = api.parse_options(body, self.defaults, self.vocab_size)
-        if body.get("tools"):
-            raise api.ApiError("'tools' needs /v1/chat/completions", param="tools", code="unsupported_parameter")
-        prompts = api.parse_prompts(body, self.vocab_size)
-        tok = self.runtime.tokenizer
-
-        def encode() -> tuple[list[list[int]], list[str]]:
-            ids = [api.encode_text(tok, p) for p in prompts]
-            texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if options.echo else []
-            return ids, texts
-        ids, texts = await self._tokenize(encode)
-        grammar = await self._tokenize(lambda: structured.response_grammar(body, self.runtime.grammars))
-        job = api.make_job("text", options, ids, self.defaults, self.runtime.context, texts, grammar)
-        return await self._run(request, job)
+        return await self._run(request, await self._tokenize(lambda: self.jobs.completion(body)))
 
     async def _run(self, request: Request, job: api.Job,
                    req: responses.ResponseRequest | anth.MessagesRequest | None = None) -> Response:
         """Queue the job; its answer streamed or whole, in the chat/completions shape or (req) the Responses
         API's or the Messages API's."""
-        if job.choices > self.settings.max_choices:
-            raise api.ApiError(f"this request asks for {len(job.prompts)} prompt(s) x n {job.n} = {job.choices} "
-                               f"choices; this server takes at most {self.settings.max_choices} per request "
-                               "(specexec serve --max-choices)", param="n", code="too_many_choices")
-        try:
-            self.runtime.engine.rule_for(job.sampling, job.accept)   # e.g. a verifier not exact at T > 0
-        except ConfigError as e:
-            param = "accept" if e.subject == "--accept" else "temperature"
-            raise api.ApiError(str(e), param=param, code="invalid_value") from None
+        self.jobs.admit(job, self.settings.max_choices)
         try:
             ticket = self.queue.submit(job)
         except QueueFull as e:
