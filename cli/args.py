@@ -19,20 +19,21 @@ import sys
 from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from specexec.config import Acceptance, EngineConfig, OffloadConfig, SamplingParams
 from cli.fetch import add_hub_args, fetch_model
-from specexec.checkpoints.hub import Reserve
+from cli.help import LazyHelp
 from specexec.options import (ConfigError, budget_options, check_draft_choice, choices_help, help_list, is_self_draft,
                               parse_size)
-from specexec.planning.disk_need import reserve_for
-from specexec.planning.target import TargetPlan
 from specexec.builders.registry import builder_needs_draft, names as builder_names
-from specexec.runtime.assembly import Runtime
-from specexec.runtime.self_draft import SELF
-from specexec.drafters.mtp import has_mtp_layer
+
+if TYPE_CHECKING:                                  # only annotations: parsing never imports torch (cli/main.py)
+    from specexec.checkpoints.hub import Reserve
+    from specexec.planning.target import TargetPlan
+    from specexec.runtime.assembly import Runtime
 
 # SamplingParams fields that get a flag here: name -> (type, metavar, help)
 SAMPLING_FLAGS = {
@@ -54,7 +55,7 @@ class Flag:
     """One shared flag: argparse keywords, its --help text and what its default is (as --help says it; a
     command may say another default, e.g. `specexec plan`, which applies no models.yaml defaults)."""
 
-    text: str
+    text: str | Callable[[], str]         # a callable: read when a help shows it (cli/help.py LazyHelp)
     default: str = ""
     kwargs: dict = field(default_factory=dict)
 
@@ -73,18 +74,17 @@ def _flags() -> dict[str, Flag]:
                         {"metavar": "PATH|NAME|self[:FMT]|eagle3:PATH|mtp"}),
         "--max-new-tokens": Flag("at most N new tokens", "128", {"type": int, "metavar": "N"}),
         "--budget": Flag("draft tree size in tokens, or auto: picked per step from measured pass costs and "
-                         "acceptance; a number N fixes it", "auto (bench's sweep: 16,64,256,auto), or the models.yaml "
-                         "entry's", {"metavar": "N|auto"}),
+                         "acceptance; a number N fixes it", "auto, or the models.yaml entry's", {"metavar": "N|auto"}),
         "--max-budget": Flag("largest tree --budget auto tries", "1024", {"type": int, "metavar": "N"}),
-        "--builder": Flag(f"tree builder: {help_list(builder_names())}", "specexec", {"metavar": "NAME"}),
+        "--builder": Flag(lambda: f"tree builder: {help_list(builder_names())}", "specexec", {"metavar": "NAME"}),
         "--device": Flag("cpu or cuda", "cuda where torch sees a GPU, else cpu", {"metavar": "DEV"}),
         "--dtype": Flag(choices_help("--dtype"), "auto: bf16 on CUDA, fp32 on CPU", {"metavar": "TYPE"}),
         "--kv-quant": Flag(f"KV cache rows: {choices_help('--kv-quant')}", "none; int8 is LOSSY: half the memory "
                            "and bytes moved; the output may differ from the target's, so no exactness claim holds",
                            {"metavar": "FMT"}),
-        "--quant": Flag(f"target layer format: {choices_help('--quant')}", "auto, or the models.yaml entry's",
+        "--quant": Flag(lambda: f"target layer format: {choices_help('--quant')}", "auto, or the models.yaml entry's",
                         {"metavar": "FMT"}),
-        "--draft-quant": Flag(f"draft linear layers: {choices_help('--draft-quant')}",
+        "--draft-quant": Flag(lambda: f"draft linear layers: {choices_help('--draft-quant')}",
                               "none; the draft always stays resident", {"metavar": "FMT"}),
         "--offload": Flag(f"where target layers live: {choices_help('--offload')}", "auto: the planner decides "
                           "from the budgets; none = all resident, ram = all streamed from (pinned) RAM, ssd = all "
@@ -124,55 +124,67 @@ def _flags() -> dict[str, Flag]:
     }
 
 
-def add_flag(p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup, flag: str, says: str | None = None,
+def add_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, says: str | None = None,
              text: str | None = None, **kwargs) -> None:
     """Add the shared `flag` to p, its --help saying the default is `says` (else the flag's own; "": no
     default said) after `text` (else the flag's own); kwargs: argparse keywords this command adds or changes
     (required, type, a default value, ...)."""
     f = _flags()[flag]
     said = f.default if says is None else says
-    helptext = (f.text if text is None else text) + (f" (default {said})" if said else "")
+    base, suffix = (f.text if text is None else text), (f" (default {said})" if said else "")
+    # a text that reads a registry importing torch (the builders') is read when a help shows it
+    helptext = LazyHelp(lambda: base() + suffix) if callable(base) else base + suffix
     p.add_argument(flag, **{**f.kwargs, **kwargs, "help": helptext})
 
 
+def heading(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """p's option group `title` (--help-all's heading), made on first use."""
+    found = next((g for g in p._action_groups if g.title == title), None)
+    return found if found is not None else p.add_argument_group(title)
+
+
 def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    add_flag(p, "--model", required=required)
-    draft = p.add_mutually_exclusive_group()
+    g = heading(p, "model")
+    add_flag(g, "--model", required=required)
+    draft = g.add_mutually_exclusive_group()
     add_flag(draft, "--draft")
     draft.add_argument("--no-draft", action="store_true", help="decode with the target alone (the baseline)")
-    p.add_argument("--allow-pickle", action="store_true",
+    g.add_argument("--allow-pickle", action="store_true",
                    help="read pickle (.bin) weights with torch.load(weights_only=True)")
-    p.add_argument("--allow-outside-shards", action="store_true",
+    g.add_argument("--allow-outside-shards", action="store_true",
                    help="read weight files that an index or a symlink places outside the checkpoint directory")
-    add_hub_args(p)
+    add_hub_args(g)
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_new_default: str = "128") -> None:
-    add_flag(p, "--max-new-tokens", max_new_default)
+    g = heading(p, "engine")
+    add_flag(g, "--max-new-tokens", max_new_default)
     for flag in ("--budget", "--max-budget", "--builder", "--device", "--dtype", "--kv-quant", "--expert-trim",
                  "--gate", "--accept"):
-        add_flag(p, flag)
+        add_flag(g, flag)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = heading(p, "sampling")
     known = {f.name for f in fields(SamplingParams)}
     for name, (kind, metavar, text) in SAMPLING_FLAGS.items():
         if name in known:
-            p.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
+            g.add_argument("--" + name.replace("_", "-"), type=kind, metavar=metavar, help=text)
 
 
 def add_offload_args(p: argparse.ArgumentParser, context_list: bool = False) -> None:
+    g = heading(p, "memory and offloading")
     for flag in ("--quant", "--draft-quant", "--offload", "--gpu-budget", "--ram-budget", "--cache-dir"):
-        add_flag(p, flag)
+        add_flag(g, flag)
     if context_list:                              # bench: a sweep (cli/bench/context.py); the plan takes the largest
-        add_flag(p, "--context", "", "run the prompts after a long shared document filling each of these "
+        add_flag(g, "--context", "", "run the prompts after a long shared document filling each of these "
                  "contexts, e.g. 1k,8k,32k: one table of tok/s, tokens per pass, prefill and pass seconds by "
                  "context (the memory plan reserves KV cache for the largest)", type=str, metavar="LIST")
     else:
-        add_flag(p, "--context")
-    add_flag(p, "--kv-offload")
-    add_flag(p, "--draft-layers")
-    add_flag(p, "--experts")
+        add_flag(g, "--context")
+    add_flag(g, "--kv-offload")
+    add_flag(g, "--draft-layers")
+    add_flag(g, "--experts")
 
 
 def add_common_args(p: argparse.ArgumentParser, max_new_default: str = "128", model_required: bool = True,
@@ -208,6 +220,8 @@ def engine_config(args: argparse.Namespace, auto_budget: bool = False, **default
 def target_reserve(args: argparse.Namespace) -> Reserve | None:
     """The layer cache the plan builds for the target, from the command's offload and engine flags (None when
     the flags are invalid: the command reports that itself)."""
+    from specexec.planning.disk_need import reserve_for
+
     try:
         return reserve_for(offload_config(args), engine_config(args))
     except ConfigError:
@@ -253,7 +267,8 @@ def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = N
 
     entry = find(args.model)
     fetch_model(args, "model", target_reserve(args))
-    check_model_path(args.model)                  # a wrong path is said first, before any flag that needs it
+    if args.model:                                # a wrong path is said first, before any flag that needs it
+        check_model_path(args.model)
     if entry is not None:
         _entry_defaults(args, entry, console)
     if not getattr(args, "no_draft", False) and not is_self_draft(getattr(args, "draft", None)):
@@ -280,6 +295,9 @@ def check_draft(args: argparse.Namespace, config: EngineConfig, default_self: bo
     """--draft/--no-draft against the builder. default_self (chat): no draft named and none recommended means
     the model's own MTP layer when its checkpoint has one (args.draft = "mtp"), else the self-draft ("self"),
     shown in the plan, instead of a refusal; returns whether it did so."""
+    from specexec.drafters.mtp import has_mtp_layer
+    from specexec.runtime.self_draft import SELF
+
     chosen = default_self and not args.draft and not args.no_draft and builder_needs_draft(config.builder)
     if chosen:
         args.draft = "mtp" if has_mtp_layer(args.model) else SELF
@@ -320,6 +338,8 @@ def load_runtime(args: argparse.Namespace, config: EngineConfig, console: Consol
                  offload: OffloadConfig | None = None, spinner: bool = True) -> Runtime:
     """Runtime.load with the memory ledger printed on `console` before anything loads and a transient spinner
     while loading (spinner=False: none, e.g. for logs); console None: silently."""
+    from specexec.runtime.assembly import Runtime
+
     draft = None if args.no_draft else args.draft
     if console is None:
         return Runtime.load(args.model, draft, config, args.allow_pickle, offload=offload)

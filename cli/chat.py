@@ -35,6 +35,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -45,10 +46,9 @@ from cli.terminal_input import input_held, read_message
 from offload.formats.json_files import read_json
 from specexec.config import SamplingParams, with_field
 from specexec.options import ConfigError, budget_options, check_prompt_text
-from specexec.profiler import summary_table
-from specexec.runtime.assembly import Runtime
-from specexec.runtime.detokenizer import Detokenizer
-from specexec.runtime.tokenizer import encode_messages
+
+if TYPE_CHECKING:                                  # annotations only: the command line parses without torch
+    from specexec.runtime.assembly import Runtime
 
 DEFAULT_MAX_NEW = 1024          # per answer, capped at half the context
 SAVE_FORMAT = "specexec-chat"
@@ -106,6 +106,8 @@ class ChatSession:
     # ---------------------------------------------------------------- conversation
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         head = [{"role": "system", "content": self.system}] if self.system else []
+        from specexec.runtime.tokenizer import encode_messages
+
         return encode_messages(self.runtime.tokenizer, head + messages)
 
     def fit(self, user: str) -> list[int]:
@@ -144,6 +146,8 @@ class ChatSession:
         return answer
 
     def _stream(self, prompt_ids: list[int]) -> Answer:
+        from specexec.runtime.detokenizer import Detokenizer
+
         detok = Detokenizer(self.runtime.tokenizer, prompt_ids)
         ids: list[int] = []
         shown, interrupted = "", False
@@ -179,6 +183,7 @@ class ChatSession:
             self.console.print(line, style="dim", highlight=False, markup=False)
         self.console.print(stats_line(answer.profile), style="dim", highlight=False)
         if self.profile:
+            from specexec.profiler import summary_table
             self.console.print(summary_table(answer.profile, "profile of this answer"))
 
     # ---------------------------------------------------------------- commands
@@ -280,6 +285,7 @@ class ChatSession:
         if self.last is None:
             self.console.print("no answer yet", style="dim")
             return
+        from specexec.profiler import summary_table
         self.console.print(summary_table(self.last.profile, "profile of the last answer"))
 
     def cmd_save(self, rest: str) -> None:

@@ -16,16 +16,16 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from cpu_kernels.cache_root import default_cache_root
 from offload.memory_plan import gb_text
-from offload.cache.store import LayerCache
-from offload.quant.weights import FORMATS
+from offload.quant import FORMATS
 from cli.fetch import fetch_model
 from specexec.options import DTYPES, check_device
-from specexec.checkpoints.loading import read_args, resolve_dtype, resolve_model_path
-from specexec.checkpoints.naming import layer_names
+
+if TYPE_CHECKING:                                  # annotations only: the command line parses without torch
+    from offload.cache.store import LayerCache
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -52,6 +52,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from offload.cache.store import LayerCache
+    from specexec.checkpoints.loading import read_args, resolve_dtype, resolve_model_path
+    from specexec.checkpoints.naming import layer_names
+
     check_device(args.device)
     fetch_model(args, "model")
     path = resolve_model_path(args.model)

@@ -17,14 +17,16 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from cli import threads
 from specexec.config import EngineConfig, SamplingParams
-from specexec.runtime.assembly import Runtime
+
+if TYPE_CHECKING:                                  # annotations only: the command line parses without torch
+    from specexec.runtime.assembly import Runtime
 from specexec.checkpoints.catalog import demo_dir
 
 TARGET_SHAPE = dict(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, intermediate=688, vocab_size=320)
@@ -122,6 +124,8 @@ NEXT = ("Next, with these checkpoints (`specexec models` lists them as demo and 
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     before = torch.get_num_threads()
     chosen = threads.current()
     # 3M-parameter models: threads cost more than they save (and far more than that on a busy machine, where
@@ -140,6 +144,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         target, draft, built = ensure_models(cache_dir(), args.rebuild)
     console.print(f"{'built' if built else 'using cached'} demo models ({time.perf_counter() - t0:.1f} s)",
                   highlight=False)
+    from specexec.runtime.assembly import Runtime
+
     rt = Runtime.load(str(target), str(draft), config)
     _plan(console, rt)
     prompt_ids = rt.encode(PROMPT)

@@ -23,12 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from cpu_kernels.cache_root import default_cache_root
 from offload.platform.facilities import missing
 from offload.platform.mounts import slow_mount_warnings
-from offload.quant.weights import bnb_functional
 from specexec.options import ConfigError, check_integer
 
 PROMPT = "The quick brown fox"
@@ -64,6 +61,7 @@ def _driver() -> str | None:
 
 def cuda_report(h2d_mb: int) -> dict:
     """torch/CUDA versions, driver, and per GPU: name, memory, measured pinned/pageable H2D GB/s (GPU 0)."""
+    import torch
     from offload.platform.probe import h2d_gbps
 
     out: dict = {"torch": torch.__version__, "python": platform.python_version(), "cuda_available":
@@ -100,6 +98,9 @@ BNB_HINT = "install it (pip install bitsandbytes): on CUDA --quant auto streams 
 def bnb_report() -> dict:
     """bitsandbytes' version and whether its CUDA 4-bit kernels run (None without CUDA). On a CUDA machine a
     missing or broken bitsandbytes is a failure (cuda_kernels False): --quant auto means NF4 there."""
+    import torch
+
+    from offload.quant.weights import bnb_functional
     cuda = torch.cuda.is_available()
     try:
         bnbf = bnb_functional()                            # the one import, its foreign warnings silenced
@@ -143,6 +144,7 @@ def _tokens(target: Path, draft: Path, device: str, cache: Path, offload: str) -
 def tiny_model_report() -> dict:
     """Greedy tokens of a tiny random pair: CPU resident is the reference; with CUDA the GPU resident and the
     GPU streamed (SSD tier) runs must equal it, without CUDA the CPU streamed run must."""
+    import torch
     from specexec.checkpoints.demo_models import write_model, write_perturbed
 
     t0 = time.perf_counter()

@@ -23,8 +23,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from offload.cache.manifest import CacheError
-from offload.formats.checkpoint import CheckpointError
 from specexec.options import ConfigError
 
 USAGE_EXIT = 2
@@ -44,11 +42,23 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in flat)
 
 
+# A user's mistake about a checkpoint or the layer cache: (module, class). Looked up only where the module is
+# already imported (an exception of a class never loaded cannot have been raised), so reporting a usage error
+# imports neither module (both import torch).
+USER_ERRORS = (("offload.formats.checkpoint", "CheckpointError"), ("offload.cache.manifest", "CacheError"))
+
+
+def user_error_types() -> tuple[type, ...]:
+    """ConfigError and those of USER_ERRORS whose module is loaded."""
+    return (ConfigError, *(getattr(sys.modules[m], name) for m, name in USER_ERRORS if m in sys.modules))
+
+
 def describe(exc: BaseException) -> tuple[str, int]:
     """(message, exit code) for an exception that ends a command."""
-    if isinstance(exc, (ConfigError, CheckpointError, CacheError)):
+    mistakes = user_error_types()
+    if isinstance(exc, mistakes):
         return one_line(exc), USAGE_EXIT
-    if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, (ConfigError, CheckpointError, CacheError)):
+    if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, mistakes):
         return one_line(exc), USAGE_EXIT           # wrapped with context, e.g. "loading layer 3 failed: ..."
     if isinstance(exc, OSError) and exc.filename is not None:
         reason = exc.strerror or type(exc).__name__

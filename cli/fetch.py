@@ -20,8 +20,6 @@ from pathlib import Path
 from rich.console import Console
 
 from specexec.checkpoints.hub import HubOptions, Progress, Reserve
-from specexec.checkpoints.loading import HUB_ID, resolve_model_path
-from specexec.drafters.registry import parse_draft
 
 
 def add_hub_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +31,7 @@ def add_hub_args(p: argparse.ArgumentParser) -> None:
 def is_remote_name(spec: str | None) -> bool:
     """A --model/--draft value that is not a path on this machine but a Hub id or a models.yaml name."""
     from specexec.checkpoints.catalog import find
+    from specexec.checkpoints.loading import HUB_ID
 
     if not spec or Path(spec).expanduser().exists():
         return False
@@ -41,6 +40,9 @@ def is_remote_name(spec: str | None) -> bool:
 
 def fetch_model(args: argparse.Namespace, attr: str, reserve: Reserve | None = None) -> None:
     """args.<attr> (model or draft) -> the local checkpoint path, downloading it when needed."""
+    from specexec.checkpoints.loading import resolve_model_path
+    from specexec.drafters.registry import parse_draft
+
     spec = getattr(args, attr, None)
     parsed = parse_draft(spec) if attr == "draft" else None
     drafter = parsed.drafter if parsed is not None else None

@@ -18,6 +18,7 @@ import sys
 import unicodedata
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
@@ -32,9 +33,11 @@ from specexec.builders.registry import builder_needs_draft
 from specexec.options import (
     ConfigError, check_chat_options, check_draft_choice, check_number, check_prompt_text, help_list,
     parse_draft_vocab)
-from specexec.runtime.assembly import Runtime
-from specexec.runtime.loaders import ModelInfo
-from specexec.acceptance.rules import verifier_names
+from cli.help import LazyHelp
+
+if TYPE_CHECKING:                                  # annotations only: the command line parses without torch
+    from specexec.runtime.assembly import Runtime
+    from specexec.runtime.loaders import ModelInfo
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1, metavar="N",
                    help="N independent samples of the same prompt (loaded and prefilled once)")
     p.add_argument("--verifier", metavar="RULE",
-                   help=f"acceptance rule at T > 0: {help_list(verifier_names())} (default auto: the builder's own)")
+                   help=LazyHelp(lambda: f"acceptance rule at T > 0: {help_list(_verifier_names())} (default auto: the "
+                                 "builder's own)"))
     add_engine_args(p)
     p.add_argument("--draft-vocab", metavar="N|auto",
                    help="VocabTrim: the draft proposes only the N tokens the target samples most (measured once "
@@ -59,6 +63,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON line (text, token_ids, stats) to stdout")
     add_offload_args(p)
     return p
+
+
+def _verifier_names() -> tuple[str, ...]:
+    from specexec.acceptance.rules import verifier_names   # imports torch: read when --help-all shows it
+
+    return verifier_names()
 
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
@@ -215,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
     config, sampling = _configs(args)
     offload = offload_config(args)
     prompt = read_prompt(args)
+    from specexec.runtime.assembly import Runtime
+
     with console.status("loading") as status:          # a transient spinner: only the ledger is left on stderr
         runtime = Runtime.load(args.model, args.draft, config, args.allow_pickle,
                                progress=lambda msg: status.update(msg), offload=offload,

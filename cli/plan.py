@@ -29,20 +29,24 @@ from offload.memory_plan import GB, Bandwidths, PlanError
 from offload.platform.mounts import slow_mount_warnings
 from offload.planner import default_budgets
 from cli.args import add_flag, default_device
+from cli.help import LazyHelp
 from specexec.options import (ConfigError, budget_options, check_choice, check_experts, check_integer, check_number,
                               choices, parse_size)
-from specexec.planning.expert_place import CPU_GBPS_ENV, DEFAULT_CPU_GBPS, cpu_gemv_bps
-from specexec.planning.ledger import (ASSUMED, MemoryPlan, card_budget, card_for, plan_memory, what_fits,
-                                     with_warnings)
-from specexec.planning.cpu_compute import CpuCompute, cpu_compute, ram_warning
-from specexec.planning.run_shape import RunShape, plan_context
 from specexec.tuning.plan_pick import AutoStart, auto_start
-from specexec.checkpoints.loading import read_args, resolve_model_path
 
 DEFAULT_LINK_GBPS = 25.0          # pinned host -> GPU over PCIe 4.0 x16, as measured by `specexec doctor`
 
 
+def _assumed() -> dict:
+    from specexec.planning.ledger import ASSUMED   # the planner's module imports torch: read when a help shows it
+
+    return ASSUMED
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from specexec.planning.expert_place import CPU_GBPS_ENV
+    from specexec.planning.expert_place import DEFAULT_CPU_GBPS
+
     p = sub.add_parser("plan", help="will it fit? the memory ledger of a run, from config.json alone",
                        description="Plan a run without loading a weight: what every byte of GPU memory (or RAM "
                                    "on a CPU) holds, which target layers stay resident, which stream from RAM "
@@ -62,11 +66,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_flag(p, "--builder", default="specexec")
     for flag in ("--context", "--dtype", "--kv-quant", "--kv-offload"):
         add_flag(p, flag)
-    p.add_argument("--link-gbps", type=float, metavar="GB/S", help=f"host -> GPU bandwidth (default "
+    p.add_argument("--link-gbps", type=float, metavar="GB/S", help=LazyHelp(lambda: f"host -> GPU bandwidth (default "
                    f"{DEFAULT_LINK_GBPS:g} on CUDA; on a CPU the RAM tier's copy rate, default "
-                   f"{ASSUMED['cpu'].ram / GB:g})")
-    p.add_argument("--ssd-gbps", type=float, metavar="GB/S", help="SSD read bandwidth (default "
-                   f"{ASSUMED['cuda'].ssd / GB:g} with CUDA, {ASSUMED['cpu'].ssd / GB:g} on a CPU)")
+                   f"{_assumed()['cpu'].ram / GB:g})"))
+    p.add_argument("--ssd-gbps", type=float, metavar="GB/S", help=LazyHelp(lambda: "SSD read bandwidth (default "
+                   f"{_assumed()['cuda'].ssd / GB:g} with CUDA, {_assumed()['cpu'].ssd / GB:g} on a CPU)"))
     add_flag(p, "--experts", "stream; plan prints what each choice costs")
     p.add_argument("--cpu-gbps", type=float, metavar="GB/S", help="with --experts: bytes per second the CPU's "
                    f"expert GEMV streams (default ${CPU_GBPS_ENV}, else {DEFAULT_CPU_GBPS:g})")
@@ -76,6 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _placement(ns: argparse.Namespace, memory: MemoryPlan):
     """Where the experts compute under --experts (planning/expert_place.py; None for a dense target)."""
+    from specexec.planning.expert_place import cpu_gemv_bps
+
     from specexec.planning.expert_place import place_experts
 
     check_experts(ns.experts or "stream")
@@ -99,6 +105,8 @@ def _device(ns: argparse.Namespace) -> str:
 
 def _budgets(ns: argparse.Namespace, device: str) -> tuple[int | None, int, str]:
     """(GPU budget, RAM budget, how the GPU budget was found)."""
+    from specexec.planning.ledger import card_budget
+
     ram = parse_size(ns.ram_budget, "--ram-budget") if ns.ram_budget else default_budgets("cpu").ram
     if device == "cpu":
         return None, ram, ""
@@ -118,6 +126,8 @@ def _budgets(ns: argparse.Namespace, device: str) -> tuple[int | None, int, str]
 
 
 def _bandwidths(ns: argparse.Namespace, device: str) -> Bandwidths:
+    from specexec.planning.ledger import ASSUMED
+
     base = ASSUMED[device]
     link = ns.link_gbps if ns.link_gbps is not None else (DEFAULT_LINK_GBPS if device == "cuda" else base.ram / GB)
     ssd = ns.ssd_gbps if ns.ssd_gbps is not None else base.ssd / GB
@@ -129,6 +139,8 @@ def _bandwidths(ns: argparse.Namespace, device: str) -> Bandwidths:
 def _local(spec: str, flag: str) -> Path:
     """The checkpoint `spec` names on this machine (plan downloads nothing). A Hub id or catalogue name that is
     not here: one line with the commands that fetch the config.json plan needs, and plan it."""
+    from specexec.checkpoints.loading import resolve_model_path
+
     from specexec.checkpoints.catalog import find
     from specexec.checkpoints.loading import HUB_ID
 
@@ -146,6 +158,10 @@ def _local(spec: str, flag: str) -> Path:
 
 
 def _shape(ns: argparse.Namespace, device: str) -> RunShape:
+    from specexec.checkpoints.loading import read_args
+    from specexec.planning.run_shape import RunShape
+    from specexec.planning.run_shape import plan_context
+
     import torch
 
     from specexec.checkpoints.loading import resolve_dtype
@@ -196,6 +212,11 @@ def _shape(ns: argparse.Namespace, device: str) -> RunShape:
 def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
     """The memory plan the flags describe, and where the GPU budget came from. ConfigError (one line, what
     would fit) when nothing does."""
+    from specexec.planning.cpu_compute import ram_warning
+    from specexec.planning.ledger import plan_memory
+    from specexec.planning.ledger import what_fits
+    from specexec.planning.ledger import with_warnings
+
     from specexec.planning.target import target_formats
 
     device = _device(ns)
@@ -222,6 +243,8 @@ def plan_for(ns: argparse.Namespace) -> tuple[MemoryPlan, str]:
 
 def _explain(e: PlanError, ns: argparse.Namespace) -> str:
     """The planner's line, said in terms of --gpu-memory when that is what fell short."""
+    from specexec.planning.ledger import card_for
+
     if e.flag != "--gpu-budget" or ns.gpu_memory is None:
         return str(e)
     return (f"--gpu-memory {ns.gpu_memory} leaves a {e.budget / GB:.2f} GB budget (after the CUDA context and a "
@@ -239,6 +262,8 @@ def _auto_start(ns: argparse.Namespace, memory: MemoryPlan) -> AutoStart | None:
 
 def _compute(memory: MemoryPlan) -> CpuCompute | None:
     """A CPU plan's compute, priced by this CPU's measured kernels (None on CUDA: hidden behind the copies)."""
+    from specexec.planning.cpu_compute import cpu_compute
+
     import torch
 
     return cpu_compute(memory, torch.get_num_threads()) if memory.plan.device == "cpu" else None

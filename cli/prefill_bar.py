@@ -16,8 +16,11 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specexec.decoding.engine import Engine
-from specexec.generation import PrefillProgress
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:                                  # annotations only: the command line parses without torch
+    from specexec.decoding.engine import Engine
+    from specexec.generation import PrefillProgress
 
 SHOW_AFTER_S = 1.0
 

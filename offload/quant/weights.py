@@ -55,10 +55,9 @@ import logging
 
 import torch
 
-from offload.quant import int4
+from offload.quant import FORMATS, int4
 from offload.quant import int8
 
-FORMATS = ("none", "nf4", "fp4", "int8", "int4")
 AUTO_FORMAT = {"cpu": "int4", "cuda": "nf4"}     # what --quant auto streams, per device type
 BLOCKSIZE = 64                 # NF4/FP4 blocksize (bitsandbytes' default for 4-bit)
 NESTED_BLOCKSIZE = 256         # bitsandbytes' fixed blocksize for double-quantized absmax

@@ -251,6 +251,15 @@ def hf_cache_path(hub_id: str) -> Path | None:
         return None
 
 
+def closest(spec: str, catalog: Catalog | None = None) -> str | None:
+    """The catalogue name a mistyped `spec` most likely meant (`llama-3.1-70b-instruc`), or None."""
+    import difflib
+
+    names = [e.name for e in (catalog or load_catalog()).entries]
+    found = difflib.get_close_matches(spec.lower(), names, n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
 def find(spec: str | None, catalog: Catalog | None = None) -> ModelEntry | None:
     """The catalogue entry for a --model/--draft value, unless that value is an existing directory."""
     if not spec or Path(spec).expanduser().exists():

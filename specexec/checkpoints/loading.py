@@ -64,6 +64,10 @@ def resolve_model_path(spec: str, hub: HubOptions | None = None) -> Path:
     elif HUB_ID.match(spec) and not spec.startswith((".", "/")):
         repo = spec
     else:
+        from specexec.checkpoints.catalog import closest
+        meant = closest(spec)
+        if meant:
+            raise ConfigError(f"model path {spec} does not exist; did you mean {meant} (`specexec models` lists it)?")
         raise ConfigError(f"model path {spec} does not exist; pass a local checkpoint directory, a Hub id like "
                           "org/name, or a name that `specexec models` lists")
     opts = hub or hub_mod.HubOptions(offline=True)

@@ -47,7 +47,7 @@ def _llguidance():
         import llguidance.hf
     except ImportError:
         raise ConfigError("structured output (JSON schemas, tool calls) needs llguidance, which is not "
-                          "installed: pip install 'specexec[serve]'") from None
+                          "installed: pip install -e '.[serve]'") from None
     return llguidance
 
 

@@ -1,5 +1,5 @@
 """One registry per concept: builder names (specexec/builders/registry.py), verifier rules (verify.RULES), layer
-formats (offload.quant.weights.FORMATS), offload modes and KV placements (offload.memory_plan), KV quantization
+formats (offload.quant.FORMATS), offload modes and KV placements (offload.memory_plan), KV quantization
 (specexec.options.KV_QUANTS). Adding a name to its registry is all it takes for the flags' --help text, config
 validation and error messages to know it (options.choices reads them; builder and verifier names are checked
 where their registries are used, so building an EngineConfig imports neither torch nor a builder), and no other
@@ -18,6 +18,7 @@ import pytest
 from cli.bench.builders import parse_builders
 from cli.main import build_parser
 from offload import memory_plan
+from offload import quant
 from offload.quant import weights
 from specexec import options
 from specexec.acceptance import rules as verify
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def help_text(capsys: pytest.CaptureFixture, *command: str) -> str:
     with pytest.raises(SystemExit):
-        build_parser().parse_args([*command, "--help"])
+        build_parser().parse_args([*command, "--help-all"])
     return " ".join(capsys.readouterr().out.split())                   # argparse's wrapping undone
 
 
@@ -140,7 +141,8 @@ def test_offload_registries_reach_validation_help_and_errors(monkeypatch, capsys
     assert choices("--quant") == ("auto", *weights.FORMATS) and choices("--draft-quant") == tuple(weights.FORMATS)
     assert choices("--offload") == memory_plan.OFFLOAD_MODES and choices("--kv-offload") == memory_plan.COMPANION_MODES
     assert choices("--kv-quant") == options.KV_QUANTS
-    monkeypatch.setattr(weights, "FORMATS", (*weights.FORMATS, "zzfmt"))
+    monkeypatch.setattr(quant, "FORMATS", (*quant.FORMATS, "zzfmt"))        # the names' owner (torch-free)
+    monkeypatch.setattr(weights, "FORMATS", quant.FORMATS)                  # and its re-export, as read there
     monkeypatch.setattr(memory_plan, "OFFLOAD_MODES", (*memory_plan.OFFLOAD_MODES, "zzmode"))
     monkeypatch.setattr(memory_plan, "COMPANION_MODES", (*memory_plan.COMPANION_MODES, "zzplace"))
     monkeypatch.setattr(options, "KV_QUANTS", (*options.KV_QUANTS, "zzkv"))
@@ -174,7 +176,7 @@ def _name_lists(path: Path) -> tuple[tuple[int, frozenset[str]], ...]:
 def _registries() -> list[tuple[str, set[str], str | None]]:
     return [("builders", set(registry.names()), None),       # each builder names itself, in its own module
             ("verify.RULES", set(verify.RULES), "specexec/acceptance/rules.py"),
-            ("quant FORMATS", set(weights.FORMATS), "offload/quant/weights.py"),
+            ("quant FORMATS", set(weights.FORMATS), "offload/quant/__init__.py"),
             ("OFFLOAD_MODES", set(memory_plan.OFFLOAD_MODES), "offload/memory_plan.py"),
             ("COMPANION_MODES", set(memory_plan.COMPANION_MODES), "offload/memory_plan.py"),
             ("DTYPES", set(options.DTYPES), "specexec/options.py")]

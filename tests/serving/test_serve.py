@@ -655,7 +655,11 @@ def test_without_the_serve_extra_the_error_says_what_to_install(capsys, monkeypa
         monkeypatch.setitem(sys.modules, module, None)          # `import starlette` now fails
     assert main(["serve", "--model", str(tiny_pair[0]), "--no-draft"]) == 2
     err = capsys.readouterr().err
-    assert "pip install 'specexec[serve]'" in err and "Traceback" not in err, err
+    assert "pip install -e '.[serve]'" in err and "Traceback" not in err, err
+    assert "needs starlette and uvicorn, which are not installed" in err, err          # grammar: one, or several
+    monkeypatch.delitem(sys.modules, "uvicorn")
+    assert main(["serve", "--model", str(tiny_pair[0]), "--no-draft"]) == 2
+    assert "needs starlette, which is not installed" in capsys.readouterr().err
 
 
 def test_the_core_package_does_not_import_the_http_stack() -> None:

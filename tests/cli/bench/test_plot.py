@@ -163,4 +163,4 @@ def test_missing_matplotlib_is_one_line_before_anything_runs(capsys, monkeypatch
     monkeypatch.setitem(sys.modules, "matplotlib", None)           # import matplotlib -> ImportError
     assert main(["bench", "--model", "/nonexistent", "--no-draft", "--plot", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: --plot needs matplotlib: pip install 'specexec[plot]' (or pip install matplotlib)"
+    assert err == "error: --plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
