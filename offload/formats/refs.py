@@ -99,6 +99,8 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     64 (offload/streaming/storage.py). A BLAS GEMV's rounding follows its weight's address (MKL's SSE/AVX2 paths,
     which an AMD CPU runs, peel an unaligned head: a one-row product differs in the last bits), so a resident
     weight must sit as a streamed one does for the two to compute alike, bit for bit."""
+    import torch                                  # lazy: naming a tensor's source (the families) needs no torch
+
     if t.is_contiguous() and t.data_ptr() % WEIGHT_ALIGN == 0:
         return t
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)          # the allocator's alignment (>= 64)
