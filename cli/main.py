@@ -28,8 +28,8 @@ from cli.errors import (INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError,
 # name -> the module with add_parser(subparsers) and run(args), imported only when the command line names it
 # (or names no command: the top-level --help lists them all), so parsing never imports more than it runs.
 COMMANDS = {"chat": "cli.chat", "generate": "cli.generate", "serve": "cli.serve.command", "launch": "cli.launch",
-            "demo": "cli.demo",
-            "convert": "cli.convert", "models": "cli.catalog", "plan": "cli.plan", "doctor": "cli.doctor"}
+            "demo": "cli.demo", "convert": "cli.convert", "models": "cli.catalog", "plan": "cli.plan",
+            "doctor": "cli.doctor"}
 
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.
