@@ -22,7 +22,7 @@ from cpu_kernels.cache_root import default_cache_root
 from offload.memory_plan import gb_text
 from offload.quant import FORMATS
 from cli.fetch import fetch_model
-from specexec.options import DTYPES, check_device
+from specexec.options import DTYPES, check_device, check_integer
 
 if TYPE_CHECKING:                                  # annotations only: the command line parses without torch
     from offload.cache.store import LayerCache
@@ -47,6 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="then read every layer back and check its sha256 (a full check; runs otherwise check sizes "
                         "and the manifest at start, and each layer's checksum when they first read it)")
+    p.add_argument("--quality", action="store_true",
+                   help="int4: a slower, finer search for each group's range (21 clipping factors and 4 refits "
+                        "instead of 3 and 2); recorded in the cache, which later runs use as they find it")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads that quantize (default: torch's, one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -64,10 +69,14 @@ def run(args: argparse.Namespace) -> int:
     model_args = read_args(path)
     dtype = resolve_dtype(args.dtype, torch.device(args.device))
     root = Path(args.out).expanduser() if args.out else default_cache_root()
+    if args.threads is not None:
+        check_integer("--threads", args.threads, 1, 4096)
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     cache = LayerCache.open_or_build(path, layer_names(path, model_args), args.quant, dtype, cache_root=root,
                                      double_quant=args.double_quant, progress=not args.no_progress,
-                                     quantize_device=args.device if args.device.startswith("cuda") else None)
+                                     quantize_device=args.device if args.device.startswith("cuda") else None,
+                                     search="quality" if args.quality else None)
     with cache:
         what = "built" if cache.built else "already up to date"
         print(f"{cache.path} ({what}): {cache.n_layers} layers, {args.quant}, {cache.dtype}, "

@@ -15,6 +15,7 @@ SIGNATURES = {      # name -> (restype, argtypes), as csrc/ declares them
     "sx_chunk_bytes": (_int, []),
     "sx_layout": (_int, [_ptr, _int]),
     "sx_q4_linear": (_int, [_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _int, _ptr, _int, _ptr, _int, _int]),
+    "sx_q4_quantize": (_int, [_ptr, _int, _i64, _i64, _int, _ptr, _int, _int, _ptr, _ptr, _int]),
     "sx_q8_linear": (_int, [_ptr, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int, _ptr, _int, _int]),
     "sx_read": (ctypes.c_uint64, [_ptr, _i64, _int]),
     "sx_attend_rows": (_int, [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,

@@ -18,10 +18,13 @@ Callers: QuantLinear on a CPU (offload/quant/linear.py), and any expert FFN: `q4
 G, out=buf)` for the rows routed to expert e, one call per projection, the weights being views of that expert's
 packed region (no copy); `out=` takes a preallocated [rows, N] buffer.
 
-Does not know: modules, layers, files, formats' quantizers (int4.py, int8.py choose the codes).
+quantize_q4 runs the compiled int4 range search (csrc/q4_quant.c) that offload/quant/int4.py asks for on a CPU.
+
+Does not know: modules, layers, files, which search a format wants (int4.py names it, int8.py chooses its codes).
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -61,6 +64,29 @@ def q4_dequantize(codes: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Te
 def q8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The q8 weight [N, K] in fp32: q * s (exact)."""
     return codes.float() * scale.float().unsqueeze(1)
+
+
+def quantize_q4(w: torch.Tensor, group: int, clips: tuple[float, ...], refits: int,
+                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """w [N, K] (fp32 or bf16, CPU) -> (codes uint8 [N, K/2], sz bf16 [N, K/G, 2]) in the q4 layout, chosen by the
+    compiled search (csrc/q4_quant.c: the start range [min, max] * clips[0], each further clip factor, then
+    `refits` least-squares refits, each kept where a group's squared error is lower), rows on `threads` threads
+    (default torch's). None when the library is not available: offload/quant/int4.py's pure-torch search (the
+    same steps) runs instead."""
+    lib = library()
+    if lib is None:
+        return None
+    if w.dtype not in _FLOATS or not w.is_contiguous():
+        w = w.float().contiguous()
+    n, k = w.shape
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    sz = torch.empty(n, k // group, 2, dtype=torch.bfloat16)
+    factors = (ctypes.c_float * len(clips))(*clips)
+    rc = lib.sx_q4_quantize(w.data_ptr(), int(w.dtype == torch.bfloat16), n, k, group, factors, len(clips), refits,
+                            codes.data_ptr(), sz.data_ptr(), threads or torch.get_num_threads())
+    if rc:
+        raise ValueError(f"sx_q4_quantize refused a weight [{n}, {k}] with group {group} ({rc})")
+    return codes, sz
 
 
 # ----------------------------------------------------------------------------------------- activations

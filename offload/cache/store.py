@@ -13,9 +13,11 @@ One directory per (checkpoint path, format, dtype, double quant, packing, layer 
 Building (LayerCache.open_or_build): under an exclusive lock on "<dir>.lock" (offload/cache/locking.py: flock or the
 platform's stand-in; a lock left by a dead process never blocks), quantize layer by layer from the checkpoint
 (peak RAM about one layer), write into a temporary directory next to the final one, fsync, rename. Free space
-is checked first. A second process waits for the lock, then reuses what the first built. Any exception (Ctrl-C
-and the CLI's SIGTERM included) removes the temporary directory; a disk that fills up or a file-size limit
-(EFBIG: ulimit -f) part-way is a one-line CacheError. One left by a killed process is removed by the next builder.
+is checked first. A second process waits for the lock, then reuses what the first built. The next layer is read
+and quantized on a thread while the last is hashed and written. An error removes the temporary directory (a disk
+that fills up or a file-size limit (EFBIG: ulimit -f) part-way is a one-line CacheError); an interrupt (Ctrl-C,
+the CLI's SIGTERM) or a kill leaves it, and the next builder resumes it from its journal (journal.py: only the
+layers it lacks are converted) or removes it when it was another build's.
 
 Trust: every open checks the manifest, the version, the source fingerprint, the build options and the exact
 file size (cache_manifest.py; a stale, truncated, garbled or marked-corrupt cache is rebuilt with a message,
@@ -24,8 +26,9 @@ never used) and reads no layer. Each layer's sha256 is checked the first time th
 mismatch is one CacheCorruptError line and marks the cache so the next open rebuilds it. verify=True (or
 `specexec convert --verify`) checks every layer at once.
 
-Split by job: cache_identity.py (fingerprints, options, directory names), cache_manifest.py (errors, checks
-made at open), cache_reading.py (reads, checksums), locking.py; this module opens and builds. Their public
+Split by job: identity.py (fingerprints, options, directory names), manifest.py (errors, checks made at open),
+reading.py (reads, checksums), layouts.py (layouts and input bytes from headers), journal.py (resuming),
+locking.py; this module opens and builds. Their public
 names are importable from here.
 
 Does not know: models or architectures. The caller names, per layer, which checkpoint tensors make it up (under
@@ -43,7 +46,7 @@ CONTRACT (used by specexec/runtime/offloaded.py, offload/streaming/tiers.py's SS
         @classmethod
         def open_or_build(cls, checkpoint_dir, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype, *,
                           cache_root=None, double_quant=False, verify=False, progress=True, lock_timeout=None,
-                          log=None, quantize_device=None, on_layer=None) -> LayerCache
+                          log=None, quantize_device=None, on_layer=None, search=None) -> LayerCache
         @classmethod
         def open(cls, path, verify=False, expect=None) -> LayerCache     # an existing cache dir, or CacheError
         path: Path (the cache dir); file: Path (layers.bin); built: bool (this call built it); manifest: dict
@@ -56,7 +59,8 @@ CONTRACT (used by specexec/runtime/offloaded.py, offload/streaming/tiers.py's SS
     class CacheError(ValueError); class CacheCorruptError(CacheError)    # one-line messages; CLI exit 2
     default_cache_root() -> Path; aligned_empty(nbytes) -> uint8 tensor at a 4 KiB boundary
     plan(checkpoint_dir, layers, fmt, dtype, double_quant, device=None) -> list[LayerLayout]   # from headers only
-    write_packed(directory, [(packed uint8, layout)], options) -> LayerCache   # made-up layers (benchmarks)
+    (offload/cache/packed.py) write_packed(directory, [(packed uint8, layout)], options) -> LayerCache
+        # made-up layers (benchmarks)
 """
 from __future__ import annotations
 
@@ -68,25 +72,26 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from cpu_kernels.cache_root import default_cache_root
-from offload.cache.identity import (LayerNames, cache_dir_for, fingerprint, options_of,
-                                    source_specs)
+from offload.cache.identity import LayerNames, cache_dir_for, fingerprint, options_of
 from offload.memory_plan import gb_text
-from offload.cache.manifest import (LAYERS_FILE, MANIFEST, VERSION, CacheError, check_expected, load_manifest,
+from offload.cache.manifest import (LAYERS_FILE, MANIFEST, CacheError, check_expected, load_manifest,
                                     mark_corrupt)
 from offload.cache.reading import LayerFile
 from offload.platform.facilities import fsync_dir, pwrite_all
+from offload.cache import journal
+from offload.cache.layouts import plan, source_nbytes
 from offload.cache.locking import exclusive_lock as _exclusive_lock
 from offload.cache.progress import progress_bar
-from offload.formats.checkpoint import CheckpointError
-from offload.formats.refs import read_ref, ref_shape
+from offload.formats.refs import read_ref
 from offload.formats.sources import CheckpointSource, open_source
-from offload.quant.weights import check_format, layer_specs, quantize_tensors
-from offload.streaming.storage import LayerLayout, pack_layer, plan_layout
+from offload.quant.weights import check_format, quantize_tensors
+from offload.streaming.storage import LayerLayout, pack_layer
 
 SPACE_MARGIN = 64 << 20            # bytes kept free beyond the cache itself (manifest, filesystem slack)
 
@@ -140,7 +145,7 @@ class LayerCache:
                       dtype: torch.dtype, *, cache_root: str | os.PathLike | None = None, double_quant: bool = False,
                       verify: bool = False, progress: bool = True, lock_timeout: float | None = None,
                       log: Callable[[str], None] | None = None, quantize_device: str | torch.device | None = None,
-                      on_layer: Callable[[int, int], None] | None = None) -> LayerCache:
+                      on_layer: Callable[[int, int], None] | None = None, search: str | None = None) -> LayerCache:
         """The valid cache for this checkpoint and options, building (or rebuilding) it when needed.
 
         layers[i] names layer i's tensors (LayerNames); fmt in quant.FORMATS; dtype the compute dtype the
@@ -149,7 +154,11 @@ class LayerCache:
         verify: also check every layer's sha256 now (default: each on its first read).
         quantize_device: where a build quantizes ("cuda" is much faster than the CPU; default: CPU). int4 packs for
         that device's kernel, so pass the device the layers will run on. on_layer(done, total): called after each
-        layer a build writes (a caller's own progress display; progress=False turns the bar here off)."""
+        layer a build writes (a caller's own progress display; progress=False turns the bar here off).
+        search: int4's range search (offload/quant/int4.SEARCHES), recorded in the manifest: None takes a cache
+        built with any search and builds with "default"; a name rebuilds a cache built with another one.
+        A build killed or interrupted part-way leaves its temporary directory; the next build of the same cache
+        resumes it (offload/cache/journal.py), converting only the layers it lacks."""
         log = log or _stderr
         check_format(fmt)
         checkpoint_dir = Path(checkpoint_dir).resolve()
@@ -158,18 +167,18 @@ class LayerCache:
         root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
         final = cache_dir_for(checkpoint_dir, options, root)
         expect = dict(options, fingerprint=fingerprint(checkpoint_dir))
-        cache, problem = _try_open(final, verify, expect)
+        cache, problem = _try_open(final, verify, expect, search)
         if cache is not None:
             return cache
         if problem:
             log(f"{problem}; rebuilding it")
         with exclusive_lock(final.with_name(final.name + ".lock"), lock_timeout, log):
-            cache, again = _try_open(final, verify, expect)          # built by another process while we waited?
+            cache, again = _try_open(final, verify, expect, search)  # built by another process while we waited?
             if cache is not None:
                 return cache
             if again and not problem:
                 log(f"{again}; rebuilding it")
-            _build(checkpoint_dir, layers, final, expect, progress, log, quantize_device, on_layer)
+            _build(checkpoint_dir, layers, final, expect, progress, log, quantize_device, on_layer, search or "default")
         cache = cls(final, load_manifest(final), built=True)
         cache._file.mark_verified()                  # the sums came from the bytes just written
         return cache
@@ -276,55 +285,47 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _try_open(final: Path, verify: bool, expect: dict) -> tuple[LayerCache | None, str | None]:
-    """(the cache at `final`, None) if it is valid; (None, why not) if it is unusable; (None, None) if absent."""
+def _try_open(final: Path, verify: bool, expect: dict, search: str | None = None
+              ) -> tuple[LayerCache | None, str | None]:
+    """(the cache at `final`, None) if it is valid (and built with `search`, when named); (None, why not) if it is
+    unusable; (None, None) if absent."""
     if not final.exists():
         return None, None
     try:
-        return LayerCache.open(final, verify=verify, expect=expect), None
+        cache = LayerCache.open(final, verify=verify, expect=expect)
     except (CacheError, OSError) as e:              # OSError: removed while we opened it (a rebuild elsewhere)
         return None, str(e)
+    built_with = cache.manifest.get("search", "default")
+    if search is not None and built_with != search:
+        cache.close()
+        return None, f"{final} was built with the {built_with} int4 search, not {search}"
+    return cache, None
 
 
 # ----------------------------------------------------------------------------------------- building
 
-def plan(checkpoint_dir: Path, layers: Sequence[LayerNames], fmt: str, dtype: torch.dtype, double_quant: bool,
-         device: str | torch.device | None = None) -> list[LayerLayout]:
-    """Every layer's packed layout when quantized on `device` (default CPU), from the safetensors headers alone
-    (nothing is read or quantized)."""
-    src = source_specs(checkpoint_dir)
-    layouts = []
-    for i, s in enumerate(layers):
-        refs = s.refs()
-        missing = [r.name for r in refs.values() if r.name not in src]
-        if missing:
-            raise CacheError(f"{checkpoint_dir}: layer {i} needs tensor {missing[0]!r}, which no weight file has")
-        try:
-            shapes = {p: (src[r.name][0], ref_shape(r, src[r.name][1])) for p, r in refs.items()}
-        except CheckpointError as e:
-            raise CacheError(f"{checkpoint_dir}: {e}") from None
-        specs, meta = layer_specs(shapes, fmt, dtype, s.linear, double_quant, device or "cpu")
-        layouts.append(plan_layout(specs, meta, s.regions))
-    return layouts
-
-
 def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expect: dict, progress: bool,
            log: Callable[[str], None], device: str | torch.device | None = None,
-           on_layer: Callable[[int, int], None] | None = None) -> None:
-    """Quantize every layer into a temporary directory next to `final`, then rename it there (lock held)."""
+           on_layer: Callable[[int, int], None] | None = None, search: str = "default") -> None:
+    """Quantize every layer into a temporary directory next to `final` (resuming one a dead or interrupted build
+    left: journal.py), then rename it there (lock held). An error removes the directory; an interrupt
+    (KeyboardInterrupt, the CLI's SIGTERM: not an Exception) keeps it for the next build to resume."""
     dtype = getattr(torch, expect["dtype"])
     layouts = plan(checkpoint_dir, layers, expect["format"], dtype, expect["double_quant"], device)
-    _remove_leftovers(final)
-    total = sum(lay.nbytes for lay in layouts)
-    check_free_space(final.parent, total + SPACE_MARGIN)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    built = dict(expect, search=search)
+    resumed = journal.adopt(final, tmp, built)
+    _remove_leftovers(final, keep=tmp)
+    total = sum(lay.nbytes for lay in layouts)
+    if not resumed:
+        check_free_space(final.parent, total + SPACE_MARGIN)
     try:
-        tmp.mkdir(parents=True)
-        entries = _write_layers(tmp / LAYERS_FILE, checkpoint_dir, layers, layouts, expect, progress, device,
-                                on_layer)
-        manifest = dict(expect, file=LAYERS_FILE, file_nbytes=total, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        tmp.mkdir(parents=True, exist_ok=True)
+        entries = _write_layers(tmp, checkpoint_dir, layers, layouts, built, progress, device, on_layer, log)
+        manifest = dict(built, file=LAYERS_FILE, file_nbytes=total, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                         layers=entries)
         _write_json(tmp / MANIFEST, manifest)
+        (tmp / journal.JOURNAL).unlink()
         fsync_dir(tmp)
         _replace_dir(tmp, final)
     except OSError as e:
@@ -338,7 +339,7 @@ def _build(checkpoint_dir: Path, layers: Sequence[LayerNames], final: Path, expe
                              "was kept — raise the limit, or point SPECEXEC_CACHE (or --out) at another file "
                              "system") from None
         raise
-    except BaseException:
+    except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
@@ -352,36 +353,62 @@ def check_free_space(directory: Path, needed: int) -> None:
                          f"{gb_text(free)} free; free some space or point SPECEXEC_CACHE (or --out) elsewhere")
 
 
-def _remove_leftovers(final: Path) -> None:
-    """Remove temporary dirs of dead builders and the invalid cache itself (lock held, so nobody writes)."""
+def _remove_leftovers(final: Path, keep: Path | None = None) -> None:
+    """Remove temporary dirs of dead builders but `keep` (an adopted one), and the invalid cache itself (lock
+    held, so nobody writes)."""
     for p in final.parent.glob(f".{final.name}.*"):
-        shutil.rmtree(p, ignore_errors=True)
+        if p != keep:
+            shutil.rmtree(p, ignore_errors=True)
     if final.exists():                     # stale or corrupt (else _try_open would have returned it)
         shutil.rmtree(final)
 
 
-def _write_layers(path: Path, checkpoint_dir: Path, layers: Sequence[LayerNames], layouts: list[LayerLayout],
-                  expect: dict, progress: bool, device: str | torch.device | None = None,
-                  on_layer: Callable[[int, int], None] | None = None) -> list[dict]:
-    """Quantize, pack and write every layer at its aligned offset; returns the manifest's layer entries."""
+def _write_layers(tmp: Path, checkpoint_dir: Path, layers: Sequence[LayerNames], layouts: list[LayerLayout],
+                  built: dict, progress: bool, device: str | torch.device | None = None,
+                  on_layer: Callable[[int, int], None] | None = None,
+                  log: Callable[[str], None] = lambda _m: None) -> list[dict]:
+    """Quantize, pack and write every layer at its aligned offset into tmp/layers.bin, journaling each; the layers
+    an adopted build's journal vouches for are kept. Returns the manifest's layer entries."""
     ckpt = open_source(checkpoint_dir)
-    dtype = getattr(torch, expect["dtype"])
-    entries, offset = [], 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
+    dtype = getattr(torch, built["dtype"])
+    book = journal.Journal(tmp, built)
+    fd = os.open(tmp / LAYERS_FILE, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
+    ahead = None
     try:
-        with progress_bar(progress, len(layers), f"quantizing to {expect['format']}") as advance:
-            for i, (source, planned) in enumerate(zip(layers, layouts)):
-                buf, layout = _quantize_layer(ckpt, source, expect["format"], dtype, expect["double_quant"], device)
-                if layout != planned:
+        entries = journal.kept_layers(fd, journal.read_entries(tmp, built), layouts)
+        if entries:
+            log(f"resuming an interrupted build: {len(entries)} of {len(layers)} layers already converted")
+        book.start(entries)
+        offset = sum(lay.nbytes for lay in layouts[:len(entries)])
+        sizes = source_nbytes(checkpoint_dir, layers)
+        todo = range(len(entries), len(layers))
+        ahead = ThreadPoolExecutor(1, thread_name_prefix="quantize-ahead")
+
+        def quantized(i: int) -> Future | None:
+            return ahead.submit(_quantize_layer, ckpt, layers[i], built["format"], dtype, built["double_quant"],
+                                device, built.get("search", "default")) if i < len(layers) else None
+
+        with progress_bar(progress, len(layers), f"quantizing to {built['format']}", sizes=sizes,
+                          done=len(entries)) as advance:
+            nxt = quantized(todo.start)
+            for i in todo:                 # layer i+1 is read and quantized while layer i is hashed and written
+                buf, layout = nxt.result()
+                nxt = quantized(i + 1)
+                if layout != layouts[i]:
                     raise RuntimeError(f"layer {i}: packed layout differs from the planned one")
                 entries.append(_write_entry(fd, buf, layout, offset))
+                book.add(entries[-1])
                 offset += layout.nbytes
                 del buf
                 advance()
                 if on_layer is not None:
                     on_layer(i + 1, len(layers))
+        os.ftruncate(fd, offset)
         os.fsync(fd)
     finally:
+        if ahead is not None:
+            ahead.shutdown(wait=False, cancel_futures=True)
+        book.close()
         os.close(fd)
     return entries
 
@@ -397,32 +424,12 @@ def _write_entry(fd: int, buf: torch.Tensor, layout: LayerLayout, offset: int) -
     return entry
 
 
-def write_packed(directory: str | os.PathLike, layers: Sequence[tuple[torch.Tensor, LayerLayout]],
-                 options: dict) -> LayerCache:
-    """A layer cache in `directory` (new or empty) from layers already packed (uint8 [nbytes], layout), with
-    `options` in its manifest, opened: what a benchmark of made-up layers streams through the runtime's own
-    reader. Nothing is quantized, checked against a checkpoint or locked."""
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    entries, offset = [], 0
-    fd = os.open(path / LAYERS_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
-    try:
-        for buf, layout in layers:
-            entries.append(_write_entry(fd, buf, layout, offset))
-            offset += layout.nbytes
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _write_json(path / MANIFEST, dict(options, version=VERSION, file=LAYERS_FILE, file_nbytes=offset,
-                                      layers=entries))
-    return LayerCache.open(path)
-
-
 def _quantize_layer(ckpt: CheckpointSource, source: LayerNames, fmt: str, dtype: torch.dtype,
-                    double_quant: bool, device: str | torch.device | None = None) -> tuple[torch.Tensor, LayerLayout]:
+                    double_quant: bool, device: str | torch.device | None = None, search: str = "default"
+                    ) -> tuple[torch.Tensor, LayerLayout]:
     """One layer read from the checkpoint, quantized (on `device`, default CPU) and packed: (uint8 [nbytes], layout)."""
     tensors = {packed: read_ref(ckpt, ref).to(device or "cpu") for packed, ref in source.refs().items()}
-    qtensors, meta = quantize_tensors(tensors, fmt, dtype, source.linear, double_quant)
+    qtensors, meta = quantize_tensors(tensors, fmt, dtype, source.linear, double_quant, search)
     return pack_layer(qtensors, meta, source.regions)
 
 

@@ -5,7 +5,9 @@ compute capability 8.0+).
 A weight [out, in] is cut along `in` into groups of G (32, 64 or 128; default 64). Each group gets a bf16 scale s
 and zero z (the value of code 8) and each weight a 4-bit code q in [0, 15]: w ~ (q - 8) * s + z, with the group's
 range [min, max] shrunk by whichever of a few factors (CLIP) gives the least squared error, then refit by least
-squares to its codes where that helps. The codes and (s, z) are the same on both devices; only their order differs:
+squares to its codes where that helps (SEARCHES: "default"; "quality", `convert --quality`, tries 21 factors and 4
+refits). On a CPU the search runs compiled (cpu_kernels/csrc/q4_quant.c: each group in registers, one pass over the
+weight, threaded over rows); _best_codes is its pure-torch twin (the same steps, on CUDA and where no library is). The codes and (s, z) are the same on both devices; only their order differs:
     ".qdata"         CPU:  uint8 [out, in/2], group g's G/2 bytes from g*G/2, byte j = code g*G + j (low nibble)
                            and code g*G + G/2 + j (high nibble)  (cpu_kernels.ops.pack_q4)
                      CUDA: int32 [out/8, in/(16 t), 32, t/2] for t inner k tiles (2, 4 or 8)
@@ -36,6 +38,10 @@ GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 64
 CLIP = (1.0, 0.9, 0.8)        # range factors tried per group (1.0 = min-max)
 REFITS = 2                    # least-squares refits of each group's range to its codes
+SEARCHES = {                  # --quality's name -> (range factors, refits): how hard each group's range is sought
+    "default": (CLIP, REFITS),
+    "quality": (tuple(round(1.0 - 0.025 * k, 3) for k in range(21)), 4),     # 1.0, 0.975, ..., 0.5
+}
 CPU_PACKING = "cpu-q4-v1"     # the CPU layout's name (cpu_kernels.ops); a new layout gets a new name
 
 
@@ -99,9 +105,19 @@ def specs(shape: tuple[int, int], device_type: str, group: int = DEFAULT_GROUP
             ".scales_zeros": (torch.bfloat16, (out_f, in_f // g, 2))}, extra
 
 
-def quantize(weight: torch.Tensor, group: int = DEFAULT_GROUP) -> tuple[dict[str, torch.Tensor], dict]:
+def check_search(search: str) -> str:
+    if search not in SEARCHES:
+        raise ValueError(f"unknown int4 search {search!r}; choose one of {', '.join(SEARCHES)}")
+    return search
+
+
+def quantize(weight: torch.Tensor, group: int = DEFAULT_GROUP, search: str = "default"
+             ) -> tuple[dict[str, torch.Tensor], dict]:
     """weight [out, in] (any float dtype, on cpu or cuda) -> ({".qdata", ".scales_zeros"}, meta extras), packed
-    for the weight's device. Codes are chosen against the bf16-rounded scale and zero the kernel will use."""
+    for the weight's device. Codes are chosen against the bf16-rounded scale and zero the kernel will use, by the
+    range search SEARCHES[search] names: on a CPU the compiled one (cpu_kernels/csrc/q4_quant.c, one pass over
+    the weight) where the library is available, else the pure-torch _best_codes (the same steps)."""
+    clips, refits = SEARCHES[check_search(search)]
     out_f, in_f = weight.shape
     if not fits((out_f, in_f)):
         raise ValueError(f"int4 needs out % 16 == 0 and in % 32 == 0, got a weight of shape [{out_f}, {in_f}]")
@@ -109,9 +125,11 @@ def quantize(weight: torch.Tensor, group: int = DEFAULT_GROUP) -> tuple[dict[str
     if device_type == "cuda" and (why := cuda_supported(weight.device)):
         raise ValueError(f"int4 on {weight.device}: {why}; use nf4")
     g = group_for(in_f, group)
-    w = weight.detach().float().reshape(out_f, in_f // g, g)
-    q, scale, zero = _best_codes(w)
     extra: dict = {"group": g, "packing": packing(device_type)}
+    if device_type != "cuda" and (done := cpu_ops.quantize_q4(weight.detach(), g, clips, refits)) is not None:
+        return {".qdata": done[0], ".scales_zeros": done[1]}, extra
+    w = weight.detach().float().reshape(out_f, in_f // g, g)
+    q, scale, zero = _best_codes(w, clips=clips, refits=refits)
     if device_type != "cuda":
         scales_zeros = torch.stack([scale, zero], dim=-1).contiguous()                     # [out, in/g, 2]
         return {".qdata": cpu_ops.pack_q4(q.reshape(out_f, in_f), g), ".scales_zeros": scales_zeros}, extra
@@ -154,14 +172,16 @@ def _refit(w: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return lo, lo + 15 * a
 
 
-def _best_range(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lo, hi) per group of w [rows, n, G]: [min, max] shrunk by the factor of CLIP with the least squared
-    error (clipping a few outliers buys resolution for the rest), then REFITS least-squares refits of the
-    range to its codes, each kept only where it lowers the error."""
+def _best_range(w: torch.Tensor, clips: tuple[float, ...] = CLIP, refits: int = REFITS
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) per group of w [rows, n, G]: [min, max] * clips[0] (1: the plain range), then shrunk by each further
+    factor of `clips` where that lowers the squared error (clipping a few outliers buys resolution for the rest),
+    then `refits` least-squares refits of the range to its codes, each kept only where it lowers the error."""
     lo0, hi0 = w.amin(-1), w.amax(-1)
-    lo, hi, err = lo0, hi0, _error(w, lo0, hi0)
-    candidates = [lambda f=f: (lo0 * f, hi0 * f) for f in CLIP[1:]]
-    candidates += [lambda: _refit(w, _codes(w, lo, hi))] * REFITS
+    lo, hi = lo0 * clips[0], hi0 * clips[0]
+    err = _error(w, lo, hi)
+    candidates = [lambda f=f: (lo0 * f, hi0 * f) for f in clips[1:]]
+    candidates += [lambda: _refit(w, _codes(w, lo, hi))] * refits
     for make in candidates:
         c_lo, c_hi = make()
         c_err = _error(w, c_lo, c_hi)
@@ -170,12 +190,13 @@ def _best_range(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, hi
 
 
-def _best_codes(w: torch.Tensor, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _best_codes(w: torch.Tensor, rows: int = 256, clips: tuple[float, ...] = CLIP, refits: int = REFITS
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q int32 [out, n, G], scale bf16 [out, n], zero bf16 [out, n]) for groups w [out, n, G] (_best_range),
     in chunks of `rows` output channels so the temporaries stay in cache."""
     qs, scales, zeros = [], [], []
     for wc in w.split(rows):
-        lo, hi = _best_range(wc)
+        lo, hi = _best_range(wc, clips, refits)
         scale, zero = _scale_zero(lo, hi)
         qs.append(_codes(wc, lo, hi).to(torch.int32))
         scales.append(scale)

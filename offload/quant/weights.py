@@ -11,8 +11,8 @@ CONTRACT (used by storage/cache, offload/quant/linear.py and specexec/runtime/of
     FORMATS = ("none", "nf4", "fp4", "int8", "int4")
 
     def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
-                         linear_names: set[str] | frozenset[str], double_quant: bool = False
-                         ) -> tuple[dict[str, torch.Tensor], dict]
+                         linear_names: set[str] | frozenset[str], double_quant: bool = False,
+                         search: str = "default") -> tuple[dict[str, torch.Tensor], dict]
         Quantize the 2-D weights named in linear_names, cast every other floating tensor to dtype (integer
         tensors are kept as they are). Returns (flat tensors, meta), ready for storage.pack_layer:
           fmt "none":     "<w>"                      dtype [out, in]
@@ -36,7 +36,8 @@ CONTRACT (used by storage/cache, offload/quant/linear.py and specexec/runtime/of
         Non-linear tensors keep their names; every key of `tensors` is either kept or replaced as above.
 
     Lower level, also public:
-    quantize_weight(weight [out, in], fmt, dtype, double_quant=False, group=64) -> ({suffix: tensor}, weight meta)
+    quantize_weight(weight [out, in], fmt, dtype, double_quant=False, group=64, search="default")
+        -> ({suffix: tensor}, weight meta); search: int4's range search (int4.SEARCHES)
     dequantize(parts: {suffix: tensor}, weight meta) -> [out, in] in meta's dtype (int4 on CUDA: bf16-rounded)
     weight_specs(shape, fmt, dtype, double_quant=False, device="cpu") / layer_specs(specs, fmt, dtype,
         linear_names, double_quant=False, device="cpu"): what quantize_weight / quantize_tensors produce on
@@ -133,16 +134,17 @@ def _weight_format(fmt: str, shape: tuple[int, int]) -> str:
 
 
 def quantize_weight(weight: torch.Tensor, fmt: str, dtype: torch.dtype, double_quant: bool = False,
-                    group: int = int4.DEFAULT_GROUP) -> tuple[dict[str, torch.Tensor], dict]:
+                    group: int = int4.DEFAULT_GROUP, search: str = "default") -> tuple[dict[str, torch.Tensor], dict]:
     """One 2-D weight [out, in] -> ({suffix: tensor}, meta); suffix "" for fmt none, else ".qdata" etc.
-    group: int4's group size (32, 64 or 128; a smaller one is used where `in` is not a multiple)."""
+    group: int4's group size (32, 64 or 128; a smaller one is used where `in` is not a multiple); search: how hard
+    int4 seeks each group's range (int4.SEARCHES: "default", "quality"; other formats ignore it)."""
     check_format(fmt)
     if weight.dim() != 2:
         raise ValueError(f"only 2-D linear weights can be quantized, got shape {list(weight.shape)}")
     fmt = _weight_format(fmt, tuple(weight.shape))
     meta = {"format": fmt, "shape": list(weight.shape), "dtype": dtype_name(dtype)}
     if fmt in ("int4", "int8"):
-        parts, extra = int4.quantize(weight, group) if fmt == "int4" else int8.quantize(weight)
+        parts, extra = int4.quantize(weight, group, search) if fmt == "int4" else int8.quantize(weight)
         return parts, {**meta, **extra}
     w = weight.detach().to(dtype).contiguous()
     if fmt == "none":
@@ -207,10 +209,10 @@ def layer_specs(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], fmt: str,
 
 
 def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
-                     linear_names: set[str] | frozenset[str], double_quant: bool = False
+                     linear_names: set[str] | frozenset[str], double_quant: bool = False, search: str = "default"
                      ) -> tuple[dict[str, torch.Tensor], dict]:
     """One layer's tensors -> (flat tensors, meta) for storage.pack_layer, packed for the tensors' device; see
-    the module docstring."""
+    the module docstring (search: quantize_weight's)."""
     check_format(fmt)
     missing = sorted(set(linear_names) - set(tensors))
     if missing:
@@ -220,7 +222,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, dtype: torch.dt
     dq = bool(double_quant and fmt in ("nf4", "fp4"))
     for name, t in tensors.items():
         if name in linear_names:
-            parts, weights[name] = quantize_weight(t, fmt, dtype, dq)
+            parts, weights[name] = quantize_weight(t, fmt, dtype, dq, search=search)
             out.update({name + suffix: v.contiguous() for suffix, v in parts.items()})
         else:
             out[name] = (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous()

@@ -116,9 +116,12 @@ def test_signal_while_writing_the_cache_leaves_it_complete_or_absent(tiny_pair, 
         assert err.strip().splitlines()[-1] == {"INT": "interrupted", "TERM": "terminated"}[sig], err
         assert "Traceback" not in err and out == ""
         seen = entries(root)
-        assert seen["final"] == [] and seen["temp"] == [] and len(seen["lock"]) == 1, (sig, seen)
-        assert lock_is_free(root / seen["lock"][0])
+        # no cache; the interrupted build's directory is kept for the next build to resume (one layer written)
+        assert seen["final"] == [] and seen["temp"] == [f".{seen['lock'][0][:-5]}.tmp-{proc.pid}"], (sig, seen)
+        assert len(seen["lock"]) == 1 and lock_is_free(root / seen["lock"][0])
 
-        assert main([*CONVERT, "--model", str(tiny_pair[0]), "--out", str(root)]) == 0      # a rerun works
-        assert "(built)" in capsys.readouterr().out
+        assert main([*CONVERT, "--model", str(tiny_pair[0]), "--out", str(root)]) == 0      # a rerun resumes
+        out, err = capsys.readouterr()
+        assert "(built)" in out and "resuming an interrupted build: 1 of 4 layers already converted" in err, err
+        assert entries(root)["temp"] == []
         assert layer_digests(cache_dir(tiny_pair[0], root)) == layer_digests(cache_dir(tiny_pair[0], reference))

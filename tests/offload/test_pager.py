@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload.cache.store import write_packed
+from offload.cache.packed import write_packed
 from offload.streaming.pager import LayerPager, build_pager
 from offload.streaming.timing import HostEvent, LayerTiming, PagerStats, PassTiming, fold
 from offload.streaming.storage import ALIGN, LayerLayout

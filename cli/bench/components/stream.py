@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from offload.cache.store import LayerCache, write_packed
+from offload.cache.packed import write_packed
+from offload.cache.store import LayerCache
 from offload.memory_plan import Needs, Plan, PlanError
 from offload.platform.facilities import drop_cached, open_read
 from offload.quant import weights as qweights
