@@ -74,6 +74,34 @@ class Ticket:
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.on_cancel: Callable[[Ticket], None] | None = None
+        self.parts = 1                    # parts of the job not yet ended (siblings: one per choice)
+        self.started = False              # a part has started (the job's wait is over)
+        self.queue_ms = 0.0
+        self.outcome = "jobs_completed"
+        self._lock = threading.Lock()
+
+    def begin_part(self) -> bool:
+        """A part starts; True for the job's first (its wait ends now)."""
+        with self._lock:
+            first, self.started = not self.started, True
+            if first:
+                self.queue_ms = 1000 * (time.perf_counter() - self.submitted)
+            return first
+
+    def settle(self, outcome: str) -> bool:
+        """A part ended as `outcome` (failed wins over cancelled over completed); True when it is the first
+        failure (the one reported)."""
+        with self._lock:
+            first_failure = outcome == "jobs_failed" and self.outcome != "jobs_failed"
+            if outcome == "jobs_failed" or (outcome == "jobs_cancelled" and self.outcome == "jobs_completed"):
+                self.outcome = outcome
+            return first_failure
+
+    def end_parts(self, n: int = 1) -> bool:
+        """n parts ended (or left the queue); True when none is left (the job has ended)."""
+        with self._lock:
+            self.parts -= n
+            return self.parts == 0
 
     def cancel(self) -> None:
         """Stop this job before its next step (or drop it from the queue); harmless once it has ended."""
@@ -183,21 +211,31 @@ def run_choice(runtime: Runtime, job: Job, choice: int, ticket: Ticket, metrics:
     return True
 
 
-def run_job(runtime: Runtime, ticket: Ticket, metrics: Metrics) -> None:
-    """Every choice of the ticket's job in order; ends with End (after Failed if it raised)."""
-    queue_ms = 1000 * (time.perf_counter() - ticket.submitted)
-    metrics.started(queue_ms)
+def run_job(runtime: Runtime, ticket: Ticket, metrics: Metrics, choices: range | None = None) -> None:
+    """The ticket's choices in order (`choices`: this part's, when the job's choices run as sibling parts on
+    several seats; None: all); the job's last part to end emits End (after Failed if a part raised)."""
+    if ticket.begin_part():
+        metrics.started(ticket.queue_ms)
     outcome = "jobs_completed"
     try:
-        for choice in range(ticket.job.choices):
+        for choice in choices if choices is not None else range(ticket.job.choices):
             if ticket.cancelled.is_set() or not run_choice(runtime, ticket.job, choice, ticket, metrics):
                 outcome = "jobs_cancelled"
                 break
     except Exception as e:                   # noqa: BLE001 -- reported to the client; the worker lives on
         outcome = "jobs_failed"
-        ticket.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
-    metrics.add(**{outcome: 1})
-    ticket.emit(End(queue_ms))
+        if ticket.settle(outcome):
+            ticket.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+        ticket.cancelled.set()               # its siblings stop at their next step
+    ticket.settle(outcome)
+    if ticket.end_parts():
+        _ended(ticket, metrics)
+
+
+def _ended(ticket: Ticket, metrics: Metrics) -> None:
+    """The job's last part ended: its outcome counted once, End emitted."""
+    metrics.add(**{ticket.outcome: 1})
+    ticket.emit(End(ticket.queue_ms))
 
 
 class GenerationQueue:
@@ -205,13 +243,15 @@ class GenerationQueue:
     parallel > 1 each worker is a seat of one SeatPool (specexec/batching/pool.py): the running requests' trees
     share each target pass, a request joins the passes when a worker takes it and leaves them when it ends
     (finished, cancelled, failed), and every running request advances one pass per pass (step-level fairness);
-    over `parallel`, requests wait in arrival order."""
+    over `parallel`, requests wait in arrival order. With seats, a job's n > 1 choices are sibling requests: one
+    part per choice, each on a seat of its own (their prompts' prefills ride the same passes); the last part to
+    end emits End."""
 
     def __init__(self, runtime: Runtime, max_queue: int = 64, parallel: int = 1) -> None:
         self.runtime, self.max_queue, self.parallel = runtime, max_queue, parallel
         self.metrics = Metrics()
         self.pool = SeatPool(runtime, parallel) if parallel > 1 else None
-        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._waiting: collections.deque[tuple[Ticket, range | None]] = collections.deque()   # (job, its choices)
         self._cond = threading.Condition()
         self._running: dict[int, Ticket] = {}
         self._closed = False
@@ -259,32 +299,44 @@ class GenerationQueue:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting; retry later")
             ticket.on_cancel = self._drop
-            self._waiting.append(ticket)
-            self._cond.notify()
+            if self.pool is not None and job.choices > 1:      # sibling requests: a seat each, sharing passes
+                ticket.parts = job.choices
+                self._waiting.extend((ticket, range(c, c + 1)) for c in range(job.choices))
+            else:
+                self._waiting.append((ticket, None))
+            self._cond.notify_all()
         self.metrics.add(jobs_submitted=1)
         return ticket
 
     def _drop(self, ticket: Ticket) -> None:
+        """A cancelled ticket's waiting parts leave the queue (its running ones stop at their next step)."""
         with self._cond:
-            if ticket in self._waiting:
-                self._waiting.remove(ticket)
-                self.metrics.add(jobs_cancelled=1)
+            mine = [part for part in self._waiting if part[0] is ticket]
+            for part in mine:
+                self._waiting.remove(part)
+        if mine and ticket.end_parts(len(mine)):       # no part of it runs any more
+            ticket.settle("jobs_cancelled")
+            if ticket.started:
+                _ended(ticket, self.metrics)
+            else:
+                self.metrics.add(jobs_cancelled=1)      # it never ran: nothing else will count it
 
-    def _next(self, seat: int) -> Ticket | None:
+    def _next(self, seat: int) -> tuple[Ticket, range | None] | None:
         with self._cond:
             while not self._waiting and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            self._running[seat] = ticket = self._waiting.popleft()
-            return ticket
+            part = self._waiting.popleft()
+            self._running[seat] = part[0]
+            return part
 
     def _work(self, seat: int) -> None:
         torch.set_num_threads(self._threads)
-        while (ticket := self._next(seat)) is not None:
+        while (part := self._next(seat)) is not None:
             runtime = self.pool.start(seat) if self.pool is not None else self.runtime
             try:
-                run_job(runtime, ticket, self.metrics)
+                run_job(runtime, part[0], self.metrics, part[1])
             finally:
                 if self.pool is not None:
                     self.pool.end(seat)
@@ -295,7 +347,8 @@ class GenerationQueue:
         """Cancel the running job and every waiting one, then stop the worker."""
         with self._cond:
             self._closed = True
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting = list(dict.fromkeys(ticket for ticket, _ in self._waiting))
+            self._waiting = collections.deque()
             self._cond.notify_all()
         for t in waiting:                        # the running ones end themselves at their next step
             t.cancelled.set()

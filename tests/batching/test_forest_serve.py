@@ -97,3 +97,24 @@ def test_seating_names_per_request_bytes_and_refuses_more_than_fit(runtime: Runt
     with pytest.raises(ConfigError, match=r"--parallel \d+: only \d+ requests' caches fit"):
         seating(runtime, seats.fits + 1)
     assert SeatPool.why_not(runtime) is None
+
+
+def test_n_choices_run_as_sibling_requests_with_their_solo_outputs(runtime: Runtime) -> None:
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 16, "n": 3, "temperature": 0.9, "seed": 11}
+    with running(_app(runtime, 1)) as url:
+        solo = raw(url, "POST", "/v1/completions", body)[1]
+    with running(_app(runtime, 3)) as url:
+        got = raw(url, "POST", "/v1/completions", body)[1]
+        streamed = raw(url, "POST", "/v1/completions", {**body, "stream": True})[1]
+        m = _metrics(url)
+    texts = [c["text"] for c in sorted(solo["choices"], key=lambda c: c["index"])]
+    assert len(set(texts)) > 1                                      # the seeded choices differ
+    assert [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])] == texts
+    assert m["jobs_started"] == 2 and m["jobs_completed"] == 2 and m["forest_size_mean"] > 1
+    pieces = {i: "" for i in range(3)}
+    for line in streamed.splitlines():
+        if line.startswith("data: {"):
+            import json
+            for c in json.loads(line[6:])["choices"]:
+                pieces[c["index"]] += c["text"]
+    assert [pieces[i] for i in range(3)] == texts
