@@ -2,12 +2,13 @@
 tree under construction, child selection, and at most ONE host synchronisation per draft pass.
 
 - `DraftPasses` runs the draft for one tree (`FedPasses` a drafter's: each row also reads a state, the target's
-  for the pending tokens, its own output at the parent below the root). `root()` feeds the pending tokens (accepted tokens the draft never
-  saw, ending with the root) and commits all but the root; each `expand()` is one batched pass over nodes whose
-  parents were processed. Every node is computed once and attends to the committed prefix plus the cached K/V
-  of its processed ancestors: an ancestor bit-matrix [K, K] over processed indices (K = capacity + 1) is
-  filled row by row with index copies, never compaction, and its rows are the pass's tree mask over the draft
-  cache's scratch slots [L0, L0 + K). Processed node j lives at slot L0 + j; the last column is a trash slot.
+  for the pending tokens, its own output at the parent below the root). `root()` feeds the pending tokens
+  (accepted tokens the draft never saw, ending with the root) and commits all but the root; each `expand()` is
+  one batched pass over nodes whose parents were processed (`Growth.expand` runs a wider expansion in passes of
+  MAX_PASS_ROWS rows). Every node is computed once and attends to the committed prefix plus the cached K/V of
+  its processed ancestors: an ancestor bit-matrix [K, K] over processed indices (K = capacity + 1) is filled
+  row by row with index copies, never compaction, and its rows are the pass's tree mask over the draft cache's
+  scratch slots [L0, L0 + K). Processed node j lives at slot L0 + j; the last column is a trash slot.
 - Batches are padded to a few fixed sizes (`padded`: powers of two and 1.5x powers of two), so the draft's
   forward sees few distinct shapes (CUDA graphs capture each once, builders/draft_graphs.py). Padding rows
   repeat the first row's token, write the trash slot and attend to the root only; their logits are dropped.
@@ -43,6 +44,10 @@ from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
 from specexec.builders.base import DraftState
 from specexec.decoding.uploads import upload
+
+
+MAX_PASS_ROWS = 256    # the widest draft pass: a wider expansion runs in passes of this many rows (the memory
+                       # plan budgets a draft pass's activations for it: planning/needs.py DRAFT_ROWS)
 
 
 def padded(b: int) -> int:
@@ -213,13 +218,17 @@ class Growth:
         self.scores[idx] = scores.float()
 
     def expand(self, passes: Passes, nodes: Tensor, proc: Tensor | None = None) -> Tensor:
-        """One draft pass over `nodes` [b] (their parents processed): processed log-probs [b, V]. proc [b]:
-        the processed indices to give them (default: the next free ones in order)."""
+        """One draft pass over `nodes` [b] (their parents processed), or one per MAX_PASS_ROWS of them:
+        processed log-probs [b, V]. proc [b]: the processed indices to give them (default: the next free ones
+        in order)."""
         if proc is None:
             proc = torch.arange(passes.n_proc, passes.n_proc + nodes.numel(), device=nodes.device)
-        logq = passes.expand(self.tokens[nodes], self.depths[nodes], self.proc[self.parents[nodes]], proc)
+        parts = []
+        for a in range(0, max(nodes.numel(), 1), MAX_PASS_ROWS):
+            part, at = nodes[a:a + MAX_PASS_ROWS], proc[a:a + MAX_PASS_ROWS]
+            parts.append(passes.expand(self.tokens[part], self.depths[part], self.proc[self.parents[part]], at))
         self.proc[nodes] = proc
-        return logq
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def tree(self, passes: Passes | None, keep: Tensor | None = None) -> TokenTree:
         """The TokenTree of nodes [0, n), or of `keep` (ascending, ancestor-closed, with the root)."""

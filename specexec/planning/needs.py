@@ -53,7 +53,7 @@ from specexec.planning.hot_copy_sizes import copy_bytes, hot_json
 from specexec.planning.run_shape import RunShape, self_layer_ids
 from specexec.planning.sizes import forward_bytes, kv_bytes, kv_layer_bytes, layer_sizes, weight_bytes
 
-DRAFT_ROWS = 256              # widest draft pass budgeted (tree nodes expanded at once)
+DRAFT_ROWS = 256              # widest draft pass budgeted (builders/growth.py MAX_PASS_ROWS: its passes are no wider)
 CUBLAS_WORKSPACE = 32 * 2**20  # a CUDA stream's cuBLAS workspace on sm90 (CUBLAS_WORKSPACE_CONFIG :4096:8)
 
 

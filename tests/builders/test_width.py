@@ -97,3 +97,34 @@ def test_the_engine_reports_costs_and_draft_passes_to_the_builder(models) -> Non
     assert sum(p for *_, p in calls) == forwards[0] - prefill
     assert all(d > 0 and t > 0 and p >= 1 for d, t, p in calls)
     assert builder.ratio() is not None and builder.ratio() > 0
+
+
+class Widest(Rows):
+    """Rows: also the widest pass."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.widest = 0
+        super().__init__(model)
+
+    def hook(self, module, args) -> None:
+        super().hook(module, args)
+        self.widest = max(self.widest, int(args[0].shape[-1]))
+
+
+def test_no_draft_pass_is_wider_than_the_plan_budgets(models) -> None:
+    """OPT-Tree expands a whole layer of the tree at once (up to `budget` nodes): at budget 600 its expansions
+    run in passes of at most MAX_PASS_ROWS rows, the widest draft pass the memory plan counts activations for
+    (issue 55's audit: one pass of 768 rows, 600 padded, before); its trees still hold more nodes than that and
+    the ids are the target's."""
+    from specexec.builders.growth import MAX_PASS_ROWS
+    from specexec.builders.optree import OptTreeBuilder
+    from specexec.planning.needs import DRAFT_ROWS
+    assert MAX_PASS_ROWS == DRAFT_ROWS
+    target, draft = models["target"], models["perturbed"]
+    alone = [t for s in Engine(target, None, EngineConfig(budget=1), None).generate(PROMPTS[0], 6) for t in s]
+    rows = Widest(draft)
+    engine = Engine(target, draft, EngineConfig(budget=600), OptTreeBuilder())
+    got = [t for s in engine.generate(PROMPTS[0], 6) for t in s]
+    rows.handle.remove()
+    assert got == alone
+    assert max(s.tree_size for s in engine.stats.steps) > MAX_PASS_ROWS and rows.widest <= MAX_PASS_ROWS
