@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from specexec.config import Acceptance, EngineConfig, OffloadConfig, SamplingParams
+from specexec.acceptance.parsing import parse as parse_accept
+from specexec.config import EngineConfig, OffloadConfig, SamplingParams
 from cli.fetch import add_hub_args, fetch_model
 from cli.help import LazyHelp
 from specexec.options import (ConfigError, budget_options, check_draft_choice, choices_help, help_list, is_self_draft,
@@ -212,7 +213,7 @@ def engine_config(args: argparse.Namespace, auto_budget: bool = False, **default
     budget = budget_options("auto" if given_budget is None and auto_budget else given_budget,
                             getattr(args, "max_budget", None))
     if getattr(args, "accept", None) is not None:
-        given["accept"] = Acceptance.parse(args.accept)
+        given["accept"] = parse_accept(args.accept)
     defaults.setdefault("device", default_device())
     return EngineConfig(**{**defaults, **{k: v for k, v in given.items() if v is not None}, **budget})
 

@@ -15,9 +15,8 @@ from typing import Any
 
 from specexec.layer_shapes import (  # noqa: F401  (re-exported: the configs' one import)
     EXPERT_ACTIVATIONS, LAYER_TYPES, LINEAR_LAYOUTS, MLP_ACTS, ROUTERS, LatentArgs, LayerKind, LinearArgs, MoEArgs)
-from specexec.acceptance.parsing import RELAXED_DELTA, RELAXED_K, check_accept, parse_accept
 from specexec.options import (
-    DTYPES, MAX_BUDGET, ConfigError, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
+    DTYPES, MAX_BUDGET, RELAXED_DELTA, RELAXED_K, ConfigError, check_accept, check_choice, check_draft_vocab, check_integer, check_name, check_number, choices,
     check_experts, choice_error, parse_draft_layers, parse_size)
 
 
@@ -255,11 +254,6 @@ class Acceptance:
     def __post_init__(self) -> None:
         check_accept(self.mode, self.delta, self.k)
 
-    @classmethod
-    def parse(cls, text: str) -> "Acceptance":
-        """From --accept's text: exact | relaxed[:delta=D,k=K] (acceptance/parsing.parse_accept)."""
-        return cls(*parse_accept(text))
-
     @property
     def relaxed(self) -> bool:
         return self.mode == "relaxed"
@@ -303,7 +297,7 @@ class EngineConfig:
         check_choice("--expert-trim", self.expert_trim, choices("--expert-trim"))
         check_choice("--gate", self.gate, choices("--gate"))
         if not isinstance(self.accept, Acceptance):
-            raise ConfigError(f"accept must be an Acceptance (Acceptance.parse('relaxed:delta=0.1')), got {self.accept!r}")
+            raise ConfigError(f"accept must be an Acceptance (acceptance/parsing.parse('relaxed:delta=0.1')), got {self.accept!r}")
         check_draft_vocab(self.draft_vocab)
         check_number("max_new_tokens", self.max_new_tokens, low=1, high=10**7)
         if self.prefill_chunk is not None:

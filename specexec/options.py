@@ -111,6 +111,21 @@ GATE_MODES = ("auto", "on", "off")
 EXPERT_MODES = ("stream", "cpu", "auto")
 
 
+# --accept: how drafted tokens are judged. exact: every rule keeps the target's output (the default); relaxed: LOSSY,
+# LANTERN's latent-proximity rule within a total-variation budget delta over the k nearest tokens by input-embedding
+# cosine (specexec/acceptance/relaxed.py; its text: acceptance/parsing.py). Defaults of relaxed's two parameters:
+ACCEPT_MODES = ("exact", "relaxed")
+RELAXED_DELTA = 0.1
+RELAXED_K = 10
+
+
+def check_accept(mode: str, delta: Any, k: Any) -> None:
+    """ConfigError unless (mode, delta, k) is an --accept value: delta in [0, 1], k >= 1."""
+    check_choice("--accept", mode, ACCEPT_MODES)
+    check_number("--accept delta", delta, low=0.0, high=1.0)
+    check_integer("--accept k", k, low=1, high=10**7)
+
+
 def parse_experts(text: str) -> tuple[str, int | None]:
     """'stream' | 'cpu' | 'cpu:N' | 'auto' -> (mode, N or None: every eligible layer). ValueError (one line
     naming the value and what to write) for anything else."""
@@ -147,6 +162,7 @@ _CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "--kv-offload": lambda: memory_plan.COMPANION_MODES,   # where streamed layers' KV rows live
     "--expert-trim": lambda: TRIM_MODES,
     "--gate": lambda: GATE_MODES,
+    "--accept": lambda: ACCEPT_MODES,
 }
 
 

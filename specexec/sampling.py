@@ -26,7 +26,7 @@ from torch import Tensor
 
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -30,8 +30,7 @@ from cli.bench.code_tasks import STOPS, Task, load_tasks, passes
 from cli.bench.common import WARMUP_PROMPT, wide
 from cli.bench.table import cell
 from specexec.config import EXACT, Acceptance, SamplingParams
-from specexec.acceptance.parsing import RELAXED_K
-from specexec.options import ConfigError, check_number, parse_float_list
+from specexec.options import RELAXED_K, ConfigError, check_number, parse_float_list
 from specexec.runtime.assembly import Runtime
 from specexec.runtime.detokenizer import Detokenizer
 from specexec.tuning.acceptance import position_log_probs

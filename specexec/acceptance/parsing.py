@@ -1,22 +1,15 @@
-"""--accept's text and values (torch-free: the configs read it): exact | relaxed[:delta=D,k=K], each refusal a
-ConfigError about "--accept" (its subject, so a caller maps it to its parameter without reading the message).
+"""--accept's text -> an Acceptance (torch-free): exact | relaxed[:delta=D,k=K], each refusal a ConfigError about
+"--accept" (its subject, so a caller maps it to its parameter without reading the message). The values' bounds
+and defaults are options.py's (check_accept, RELAXED_DELTA, RELAXED_K: the configs check them, below this
+package).
 
 Does not know: the model (k's upper bound, the vocabulary, is checked where it is known: relaxed.check_relaxed),
 the rules.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from specexec.options import about, check_choice, check_integer, check_number
-
-# --accept: how drafted tokens are judged. exact: every rule keeps the target's output (the default); relaxed: LOSSY,
-# LANTERN's latent-proximity rule within a total-variation budget delta over the k nearest tokens by input-embedding
-# cosine (relaxed.py). Defaults of relaxed's two parameters:
-ACCEPT_MODES = ("exact", "relaxed")
-RELAXED_DELTA = 0.1
-RELAXED_K = 10
-
+from specexec.config import Acceptance
+from specexec.options import ACCEPT_MODES, RELAXED_DELTA, RELAXED_K, about, check_accept
 
 def parse_accept(text: str) -> tuple[str, float, int]:
     """'exact' | 'relaxed' | 'relaxed:delta=D,k=K' (either or both, any order) -> (mode, delta, k), checked: delta in
@@ -44,8 +37,6 @@ def parse_accept(text: str) -> tuple[str, float, int]:
     return mode, delta, k
 
 
-def check_accept(mode: str, delta: Any, k: Any) -> None:
-    """ConfigError unless (mode, delta, k) is an --accept value: delta in [0, 1], k >= 1."""
-    check_choice("--accept", mode, ACCEPT_MODES)
-    check_number("--accept delta", delta, low=0.0, high=1.0)
-    check_integer("--accept k", k, low=1, high=10**7)
+def parse(text: str) -> Acceptance:
+    """--accept's text (a flag, a request's "accept" field) -> its Acceptance."""
+    return Acceptance(*parse_accept(text))

@@ -30,10 +30,9 @@ import torch
 from torch import Tensor
 
 from specexec.config import Acceptance, SamplingParams
-from specexec.acceptance.parsing import RELAXED_K
-from specexec.options import about
+from specexec.options import RELAXED_K, about
 from specexec.tree import TokenTree
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 from specexec.acceptance.rules import Accepted, accept_greedy
 
 ROW_CHUNK = 16384           # embedding rows compared at once while filling neighbours ([n, 16k] fp32 scores)

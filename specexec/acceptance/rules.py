@@ -26,7 +26,7 @@ from torch import Tensor
 from specexec.config import SamplingParams
 from specexec.options import check_choice
 from specexec.tree import TokenTree
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 
 ProbsFn = Callable[[int], Tensor]          # node -> processed probabilities [V] at that node
 

@@ -21,11 +21,12 @@ from specexec.kv.cache import KVCache
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer, TreeMask
 from specexec.tree import TokenTree
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 from specexec.builders import draft_graphs
 
 
-Prefill = Callable[..., None]      # Engine.prefill(model, cache, ids, which, states=None)
+Prefill = Callable[..., None]      # Engine.prefill(model, cache, ids, which, states=None, on_rows=None)
+RowListener = Callable[[int, torch.Tensor], None]        # (start, hidden [T, D]) of one prefill chunk
 
 
 @dataclass

@@ -43,7 +43,7 @@ from specexec.config import SamplingParams
 from specexec.sampling import gumbel_topk, process_logits
 from specexec.tree import TokenTree
 from specexec.builders.base import DraftState
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 
 
 MAX_PASS_ROWS = 256    # the widest draft pass: a wider expansion runs in passes of this many rows (the memory

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from specexec.config import SamplingParams
 from specexec.tree import TokenTree
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 from specexec.builders.static import Shape, tree_shape
 from specexec.builders.registry import register
 

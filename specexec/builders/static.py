@@ -34,7 +34,7 @@ from specexec.config import SamplingParams
 from specexec.tree import TokenTree
 from specexec.tuning.acceptance import load_table as load_acceptance_table
 from specexec.builders.growth import DrawsWithoutReplacement, Growth, draft_passes, host_values, pick_children
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 from specexec.builders.registry import register
 
 DEFAULT_ACCEPTANCE = (0.60, 0.12, 0.05, 0.03, 0.02, 0.014, 0.01, 0.008,

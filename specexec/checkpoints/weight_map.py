@@ -2,7 +2,7 @@
 
 The network's names are the Hub checkpoints' names without the leading "model." (specexec/network/model.py; the MoE
 names in specexec/network/moe.py). Where a family's checkpoint names a tensor otherwise, or stores several of ours in
-one tensor, its module lists WEIGHT_RULES: each Rule (specexec/checkpoints/weight_rules.py) matches our name inside a
+one tensor, its module lists WEIGHT_RULES: each Rule (specexec/families/weight_rules.py) matches our name inside a
 decoder layer (a regex over e.g. "mlp.experts.3.gate_proj.weight") and names the stored tensor inside the same
 layer (a template with the regex's groups), with the piece to take (offload/formats/refs.TensorRef: one expert
 of a fused tensor, strided gate/up columns, a transpose). The first matching rule wins; a name no rule matches
@@ -32,7 +32,7 @@ from offload.formats.refs import TensorRef
 
 from specexec.config import ModelArgs
 from specexec.families.registry import family_module
-from specexec.checkpoints.weight_rules import Rule
+from specexec.families.weight_rules import Rule
 
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 HEAD = "lm_head.weight"                        # the LM head sits beside "model." in HF *ForCausalLM checkpoints

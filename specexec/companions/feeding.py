@@ -27,13 +27,12 @@ from typing import Protocol
 
 import torch
 
-from specexec.builders.base import DraftState, Prefill, TreeBuilder
+from specexec.builders.base import DraftState, Prefill, RowListener, TreeBuilder
 from specexec.kv.cache import KVCache
 from specexec.network import longrope
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer
-from specexec.decoding.prompt_passes import RowListener
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 from specexec.tree import TokenTree
 from specexec.acceptance.rules import Accepted
 

@@ -30,7 +30,7 @@ import torch
 
 from specexec.decoding import prompt_passes, target_logits
 from specexec.abilities import has
-from specexec.builders.base import DraftState, KeepsDraftProbs, LearnsFromTarget, TreeBuilder
+from specexec.builders.base import DraftState, KeepsDraftProbs, LearnsFromTarget, RowListener, TreeBuilder
 from specexec.companions.protocol import Companions, Step
 from specexec.companions.roster import Roster
 from specexec.network import longrope, mixers
@@ -46,7 +46,7 @@ from specexec.acceptance.relaxed import Neighbours, Relaxation, table_k
 from specexec.generation import GenerationStats, PrefillProgress, TokenLogprob
 from specexec.sampling import make_generator
 from specexec.tree import TokenTree
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 from specexec.tuning.budget import CurveFit
 from specexec.acceptance.rules import RULES, Accepted, Rule, accept_greedy, check_verifier
 
@@ -184,7 +184,7 @@ class Engine:
         return prompt_passes.chunk_size(model, self.config.prefill_chunk)
 
     def prefill(self, model: Transformer, cache: KVCache, ids: list[int], which: str = "target",
-                states: torch.Tensor | None = None, on_rows: prompt_passes.RowListener | None = None) -> None:
+                states: torch.Tensor | None = None, on_rows: RowListener | None = None) -> None:
         """Run ids through `model` in passes of prefill_chunk(model) and commit them to `cache`; on_rows hears
         each pass's rows, on_prefill (when set) how far it got (prompt_passes.prefill). states [len(ids), D]: a
         drafter's state before each token."""

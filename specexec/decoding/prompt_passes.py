@@ -13,15 +13,14 @@ from collections.abc import Callable
 import torch
 
 from specexec.abilities import has
+from specexec.builders.base import RowListener
 from specexec.config import PREFILL_CHUNK
 from specexec.generation import PrefillProgress
 from specexec.kv.cache import KVCache
 from specexec.network.model import PlansPrefill, Transformer, TreeMask
 from specexec.tree import TokenTree
 from specexec.tuning.budget import calibration_sizes
-from specexec.decoding.uploads import upload
-
-RowListener = Callable[[int, torch.Tensor], None]        # (start, hidden [T, D]) of one prefill chunk
+from specexec.uploads import upload
 
 
 def chunk_size(model: Transformer, configured: int | None) -> int:

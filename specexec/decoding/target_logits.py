@@ -17,7 +17,7 @@ from specexec.network.model import LOGIT_CHUNK, Transformer
 from specexec.acceptance.relaxed import Relaxation
 from specexec.sampling import greedy, is_plain, node_histories, process_logits, sample
 from specexec.tree import TokenTree
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 from specexec.acceptance.rules import Accepted
 
 

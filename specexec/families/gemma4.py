@@ -31,7 +31,7 @@ from typing import Any
 
 from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, rope_scaling
-from specexec.checkpoints.weight_rules import Rule
+from specexec.families.weight_rules import Rule
 from specexec.options import ConfigError
 
 # what this module's families add to Llama's maths, one line (the README's table, `specexec models`)

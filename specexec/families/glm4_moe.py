@@ -18,7 +18,7 @@ from typing import Any
 from specexec.config import ModelArgs
 from specexec.families.common import ROPE_KINDS, base_fields, check_activation
 from specexec.families.common import grouped_sigmoid_moe, mtp_layers
-from specexec.checkpoints.weight_rules import Rule
+from specexec.families.weight_rules import Rule
 
 # what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
 SUMMARY = ('GLM-4.5, 4.5-Air, 4.6, 4.7: q/k/v biases, optional q/k norms, partial rotary; sigmoid router '

@@ -17,7 +17,7 @@ from typing import Any
 
 from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import ROPE_KINDS, base_fields, layer_types, n_experts
-from specexec.checkpoints.weight_rules import Rule
+from specexec.families.weight_rules import Rule
 
 # what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
 SUMMARY = ('attention sinks, sliding / full layers, YaRN RoPE, biases, top-k-then-softmax router, clamped gated '

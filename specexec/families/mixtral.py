@@ -11,7 +11,7 @@ from typing import Any
 
 from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, n_experts, sliding_window
-from specexec.checkpoints.weight_rules import Rule
+from specexec.families.weight_rules import Rule
 
 # what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
 SUMMARY = ("Mistral's decoder with a routed feed-forward (softmax top-k, renormalised; "

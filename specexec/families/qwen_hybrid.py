@@ -27,7 +27,7 @@ from typing import Any
 from specexec.config import LinearArgs, ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, layer_types, n_experts
 from specexec.families.qwen_moe import dense_layers
-from specexec.checkpoints.weight_rules import Rule
+from specexec.families.weight_rules import Rule
 
 SUMMARY = ('hybrids: Gated DeltaNet linear-attention layers (a recurrent state, kept per tree branch: '
            'docs/algorithms.md §30) with a gated full-attention layer every 4 (`layer_types` / '

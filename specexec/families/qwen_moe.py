@@ -13,7 +13,7 @@ from typing import Any
 
 from specexec.config import ModelArgs, MoEArgs
 from specexec.families.common import base_fields, check_activation, layer_types, n_experts, sliding_window
-from specexec.checkpoints.weight_rules import Rule
+from specexec.families.weight_rules import Rule
 
 # what this module's families add to Llama's maths, one line (the README's table, `specexec models`)
 SUMMARY = ('a routed feed-forward (softmax top-k, renormalised or not), dense layers by `mlp_only_layers` / '

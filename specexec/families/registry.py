@@ -20,7 +20,7 @@ from specexec.config import ModelArgs
 from specexec.families import (deepseek, gemma, gemma4, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, olmoe,
                                phi3, qwen_hybrid, qwen_moe)
 from specexec.families.common import recurrent_reason, sparse_attention_reason
-from specexec.checkpoints.config_values import check_config_values
+from specexec.families.config_values import check_config_values
 from specexec.options import ConfigError
 
 FAMILY_MODULES: tuple[ModuleType, ...] = (llama, gemma, phi3, qwen_moe, mixtral, olmoe, gpt_oss, glm4_moe,

@@ -34,6 +34,7 @@ from typing import Any
 
 import specexec
 from offload.formats.json_files import parse_json
+from specexec.acceptance.parsing import parse as parse_accept
 from specexec.config import EXACT, Acceptance, SamplingParams
 from specexec.options import ConfigError, check_integer, check_prompt_length
 from specexec.serving import logprobs as lp
@@ -259,7 +260,7 @@ def _accept(body: dict, default: Acceptance) -> Acceptance:
     if text is None:
         return default
     try:
-        return Acceptance.parse(text)
+        return parse_accept(text)
     except ConfigError as e:
         raise ApiError(str(e), param="accept", code="invalid_value") from None
 

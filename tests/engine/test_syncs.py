@@ -17,7 +17,7 @@ from specexec.network.attention import TreeMask
 from specexec.builders.registry import make_builder
 from specexec.acceptance.rules import default_rule
 from specexec.tree import TokenTree, best_nodes
-from specexec.decoding.uploads import upload
+from specexec.uploads import upload
 from tests.sync_count import SyncCounter, count_calls
 from tests.tiny_models import load_pair_models, prompt
 
@@ -182,7 +182,7 @@ def test_the_counter_catches_every_kind_of_sync() -> None:
 def test_the_counter_counts_blocking_uploads_the_cuda_way() -> None:
     """What CUDA's sync debug mode reports besides reads: a tensor made from Python data on the device (0-dim
     too), a host tensor moved there without non_blocking, indexing a device tensor with a list or a host tensor;
-    and what it does not: Python scalars, device factories, specexec.decoding.uploads.upload, the host's own tensors."""
+    and what it does not: Python scalars, device factories, specexec.uploads.upload, the host's own tensors."""
     x = torch.arange(10.0)
     counted = {
         "tensor on the device": lambda: torch.tensor([1, 2], device=x.device),

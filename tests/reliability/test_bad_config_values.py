@@ -81,7 +81,7 @@ def test_a_rope_setting_no_model_has_is_one_line_naming_it(case, tiny_llama, tmp
 
 def test_real_rope_settings_pass(tiny_llama, tmp_path) -> None:
     """The bounds leave every real setting alone: Llama 3.1's, YaRN's, DeepSeek's mscale 0, one per layer kind."""
-    from specexec.checkpoints.config_values import check_rope
+    from specexec.families.config_values import check_rope
 
     for rope in (LLAMA3, {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                           "mscale": 0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},

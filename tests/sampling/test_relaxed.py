@@ -12,6 +12,7 @@ import torch
 
 from specexec.builders.registry import make_builder
 from specexec.checkpoints.loading import load_model
+from specexec.acceptance.parsing import parse as parse_acceptance
 from specexec.config import EXACT, Acceptance, EngineConfig, SamplingParams
 from specexec.decoding.engine import Engine
 from specexec.options import ConfigError
@@ -194,15 +195,15 @@ def test_neighbours_are_the_cosine_top_k_without_the_token_itself() -> None:
 ])
 def test_bad_accept_values_are_one_line(text: str, said: str) -> None:
     with pytest.raises(ConfigError) as info:
-        Acceptance.parse(text)
+        parse_acceptance(text)
     assert said in str(info.value) and "\n" not in str(info.value)
 
 
 def test_accept_parses_and_labels() -> None:
-    assert Acceptance.parse("exact") == EXACT and not EXACT.relaxed
-    got = Acceptance.parse("relaxed:k=5, delta=0.2")
+    assert parse_acceptance("exact") == EXACT and not EXACT.relaxed
+    got = parse_acceptance("relaxed:k=5, delta=0.2")
     assert (got.mode, got.delta, got.k, got.label) == ("relaxed", 0.2, 5, "relaxed:delta=0.2,k=5")
-    assert Acceptance.parse(got.label) == got
+    assert parse_acceptance(got.label) == got
 
 
 def test_what_relaxed_cannot_take_is_refused(pair) -> None:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from specexec.acceptance.choice import Drafting, rule_for
-from specexec.acceptance.parsing import parse_accept
+from specexec.acceptance.parsing import parse as parse_acceptance, parse_accept
 from specexec.acceptance.relaxed import Neighbours
 from specexec.config import Acceptance, SamplingParams
 from specexec.options import ConfigError
 
 HOT = SamplingParams(temperature=1.0)
-RELAXED = Acceptance.parse("relaxed")
+RELAXED = parse_acceptance("relaxed")
 
 
 def _how(verifier: str = "auto", scheme: str = "deterministic", keeps: bool = False, builder: str | None = "x",

@@ -13,6 +13,7 @@ openai = pytest.importorskip("openai")
 
 import specexec  # noqa: E402
 from cli.serve.app import build_app  # noqa: E402
+from specexec.acceptance.parsing import parse as parse_acceptance  # noqa: E402
 from specexec.config import Acceptance, EngineConfig, SamplingParams  # noqa: E402
 from specexec.runtime.assembly import Runtime  # noqa: E402
 from specexec.serving.openai_api import ServerDefaults  # noqa: E402
@@ -65,7 +66,7 @@ def test_the_servers_default_and_bad_values(client, tiny_pair, tiny_perturbed_dr
             "holds" in message and "a request may lower k, not raise it" in message
     runtime = Runtime.load(str(tiny_pair[0]), str(tiny_perturbed_draft),
                            EngineConfig(budget=8, dtype="float32", max_new_tokens=TOKENS,
-                                        accept=Acceptance.parse("relaxed:delta=0.2,k=40")))
+                                        accept=parse_acceptance("relaxed:delta=0.2,k=40")))
     defaults = ServerDefaults(MODEL, SamplingParams(), TOKENS, accept=runtime.config.accept)
     with running(build_app(runtime, defaults)) as base:
         other = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
