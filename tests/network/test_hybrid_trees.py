@@ -60,9 +60,10 @@ SPEC = RecurrentSpec(k_heads=1, v_heads=2, k_dim=2, v_dim=3, conv_dim=8, conv_ke
 
 
 def write_span(store: RecurrentStates, prefix: int, width: int, slots: torch.Tensor) -> None:
-    n = slots.numel()
-    store.write(0, prefix, width, slots, slots.clone(), torch.ones(n, 1, 2), torch.ones(n, 2, 3),
-                torch.full((n, 2), -0.1), torch.full((n, 2), -0.1), torch.ones(n, 8))
+    n, dev = slots.numel(), slots.device
+    store.write(0, prefix, width, slots, slots.clone(), torch.ones(n, 1, 2, device=dev),
+                torch.ones(n, 2, 3, device=dev), torch.full((n, 2), -0.1, device=dev),
+                torch.full((n, 2), -0.1, device=dev), torch.ones(n, 8, device=dev))
 
 
 def test_a_pass_wider_than_the_ring_grows_it_before_writing() -> None:
@@ -83,3 +84,19 @@ def test_a_commit_refuses_a_slot_another_slot_overwrote() -> None:
     write_span(store, 5 + MIN_RING, 1, torch.tensor([5 + MIN_RING]))    # the same row modulo the ring
     with pytest.raises(RuntimeError, match="overwritten before its commit"):
         store.keep(torch.tensor([5]), 5)
+
+
+@pytest.mark.gpu
+def test_the_commit_check_costs_no_host_sync_on_a_gpu() -> None:
+    """On CUDA the check is torch._assert_async: a commit under CUDA's sync debug mode "error" runs."""
+    store = RecurrentStates(SPEC, 1, torch.float32, torch.device("cuda"))
+    slots = torch.arange(7, 7 + MIN_RING + 1, device="cuda")
+    write_span(store, 7, MIN_RING + 1, slots)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        store.keep(slots[:3], 7)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert store.state.abs().sum() > 0
