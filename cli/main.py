@@ -38,7 +38,7 @@ BENCH_COMMANDS = {"builders": "cli.bench.builders", "accept": "cli.bench.accept"
                   "stream": "cli.bench.components.stream", "attention": "cli.bench.components.attention",
                   "kernels": "cli.bench.components.kernels", "decode": "cli.bench.components.decode",
                   "moe": "cli.bench.components.moe", "hybrid": "cli.bench.components.hybrid",
-                  "serve": "cli.bench.serve"}
+                  "serve": "cli.bench.serve", "agents": "cli.bench.agents"}
 
 
 class Parser(argparse.ArgumentParser):
