@@ -69,6 +69,20 @@ def check_layout(path: Path, specs: Mapping[str, tuple[torch.dtype, tuple[int, .
                               f"{list(shape)}")
 
 
+def check_d2t(path: Path, d2t: torch.Tensor | None, vocab: int) -> None:
+    """ConfigError unless every draft id i maps to a target id i + d2t[i] in [0, vocab) (an EAGLE-3 head's
+    draft-to-target offsets; a head for another vocabulary would index past the target's logits)."""
+    if d2t is None or not d2t.numel():
+        return
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    bad = ((ids < 0) | (ids >= vocab)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ConfigError(f"{path}: d2t maps draft token {i} to target token {int(ids[i])} (d2t[{i}] = "
+                          f"{int(d2t[i])}), outside the target's vocabulary of {vocab} ({bad.numel()} of "
+                          f"{d2t.numel()} entries out of range); use a head trained for this target")
+
+
 def load_layout(layout: Layout, target: Transformer, dtype: torch.dtype, device: torch.device) -> Drafter:
     """Read a checked layout's stored tensors into a copy of its meta-built drafter (cast to dtype on device;
     index buffers as long), share the target's embedding / LM head as the layout says, set RoPE. Returns it in
@@ -80,6 +94,7 @@ def load_layout(layout: Layout, target: Transformer, dtype: torch.dtype, device:
     for ours in expected(drafter, layout.shared):
         t = read_ref(layout.source, layout.refs[ours])
         state[ours] = aligned(t.to(device=device, dtype=torch.long if ours in INDEX_BUFFERS else dtype))
+    check_d2t(layout.path, state.get("d2t"), target.args.vocab_size)
     drafter.load_state_dict(state, strict=False, assign=True)
     drafter.share(target, embed="embed_tokens" in layout.shared, head="lm_head" in layout.shared)
     drafter.init_rope(device)

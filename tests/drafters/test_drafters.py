@@ -144,6 +144,23 @@ def test_a_head_that_does_not_fit_the_target_is_one_line(capsys, tiny_pair, tmp_
     assert code == 2 and "\n" not in err and needle in err, err
 
 
+@pytest.mark.parametrize("offset", [10**6, -100])
+def test_a_head_whose_d2t_leaves_the_targets_vocabulary_is_one_line(capsys, tiny_pair, tmp_path, offset) -> None:
+    """d2t maps draft id i to target id i + d2t[i]: one past the target's vocabulary (or below 0) is one line at
+    load (issue 55: 'internal error IndexError')."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_eagle3(tmp_path / "bad-d2t")
+    tensors = load_file(path / "model.safetensors")
+    tensors["d2t"][7] = offset
+    save_file(tensors, path / "model.safetensors")
+    code = main(["generate", "--model", str(tiny_pair[0]), "--draft", f"eagle3:{path}", "--prompt", "hi",
+                 "--cache-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and f"d2t maps draft token 7 to target token {7 + offset}" in err, err
+    assert "outside the target's vocabulary of 320" in err
+
+
 def test_generate_with_a_head_equals_no_draft(capsys, tiny_pair, head) -> None:
     common = ["generate", "--model", str(tiny_pair[0]), "--prompt", "the cat", "--max-new-tokens", "12",
               "--dtype", "float32", "--json"]
