@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from offload.formats.checkpoint import CheckpointError
-from offload.formats.gguf_arch import (ARCHS, NOT_WEIGHTS, JoinedKV, arch_config, head_dim_of, hub_names,
-                                       join_kv_b, joined_kv_b)
+from offload.formats.gguf_arch import (ARCH_METADATA_KEYS, ARCHS, METADATA_KEYS, NOT_WEIGHTS, JoinedKV, arch_config,
+                                       head_dim_of, hub_names, join_kv_b, joined_kv_b)
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -314,10 +314,27 @@ class GGUFCheckpoint:
             self._config = self._read_config()
         return dict(self._config)
 
+    def config_names(self) -> dict[str, str]:
+        """config.json key -> what names its value in this file ("GGUF metadata minimax-m2.attention.head_count"):
+        a bad value's line names the key the file holds, not config.json's."""
+        keys = {**METADATA_KEYS, **ARCH_METADATA_KEYS.get(self.arch, {})}
+        names = {k: f"GGUF metadata {self.arch}.{v}" for k, v in keys.items()}
+        names.update({k: f"GGUF metadata tokenizer.ggml.{v}" for k, v in (
+            ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id"))})
+        return {**names, "vocab_size": "token_embd.weight's rows"}
+
+    def _positive(self, key: str, value: Any) -> int:
+        """value (metadata `key`'s, one per layer or one for all) as a whole number >= 1, else one line naming
+        the key (a head count of 0 divides by zero below)."""
+        value = _one_value(value, key, self.path)
+        if value < 1:
+            raise CheckpointError(f"{self.path}: GGUF metadata {self.arch}.{key} is {value}; it must be at least 1")
+        return value
+
     def _read_config(self) -> dict[str, Any]:
-        heads = int(self._meta("attention.head_count"))
-        kv = _one_value(self._meta("attention.head_count_kv", heads), "head_count_kv", self.path)
-        head_dim = head_dim_of(self, heads, int(kv))
+        heads = self._positive("attention.head_count", self._meta("attention.head_count"))
+        kv = self._positive("attention.head_count_kv", self._meta("attention.head_count_kv", heads))
+        head_dim = self._positive("attention.key_length", head_dim_of(self, heads, int(kv)))
         rope_dim = int(self._meta("rope.dimension_count", head_dim))
         if rope_dim != head_dim and not ARCHS[self.arch].partial_rotary:
             raise CheckpointError(f"{self.path}: partial rotary embedding ({rope_dim} of {head_dim} dims) is not "
@@ -380,12 +397,14 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 
 
 def _one_value(value: Any, what: str, path: Path) -> int:
-    """A per-layer metadata array with one distinct value -> that value (else unsupported)."""
+    """A per-layer metadata array with one distinct value -> that value (else unsupported); a whole number."""
     if isinstance(value, list):
         if len(set(value)) != 1:
             raise CheckpointError(f"{path}: per-layer {what} {sorted(set(value))} is not supported; supported: "
                                   "the same value in every layer")
-        return int(value[0])
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value % 1:
+        raise CheckpointError(f"{path}: GGUF metadata {what} is {value!r}; it must be a whole number")
     return int(value)
 
 

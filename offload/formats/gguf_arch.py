@@ -205,6 +205,27 @@ def joined_kv_b(path: Any, target: str, halves: dict[str, Any]) -> JoinedKV:
     return JoinedKV(halves["k"], halves["v"])
 
 
+# config.json key -> the GGUF metadata key (after "<arch>.") `GGUFCheckpoint.config` reads it from: how a bad value
+# is named (GGUFCheckpoint.config_names)
+METADATA_KEYS = {
+    "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+    "hidden_size": "embedding_length", "num_hidden_layers": "block_count", "intermediate_size": "feed_forward_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length", "head_dim": "attention.key_length", "num_experts": "expert_count",
+    "num_local_experts": "expert_count", "n_routed_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length", "n_shared_experts": "expert_shared_count",
+    "first_k_dense_replace": "leading_dense_block_count", "routed_scaling_factor": "expert_weights_scale",
+    "n_group": "expert_group_count", "topk_group": "expert_group_used_count",
+    "num_nextn_predict_layers": "nextn_predict_layers", "kv_lora_rank": "attention.kv_lora_rank",
+    "q_lora_rank": "attention.q_lora_rank", "qk_rope_head_dim": "rope.dimension_count",
+    "rotary_dim": "rope.dimension_count", "v_head_dim": "attention.value_length",
+    "sliding_window": "attention.sliding_window", "final_logit_softcapping": "final_logit_softcapping",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+}
+ARCH_METADATA_KEYS = {"minimax-m2": {"intermediate_size": "expert_feed_forward_length"},
+                      "deepseek2": {"head_dim": "attention.key_length_mla", "v_head_dim": "attention.value_length_mla"}}
+
+
 def head_dim_of(ckpt: Any, heads: int, kv: int) -> int:
     """Rows per head of the query projection (the fused qkv's split for Phi-3), unless key_length says; for
     deepseek2, the query's head (nope + rope: key_length_mla, or key_length in files written before MLA's)."""

@@ -109,7 +109,8 @@ def read_args(path: Path) -> ModelArgs:
     unreadable file."""
     if is_gguf(path):
         from offload.formats.gguf import open_gguf
-        return model_args(open_gguf(path).config())
+        gguf = open_gguf(path)
+        return model_args(gguf.config(), str(path), gguf.config_names())
     cfg_file = path / "config.json"
     if cfg_file.is_symlink() and not cfg_file.exists():
         raise ConfigError(f"{cfg_file} is a symlink that leads nowhere (dangling, or a loop)")

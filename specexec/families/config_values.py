@@ -86,13 +86,14 @@ def check_float(where: str, key: str, value: Any, low: float, high: float, low_o
 
 
 def _check_fields(cfg: dict[str, Any], where: str, integers: dict[str, tuple[int, int]],
-                  floats: dict[str, tuple[float, float, bool]]) -> None:
+                  floats: dict[str, tuple[float, float, bool]], names: dict[str, str] | None = None) -> None:
+    names = names or {}
     for key, (low, high) in integers.items():
         if cfg.get(key) is not None:
-            check_integer(where, key, cfg[key], low, high)
+            check_integer(where, names.get(key, key), cfg[key], low, high)
     for key, bounds in floats.items():
         if cfg.get(key) is not None:
-            check_float(where, key, cfg[key], *bounds)
+            check_float(where, names.get(key, key), cfg[key], *bounds)
 
 
 def check_rope(rope: Any, where: str) -> None:
@@ -113,16 +114,18 @@ def check_rope(rope: Any, where: str) -> None:
             raise ConfigError(f"{where}: {key} must be a list of positive numbers, got {str(values)[:80]}")
 
 
-def check_config_values(cfg: dict[str, Any], where: str = "config.json") -> None:
+def check_config_values(cfg: dict[str, Any], where: str = "config.json", names: dict[str, str] | None = None) -> None:
     """ConfigError (one line) for the first number in `cfg` (its RoPE dictionaries and text_config included)
-    outside its type or bound."""
-    _check_fields(cfg, where, INTEGERS, FLOATS)
+    outside its type or bound. `where` names the file; `names` what names a key there when the dict was built
+    from another format (a GGUF file's metadata keys: offload GGUFCheckpoint.config_names)."""
+    names = names or {}
+    _check_fields(cfg, where, INTEGERS, FLOATS, names)
     for key in TOKEN_IDS:
         value = cfg.get(key)
         ids = value if isinstance(value, list) else [value]
         if value is not None and not all(whole(i) and 0 <= i < 1 << 24 for i in ids if i is not None):
-            raise ConfigError(f"{where}: {key} must be a token id (or a list of them), got {value!r}")
+            raise ConfigError(f"{where}: {names.get(key, key)} must be a token id (or a list of them), got {value!r}")
     for key in ROPE_KEYS:
         check_rope(cfg.get(key), f"{where} {key}")
     if isinstance(cfg.get("text_config"), dict):
-        check_config_values(cfg["text_config"], f"{where} text_config")
+        check_config_values(cfg["text_config"], f"{where} text_config", names)

@@ -53,27 +53,29 @@ def family_names() -> tuple[str, ...]:
     return tuple(sorted({family for family, _ in architectures().values()}))
 
 
-def model_args(cfg: dict[str, Any]) -> ModelArgs:
+def model_args(cfg: dict[str, Any], where: str = "config.json", names: dict[str, str] | None = None) -> ModelArgs:
     """ModelArgs from a parsed config.json; ConfigError (one line) for an architecture outside the table or a
-    config lacking a field its family needs."""
+    config lacking a field its family needs. `where` and `names`: how a line names the file and a key when `cfg`
+    was built from another format (a GGUF file's metadata: check_config_values)."""
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ConfigError(f"config.json: architectures must be a list of names, got {archs!r}")
+        raise ConfigError(f"{where}: architectures must be a list of names, got {archs!r}")
     found = next((architectures()[a] for a in archs if a in architectures()), None)
     if found is None:
         raise ConfigError(refusal(cfg))
     family, module = found
     if recurrent_reason(cfg) is not None and not getattr(module, "HYBRID", False):
         raise ConfigError(refusal(cfg))                 # a supported name with recurrent layers it cannot run
-    check_config_values(cfg)                          # every size and float before a family reads one
+    check_config_values(cfg, where, names)            # every size and float before a family reads one
     try:
         return module.model_args(family, cfg)
     except ConfigError:
         raise
     except KeyError as e:
-        raise ConfigError(f"config.json lacks the field {e.args[0]!r} needed for a {family} model") from None
+        key = (names or {}).get(e.args[0], repr(e.args[0]))
+        raise ConfigError(f"{where} lacks the field {key} needed for a {family} model") from None
     except (TypeError, ValueError, AttributeError) as e:          # a field of a type the family cannot read
-        raise ConfigError(f"config.json holds a value a {family} model cannot read ({type(e).__name__}: "
+        raise ConfigError(f"{where} holds a value a {family} model cannot read ({type(e).__name__}: "
                           f"{' '.join(str(e).split())[:200]})") from None
 
 

@@ -127,3 +127,31 @@ def test_architectures_not_read_yet_are_one_line(arch: str, tmp_path: Path) -> N
     with pytest.raises(CheckpointError, match=f"GGUF architecture '{arch}' is not supported") as err:
         GGUFCheckpoint(path)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("num_attention_heads", 0, "GGUF metadata minimax-m2.attention.head_count is 0; it must be at least 1"),
+    ("num_hidden_layers", 0, "GGUF metadata minimax-m2.block_count 0 is outside [1, 4096]"),
+    ("rms_norm_eps", 0.0, "GGUF metadata minimax-m2.attention.layer_norm_rms_epsilon 0.0 is outside (0, 1]"),
+])
+def test_a_bad_metadata_value_is_one_line_naming_the_gguf_key_and_file(key: str, value, needle: str,
+                                                                        tiny_root: Path, tmp_path: Path) -> None:
+    """Issue 55: head_count 0 was 'internal error ZeroDivisionError', and a value the config checks refuse was
+    named as 'config.json: num_hidden_layers ...' though no config.json exists: the file and its key instead."""
+    import json
+
+    from offload.formats.checkpoint import CheckpointError
+    from specexec.options import ConfigError
+
+    hf_dir = write_tiny_model(tiny_root / "gguf-bad-meta", "minimax_m2", seed=41, n_layers=2)
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for f in hf_dir.iterdir():
+        (edited / f.name).symlink_to(f)
+    (edited / "config.json").unlink()
+    (edited / "config.json").write_text(json.dumps({**json.loads((hf_dir / "config.json").read_text()), key: value}))
+    path = write_gguf(edited, tmp_path / "bad.gguf", "F32")
+    with pytest.raises((CheckpointError, ConfigError)) as err:
+        read_args(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: ") and needle in msg and "config.json" not in msg and "\n" not in msg, msg
