@@ -239,20 +239,21 @@ class LayerCache:
         """Region `name` of layer i alone (storage.Region: e.g. one expert), uint8 [its nbytes], into `out` as
         read_layer (O_DIRECT when `out` is 4 KiB-aligned: the region starts and ends on 4 KiB); verify checks
         the region's own sha256, on this process's first read of it by default."""
-        k = next((j for j, r in enumerate(self.layouts[i].regions) if r.name == name), None)
-        if k is None:
-            raise KeyError(f"layer {i} of {self.path} has no region {name!r}")
-        return self._file.read_region(i, k + 1, out, direct, verify)        # part 0 is the dense part
+        lay = self.layouts[i]
+        try:
+            r = lay.region(name)
+        except KeyError:
+            raise KeyError(f"layer {i} of {self.path} has no region {name!r}") from None
+        return self._file.read_region(i, lay.part_index(r.offset, r.nbytes), out, direct, verify)  # 0: dense
 
     def read_part(self, i: int, offset: int, out: torch.Tensor) -> None:
         """(the SSD tier's LayerReader.read_part) Layer i's dense part (offset 0, its nbytes) or one region (its
         offset and nbytes) into `out`, checked against its own sha256 on its first read here; ValueError for
         any other range."""
-        lay = self.layouts[i]
-        parts = [(0, lay.dense_nbytes)] + [(r.offset, r.nbytes) for r in lay.regions] if lay.regions else []
-        if (offset, out.numel()) not in parts:
+        k = self.layouts[i].part_index(offset, out.numel())            # a dict: E experts read in O(E), not E^2
+        if k is None:
             raise ValueError(f"bytes [{offset}, {offset + out.numel()}) of layer {i} are not one of its parts")
-        self._file.read_region(i, parts.index((offset, out.numel())), out)
+        self._file.read_region(i, k, out)
 
     def verify(self, i: int, buffer: torch.Tensor | None = None) -> None:
         """Read layer i and check its sha256; CacheCorruptError on mismatch."""

@@ -30,7 +30,8 @@ CONTRACT (shared by quant.py, cache.py, tiers.py, pager.py):
         nbytes: int                                # padded total, multiple of ALIGN
         meta: dict                                 # opaque json-able metadata (e.g. quantization state fields)
         regions: tuple[Region, ...] = ()           # named sub-regions, ascending; () = none
-        def entry(name) -> Entry; names() -> list[str]; region(name) -> Region
+        def entry(name) -> Entry; names() -> list[str]; region(name) -> Region   (each a dict lookup)
+        def part_index(offset, nbytes) -> int | None   # 0 the dense part, k + 1 region k
         dense_nbytes: int                          # bytes before the first region (all of them without any)
         def region_entries(name) -> list[Entry]    # a region's entries (offsets as in the layer)
 
@@ -52,8 +53,10 @@ CONTRACT (shared by quant.py, cache.py, tiers.py, pager.py):
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -116,10 +119,39 @@ class LayerLayout:
     regions: tuple[Region, ...] = ()
 
     def region(self, name: str) -> Region:
-        for r in self.regions:
-            if r.name == name:
-                return r
-        raise KeyError(f"no region {name!r} in this packed layer")
+        r = self._regions_by_name.get(name)
+        if r is None:
+            raise KeyError(f"no region {name!r} in this packed layer")
+        return r
+
+    # Lookups by name and by offset, built once per layout: a sparse layer of E experts has E regions and 3E
+    # entries, and a scan per lookup made planning and streaming O(E^2) (65,536 experts: minutes).
+    @cached_property
+    def _regions_by_name(self) -> dict[str, Region]:
+        return {r.name: r for r in self.regions}
+
+    @cached_property
+    def _parts(self) -> dict[tuple[int, int], int]:
+        """(offset, nbytes) -> part: 0 the dense part, k + 1 region k (none without regions)."""
+        if not self.regions:
+            return {}
+        return {(0, self.dense_nbytes): 0, **{(r.offset, r.nbytes): k + 1 for k, r in enumerate(self.regions)}}
+
+    def part_index(self, offset: int, nbytes: int) -> int | None:
+        """Which part bytes [offset, offset + nbytes) are: 0 the dense part, k + 1 region k; None if not one."""
+        return self._parts.get((offset, nbytes))
+
+    @cached_property
+    def _entries_by_name(self) -> dict[str, Entry]:
+        return {e.name: e for e in self.entries}
+
+    @cached_property
+    def _offsets(self) -> list[int]:
+        return [e.offset for e in self.entries]              # ascending (check(); plan_layout packs in order)
+
+    def _within(self, start: int, end: int) -> tuple[Entry, ...]:
+        """The entries starting in [start, end)."""
+        return self.entries[bisect_left(self._offsets, start):bisect_left(self._offsets, end)]
 
     @property
     def dense_nbytes(self) -> int:
@@ -129,13 +161,13 @@ class LayerLayout:
     def region_entries(self, name: str) -> list[Entry]:
         """The entries inside region `name` (offsets as in the whole layer)."""
         r = self.region(name)
-        return [e for e in self.entries if r.offset <= e.offset < r.offset + r.nbytes]
+        return list(self._within(r.offset, r.offset + r.nbytes))
 
     def entry(self, name: str) -> Entry:
-        for e in self.entries:
-            if e.name == name:
-                return e
-        raise KeyError(f"no tensor {name!r} in this packed layer")
+        e = self._entries_by_name.get(name)
+        if e is None:
+            raise KeyError(f"no tensor {name!r} in this packed layer")
+        return e
 
     def names(self) -> list[str]:
         return [e.name for e in self.entries]
@@ -171,7 +203,7 @@ class LayerLayout:
                 raise ValueError(f"bad packed region {r} (previous region ends at {end}, layer has {self.nbytes} "
                                  "bytes)")
             end = r.offset + r.nbytes
-            inside = [e for e in self.entries if r.offset <= e.offset < end]
+            inside = self._within(r.offset, end)
             if any(not e.name.startswith(r.name) or e.offset + e.nbytes > end for e in inside):
                 raise ValueError(f"packed region {r.name!r} holds an entry of another region or overruns its end")
 
@@ -208,8 +240,11 @@ def _grouped(names: list[str], regions: Sequence[str]) -> list[list[str]]:
     if len(set(regions)) != len(regions):
         raise ValueError("a packed layer's region prefixes must be distinct")
     groups: list[list[str]] = [[] for _ in range(len(regions) + 1)]
+    index = {prefix: j + 1 for j, prefix in enumerate(regions)}
+    lengths = sorted({len(prefix) for prefix in regions})            # a few: a lookup per length, not per prefix
     for name in names:
-        groups[next((j + 1 for j, prefix in enumerate(regions) if name.startswith(prefix)), 0)].append(name)
+        hits = [index[name[:n]] for n in lengths if n <= len(name) and name[:n] in index]
+        groups[min(hits, default=0)].append(name)
     empty = [regions[j] for j, g in enumerate(groups[1:]) if not g]
     if empty:
         raise ValueError(f"packed region {empty[0]!r} holds no tensor")

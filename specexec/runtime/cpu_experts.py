@@ -36,7 +36,7 @@ from specexec.config import ModelArgs
 from specexec.network.model import Block, on_meta
 from specexec.network.moe import Routing, SparseMLP
 from specexec.options import ConfigError
-from specexec.runtime.expert_stream import bind_expert
+from specexec.runtime.expert_stream import bind_experts
 
 PORTABLE = ("none", "int8")      # formats whose packed bytes read the same on a CPU and on CUDA
 
@@ -95,9 +95,7 @@ def cpu_experts(args: ModelArgs, layers: Sequence[int], buffers: dict[int, Tenso
         experts = block.mlp.experts
         swap_linears(experts, fmt, dtype)
         lay = layouts[i]
-        views = unpack_layer(buffers[i], lay)
-        for e in range(len(experts)):
-            bind_expert(block, e, views, lay.meta)
+        bind_experts(block, unpack_layer(buffers[i], lay), lay.meta)
         out[i] = experts.eval().requires_grad_(False)
     return CpuExperts(out)
 

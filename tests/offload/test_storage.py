@@ -150,3 +150,51 @@ def test_a_region_holding_another_prefix_fails_the_check() -> None:
     d["regions"][0]["nbytes"] = d["regions"][1]["offset"]
     with pytest.raises(ValueError, match="another region"):
         LayerLayout.from_dict(d)
+
+
+class _CountingStr(str):
+    calls = 0
+
+    def startswith(self, *args, **kwargs) -> bool:           # type: ignore[override]
+        _CountingStr.calls += 1
+        return super().startswith(*args, **kwargs)
+
+
+class _CountingTuple(tuple):
+    steps = 0
+
+    def __iter__(self):
+        for x in super().__iter__():
+            _CountingTuple.steps += 1
+            yield x
+
+
+def _expert_specs(n_experts: int) -> tuple[dict, tuple[str, ...]]:
+    specs = {_CountingStr(n): (torch.float32, (4,)) for n in ("router.weight", "norm.weight")}
+    for e in range(n_experts):
+        for part in ("gate", "up", "down"):
+            specs[_CountingStr(f"mlp.experts.{e}.{part}.weight")] = (torch.float32, (4,))
+    return specs, tuple(f"mlp.experts.{e}." for e in range(n_experts))
+
+
+def test_grouping_and_lookups_are_linear_in_the_experts() -> None:
+    """Issue 55: plan_layout matched every tensor name against every expert prefix, and region / region_entries /
+    entry scanned the layout per lookup (`specexec plan` with 8192 experts: 97 s; 65,536: nothing after 240 s).
+    Counted, not timed: name tests while packing 2,000 experts, and the entries and regions walked when every
+    region, its entries, every entry and every part are looked up once."""
+    specs, regions = _expert_specs(2000)
+    n = len(specs)
+    _CountingStr.calls = 0
+    lay = plan_layout(specs, {}, regions)
+    lay.check()
+    assert _CountingStr.calls <= 2 * n, _CountingStr.calls                     # was ~n * 1000
+    assert [e.name for e in lay.region_entries("mlp.experts.7.")] == [f"mlp.experts.7.{p}.weight"
+                                                                     for p in ("gate", "up", "down")]
+    counted = LayerLayout(_CountingTuple(lay.entries), lay.nbytes, lay.meta, _CountingTuple(lay.regions))
+    _CountingTuple.steps = 0
+    for name in regions:
+        r = counted.region(name)
+        assert len(counted.region_entries(name)) == 3 and counted.part_index(r.offset, r.nbytes) is not None
+    for e in lay.entries:
+        assert counted.entry(e.name) == e
+    assert _CountingTuple.steps <= 3 * (n + len(regions)), _CountingTuple.steps  # was ~n * 2000
