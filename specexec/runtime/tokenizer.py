@@ -126,9 +126,12 @@ def _build_gguf_tokenizer(path: Path, dest: Path) -> None:
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:
-        kind = meta.get("tokenizer.ggml.model")
+        kind, first = meta.get("tokenizer.ggml.model"), (str(e).strip().splitlines() or [type(e).__name__])[0]
+        hint = ("; the file's weights load (specexec plan reads it), but text needs its tokenizer: run this model "
+                "from its Hugging Face checkpoint (safetensors and tokenizer files)" if "not supported" in first
+                else "")
         raise ConfigError(f"cannot build the tokenizer from the GGUF metadata of {path} (tokenizer.ggml.model "
-                          f"{kind!r}): {str(e).splitlines()[0]}") from None
+                          f"{kind!r}): {first}{hint}") from None
     tok.save_pretrained(str(dest))
     _drop_tokens_beyond(dest, len(meta["tokenizer.ggml.tokens"]))
 

@@ -155,3 +155,22 @@ def test_a_bad_metadata_value_is_one_line_naming_the_gguf_key_and_file(key: str,
         read_args(path)
     msg = str(err.value)
     assert msg.startswith(f"{path}: ") and needle in msg and "config.json" not in msg and "\n" not in msg, msg
+
+
+def test_a_gguf_whose_tokenizer_transformers_cannot_build_says_what_works(tiny_root: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """glm4moe (as deepseek2): the weights read, the tokenizer does not (transformers builds no tokenizer of those
+    architectures from GGUF metadata yet): one line that says what works and what to run instead (issue 55: the
+    README said such files 'load too')."""
+    from specexec.options import ConfigError
+    from specexec.runtime.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "cache"))
+    hf_dir = write_tiny_model(tiny_root / "gguf-glm-tok", "glm4_moe", seed=41, n_layers=3)
+    path = write_gguf(hf_dir, tmp_path / "glm.gguf", "F32")
+    assert read_args(path).moe is not None                                   # the weights' side reads
+    try:
+        load_tokenizer(path)
+    except ConfigError as e:
+        msg = str(e)
+        assert "\n" not in msg and "not supported" in msg and "run this model from its Hugging Face checkpoint" in msg
