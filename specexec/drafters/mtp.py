@@ -32,10 +32,10 @@ from specexec.config import ModelArgs
 from specexec.drafters.load import Layout, checked_layout
 from specexec.checkpoints.weight_map import checkpoint_prefix, checkpoint_refs
 from specexec.network.drafter import Drafter, DrafterShape, MtpDrafter
+from specexec.network.mixers import mixer_kind
 from specexec.options import ConfigError
 
 KIND = "mtp"
-LINEAR = "linear_attention"
 SHARED = ("embed_tokens", "lm_head")          # the target's embedding and LM head
 
 
@@ -77,9 +77,10 @@ def has_mtp_layer(model: str | None) -> bool:
 
 
 def layer_args(args: ModelArgs) -> ModelArgs:
-    """The MTP decoder layer's args: one layer of the model's own full-attention kind, sparse when layer
-    num_hidden_layers of the model would be (an MoE's MTP layer carries all its experts)."""
-    types = [t for t in args.layer_types if t != LINEAR]
+    """The MTP decoder layer's args: one layer of the model's own attention kind (the last layer type whose mixer
+    keeps K/V rows, not a recurrent state: network/mixers.py), sparse when layer num_hidden_layers of the model
+    would be (an MoE's MTP layer carries all its experts)."""
+    types = [t for i, t in enumerate(args.layer_types) if mixer_kind(args, i).state(args, i) is None]
     moe = args.moe
     if moe is not None:
         moe = replace(moe, dense_layers=() if moe.sparse(args.n_layers) else (0,))

@@ -21,9 +21,9 @@ from tests.tiny_models import prompt
 
 
 def _args(**kw) -> ModelArgs:
-    return ModelArgs(family="llama", vocab_size=320, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                     intermediate_size=64, layer_types=(stub_ssm.NAME, "full_attention"),
-                     mixer_args=((stub_ssm.NAME, stub_ssm.StubArgs(24)),), **kw)
+    kw = {"n_layers": 2, "layer_types": (stub_ssm.NAME, "full_attention"), **kw}
+    return ModelArgs(family="llama", vocab_size=320, dim=32, n_heads=2, n_kv_heads=1, head_dim=16,
+                     intermediate_size=64, mixer_args=((stub_ssm.NAME, stub_ssm.StubArgs(24)),), **kw)
 
 
 def _model(args: ModelArgs, seed: int) -> Transformer:
@@ -95,3 +95,10 @@ def test_a_kind_without_a_mixer_is_its_feed_forward(monkeypatch) -> None:
     x = torch.randn(1, 3, 32)
     want = x + block.mlp(block.post_attention_layernorm(x))
     assert torch.equal(block(x, None, None, None, None, 0, None), want)
+
+
+def test_an_mtp_layer_is_of_the_models_attention_kind_whatever_its_recurrent_kinds(with_stub) -> None:
+    from specexec.drafters.mtp import layer_args
+    assert layer_args(_args()).layer_types == ("full_attention",)
+    assert layer_args(_args(n_layers=3, layer_types=("full_attention", stub_ssm.NAME, stub_ssm.NAME))
+                      ).layer_types == ("full_attention",)
