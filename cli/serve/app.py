@@ -6,15 +6,16 @@ Routes: POST /v1/chat/completions (with tools: specexec/serving/tools.py), /v1/c
 as JSON or server-sent events (specexec/serving/chat_stream.py, response_stream.py, anthropic_stream.py),
 /v1/messages/count_tokens, GET /v1/models, /v1/models/{id}, /health and /metrics (Prometheus text;
 `?format=json` for JSON). With an API key every route but /health wants `Authorization: Bearer KEY` or
-`x-api-key: KEY` (401 otherwise). Each request is read (at most max_body bytes), made
-into its Job (specexec/serving/jobs.py: checked, tokenized, its grammar; on one helper thread), then queued: the engine runs
-on the queue's worker threads (--parallel of them), so the loop stays free to answer /health, /metrics and new
-requests while generations run. A client that disconnects (streamed or not) cancels its job: a waiting one
-leaves the queue at once, a running one stops at its next step. Every failure is an OpenAI-style JSON error body: 4xx for the
-client's mistakes, 500 only for bugs, and the server lives on. With an access_log, one line per request:
-method, path, status, generated tokens, its wait for the worker, seconds, the queue's depth (a stream's when
-it ends; 499 when its client left). /metrics counts the wait (specexec_queue_wait_seconds_total, the mean, the
-last job's).
+`x-api-key: KEY` (401 otherwise). Each request is read (at most max_body bytes), made into its Job
+(specexec/serving/jobs.py: checked and tokenized on one helper thread; its grammar compiled on a small pool of
+its own, so a plain request never waits behind a schema; a compile over grammar_seconds is a 400), then queued:
+the engine runs on the queue's worker threads (--parallel of them), so the loop stays free to answer /health,
+/metrics and new requests while generations run. A client that disconnects (streamed or not) cancels its job: a waiting one
+leaves the queue at once, a running one stops at its next step. Every failure is an OpenAI-style JSON error
+body: 4xx for the client's mistakes, 500 only for bugs, and the server lives on. With an access_log, one line
+per request: method, path, status, generated tokens, its wait (for the tokenizing thread, a grammar thread and
+the worker), seconds, the queue's depth (a stream's when it ends; 499 when its client left). /metrics counts
+the worker's wait (specexec_queue_wait_seconds_total, the mean, the last job's).
 
 Importing this module needs starlette (the `serve` extra); cli/serve/command.py imports it only when serving.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import time
 from collections import Counter
@@ -52,6 +54,28 @@ from specexec.runtime.assembly import Runtime
 from specexec.serving.queue import End, Failed, GenerationQueue, QueueFull, Ticket
 
 Handler = Callable[[Request], Awaitable[Response]]
+WAITED: contextvars.ContextVar[list[float]] = contextvars.ContextVar("waited")   # a request's seconds in pools
+
+
+async def _off(pool: ThreadPoolExecutor, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+    """fn on `pool`, its wait for a thread added to the request's WAITED; TimeoutError after `timeout` s of
+    running (the wait not counted)."""
+    submitted, started = time.perf_counter(), asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+
+    def run() -> Any:
+        loop.call_soon_threadsafe(lambda: started.done() or started.set_result(time.perf_counter()))
+        return fn()
+    future = asyncio.wrap_future(pool.submit(run))
+    if timeout is None:
+        result = await future
+    else:
+        await asyncio.wait({started, future}, return_when=asyncio.FIRST_COMPLETED)
+        result = await asyncio.wait_for(asyncio.shield(future), timeout) if not future.done() else future.result()
+    waited = WAITED.get(None)
+    if waited is not None and started.done():
+        waited[0] += started.result() - submitted
+    return result
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,8 @@ class ServeSettings:
     max_body: int = 8 * 2**20              # request body bytes before 413
     access_log: Callable[[str], None] | None = None    # hears one line per request (None: no access log)
     max_choices: int = 64                  # prompts x n of one request before 400 (it holds a worker)
+    grammar_threads: int = 2               # grammars compiled at once, beside the tokenizing thread
+    grammar_seconds: float = 30.0          # a request's grammar compile (and check) before 400
     parallel: int = 1                      # requests running at once (their trees share each target pass)
 
 
@@ -112,6 +138,7 @@ class Server:
         self.runtime, self.defaults, self.settings = runtime, defaults, settings
         self.queue = GenerationQueue(runtime, settings.max_queue, settings.parallel)
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specexec-tokenize")
+        self.grammar_pool = ThreadPoolExecutor(settings.grammar_threads, thread_name_prefix="specexec-grammar")
         self.requests: Counter[tuple[str, int]] = Counter()
         self.created = int(time.time())
         self.vocab_size = runtime.target_info.args.vocab_size
@@ -125,6 +152,8 @@ class Server:
         whatever paths clients send)."""
         async def endpoint(request: Request) -> Response:
             request.state.started = time.perf_counter()
+            request.state.waited = [0.0]                      # seconds in the tokenizing and grammar pools
+            WAITED.set(request.state.waited)
             try:
                 if guarded:
                     self._authorize(request)
@@ -148,8 +177,9 @@ class Server:
         queue_ms = getattr(request.state, "queue_ms", None) if queue_ms is None else queue_ms
         seconds = time.perf_counter() - request.state.started
         counted = "-" if tokens is None else tokens
+        waited = (queue_ms or 0) / 1000 + request.state.waited[0]       # the worker's queue, and the pools'
         self.settings.access_log(f"{request.method} {request.url.path} {status} tokens={counted} "
-                                 f"wait={(queue_ms or 0) / 1000:.2f}s {seconds:.2f}s queue={self.queue.depth}")
+                                 f"wait={waited:.2f}s {seconds:.2f}s queue={self.queue.depth}")
 
     def _authorize(self, request: Request) -> None:
         key = self.settings.api_key
@@ -177,7 +207,20 @@ class Server:
         return api.read_json(b"".join(chunks))
 
     async def _tokenize(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
+        """fn on the one tokenizing thread (its wait there counts in the access log's wait)."""
+        return await _off(self.tokenize_pool, fn)
+
+    async def _compile(self, fn: Callable[[], Any], param: str) -> Any:
+        """A grammar compiled and checked on the grammar pool (never the tokenizing thread: a plain request does
+        not wait behind a schema); its wait for a thread counts in the access log's wait; more than
+        grammar_seconds compiling is a 400 naming `param` (the thread finishes the compile, its result unused)."""
+        limit = self.settings.grammar_seconds
+        try:
+            return await _off(self.grammar_pool, fn, limit)
+        except TimeoutError:
+            raise api.ApiError(f"the grammar took more than {limit:g} s to compile and check; simplify the schema "
+                               "(fewer properties or alternatives, shorter patterns)", param=param,
+                               code="grammar_too_complex") from None
 
     # ---------------------------------------------------------------- generation routes
     async def chat(self, request: Request) -> Response:
@@ -208,12 +251,19 @@ class Server:
         return JSONResponse({"input_tokens": await self._tokenize(lambda: self.jobs.count_tokens(chat))})
 
     async def _chat_job(self, body: dict) -> api.Job:
-        """A chat body's Job (specexec/serving/jobs.py), made off the event loop (it tokenizes)."""
-        return await self._tokenize(lambda: self.jobs.chat(body))
+        """A chat body's Job (specexec/serving/jobs.py), made off the event loop (it tokenizes), its grammar
+        compiled on the grammar pool."""
+        job = await self._tokenize(lambda: self.jobs.chat(body, with_grammar=False))
+        return await self._with_grammar(job, self.jobs.grammar_for(body))
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
-        return await self._run(request, await self._tokenize(lambda: self.jobs.completion(body)))
+        job = await self._tokenize(lambda: self.jobs.completion(body, with_grammar=False))
+        return await self._run(request, await self._with_grammar(job, self.jobs.grammar_for(body)))
+
+    async def _with_grammar(self, job: api.Job, compile: tuple[Callable[[], str | None], str] | None) -> api.Job:
+        """`job` with the grammar `compile` makes (None: free text)."""
+        return job if compile is None else replace(job, grammar=await self._compile(*compile))
 
     async def _run(self, request: Request, job: api.Job,
                    req: responses.ResponseRequest | anth.MessagesRequest | None = None) -> Response:
@@ -308,6 +358,7 @@ class Server:
     def close(self) -> None:
         self.queue.close()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
 
 # name -> (type, help, snapshot key)

@@ -22,6 +22,7 @@ Does not know: HTTP, tool formats (specexec/serving/tools.py builds their gramma
 """
 from __future__ import annotations
 
+import collections
 import json
 import threading
 from collections.abc import Sequence
@@ -38,6 +39,8 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 LIMITS = {"max_items_in_row": 2000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
           "step_max_items": 50_000, "max_lexer_states": 250_000, "max_grammar_size": 500_000,
           "verbose_errors": False}
+MAX_CHARS = 256_000            # a grammar's text (a schema's JSON) at most: past it, compiling alone takes seconds
+CHECKED = 64                   # grammars remembered as checked (a server's worker does not check them again)
 PROBE, TRIES = 8, 32          # how far `check` walks before a generation, how many tokens it tries at each step
 
 
@@ -143,6 +146,7 @@ class Grammars:
         self.tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, sorted(eos_ids)
         self._view = None
         self._lock = threading.Lock()
+        self._checked: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def view(self) -> Any:
         """llguidance's tokenizer view (built once, on first use)."""
@@ -176,10 +180,16 @@ class Grammars:
         return ll.LLMatcher(self.view(), grammar, log_level=0, limits=ll.LLParserLimits(**LIMITS))
 
     def check(self, grammar: str) -> None:
-        """ConfigError with llguidance's message when the grammar is not valid for this tokenizer, or when it
-        hits one of llguidance's limits near its start: along the first PROBE tokens (the lowest id each mask
-        allows), each of the TRIES lowest allowed tokens is consumed (after a mask, as a generation does) and rolled
-        back."""
+        """ConfigError when the grammar is longer than MAX_CHARS, with llguidance's message when it is not valid
+        for this tokenizer, or when it hits one of llguidance's limits near its start: along the first PROBE
+        tokens (the lowest id each mask allows), each of the TRIES lowest allowed tokens is consumed (after a mask,
+        as a generation does) and rolled back. The last CHECKED grammars that passed are not checked again."""
+        with self._lock:
+            if grammar in self._checked:
+                return
+        if len(grammar) > MAX_CHARS:
+            raise ConfigError(f"the grammar is {len(grammar):,} characters long, over the {MAX_CHARS:,} this server "
+                              "compiles (e.g. thousands of properties): simplify the schema")
         ll = _llguidance()
         error = ll.LLMatcher.validate_grammar(grammar, self.view(), limits=ll.LLParserLimits(**LIMITS))
         if error:
@@ -203,7 +213,11 @@ class Grammars:
                                   "properties, no unbounded recursion, smaller repetition counts)")
             m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
             if not tries or not m.try_consume_tokens(tries[:1]):
-                return
+                break
+        with self._lock:
+            self._checked[grammar] = None
+            while len(self._checked) > CHECKED:
+                self._checked.popitem(last=False)
 
     def constraint(self, grammar: str) -> MatcherConstraint:
         """A fresh constraint for one generation under `grammar` (checked first)."""

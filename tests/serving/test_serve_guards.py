@@ -6,7 +6,8 @@ message in the `specexec` extension), never a 500; a tool's parameters that are 
 message that answers no call before it, a `text` that is not an object and an unknown `include` in Responses
 are 400s, as OpenAI answers them. A forced call list cut by max_tokens keeps the calls it finished; the forced
 hermes grammar ends after any complete call (a newline may come first) and allows one call with
-parallel_tool_calls false."""
+parallel_tool_calls false. Grammars compile on a pool of their own (a plain request does not wait behind them;
+the access log's wait counts a request's wait for a grammar thread); a schema over the size cap is a 400."""
 from __future__ import annotations
 
 import pytest
@@ -176,3 +177,57 @@ def test_a_forced_hermes_list_may_end_after_any_complete_call_and_parallel_false
     assert takes(True, f"{HERMES_CALL}\n{HERMES_CALL}\n") == (True, True)
     assert takes(False, HERMES_CALL + "\n") == (True, True)
     assert takes(False, f"{HERMES_CALL}\n{HERMES_CALL}")[0] is False          # one call, no second
+
+
+# ------------------------------------------------------------------------------------------ grammar compiles
+
+def test_grammar_compiles_leave_the_tokenizing_thread_and_the_log_shows_their_wait(tool_runtime, monkeypatch) -> None:
+    """Three schemas whose compile takes 3 s each on a pool of two grammar threads: a plain request sent after
+    them is answered before any compile ends (it had waited behind them on the one tokenizing thread), and the
+    access log's wait shows the third schema's wait for a grammar thread (it had shown the worker's only)."""
+    import threading
+    import time
+
+    from cli.serve import app as serve_app
+    from specexec.config import SamplingParams
+    from specexec.serving.openai_api import ServerDefaults
+    from tests.serving.live_server import running
+
+    from specexec.serving import structured
+
+    compile_s = 3.0
+    real = structured.response_grammar
+
+    def slow(body, grammars):
+        if body.get("response_format"):
+            time.sleep(compile_s)
+        return real(body, grammars)
+    monkeypatch.setattr(structured, "response_grammar", slow)
+    lines: list[str] = []
+    app = serve_app.build_app(tool_runtime, ServerDefaults(TOOL_MODEL, SamplingParams(), 4),
+                              serve_app.ServeSettings(access_log=lines.append, grammar_threads=2))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with running(app) as url:
+        asked = [threading.Thread(target=raw, args=(url, "POST", "/v1/chat/completions",
+                                                    {**chat_body(schema, False), "max_tokens": 2}, None, 60))
+                 for _ in range(3)]
+        for t in asked:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        status, reply = raw(url, "POST", "/v1/chat/completions",
+                            {"model": TOOL_MODEL, "messages": USER, "max_tokens": 2})
+        plain_s = time.perf_counter() - t0
+        for t in asked:
+            t.join()
+    assert status == 200 and plain_s < compile_s - 0.5, plain_s
+    waits = sorted(float(line.split("wait=")[1].split("s")[0]) for line in lines if "tokens=2 " in line)
+    assert len(lines) == 4 and waits[-1] >= compile_s - 1.0, lines
+
+
+def test_a_schema_over_the_size_cap_is_a_400_before_compiling(tool_url) -> None:
+    """10,000 properties (the issue's schema: seconds of compile each) are refused on their size alone."""
+    huge = {"type": "object", "properties": {f"property_{i}": {"type": "integer"} for i in range(10_000)}}
+    status, reply = raw(tool_url, "POST", "/v1/chat/completions", chat_body(huge, False))
+    assert status == 400 and reply["error"]["param"] == "response_format", reply
+    assert "characters long, over the 256,000 this server compiles" in reply["error"]["message"]
