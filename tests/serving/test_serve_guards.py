@@ -56,7 +56,8 @@ def test_a_schema_beyond_the_librarys_limits_is_a_400_naming_the_limit(tool_url,
         message = reply["error"]["message"]
         assert "beyond the grammar library's limits" in message and limit in message, message
         assert reply["error"]["param"] == param and "\n" not in message
-    if name != "a $ref loop":                                # a tool's parameters are an object schema
+    if name == "recursive":                  # an object schema (a $ref loop is not; 1,000 properties overflow
+                                             # the tiny model's context as tools in the prompt)
         status, reply = raw(tool_url, "POST", "/v1/chat/completions", tool_body(schema, stream))
         assert status == 400 and reply["error"]["param"] == "tools" and limit in reply["error"]["message"], reply
 
