@@ -29,6 +29,7 @@ import torch
 
 from specexec.builders.base import DraftState, Prefill, RowListener, TreeBuilder
 from specexec.kv.cache import KVCache
+from specexec.kv.prefix_cache import PrefixCache
 from specexec.network import longrope
 from specexec.network.drafter import Drafter
 from specexec.network.model import Transformer
@@ -106,6 +107,7 @@ class ModelFeed(NoDraft):
     def __init__(self, target: Transformer, draft: Transformer, drafting: Callable[[], bool]) -> None:
         super().__init__(target)
         self.draft, self.drafting = draft, drafting
+        self.prefix_cache: PrefixCache | None = None     # the draft's own prompt blocks (kv/prefix_cache.py)
 
     def prefill(self, prompt_ids: list[int], shared: int, target_cache: KVCache, draft_cache: KVCache | None,
                 prefill: Prefill) -> DraftState | None:
@@ -113,8 +115,13 @@ class ModelFeed(NoDraft):
         draft_cache.truncate(draft_cache.reusable(shared))
         longrope.begin(self.draft, draft_cache, len(prompt_ids))
         if self.drafting():
+            cached = self.prefix_cache is not None and not draft_cache.long_rope
+            if cached:
+                self.prefix_cache.restore(prompt_ids[:-1], draft_cache, draft_cache.length)
             prefill(self.draft, draft_cache, prompt_ids[draft_cache.length:-1], "draft")
             draft_cache.snapshot()
+            if cached:
+                self.prefix_cache.store(prompt_ids[:-1], draft_cache)
         return DraftState(self.draft, draft_cache, list(prompt_ids[draft_cache.length:]))
 
     def committed(self, draft: DraftState | None, tree: TokenTree, acc: Accepted, hidden: torch.Tensor) -> None:

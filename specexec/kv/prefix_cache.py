@@ -66,11 +66,11 @@ class PrefixCache:
     looked for in vain), stored (blocks kept)."""
 
     def __init__(self, fingerprint: str, limit: int, directory: Path | None = None, block: int = BLOCK,
-                 warn: Callable[[str], None] = stderr_line) -> None:
+                 warn: Callable[[str], None] = stderr_line, says: Path | None = None) -> None:
         self.fingerprint, self.block, self.warn = fingerprint, block, warn
         self.ram_bytes = min(limit, RAM_CAP)
         self.ram: OrderedDict[str, list[torch.Tensor]] = OrderedDict()
-        self.disk = DiskTier(directory, limit, warn) if directory is not None else None
+        self.disk = DiskTier(directory, limit, warn, says) if directory is not None else None
         self.hits = self.misses = self.stored = 0
         self._said: set[str] = set()
         self._lock = threading.RLock()           # seats of one server restore and store from their own threads

@@ -30,8 +30,9 @@ SUFFIX = ".blk"
 class DiskTier:
     """Blocks on disk in `directory`, at most `limit` bytes in all."""
 
-    def __init__(self, directory: Path, limit: int, warn: Callable[[str], None]) -> None:
+    def __init__(self, directory: Path, limit: int, warn: Callable[[str], None], says: Path | None = None) -> None:
         self.directory, self.limit, self.warn = Path(directory), limit, warn
+        self.says = Path(says) if says is not None else self.directory     # the folder a failure line names
         self.writable = True
         self.index: dict[str, tuple[int, float]] = {}       # key -> (bytes, last use)
         try:
@@ -43,7 +44,7 @@ class DiskTier:
                     st = path.stat()
                     self.index[path.stem] = (st.st_size, st.st_mtime)
         except OSError as e:
-            self._off(f"cannot use {self.directory} ({e.strerror or e})")
+            self._off(f"cannot use {self.says} ({e.strerror or e})")
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +85,7 @@ class DiskTier:
         except OSError as e:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
-            self._off(f"cannot write {self.directory} ({e.strerror or e})")
+            self._off(f"cannot write {self.says} ({e.strerror or e})")
             return
         self.index[key] = (len(MAGIC) + len(header) + len(payload), time.time())
 

@@ -166,6 +166,8 @@ class Runtime:
         engine = _make_engine(target, draft if own.draft is not None else None, own.config,
                               tuple(sorted(own.eos_ids)), own.planned_context, self.plan)
         engine.neighbours, engine.prefix_cache = own.neighbours, own.prefix_cache    # one prefix cache for all seats
+        if hasattr(own.feed, "prefix_cache") and hasattr(engine.feed, "prefix_cache"):
+            engine.feed.prefix_cache = own.feed.prefix_cache                         # the draft's, likewise
         runtime = Runtime(engine, self.tokenizer, self.target_info, self.draft_info, self.config, self.plan)
         runtime.pair, runtime.depth = self.pair, self.depth
         return runtime

@@ -59,6 +59,7 @@ def test_hits_after_another_prompt_after_a_restart_and_for_a_longer_prompt_are_e
     cache.hits = 0
     ids, reused = _run(runtime, PROMPT)
     assert ids == cold and reused == (len(PROMPT) - 1) // BLOCK * BLOCK and cache.hits == 5
+    assert runtime.engine.feed.prefix_cache.hits >= 1                    # the draft's rows came back too
 
     restarted = _cache(runtime, tmp_path, lines)           # a new process: nothing in RAM, the same directory
     _run(runtime, OTHER)
@@ -97,7 +98,7 @@ def test_a_full_disk_is_one_line_and_generation_goes_on(runtime, tmp_path, monke
     monkeypatch.setattr("specexec.kv.prefix_disk.os.replace", full)
     assert _run(runtime, PROMPT)[0] == cold and _run(runtime, PROMPT)[0] == cold
     assert len(lines) == 1 and "No space left on device" in lines[0] and "answers are unchanged" in lines[0]
-    assert not list((tmp_path / "prefix").iterdir()) and cache.disk.writable is False
+    assert not list((tmp_path / "prefix").rglob("*.blk")) and cache.disk.writable is False
     _run(runtime, OTHER)
     assert _run(runtime, PROMPT) == (cold, 80)            # the RAM tier still serves
 
@@ -110,7 +111,7 @@ def test_the_disk_tier_stays_under_its_size_and_other_models_miss(runtime, tmp_p
     small = _cache(runtime, tmp_path / "small", lines, limit=3 * size + size // 2)
     _run(runtime, OTHER)
     _run(runtime, PROMPT)
-    files = list((tmp_path / "small" / "prefix").iterdir())
+    files = list((tmp_path / "small" / "prefix").glob("*.blk"))
     assert len(files) == 3 and sum(f.stat().st_size for f in files) == small.disk.nbytes <= small.disk.limit
     other = PrefixCache("another-model", 2**30, tmp_path / "prefix", BLOCK, lines.append)
     assert other.cached(PROMPT) == 0 and one.cached(PROMPT) == 80 and lines == []
