@@ -294,14 +294,16 @@ def _entry_defaults(args: argparse.Namespace, entry, console: Console | None) ->
 
 def check_draft(args: argparse.Namespace, config: EngineConfig, default_self: bool = False) -> bool:
     """--draft/--no-draft against the builder. default_self (chat): no draft named and none recommended means
-    the model's own MTP layer when its checkpoint has one (args.draft = "mtp"), else the self-draft ("self"),
-    shown in the plan, instead of a refusal; returns whether it did so."""
-    from specexec.drafters.mtp import has_mtp_layer
+    a drafter the model's own checkpoint carries when it has one (drafters/registry.offered_kind: its MTP layer,
+    args.draft = "mtp"), else the self-draft ("self"), shown in the plan, instead of a refusal; returns whether
+    it did so."""
+    from specexec.drafters.registry import offered_kind
     from specexec.runtime.self_draft import SELF
 
     chosen = default_self and not args.draft and not args.no_draft and builder_needs_draft(config.builder)
     if chosen:
-        args.draft = "mtp" if has_mtp_layer(args.model) else SELF
+        kind = offered_kind(args.model)
+        args.draft = kind.name if kind is not None else SELF
     check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
     return chosen
 

@@ -4,8 +4,9 @@ A kind (DrafterKind) says how --draft writes it (`written`: NAME:PATH, NAME alon
 target's own checkpoint, or a directory it `recognises`), its layout check (`checked`: the headers read once,
 names and shapes checked against the target -> a drafters/load.Layout that loading reuses), what it is from
 config.json alone (`planned`: `specexec plan`), its loader (`load`), its network style (`network`: a Drafter
-subclass; the layout builds it) and what the memory plan counts of it (`own_kv`: whether it keeps a KV cache
-of its own). A new drafter kind is its module under specexec/drafters/ and one row of KINDS.
+subclass; the layout builds it), what the memory plan counts of it (`own_kv`: whether it keeps a KV cache
+of its own), and, for a kind a target's own checkpoint may carry, whether it does (`offered`: chat's default
+draft, `offered_kind`) and how that default is said (`said`). A new drafter kind is its module under specexec/drafters/ and one row of KINDS.
 
 Does not know: what a drafter computes (specexec/network/), the memory plan's lines (a choice's size says what
 it holds: drafters/choose.py), the engine.
@@ -44,6 +45,8 @@ class DrafterKind:
     load: Callable[[Layout, Transformer, torch.dtype, torch.device], Drafter] = load_layout
     own_kv: bool = True
     recognises: Callable[[Path], bool] | None = None
+    offered: Callable[[str | None], bool] | None = None
+    said: str = ""
 
     def __post_init__(self) -> None:
         if self.written not in WRITTEN or (self.written == "PATH") != (self.recognises is not None):
@@ -52,7 +55,8 @@ class DrafterKind:
 
 KINDS: tuple[DrafterKind, ...] = (
     DrafterKind(eagle3.KIND, "NAME:PATH", Eagle3Drafter, eagle3.checked, eagle3.planned),
-    DrafterKind(mtp.KIND, "NAME", MtpDrafter, mtp.checked, mtp.planned),
+    DrafterKind(mtp.KIND, "NAME", MtpDrafter, mtp.checked, mtp.planned, offered=mtp.has_mtp_layer,
+                said="the model's own MTP layer"),
     DrafterKind(assistant.KIND, "PATH", Assistant, assistant.checked, assistant.planned, own_kv=False,
                 recognises=assistant.is_assistant),
 )
@@ -61,6 +65,11 @@ KINDS: tuple[DrafterKind, ...] = (
 def kind_named(name: str) -> DrafterKind | None:
     """The row of the drafter kind `name` (None: no drafter kind is so named)."""
     return next((k for k in KINDS if k.name == name), None)
+
+
+def offered_kind(model: str | None) -> DrafterKind | None:
+    """The first kind the target `model` names carries in its own checkpoint (its headers say so), else None."""
+    return next((k for k in KINDS if k.offered is not None and k.offered(model)), None)
 
 
 @dataclass(frozen=True)

@@ -73,3 +73,18 @@ def test_a_stub_kind_is_one_row(monkeypatch, tiny_pair, tmp_path) -> None:
                                                                          for t in s]
     finally:
         rt.engine.close()
+
+
+def test_chat_s_default_draft_is_a_kind_the_target_carries(monkeypatch, tiny_pair) -> None:
+    """A kind offered by the target's own checkpoint (its row's `offered`) is chat's default draft; none: self."""
+    from cli import args as cli_args
+
+    class Config:
+        builder = "specexec"
+    ns = type("A", (), {"draft": None, "no_draft": False, "model": str(tiny_pair[0])})()
+    assert cli_args.check_draft(ns, Config(), default_self=True) and ns.draft == "self"
+    monkeypatch.setattr(registry, "KINDS", (DrafterKind("stub", "NAME", Eagle3Drafter, eagle3.checked,
+                                                        eagle3.planned, offered=lambda model: True),)
+                        + registry.KINDS)
+    ns.draft = None
+    assert cli_args.check_draft(ns, Config(), default_self=True) and ns.draft == "stub"
