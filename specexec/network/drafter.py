@@ -37,6 +37,7 @@ from specexec.kv.cache import KVCache
 from specexec.network.attention import TreeMask
 from specexec.network.model import Transformer, on_meta, soft_cap
 from specexec.network.norms import RMSNorm
+from specexec.network.self_attention import Attention
 
 @dataclass(frozen=True)
 class DrafterShape:
@@ -152,10 +153,8 @@ class Eagle3Drafter(Drafter):
     def __init__(self, args: ModelArgs, shape: DrafterShape) -> None:
         super().__init__(replace(args, n_layers=1, layer_types=args.layer_types[:1]), shape)
         d = args.dim
-        attn = self.layers[0].mixer
-        for name in ("q_proj", "k_proj", "v_proj"):          # the attention reads [embedding; state]
-            old = getattr(attn, name)
-            setattr(attn, name, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
+        block = self.layers[0]                               # its attention reads [embedding; state]
+        setattr(block, block.mixer_attribute, Attention(self.args, 0, in_dim=2 * d))
         self.layers[0].hidden_norm = RMSNorm(d, args.norm_eps, args.norm_plus_one)
         if shape.taps:
             self.fuse = nn.Linear(len(shape.taps) * shape.target_dim, d, bias=False)

@@ -28,10 +28,12 @@ class Attention(nn.Module):
     Decoder layer `layer`'s own shape (ModelArgs.attn_shape: Gemma 4's full layers have theirs); values from the
     key projection where ModelArgs.global_k_eq_v says so, RMS-normalised per head without a weight with v_norm;
     a layer that shares an earlier layer's K/V (ModelArgs.kv_source) has no k/v projections and attends to that
-    layer's rows."""
+    layer's rows. `in_dim`: the width q/k/v read (default the model's; an EAGLE-3 head's attention reads
+    [embedding; state], 2 D wide)."""
 
-    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0, in_dim: int | None = None) -> None:
         super().__init__()
+        width = in_dim or args.dim
         h = args.n_heads
         kv, d = args.attn_shape(layer)
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d
@@ -40,13 +42,13 @@ class Attention(nn.Module):
         k_eq_v = args.global_k_eq_v and args.layer_kind(layer).window is None
         own = args.kv_source(layer) == layer
         if args.fused_qkv:
-            self.qkv_proj = nn.Linear(args.dim, (h + 2 * kv) * d, bias=args.qkv_bias)
+            self.qkv_proj = nn.Linear(width, (h + 2 * kv) * d, bias=args.qkv_bias)
         else:
-            self.q_proj = nn.Linear(args.dim, h * d * (2 if self.gated else 1), bias=args.qkv_bias)
+            self.q_proj = nn.Linear(width, h * d * (2 if self.gated else 1), bias=args.qkv_bias)
             if own:
-                self.k_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+                self.k_proj = nn.Linear(width, kv * d, bias=args.qkv_bias)
             if own and not k_eq_v:
-                self.v_proj = nn.Linear(args.dim, kv * d, bias=args.qkv_bias)
+                self.v_proj = nn.Linear(width, kv * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.dim, bias=args.o_bias)
         if args.qk_norm:                  # over each head, or over the whole projection (qk_norm_per_head False)
             self.q_norm = RMSNorm(d if args.qk_norm_per_head else h * d, args.norm_eps, args.norm_plus_one)
