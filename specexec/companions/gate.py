@@ -29,6 +29,12 @@ The decision (`Gate`):
   against the plain steps' over the gap). The first switch off, when decided on less than a `window` of steps,
   is probed back after `recheck` plain steps instead (a short run would otherwise never probe). 5 %: the slowdown a gated run may show against the target alone is
   about that share times the probes' shortfall, plus the steps before the first switch.
+- Before the measured rates can judge: the `verdict` (BudgetTuner.predicted: the best trusted budget's tokens/s
+  from this machine's measured draft and target costs and the acceptance so far, its prior at first, against the
+  target alone's) is asked before each step until it answers -- before the first step when the costs were kept
+  from an earlier run (tuning/calibration.py), else once a warm draft step was timed. When it predicts the target
+  alone more than `margin` faster, drafting stops at once (a 32-token answer was over before cold + least +
+  confirm steps) and is probed back after `recheck` plain steps; from then on only measurements decide.
 Both ways the margin is the hysteresis: rates within it never switch the gate.
 
 The loop's side (`Pilot`, one of the engine's companions: specexec/companions/roster.py): before each step it asks
@@ -91,8 +97,12 @@ class Switch:
 
     def line(self, step: int | None = None) -> str:
         """What chat, generate and bench print: 'drafting off at step 17: target alone 8.1 tok/s > speculative
-        6.9 tok/s (last 16 steps)'."""
+        6.9 tok/s (last 16 steps)'; a switch before the first step says what predicted it."""
         at = f" at step {step}" if step is not None else ""
+        if not self.steps:
+            return (f"drafting off{at}: target alone {self.plain_tok_s:.1f} tok/s > speculative "
+                    f"{self.speculative_tok_s:.1f} tok/s predicted (this machine's measured costs, the acceptance "
+                    "so far); probed after a few steps")
         if self.drafting:
             return (f"drafting on{at}: speculative {self.speculative_tok_s:.1f} tok/s > target alone "
                     f"{self.plain_tok_s:.1f} tok/s (probe of {self.steps} steps)")
@@ -115,9 +125,15 @@ class Gate:
     cold: int = 2
     recheck: int = 8
     prior: Callable[[], float | None] | None = field(default=None, compare=False)   # predicted plain step s
+    # (speculative tok/s, target-alone tok/s) as this machine's measured costs and the acceptance heard so far
+    # (its prior at first) predict them, or None while a cost is unmeasured: asked before each step until it
+    # answers (before the first step when the costs were kept from an earlier run) or the measured rates can judge
+    verdict: Callable[[], tuple[float, float] | None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.drafting = True
+        self.initial: Switch | None = None      # the switch the verdict made, if any (noted once)
+        self._verdict_open = self.verdict is not None
         self._spec: deque[tuple[int, float]] = deque(maxlen=self.window)   # (tokens, seconds) per step
         self._plain: deque[float] = deque(maxlen=8)                        # seconds per plain step
         self._since_on = 0          # speculative steps heard since drafting (re)started
@@ -149,6 +165,8 @@ class Gate:
 
     def next_plain(self) -> bool:
         """Whether the next step runs the target alone (True) or drafts (False)."""
+        if self._verdict_open:
+            self._decide_early()
         if self.drafting:
             # the target alone never measured: after one speculative step when there is no prior, after `least`
             # when there is (a prior is a cost model's guess: a cold calibration pass ran 3x a warm one)
@@ -166,6 +184,23 @@ class Gate:
         if self._plain_run >= self._gap:            # the step after this one starts a probe
             self._plain_run, self._burst_left = 0, self.burst
         return True
+
+    def _decide_early(self) -> None:
+        """Drafting stops as soon as what is known (the verdict: this machine's measured draft and target costs
+        and the acceptance, its prior at first) predicts the target alone more than `margin` faster: a short
+        answer is over before the measured rates could say so (cold + least + confirm steps). Asked once it
+        answers, and no more once the measured rates judge (`least` speculative steps heard). Then it is probed
+        back after `recheck` plain steps, as a switch decided on few steps is, and judged on measurements."""
+        predicted = self.verdict() if self._since_on < self.least and self.drafting else None
+        if self._since_on >= self.least or not self.drafting:
+            self._verdict_open = False
+        if predicted is None:
+            return
+        self._verdict_open = False
+        spec, plain = predicted
+        if spec > 0 and plain > (1 + self.margin) * spec:
+            self.drafting, self._switched_off, self._gap, self._plain_run = False, True, self.recheck, 0
+            self.initial = Switch(False, plain, spec, 0)
 
     def charge(self, seconds: float) -> None:
         """What starting a probe cost besides its steps (the draft's catch-up prefill): the next gap is sized so
@@ -241,6 +276,23 @@ class StepGate(Protocol):
 
     def observe(self, speculative: bool, tokens: int, seconds: float) -> Switch | None: ...
 
+    def _decide_early(self) -> None:
+        """Drafting stops as soon as what is known (the verdict: this machine's measured draft and target costs
+        and the acceptance, its prior at first) predicts the target alone more than `margin` faster: a short
+        answer is over before the measured rates could say so (cold + least + confirm steps). Asked once it
+        answers, and no more once the measured rates judge (`least` speculative steps heard). Then it is probed
+        back after `recheck` plain steps, as a switch decided on few steps is, and judged on measurements."""
+        predicted = self.verdict() if self._since_on < self.least and self.drafting else None
+        if self._since_on >= self.least or not self.drafting:
+            self._verdict_open = False
+        if predicted is None:
+            return
+        self._verdict_open = False
+        spec, plain = predicted
+        if spec > 0 and plain > (1 + self.margin) * spec:
+            self.drafting, self._switched_off, self._gap, self._plain_run = False, True, self.recheck, 0
+            self.initial = Switch(False, plain, spec, 0)
+
     def charge(self, seconds: float) -> None: ...
 
 
@@ -260,7 +312,8 @@ class Pilot:
         if builder is None or not gates(config.gate, config.auto_budget):
             return None
         prior = (lambda: tuner.costs.target_seconds(1) or None) if tuner is not None else None
-        return cls(Gate(prior=prior), profiler, prefill, tuner)
+        verdict = tuner.predicted if tuner is not None else None
+        return cls(Gate(prior=prior, verdict=verdict), profiler, prefill, tuner)
 
     @property
     def drafting(self) -> bool:
@@ -270,6 +323,13 @@ class Pilot:
     def plain_next(self, draft: DraftState | None) -> bool:
         """Whether the next step runs the target alone; before a speculative one the draft catches up."""
         plain = self.gate.next_plain()
+        initial = getattr(self.gate, "initial", None)
+        if initial is not None:                     # decided on the verdict: said once, counted
+            self.gate.initial = None
+            counted = self.profiler.counters
+            step = int(counted.get(PLAIN_STEPS, 0) + counted.get(SPECULATIVE_STEPS, 0)) + 1
+            self.profiler.count(**{SWITCHES: 1})
+            self.profiler.note(initial.line(step))
         self._kinds.append(plain)
         self.profiler.count(**{PLAIN_STEPS if plain else SPECULATIVE_STEPS: 1})
         if not plain and draft is not None and len(draft.pending) > 1:

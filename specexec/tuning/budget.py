@@ -267,6 +267,17 @@ class BudgetTuner:
                                           prior_top=self.acceptance.prior_top)
         self.index, self.steps, self.settled = start_index(self.grid, self.start_budget), 0, False
 
+    def predicted(self) -> tuple[float, float] | None:
+        """(speculative tok/s at the best trusted budget, target-alone tok/s) as the models predict them now, or None
+        while either cost is unmeasured or rests on a cold step alone (before the first step: known when this
+        machine's costs for this run were kept from an earlier one; else after the first warm draft step)."""
+        firm = [n for _, n in self.costs.draft.points.values() if n > 0]
+        if not firm or not self.costs.target.points:
+            return None
+        plain_s = self.costs.target_seconds(1)
+        rates = [self.rate(b) for b in self.grid if self.trusted(b)]      # not the line through (0, 0) below
+        return (max(rates), 1.0 / plain_s) if rates and plain_s > 0 else None
+
     def best_budget(self) -> int:
         """The global optimum over the grid (what next_budget converges to)."""
         return max(self.grid, key=self.rate)

@@ -182,3 +182,44 @@ def test_a_switch_off_decided_on_few_steps_is_probed_back_soon() -> None:
     assert not gate.drafting
     kinds = drive(gate, gate.first_gap - 1, spec=(1, 0.5), plain_s=0.1)
     assert all(kinds)
+
+
+def test_a_verdict_of_loss_stops_drafting_before_the_first_step() -> None:
+    """What is known before the first step (the tuner's measured costs and acceptance prior: its `predicted`)
+    says the target alone is 2x faster: the first step is plain, the run never pays the cold + least + confirm
+    speculative steps the measured rates need (13 here), and it is probed back after `recheck` plain steps."""
+    gate = Gate(verdict=lambda: (5.0, 10.0))
+    kinds = drive(gate, gate.recheck + gate.burst, spec=(1.5, 0.25), plain_s=0.1)       # 6 tok/s vs 10 tok/s
+    assert kinds[:gate.recheck] == [True] * gate.recheck and not any(kinds[gate.recheck:])   # the probe
+    assert not gate.drafting and gate.initial.line(1).startswith(
+        "drafting off at step 1: target alone 10.0 tok/s > speculative 5.0 tok/s predicted")
+
+
+def test_a_verdict_of_loss_is_corrected_by_measurements() -> None:
+    gate = Gate(verdict=lambda: (5.0, 10.0))                       # predicted a loss; speculating is 2x faster
+    kinds = drive(gate, 3 * gate.recheck, spec=(4, 0.2), plain_s=0.1)
+    assert gate.drafting and kinds[:gate.recheck] == [True] * gate.recheck
+
+
+def test_a_verdict_of_gain_or_none_changes_nothing_and_one_that_comes_late_still_counts() -> None:
+    plain = drive(Gate(), 60, spec=(3, 0.2), plain_s=0.1)
+    assert drive(Gate(verdict=lambda: (15.0, 10.0)), 60, spec=(3, 0.2), plain_s=0.1) == plain
+    assert drive(Gate(verdict=lambda: None), 60, spec=(3, 0.2), plain_s=0.1) == plain
+    answers = iter([None, None, (5.0, 10.0)])                      # the costs are known after two steps
+    gate = Gate(prior=lambda: 0.1, verdict=lambda: next(answers, (5.0, 10.0)))
+    kinds = drive(gate, 3, spec=(1.5, 0.25), plain_s=0.1)
+    assert kinds == [False, False, True] and not gate.drafting
+
+
+def test_the_tuner_predicts_only_from_warm_measured_costs() -> None:
+    from specexec.tuning.budget import BudgetTuner
+
+    tuner = BudgetTuner(max_budget=64)
+    assert tuner.predicted() is None
+    tuner.costs.target.add(1, 0.1)
+    tuner.costs.target.add(17, 0.1)
+    tuner.costs.draft.add(16, 5.0, provisional=True)                # a cold first draft step: not trusted
+    assert tuner.predicted() is None
+    tuner.costs.draft.add(16, 0.4)
+    spec, plain = tuner.predicted()
+    assert plain == pytest.approx(10.0) and 0 < spec < plain        # a draft 4x the target's pass loses
