@@ -217,14 +217,16 @@ class GatedDeltaNet(nn.Module):
 
     def _tree_conv(self, mixed: Tensor, x_c: Tensor, taps: Tensor, window: Tensor) -> Tensor:
         """The convolution of each node over its path: tap m reads the input of the ancestor m positions up
-        (a column its mask row shows) or, above the scratch, the committed window (TreePlan.taps)."""
+        (a column its mask row shows) or, above the scratch, the committed window (TreePlan.taps). The taps are
+        summed in fp32, oldest first, and cast once, as conv1d (the causal pass, prefill) and transformers do: in
+        bf16 a product of two bf16 values is exact in fp32, so the result is conv1d's bit for bit."""
         kernel = self.la.conv_kernel
-        w = self._weight()
+        w = self._weight().float()
         source = torch.cat([window.transpose(0, 1), x_c])                              # [kernel - 1 + K, conv_dim]
-        out = mixed * w[:, kernel - 1]
-        for m in range(1, kernel):
-            out = out + source[taps[m - 1]] * w[:, kernel - 1 - m]
-        return out
+        out = mixed.new_zeros(mixed.shape, dtype=torch.float32)                        # [T, conv_dim]
+        for m in range(kernel - 1, 0, -1):
+            out = out + source[taps[m - 1]].float() * w[:, kernel - 1 - m]
+        return (out + mixed.float() * w[:, kernel - 1]).to(mixed.dtype)
 
 
 def _l2(x: Tensor) -> Tensor:
