@@ -219,7 +219,7 @@ class RecurrentStates:
                       self.G[:, rows].transpose(1, 2), self.x[:, rows].transpose(1, 2))
         self.state, self.window = path.replay(n, self.spec.advance)
         self.last = path                                    # the states before it: not copied, replaced
-        self.G -= self.G[:, rows[-1]].unsqueeze(1).clone()  # live rows after the path: decay from the new base
+        self.G -= self.G[:, rows[-1:]].clone()  # live rows after the path: decay from the new base (no .item())
 
     def truncate(self, length: int, current: int) -> None:
         self.pending = None

@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from specexec.checkpoints.loading import load_model
+from specexec.kv import recurrent
 from specexec.kv.recurrent import MIN_RING, RecurrentSpec, RecurrentStates
 from specexec.network.delta_rule import advance_state
 from specexec.network.model import TreeMask
 from specexec.tree import TokenTree
 from tests.network.model_reference import hf_model
+from tests.sync_count import SyncCounter
 from tests.tiny_models import hybrid_model_2layers
 
 FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
@@ -84,6 +86,19 @@ def test_a_commit_refuses_a_slot_another_slot_overwrote() -> None:
     write_span(store, 5 + MIN_RING, 1, torch.tensor([5 + MIN_RING]))    # the same row modulo the ring
     with pytest.raises(RuntimeError, match="overwritten before its commit"):
         store.keep(torch.tensor([5]), 5)
+
+
+def test_a_commit_makes_no_host_sync_besides_the_cpu_check(monkeypatch) -> None:
+    """Budget: 0 syncs per commit (issue 62, finding 4). The overwrite check is torch._assert_async on a GPU (no
+    sync; the CPU raises a clear RuntimeError instead), so it is swapped for that here; the rest once indexed G
+    with a 0-dim tensor (an .item(), one sync per commit)."""
+    monkeypatch.setattr(recurrent, "_check", lambda ok, why: torch._assert_async(ok.all()))
+    store = RecurrentStates(SPEC, 1, torch.float32, torch.device("cpu"))
+    slots = torch.arange(7, 7 + 10)
+    write_span(store, 7, 10, slots)
+    with SyncCounter() as c:
+        store.keep(slots[:3], 7)
+    assert c.total == 0 and c.uploads == 0, c.ops
 
 
 @pytest.mark.gpu
