@@ -115,10 +115,13 @@ def _results(console: Console, runs: list[tuple[str, dict, list[int], float]]) -
     return all(ids == baseline for _, _, ids, _ in runs)
 
 
-NOTE = ("The weights are random, so the text is meaningless; the numbers show the mechanics. Tokens per target "
-        "pass above 1 means one target pass emitted several tokens. Both models here are tiny, so a target pass "
-        "costs little and tokens/s need not improve; the gain comes when the target is large or offloaded and "
-        "each pass is expensive. On real models: specexec generate --model PATH --draft PATH --prompt TEXT")
+LEAD = ("What this shows: speculative decoding emits exactly the target's own tokens (the last column says so for "
+        "every run), and one target pass can emit several of them (tok/pass above 1). It does not show a speed-up: "
+        "these models are tiny, so a target pass costs almost nothing and drafting only adds work (expect target "
+        "only to be the fastest row). The gain comes when each target pass is expensive: a large model whose "
+        "weights stream from RAM or SSD.")
+NOTE = ("The weights are random, so the text is meaningless; the draft is the target plus 1% noise, which is why it "
+        "agrees often. On real models: specexec generate --model PATH --draft PATH --prompt TEXT")
 NEXT = ("Next, with these checkpoints (`specexec models` lists them as demo and demo-draft): specexec chat --model "
         "demo, or specexec generate --model demo --prompt 'The quick brown fox'")
 
@@ -152,6 +155,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     console.print(f"prompt {PROMPT!r} ({len(prompt_ids)} tokens), greedy, {args.max_new_tokens} new tokens",
                   highlight=False)
     runs = _runs(rt, prompt_ids, args.max_new_tokens)
+    console.print(LEAD, highlight=False, markup=False)
     same = _results(console, runs)
     text = rt.tokenizer.decode(runs[0][2], skip_special_tokens=True)
     console.print(f"continuation (random weights): {text[:80]!r}", highlight=False, markup=False)

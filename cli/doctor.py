@@ -83,10 +83,13 @@ def disk_report(directory: Path, io_mb: int) -> dict:
     """The directory's sequential read GB/s with O_DIRECT (or buffered after dropping the page cache)."""
     from offload.platform.probe import direct_read_gbps
 
+    from specexec.tuning.disk_rate import save_read_gbps
+
     try:
         gbps, direct = direct_read_gbps(directory, io_mb << 20)
     except OSError as e:
         return {"dir": str(directory), "ok": False, "error": f"{e.strerror or e}"}
+    save_read_gbps(directory, gbps)                       # `specexec plan` prices the SSD tier with it
     free = shutil.disk_usage(directory).free
     return {"dir": str(directory), "ok": True, "read_gbps": round(gbps, 2), "o_direct": direct, "free_bytes": free,
             "stand_ins": missing(), "warnings": list(slow_mount_warnings(None, directory))}

@@ -29,7 +29,7 @@ from cli.errors import (INTERRUPT_EXIT, TERMINATED_EXIT, Terminated, UsageError,
 # (or names no command: the top-level --help lists them all), so parsing never imports more than it runs.
 COMMANDS = {"chat": "cli.chat", "generate": "cli.generate", "serve": "cli.serve.command", "launch": "cli.launch",
             "demo": "cli.demo", "convert": "cli.convert", "models": "cli.catalog", "plan": "cli.plan",
-            "doctor": "cli.doctor"}
+            "doctor": "cli.doctor", "cache": "cli.cache"}
 
 
 # `specexec bench <name>`: each module has add_parser(bench_subparsers) and run(args), like COMMANDS.

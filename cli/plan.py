@@ -34,6 +34,7 @@ from specexec.options import (ConfigError, budget_options, check_choice, check_e
                               choices, parse_size)
 from specexec.tuning.plan_pick import AutoStart, auto_start
 
+DEFAULT_GPU_GBPS = 900.0         # GB/s a 24 GB consumer card's memory reads (RTX 3090 936, 4090 1008)
 DEFAULT_LINK_GBPS = 25.0          # pinned host -> GPU over PCIe 4.0 x16, as measured by `specexec doctor`
 
 
@@ -69,8 +70,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--link-gbps", type=float, metavar="GB/S", help=LazyHelp(lambda: f"host -> GPU bandwidth (default "
                    f"{DEFAULT_LINK_GBPS:g} on CUDA; on a CPU the RAM tier's copy rate, default "
                    f"{_assumed()['cpu'].ram / GB:g})"))
-    p.add_argument("--ssd-gbps", type=float, metavar="GB/S", help=LazyHelp(lambda: "SSD read bandwidth (default "
+    p.add_argument("--ssd-gbps", type=float, metavar="GB/S", help=LazyHelp(lambda: "SSD read bandwidth (default: "
+                   "what `specexec doctor` measured on the cache root's disk, else "
                    f"{_assumed()['cuda'].ssd / GB:g} with CUDA, {_assumed()['cpu'].ssd / GB:g} on a CPU)"))
+    p.add_argument("--gpu-gbps", type=float, metavar="GB/S", help=f"the GPU's memory bandwidth, which prices its "
+                   f"compute of a pass (default {DEFAULT_GPU_GBPS:g}, a 24 GB consumer card's)")
     add_flag(p, "--experts", "stream; plan prints what each choice costs")
     p.add_argument("--cpu-gbps", type=float, metavar="GB/S", help="with --experts: bytes per second the CPU's "
                    f"expert GEMV streams (default ${CPU_GBPS_ENV}, else {DEFAULT_CPU_GBPS:g})")
@@ -125,20 +129,35 @@ def _budgets(ns: argparse.Namespace, device: str) -> tuple[int | None, int, str]
     return default_budgets("cuda").gpu, ram, "this machine's GPU (free memory now)"
 
 
+def ssd_rate(ns: argparse.Namespace, device: str) -> tuple[float, str]:
+    """(GB/s, where it came from): --ssd-gbps, else what `specexec doctor` measured on the disk under the cache
+    root (specexec/tuning/disk_rate.py), else the plan's assumption for the device."""
+    from specexec.planning.ledger import ASSUMED
+    from specexec.tuning.disk_rate import measured_read_gbps
+
+    if ns.ssd_gbps is not None:
+        return ns.ssd_gbps, "--ssd-gbps"
+    measured = measured_read_gbps(default_cache_root())
+    if measured is not None:
+        return measured.gbps, measured.said()
+    return ASSUMED[device].ssd / GB, "assumed (`specexec doctor` measures this disk; --ssd-gbps sets it)"
+
+
 def _bandwidths(ns: argparse.Namespace, device: str) -> Bandwidths:
     from specexec.planning.ledger import ASSUMED
 
     base = ASSUMED[device]
     link = ns.link_gbps if ns.link_gbps is not None else (DEFAULT_LINK_GBPS if device == "cuda" else base.ram / GB)
-    ssd = ns.ssd_gbps if ns.ssd_gbps is not None else base.ssd / GB
+    ssd = ssd_rate(ns, device)[0]
     for flag, value in (("--link-gbps", link), ("--ssd-gbps", ssd)):
         check_number(flag, value, low=0.0, high=10_000.0, low_open=True)
     return Bandwidths(ram=link * GB, ssd=ssd * GB)
 
 
 def _local(spec: str, flag: str) -> Path:
-    """The checkpoint `spec` names on this machine (plan downloads nothing). A Hub id or catalogue name that is
-    not here: one line with the commands that fetch the config.json plan needs, and plan it."""
+    """The checkpoint `spec` names on this machine (plan downloads nothing); a catalogue name that is not here:
+    the config.json shipped for it (SHIPPED_CONFIGS). A Hub id or catalogue name with neither: one line with the
+    commands that fetch the config.json plan needs, and plan it."""
     from specexec.checkpoints.loading import resolve_model_path
 
     from specexec.checkpoints.catalog import find
@@ -148,6 +167,9 @@ def _local(spec: str, flag: str) -> Path:
         return resolve_model_path(spec)
     except ConfigError:
         entry = find(spec)
+        shipped = entry.shipped_config() if entry is not None else None
+        if shipped is not None:                   # the catalogue's own copy of its config.json
+            return shipped
         repo = entry.hub if entry is not None else spec if HUB_ID.match(spec) and not Path(spec).exists() else None
         if repo is None:
             raise
@@ -155,6 +177,46 @@ def _local(spec: str, flag: str) -> Path:
     raise ConfigError(f"{flag} {spec}: {repo} is not on this machine and plan downloads nothing; it needs only the "
                       f"config.json: run `hf download {repo} config.json --local-dir {name}` (a gated model needs "
                       f"HF_TOKEN), then `specexec plan {flag} {name}`") from None
+
+
+def _ssd_said(ns: argparse.Namespace, memory: MemoryPlan) -> str:
+    gbps, source = ssd_rate(ns, memory.plan.device)
+    return f"{gbps:.2f} GB/s, {source}"
+
+
+def _quantizable_draft(ns: argparse.Namespace) -> bool:
+    """A draft model of its own (not the target's layers, an MTP layer or an EAGLE head) left unquantized."""
+    return bool(ns.draft) and not str(ns.draft).startswith(("self", "mtp", "eagle3:")) and (
+        ns.draft_quant in (None, "none"))
+
+
+def _draft_quant_hint(ns: argparse.Namespace, memory: MemoryPlan) -> str:
+    """A line when quantizing the draft keeps more target layers resident, with how many ('' otherwise)."""
+    if not _quantizable_draft(ns):
+        return ""
+    fmt = "nf4" if memory.plan.device == "cuda" else "int4"
+    try:
+        other, _ = plan_for(argparse.Namespace(**{**vars(ns), "draft_quant": fmt}))
+    except ConfigError:
+        return ""
+    now, then = len(memory.plan.layers_in("resident")), len(other.plan.layers_in("resident"))
+    if then <= now:
+        return ""
+    return (f"the draft crowds out the target: --draft-quant {fmt} keeps {then} of {len(memory.plan.tiers)} target "
+            f"layers resident instead of {now} ({other.plan.expected_s:.3f} s of streaming per pass instead of "
+            f"{memory.plan.expected_s:.3f} s)")
+
+
+def _shipped_note(ns: argparse.Namespace) -> str:
+    """What the plan read its config.json from when it is the catalogue's shipped copy ('' otherwise)."""
+    from specexec.checkpoints.catalog import find
+
+    def shipped(spec: str | None) -> bool:        # a catalogue name with no checkpoint here: its shipped copy
+        entry = find(spec) if spec else None
+        return entry is not None and entry.local_path() is None and entry.shipped_config() is not None
+
+    said = [f"{flag} {spec}" for flag, spec in (("--model", ns.model), ("--draft", ns.draft)) if shipped(spec)]
+    return f"config.json of {' and '.join(said)}: the copy shipped with specexec (nothing downloaded)" if said else ""
 
 
 def _shape(ns: argparse.Namespace, device: str) -> RunShape:
@@ -269,25 +331,50 @@ def _compute(memory: MemoryPlan) -> CpuCompute | None:
     return cpu_compute(memory, torch.get_num_threads()) if memory.plan.device == "cpu" else None
 
 
-def _predicted_line(memory: MemoryPlan, compute: CpuCompute | None) -> str:
+def gpu_compute_s(memory: MemoryPlan, gbps: float) -> tuple[float, float]:
+    """(seconds, weight bytes) of a pass's compute on the GPU: every weight byte it reads (resident and streamed
+    layers, the head) at the GPU's memory bandwidth; a decode-sized pass is bound by those reads."""
+    from specexec.planning.cpu_compute import HEAD_ITEM, TIERS
+
+    p = memory.plan
+    nbytes = sum(p.pass_bytes(t) for t in TIERS) + memory.ledger().get(HEAD_ITEM, 0)
+    return nbytes / (gbps * GB), nbytes
+
+
+def _predicted_line(memory: MemoryPlan, compute: CpuCompute | None, gpu_gbps: float = DEFAULT_GPU_GBPS,
+                    ssd: str = "") -> str:
     p = memory.plan
     kv = p.companion_bytes(True)
     moved = f"{(p.pass_bytes('ram') + p.pass_bytes('ssd')) / GB:.2f} GB" + (
         f" of weights and {kv / GB:.2f} GB of KV cache ({len(p.companions_streamed)} layers)" if kv else "")
     layers = f"{len(p.layers_in('resident'))} of {len(p.tiers)} layers resident"
+    ssd_said = f"; SSD {ssd}" if ssd and p.pass_bytes("ssd") else ""
     if compute is None:
-        return (f"predicted {p.expected_s:.3f} s per target pass ({layers}; streaming {moved} per pass, compute "
-                "assumed hidden behind the copies)")
+        seconds, nbytes = gpu_compute_s(memory, gpu_gbps)
+        return (f"predicted {max(p.expected_s, seconds):.3f} s per target pass, the longer of streaming and the GPU's "
+                f"compute ({layers}; streaming {moved} per pass: {p.expected_s:.3f} s{ssd_said}; compute "
+                f"{seconds:.3f} s: {nbytes / GB:.2f} GB of weights read at {gpu_gbps:g} GB/s, --gpu-gbps)")
     total = compute.pass_seconds(p.expected_s)
     if total is None:
         return (f"predicted at least {p.expected_s:.3f} s per target pass, the streaming alone ({layers}; streaming "
-                f"{moved} per pass); {compute.describe()}")
+                f"{moved} per pass{ssd_said}); {compute.describe()}")
     return (f"predicted {total:.3f} s per target pass, the longer of streaming and compute ({layers}; streaming "
-            f"{moved} per pass: {p.expected_s:.3f} s; {compute.describe()})")
+            f"{moved} per pass: {p.expected_s:.3f} s{ssd_said}; {compute.describe()})")
 
 
 def run(ns: argparse.Namespace) -> int:
-    memory, source = plan_for(ns)
+    try:
+        memory, source = plan_for(ns)
+    except ConfigError as e:
+        if not _quantizable_draft(ns):
+            raise
+        fmt = "nf4" if _device(ns) == "cuda" else "int4"
+        try:
+            other, _ = plan_for(argparse.Namespace(**{**vars(ns), "draft_quant": fmt}))
+        except ConfigError:
+            raise e from None
+        raise ConfigError(f"{e}; or quantize the draft: --draft-quant {fmt} fits ({len(other.plan.layers_in('resident'))}"
+                          f" of {len(other.plan.tiers)} target layers resident)") from None
     start = _auto_start(ns, memory)
     placement = _placement(ns, memory)
     compute = _compute(memory)
@@ -309,7 +396,15 @@ def run(ns: argparse.Namespace) -> int:
         out.write(line + "\n")
     if source:
         out.write(f"  GPU budget from {source}\n")
-    out.write(_predicted_line(memory, compute) + "\n")
+    shipped = _shipped_note(ns)
+    if shipped:
+        out.write(f"  {shipped}\n")
+    gpu_gbps = ns.gpu_gbps if ns.gpu_gbps is not None else DEFAULT_GPU_GBPS
+    check_number("--gpu-gbps", gpu_gbps, low=0.0, high=100_000.0, low_open=True)
+    out.write(_predicted_line(memory, compute, gpu_gbps, _ssd_said(ns, memory)) + "\n")
+    hint = _draft_quant_hint(ns, memory)
+    if hint:
+        out.write(hint + "\n")
     if start is not None:
         out.write(start.describe() + "\n")
     out.flush()

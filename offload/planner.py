@@ -204,7 +204,8 @@ def _candidate(needs: Needs, sums: _Sums, k: int, gpu: int, ram: int, mode: str,
     what = "" if needs.companions == "device" or k else " stages"
     _check(base - c[k] + on_device, gpu, "--gpu-budget", lambda: _fixed_text(needs, on_device, what)
            + f" and {needs.n_slots} streaming slots ({gb_text(slots)})" + (f" and {k} resident layers" if k else ""),
-           "lower --budget (smaller trees need less activation memory), a shorter --context, or use a smaller draft")
+           "lower --budget (smaller trees need less activation memory), a shorter --context, or use a smaller "
+           "draft or quantize it (--draft-quant)")
     keep = _device_companions(needs, sums, k, gpu - base, stage)
     companions = (False,) * (k + keep) + (True,) * (n - k - keep)
     streamed_c = c[n] - c[k + keep]
@@ -266,7 +267,7 @@ def _assign_cpu(needs: Needs, ram: int, mode: str) -> tuple[tuple[str, ...], tup
         tiers = ("ram",) * n
     else:
         _check(fixed + slots, ram, "--ram-budget", _fixed_text(needs, comp) + f" and {needs.n_slots} streaming slots "
-               f"({gb_text(slots)})", "lower --budget or use a smaller draft")
+               f"({gb_text(slots)})", "lower --budget or use a smaller draft or quantize it (--draft-quant)")
         k = 0 if mode == "ssd" else _fit_prefix(sizes, ram - fixed - slots)
         tiers = ("resident",) * k + ("ssd",) * (n - k)
     return tiers, tuple(stream and t != "resident" for t in tiers)

@@ -23,6 +23,9 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 def test_data_files_are_package_data() -> None:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "models.yaml" in data["specexec.checkpoints"] and (ROOT / "specexec/checkpoints/models.yaml").is_file()
+    configs = list((ROOT / "specexec/checkpoints/configs").glob("*/config.json"))    # plan by catalogue name, offline
+    assert configs and all(any(p.relative_to(ROOT / "specexec/checkpoints").match(glob)
+                               for glob in data["specexec.checkpoints"]) for p in configs)
     shipped = {p.suffix for p in (ROOT / "specexec/prompts").iterdir() if p.suffix != ".py" and p.is_file()}
     assert shipped and {f"*{s}" for s in shipped} <= set(data["specexec.prompts"])
     sources = [p for p in (ROOT / "cpu_kernels/csrc").iterdir() if p.suffix in (".c", ".h")]     # compiled on first use

@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     from cli.bench import llamacpp, plot
     from cli.bench.common import wide
     from cli.bench.hf import run_hf
-    from cli.bench.table import BASELINES
+    from cli.bench.table import BASELINES, cannot_pay
     from cli.bench.table import gate_lines
     from cli.bench.table import make_rows
     from cli.bench.table import make_table
@@ -329,6 +329,8 @@ def run(args: argparse.Namespace) -> int:
              f"{plan.sampling.temperature} · {plan.config.device}")
     out = wide(console if args.json else Console(soft_wrap=True))
     out.print(make_table(rows, title))
+    if (why := cannot_pay(rows)) is not None:
+        out.print(why, highlight=False, markup=False, style="yellow")
     for r in rows:
         if r["budget_trace"]:
             out.print(f"{r['config']}: budget per step {r['budget_trace']}", highlight=False, markup=False)
@@ -375,7 +377,9 @@ def run_drafts(args: argparse.Namespace, plan: Plan, console: Console) -> tuple[
         if draft_path is None and spec is not None and not is_self_draft(spec):
             draft_path = runtime.draft_info.path
         kinds = plan.kinds if k == 0 else tuple(x for x in plan.kinds if x == "specexec")
-        with PromptBars(console) as bars:
+        planned = ((len(plan.budgets) if "specexec" in kinds else 0) + ("no-draft" in kinds)) * plan.repeat * (
+            2 if plan.config.kv_quant == "int8" else 1)         # the configurations run_ours goes through
+        with PromptBars(console, planned) as bars:
             results += run_ours(runtime, replace(plan, kinds=kinds), prompt_ids, args.warmup, bars,
                                 _done_line(console), draft=spec)
         release(runtime)

@@ -102,3 +102,19 @@ def make_table(rows: list[dict], title: str) -> Table:
                   cell(r["ttft_s"], ".3f"), cell(r["peak_ram_gb"], ".2f"), cell(r["peak_vram_gb"], ".2f"), accept or "–", ident,
                   *[cell(r["speedup"].get(b), ".2f") for b in baselines])
     return t
+
+
+def cannot_pay(rows: list[dict]) -> str | None:
+    """One line when no drafted row beat the target alone on this pair (why, from the rows' own costs), else
+    None: a reader of `x no-draft 0.34` learns that the pair, not the method, sets the speed-up."""
+    base = next((r for r in rows if r["config"] == "no-draft" and r["tok_s"]), None)
+    drafted = [r for r in rows if r["budget"] is not None and r["tok_s"] and not r["lossy"]]
+    if base is None or not drafted or any(r["tok_s"] > base["tok_s"] for r in drafted):
+        return None
+    best = max(drafted, key=lambda r: r["tok_s"])
+    target, draft = base["target_ms_per_step"], best["draft_ms_per_step"]
+    cost = (f": a target pass costs {target:.1f} ms and {best['config']}'s draft {draft:.1f} ms a step for "
+            f"{best['tokens_per_pass'] or 0:.2f} tokens per pass" if target is not None and draft is not None else "")
+    return (f"drafting does not pay on this pair: the target alone ({base['tok_s']:.1f} tok/s) beats every drafted row "
+            f"(best {best['tok_s']:.1f}){cost}. Trees pay where a target pass is expensive (a large or offloaded "
+            "target) and the draft agrees with it often")

@@ -10,7 +10,7 @@ One directory per (checkpoint path, format, dtype, double quant, packing, layer 
                  (with its named regions: a sub-region, e.g. one expert, starts 4 KiB-aligned at file offset
                  + region offset and can be read with O_DIRECT alone)
 
-Building (LayerCache.open_or_build): under an exclusive lock on "<dir>.lock" (offload/cache/locking.py: flock or the
+Building (LayerCache.open_or_build): under an exclusive lock on "<root>/.locks/<dir>.lock" (offload/cache/locking.py: flock or the
 platform's stand-in; a lock left by a dead process never blocks), quantize layer by layer from the checkpoint
 (peak RAM about one layer), write into a temporary directory next to the final one, fsync, rename. Free space
 is checked first. A second process waits for the lock, then reuses what the first built. The next layer is read
@@ -101,6 +101,17 @@ def exclusive_lock(lock_path: Path, timeout: float | None = None, log: Callable[
     return _exclusive_lock(lock_path, timeout, log, CacheError)
 
 
+LOCKS = ".locks"              # the build locks' folder under the cache root (none beside the caches themselves)
+
+
+def lock_path(final: Path) -> Path:
+    """The build lock of the cache directory `final`: <root>/.locks/<name>.lock (its folder made here). A lock
+    file is never removed (a waiter may hold it open), so they live apart from the caches a user lists."""
+    folder = final.parent / LOCKS
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / (final.name + ".lock")
+
+
 class LayerCache:
     """An opened, validated cache: layout(i), nbytes(i), offset(i), read_layer(i, out), verify(i).
 
@@ -172,7 +183,7 @@ class LayerCache:
             return cache
         if problem:
             log(f"{problem}; rebuilding it")
-        with exclusive_lock(final.with_name(final.name + ".lock"), lock_timeout, log):
+        with exclusive_lock(lock_path(final), lock_timeout, log):
             cache, again = _try_open(final, verify, expect, search)  # built by another process while we waited?
             if cache is not None:
                 return cache

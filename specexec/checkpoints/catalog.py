@@ -9,7 +9,8 @@ points at another file). Each entry becomes a frozen `ModelEntry`; unknown keys,
 wrong types, unknown families or quantizations and drafts that name no entry raise ConfigError naming the file,
 the entry and the value. A name is present locally when its checkpoint is in huggingface_hub's local cache
 or in a directory named like the entry (or like the last part of its Hub id) under one of the directories in
-$SPECEXEC_MODEL_DIRS (separated like PATH).
+$SPECEXEC_MODEL_DIRS (separated like PATH). The config.json of most entries ships beside this file
+(configs/<name>/, SHIPPED_CONFIGS), so `specexec plan --model NAME` plans offline before anything is downloaded.
 
 Does not know: how a checkpoint loads (loading.py), the network (nothing is downloaded or queried online),
 terminal output.
@@ -28,6 +29,7 @@ from specexec.families import family_names
 from specexec.options import MAX_BUDGET, ConfigError, check_number, choices, is_self_draft
 
 CATALOG_ENV = "SPECEXEC_MODELS_YAML"
+SHIPPED_CONFIGS = Path(__file__).with_name("configs")   # <entry name>/config.json, shipped: plan by name, offline
 DIRS_ENV = "SPECEXEC_MODEL_DIRS"
 FAMILIES = family_names()
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -90,6 +92,11 @@ class ModelEntry:
     @property
     def hub_name(self) -> str:
         return self.hub.rsplit("/", 1)[-1]
+
+    def shipped_config(self) -> Path | None:
+        """The directory holding this entry's config.json as shipped with specexec (what `plan` needs), or None."""
+        found = SHIPPED_CONFIGS / self.name
+        return found if (found / "config.json").is_file() else None
 
     def local_path(self) -> Path | None:
         """The checkpoint directory on this machine, or None (searched offline only)."""

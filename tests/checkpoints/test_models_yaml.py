@@ -43,8 +43,10 @@ def test_shipped_catalogue_has_the_recommended_pairs() -> None:
     assert cat.get("Qwen/Qwen2.5-72B-Instruct").name == "qwen2.5-72b-instruct"     # a Hub id finds it too
     assert cat.get("LLAMA-3.1-70B-INSTRUCT") is not None                          # names are case-blind
     assert {e.family for e in cat} == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss",
-                                       "gemma2", "gemma3", "phi3", "glm4_moe", "minimax_m2", "deepseek_v3", "gemma4"}
-    for name in ("glm-4.5-air", "glm-4.6", "minimax-m2", "deepseek-v3", "kimi-k2-instruct", "gemma-4-31b-it"):
+                                       "gemma2", "gemma3", "phi3", "glm4_moe", "minimax_m2", "deepseek_v3", "gemma4",
+                                       "qwen3_next", "qwen3_5_moe"}                  # the 2026 hybrids too
+    for name in ("glm-4.5-air", "glm-4.6", "minimax-m2", "deepseek-v3", "kimi-k2-instruct", "gemma-4-31b-it",
+                 "qwen3-next-80b-a3b", "qwen3.5-35b-a3b"):
         assert pairs[name] == ("self",), name                         # no small model of their tokenizer
     assert pairs["qwen3-30b-a3b"] == ("qwen3-0.6b",)                             # a dense draft for an MoE target
     assert pairs["gpt-oss-120b"] == ("gpt-oss-20b",)
@@ -146,3 +148,24 @@ def test_models_command_on_the_shipped_catalogue(monkeypatch, capsys) -> None:
     assert len(obj["models"]) >= 20
     assert main(["models", "--catalog", str(ROOT / "nope.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_every_shipped_config_is_a_catalogue_entry_and_plan_reads_it_offline(monkeypatch, tmp_path, capsys) -> None:
+    """specexec/checkpoints/configs/<name>/config.json ships with the package: `plan --model NAME` plans before
+    anything is downloaded (an empty Hugging Face cache, offline), and says where its config.json came from."""
+    from specexec.checkpoints.catalog import SHIPPED_CONFIGS
+
+    entries = {e.name: e for e in load_catalog()}
+    shipped = sorted(p.parent.name for p in SHIPPED_CONFIGS.glob("*/config.json"))
+    assert len(shipped) >= 20 and set(shipped) <= set(entries)
+    for name in ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b"):                 # the 2026 hybrids, by name
+        assert entries[name].shipped_config() == SHIPPED_CONFIGS / name
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--model", "llama-3.1-70b-instruct", "--ram-budget", "64GB"]) == 0
+    out = capsys.readouterr().out
+    assert ("config.json of --model llama-3.1-70b-instruct: the copy shipped with specexec (nothing downloaded)"
+            in out), out
+    assert main(["plan", "--model", "qwen3.5-35b-a3b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recurrent_state_bytes"] > 0

@@ -261,6 +261,7 @@ def test_demo_runs_and_caches(capsys, tmp_path, monkeypatch) -> None:
                    "specexec generate --model PATH --draft PATH"):
         assert needle in err, needle
     assert "NO" not in err.split("greedy decoding")[1]
+    assert err.index("What this shows: speculative decoding emits exactly") < err.index("greedy decoding")  # first
     assert err.strip().splitlines()[-1].startswith("Next, with these checkpoints")
     assert "specexec chat --model demo" in err.strip().splitlines()[-1]
     assert cache_dir() == tmp_path / "specexec" / "demo" / cache_dir().name

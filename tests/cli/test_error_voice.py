@@ -12,7 +12,7 @@ from cli.main import main
 from specexec.options import ConfigError, choices, parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = str(ROOT / "tests/configs/llama-3.1-8b-instruct")
+CONFIG = str(ROOT / "specexec/checkpoints/configs/llama-3.1-8b-instruct")
 
 
 def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:

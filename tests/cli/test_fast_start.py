@@ -21,6 +21,7 @@ PROBE = ("import sys; from cli.main import main; code = main(sys.argv[1:]); "
                                   ["serve", "--help"], ["bench", "--help"], ["plan", "--help"],
                                   ["generate", "--modle", "demo", "--prompt", "x"], ["chta"],
                                   ["demo", "--help"], ["doctor", "--help"], ["convert", "--help"], ["models", "--help"],
+                                  ["cache", "ls", "--json"],
                                   ["generate", "--model", "m", "--prompt", "x", "--threads", "zero"]])
 def test_version_help_and_argument_errors_import_no_torch(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True,

@@ -16,7 +16,7 @@ import torch
 from cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = str(ROOT / "tests/configs/llama-3.1-8b-instruct")
+CONFIG = str(ROOT / "specexec/checkpoints/configs/llama-3.1-8b-instruct")
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from cli.main import main
 from specexec.builders.registry import make_builder
 from specexec.checkpoints.loading import read_args
@@ -24,7 +25,7 @@ from specexec.checkpoints.naming import block_specs
 from specexec.planning.sizes import kv_bytes
 from tests.drafters.drafter_writer import write_eagle3
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 AIR, L8 = CONFIGS / "glm-4.5-air", CONFIGS / "llama-3.1-8b-instruct"
 GB = 10**9
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from cli.main import main
 from offload.streaming.storage import unpack_region
 from specexec.checkpoints.naming import EXPERT_PREFIX
@@ -33,7 +34,7 @@ from specexec.runtime.assembly import Runtime
 from specexec.runtime.hot_experts import RERANK_PASSES, reranks_after
 from tests.tiny_models import prompt, write_tiny_model
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 GB = 10**9
 F32 = EngineConfig(budget=8, dtype="float32")
 HOT_CASES = 60

@@ -149,9 +149,10 @@ def cache_dir(model: Path, root: Path, fmt: str = "none", dtype: torch.dtype = t
 def entries(root: Path) -> dict[str, list[str]]:
     """Names under a cache root: finished caches, temporary dirs of builders, lock files."""
     names = sorted(p.name for p in root.iterdir()) if root.exists() else []
-    return {"final": [n for n in names if not n.startswith(".") and not n.endswith(".lock")],
-            "temp": [n for n in names if n.startswith(".")],
-            "lock": [n for n in names if n.endswith(".lock")]}
+    locks = sorted(p.name for p in (root / ".locks").iterdir()) if (root / ".locks").is_dir() else []
+    return {"final": [n for n in names if not n.startswith(".")],
+            "temp": [n for n in names if n.startswith(".") and n != ".locks"],
+            "lock": locks}                          # the build locks live under <root>/.locks, none beside a cache
 
 
 def lock_is_free(lock: Path) -> bool:

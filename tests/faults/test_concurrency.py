@@ -83,7 +83,7 @@ def test_builder_killed_mid_build_is_recovered_by_the_next_run(tiny_pair, killed
     final = cache_dir(tiny_pair[0], root)
     leftover = f".{final.name}.tmp-{proc.pid}"
     assert entries(root) == {"final": [], "temp": [leftover], "lock": [f"{final.name}.lock"]}
-    assert (root / f"{final.name}.lock").read_text().strip() == str(proc.pid)       # names the dead holder
+    assert (root / ".locks" / f"{final.name}.lock").read_text().strip() == str(proc.pid)  # names the dead holder
     assert (root / leftover / "layers.bin").stat().st_size == reference[1]           # one layer written, no more
 
     assert main(convert(tiny_pair[0], root)) == 0

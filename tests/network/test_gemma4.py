@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from specexec.checkpoints.loading import load_model
 from specexec.config import EngineConfig, OffloadConfig
 from specexec.families import model_args
@@ -25,7 +26,7 @@ from specexec.runtime.assembly import Runtime
 from tests.network.model_reference import hf_model
 from tests.tiny_models import DRAFT_PERTURB, family_model, write_tiny_model
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 
 
 @pytest.fixture(scope="module")

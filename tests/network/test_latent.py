@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from offload.formats.checkpoint import CheckpointError
 from specexec.checkpoints.loading import load_model
 from specexec.families import model_args
@@ -27,7 +28,7 @@ from specexec.planning.sizes import kv_bytes
 from tests.network.model_reference import hf_model
 from tests.tiny_models import write_tiny_model
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 
 
 def test_the_cache_holds_one_latent_row_per_token_and_layer(tiny_deepseek_v3: Path) -> None:

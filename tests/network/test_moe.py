@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from specexec.config import EngineConfig, ModelArgs, MoEArgs, OffloadConfig
 from specexec.network.model import Block, Execution, Transformer, TreeMask
 from specexec.network.moe import GatedMLP, Routing, RoutingLog, SparseMLP
@@ -265,7 +266,7 @@ def test_mxfp4_gpt_oss_equals_transformers(tiny_gpt_oss_mxfp4: Path, cache_root:
     assert runtime_ids(tiny_gpt_oss_mxfp4, None, "ssd", cache_root)[1] == want
 
 
-# Published config.json files (tests/configs, as the Hub serves them) and their parameter counts as published.
+# Published config.json files (specexec/checkpoints/configs, as the Hub serves them) and their parameter counts as published.
 REAL_MOE = {"mixtral-8x7b-instruct-v0.1": ("mixtral", 8, 2, 46.7e9), "gpt-oss-120b": ("gpt_oss", 128, 4, 116.8e9),
             "qwen3-235b-a22b": ("qwen3_moe", 128, 8, 235e9), "qwen3-30b-a3b": ("qwen3_moe", 128, 8, 30.5e9),
             "glm-4.5-air": ("glm4_moe", 128, 8, 106e9), "glm-4.6": ("glm4_moe", 160, 8, 355e9),
@@ -281,7 +282,7 @@ def test_published_moe_configs_read_as_their_family(name: str) -> None:
     from specexec.planning.sizes import weight_bytes
 
     family, experts, top_k, params = REAL_MOE[name]
-    cfg = json.loads((Path(__file__).resolve().parents[1] / "configs" / name / "config.json").read_text())
+    cfg = json.loads((SHIPPED_CONFIGS / name / "config.json").read_text())
     args = model_args(cfg)
     assert (args.family, args.moe.n_experts, args.moe.top_k) == (family, experts, top_k)
     total = sum(weight_bytes(args, "none", torch.bfloat16).values()) / 2

@@ -72,7 +72,7 @@ def test_build_then_reuse(model: Path, tmp_path: Path) -> None:
     fresh_process()
     second = build(model, tmp_path / "c")
     assert not second.built and second.path == first.path
-    assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []   # no temp dirs
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == [".locks"]   # no temp dirs
 
 
 @pytest.mark.parametrize("fmt,double_quant", [("nf4", False), ("nf4", True), ("fp4", False), ("int8", False),
@@ -196,7 +196,7 @@ def test_a_corrupt_streamed_layer_ends_a_run_with_one_line_and_the_next_run_rebu
             "--offload", "ssd", "--quant", "none", "--cache-dir", str(root), "--json"]
     assert main(argv) == 0
     clean = json.loads(capsys.readouterr().out)["token_ids"]
-    cache = next(p for p in root.iterdir() if p.is_dir())
+    cache = next(p for p in root.iterdir() if p.is_dir() and p.name != ".locks")
     with LayerCache.open(cache) as c:
         flip_byte(c.file, c.offset(1) + 64)
     fresh_process()
@@ -294,7 +294,7 @@ def test_crash_mid_write_leaves_no_cache(model: Path, tmp_path: Path, monkeypatc
     monkeypatch.setattr(C, "_write_layer", crash_after_first)
     with pytest.raises(RuntimeError, match="simulated crash"):
         build(model, tmp_path / "c")
-    assert [p.suffix for p in (tmp_path / "c").iterdir()] == [".lock"]            # no final dir, temp dir removed
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [".locks"]             # no final dir, temp dir removed
     monkeypatch.setattr(C, "_write_layer", real)
     assert build(model, tmp_path / "c").built
 
@@ -313,7 +313,7 @@ def test_leftovers_of_a_killed_builder_are_ignored_and_removed(model: Path, tmp_
 def lock_path(model: Path, root: Path, fmt: str = "nf4") -> Path:
     options = options_of(model.resolve(), layer_names(model, read_args(model)), fmt, torch.float32, False)
     final = cache_dir_for(model.resolve(), options, root)
-    return final.with_name(final.name + ".lock")
+    return final.parent / ".locks" / (final.name + ".lock")
 
 
 # Takes the cache's lock as this test's mode does (native; or with fcntl unimportable: a lock directory), says
@@ -341,7 +341,8 @@ def test_lock_left_by_a_dead_process_is_recovered(model: Path, tmp_path: Path, p
     log: list[str] = []
     assert build(model, tmp_path, log=log, lock_timeout=10).built          # raises if it waited 10 s
     assert not any("waiting" in m for m in log)                               # it never waited at all
-    assert sorted(p.name for p in tmp_path.iterdir() if "lock" in p.name) == [lock.name]    # dir and breaker gone
+    assert sorted(p.name for p in lock.parent.iterdir()) == [lock.name]          # dir and breaker gone
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".lock")]  # none beside the caches
 
 
 def test_a_holder_killed_while_another_waits_frees_the_lock(model: Path, tmp_path: Path, posix_facilities: str
@@ -399,7 +400,7 @@ def test_not_enough_disk_space(model: Path, tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(C.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 5000, 5000))
     with pytest.raises(CacheError, match=r"not enough disk space .*: needs [\d.]+ GB, 0\.0000050 GB free"):
         build(model, tmp_path / "c")
-    assert [p.suffix for p in (tmp_path / "c").iterdir()] == [".lock"]
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [".locks"]
     monkeypatch.undo()
     assert build(model, tmp_path / "c").built
 
@@ -411,7 +412,7 @@ def test_disk_full_while_writing(model: Path, tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(C, "_write_layer", full)
     with pytest.raises(CacheError, match="disk full while writing the layer cache"):
         build(model, tmp_path / "c")
-    assert [p.suffix for p in (tmp_path / "c").iterdir()] == [".lock"]
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [".locks"]
     monkeypatch.undo()
     assert build(model, tmp_path / "c").built
 
@@ -447,7 +448,7 @@ def test_convert_verify_checks_every_layer(model: Path, tmp_path: Path, capsys: 
     out, err = capsys.readouterr()
     assert "(built)" in out and "verified: 2 layers" in out and "every sha256 matches" in out
     assert "verifying" in err                                              # the progress bar
-    cache = next(p for p in root.iterdir() if p.is_dir())
+    cache = next(p for p in root.iterdir() if p.is_dir() and p.name != ".locks")
     flip_byte(cache / "layers.bin", 5000)
     reads = ReadCounter(monkeypatch)
     assert main(argv + ["--no-progress"]) == 2                             # the full check finds it

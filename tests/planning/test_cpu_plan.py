@@ -15,7 +15,7 @@ from cli.main import main
 from specexec.tuning.cpu_rates import load_rates, rate_at, rate_fingerprint, save_rates
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_70B = str(ROOT / "tests/configs/llama-3.1-70b-instruct")
+LLAMA_70B = str(ROOT / "specexec/checkpoints/configs/llama-3.1-70b-instruct")
 
 
 @pytest.fixture(autouse=True)
@@ -84,8 +84,9 @@ def test_bench_kernels_keeps_the_runtimes_kernels_rates() -> None:
 
 
 def test_plan_by_a_name_not_here_says_what_to_run(capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A catalogue name (or Hub id) that is not on this machine: the line gives the commands that fetch the one
-    file plan needs and plan it; run as given, they work."""
+    """A catalogue name (or Hub id) that is not on this machine and whose config.json does not ship with
+    specexec: the line gives the commands that fetch the one file plan needs and plan it; run as given, they work.
+    (llama-3.1-70b-instruct's ships: plan reads it, tests/checkpoints/test_models_yaml.py.)"""
     import re
     import shlex
     import shutil
@@ -93,10 +94,10 @@ def test_plan_by_a_name_not_here_says_what_to_run(capsys, tmp_path: Path, monkey
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("SPECEXEC_MODEL_DIRS", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", "--model", "llama-3.1-70b-instruct"]) == 2
+    assert main(["plan", "--model", "llama-3.3-70b-instruct"]) == 2
     err = capsys.readouterr().err.strip()
     fetch, again = re.findall(r"`([^`]+)`", err)
-    assert fetch.startswith("hf download meta-llama/Llama-3.1-70B-Instruct config.json --local-dir ")
+    assert fetch.startswith("hf download meta-llama/Llama-3.3-70B-Instruct config.json --local-dir ")
     local = Path(shlex.split(fetch)[-1])
     local.mkdir()                                       # what `hf download ... --local-dir` leaves
     shutil.copy(Path(LLAMA_70B) / "config.json", local / "config.json")

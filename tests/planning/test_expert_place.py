@@ -10,7 +10,7 @@ from cli.main import main
 from specexec.config import OffloadConfig
 from specexec.options import ConfigError
 
-GPT_OSS = "tests/configs/gpt-oss-120b"
+GPT_OSS = "specexec/checkpoints/configs/gpt-oss-120b"
 
 
 def plan_json(capsys, *argv: str) -> dict:

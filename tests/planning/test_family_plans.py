@@ -1,4 +1,4 @@
-"""The Hub's own config.json of Gemma 2 27B / 2B, Gemma 3 27B (multimodal) / 1B and Phi-4 (tests/configs/, copied
+"""The Hub's own config.json of Gemma 2 27B / 2B, Gemma 3 27B (multimodal) / 1B and Phi-4 (specexec/checkpoints/configs/, copied
 from the Hub; nothing is downloaded) read into the options transformers would use, and `specexec plan` of the
 two Gemma pairs in NF4 on a 12 GB and a 16 GB card: both fit, the larger card keeps more layers resident, and
 Gemma 2's soft-capped attention (plain maths over every key) plans far shorter prefill passes than Gemma 3's."""
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from cli.main import main
 from specexec.checkpoints.loading import read_args
 from specexec.config import LayerKind
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 
 
 def test_gemma_and_phi_configs_read_as_transformers_would() -> None:

@@ -3,7 +3,7 @@ linear-attention layers' recurrent state (per sequence, per tree node at the bud
 K/V rows for the attention layers only; `plan --json` reports recurrent_state_bytes_per_node and
 recurrent_state_bytes; and a real cache never holds more than the plan says.
 
-Configs: tests/configs/qwen3.5-35b-a3b (the published shapes of Qwen3.5-35B-A3B's text decoder),
+Configs: specexec/checkpoints/configs/qwen3.5-35b-a3b (the published shapes of Qwen3.5-35B-A3B's text decoder),
 qwen3-next-80b-a3b (Qwen3-Next-80B-A3B's), qwen3.5-122b-a10b-sized (a config of 122B-A10B's size: 48 layers of
 3072, 256 experts of 1024 top-8, 64 value heads)."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from cli.main import main
 from specexec.checkpoints.loading import load_model
 from specexec.network.model import TreeMask
@@ -20,7 +21,7 @@ from specexec.planning.ledger import plan_memory
 from specexec.planning.run_shape import RunShape
 from specexec.tree import TokenTree
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 Q35 = CONFIGS / "qwen3.5-35b-a3b"
 
 

@@ -1,6 +1,6 @@
 """The memory ledger on cards we do not have, through `specexec plan` (the planner's harness): Llama-3.1-70B
 NF4 with a Llama-3.1-8B draft on simulated 24 / 16 / 12 GB cards, from the real config.json files alone
-(tests/configs; no weight exists anywhere). Every byte is accounted: each ledger line is recomputed here by
+(specexec/checkpoints/configs; no weight exists anywhere). Every byte is accounted: each ledger line is recomputed here by
 hand from the config, the lines sum to what each budget holds, and the layers of the three tiers sum to the
 model. The ledgers are printed into the test output. Also: a bf16 8B draft and a 12 GB card get one line that
 says what would fit; the GPU budget of "this machine" comes from mem_get_info after empty_cache; read-ahead
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from cli.main import main
 from offload.cache.store import plan as cache_plan
 from offload.memory_plan import GB
@@ -28,7 +29,7 @@ from specexec.planning.sizes import module_bytes
 from specexec.runtime.offloaded import quantize_head, quantize_layers
 from specexec.runtime.assembly import Runtime
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 T70, D8, Q32 = (CONFIGS / n for n in ("llama-3.1-70b-instruct", "llama-3.1-8b-instruct", "qwen2.5-32b-instruct"))
 HEADLINE = ["--model", str(T70), "--draft", str(D8), "--quant", "nf4", "--draft-quant", "nf4", "--ram-budget", "64GB"]
 V, D, L, I = 128256, 8192, 80, 28672          # Llama-3.1-70B

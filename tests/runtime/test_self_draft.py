@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from cli.main import main
 from offload.memory_plan import PlanError
 from specexec.builders.specexec import SpecExecBuilder
@@ -39,7 +40,7 @@ from tests.sampling.sampling_pairs import exact_pairs, sample_pairs
 from tests.runtime.self_draft_cli import self_draft_json
 from tests.tiny_models import prompt
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 T70, Q32, L8 = (CONFIGS / n for n in ("llama-3.1-70b-instruct", "qwen2.5-32b-instruct", "llama-3.1-8b-instruct"))
 GB = 10**9
 F32 = EngineConfig(budget=8, dtype="float32")

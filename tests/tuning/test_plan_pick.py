@@ -6,11 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specexec.checkpoints.catalog import SHIPPED_CONFIGS
 from cli.main import main
 from specexec.tuning.budget import BudgetTuner
 from specexec.tuning.plan_pick import auto_start, budget_grid
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = SHIPPED_CONFIGS
 HEADLINE = ["plan", "--model", str(CONFIGS / "llama-3.1-70b-instruct"), "--draft",
             str(CONFIGS / "llama-3.1-8b-instruct"), "--quant", "nf4", "--draft-quant", "nf4", "--ram-budget", "64GB",
             "--gpu-memory", "24GB", "--budget", "auto"]
