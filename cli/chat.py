@@ -45,7 +45,6 @@ from cli.prefill_bar import PrefillBar
 from cli.terminal_input import input_held, read_message
 from offload.formats.json_files import read_json
 from specexec.config import SamplingParams, with_field
-from specexec.drafters.registry import kind_named
 from specexec.options import ConfigError, budget_options, check_prompt_text
 
 if TYPE_CHECKING:                                  # annotations only: the command line parses without torch
@@ -419,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
     offload = common.offload_config(args)
     common.prompt_cache_size(args)
     if common.check_draft(args, config, default_self=True) and interactive:
+        from specexec.drafters.registry import kind_named     # imports torch: only once the chat runs
+
         kind = kind_named(args.draft)
         how = f"{kind.said} (--draft {kind.name}" if kind is not None else "the target itself (--draft self"
         console.print(f"no draft named or recommended: drafting with {how}; --no-draft decodes with the target "
