@@ -60,8 +60,8 @@ def _terminal_modes(stream: TextIO) -> list | None:
 @contextlib.contextmanager
 def input_held(stream: TextIO | None = None) -> Iterator[None]:
     """While inside (an answer streaming): the terminal does not echo what the user types, so it never lands in
-    the answer; it stays in the terminal's input queue (TCSANOW discards nothing) and the next prompt reads and
-    shows it. No change where `stream` (default stdin) is not a terminal or the platform has no termios."""
+    the answer; it stays in the terminal's input queue (TCSANOW discards nothing, and NOFLSH keeps the Ctrl-C
+    that stops an answer from flushing it) and the next prompt reads and shows it. No change where `stream` (default stdin) is not a terminal or the platform has no termios."""
     before = _terminal_modes(stream or sys.stdin)
     if before is None:
         yield
@@ -71,6 +71,7 @@ def input_held(stream: TextIO | None = None) -> Iterator[None]:
     fd = (stream or sys.stdin).fileno()
     quiet = list(before)
     quiet[3] &= ~termios.ECHO
+    quiet[3] |= termios.NOFLSH        # Ctrl-C stopping the answer must not flush what was typed meanwhile
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
     try:
         yield

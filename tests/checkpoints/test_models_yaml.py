@@ -169,3 +169,22 @@ def test_every_shipped_config_is_a_catalogue_entry_and_plan_reads_it_offline(mon
             in out), out
     assert main(["plan", "--model", "qwen3.5-35b-a3b", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["recurrent_state_bytes"] > 0
+
+
+def test_the_models_table_fits_a_terminal_and_cuts_no_name() -> None:
+    import io
+
+    from rich.console import Console
+
+    from cli.catalog import rows, table
+
+    found = rows(load_catalog())
+    for width in (100, 160):
+        console = Console(width=width, record=True, file=io.StringIO())
+        console.print(table(found, "shipped", width))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width, width
+        assert all(r["name"] in text for r in found), width
+    wide = Console(width=240, record=True, file=io.StringIO())
+    wide.print(table(found, "shipped", 240))
+    assert "meta-llama/Llama-3.1-70B-Instruct" in wide.export_text()          # a log or a pipe: everything

@@ -365,3 +365,24 @@ def test_nothing_typed_or_loaded_ends_a_session(runtime, tmp_path) -> None:
     for (_, needle), line in zip(cases, errors):
         assert needle in line, (needle, line)
     assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["Hello"]
+
+
+def test_text_typed_during_an_answer_survives_the_ctrl_c_that_stops_it() -> None:
+    """input_held sets NOFLSH (a terminal flushes its input queue on the interrupt character otherwise) and
+    clears ECHO while inside, and gives the terminal its modes back after."""
+    pty = pytest.importorskip("pty")
+    termios = pytest.importorskip("termios")
+    from cli.terminal_input import input_held
+
+    main_fd, child_fd = pty.openpty()
+    try:
+        with open(child_fd, "r", closefd=False) as stream:
+            before = termios.tcgetattr(child_fd)
+            with input_held(stream):
+                held = termios.tcgetattr(child_fd)
+                assert held[3] & termios.NOFLSH and not held[3] & termios.ECHO
+            assert termios.tcgetattr(child_fd) == before
+    finally:
+        import os
+        os.close(main_fd)
+        os.close(child_fd)
