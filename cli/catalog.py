@@ -44,14 +44,26 @@ def rows(catalog: Catalog, local_only: bool = False) -> list[dict]:
     return out
 
 
-def table(found: list[dict], source: str) -> Table:
+WIDE = 200                         # columns from which a table shows local paths and Hub ids
+
+
+def table(found: list[dict], source: str, width: int = WIDE) -> Table:
+    """The catalogue as a table `width` columns wide: from WIDE on with each local path and Hub id; narrower
+    (a terminal) local as yes/no and the Hub id only when it fits (`--json` has everything)."""
+    wide = width >= WIDE
     t = Table(title=f"models ({source})", title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("name", "params", "family", "drafts (best first)", "budget", "quant", "local", "hub id"):
-        t.add_column(col, justify="right" if col in ("params", "budget") else "left")
+    cols = ["name", "params", "family", "drafts (best first)", "budget", "quant", "local"]
+    hub = wide or width >= 150
+    longest = max((len(r["name"]) for r in found), default=4)
+    for col in cols + (["hub id"] if hub else []):
+        t.add_column(col, justify="right" if col in ("params", "budget") else "left",
+                     overflow="fold" if col == "drafts (best first)" else "ellipsis",
+                     min_width=longest if col == "name" else None, no_wrap=col == "name")
     for r in found:
-        local = f"[green]yes[/] {r['local_path']}" if r["local_path"] else "[dim]no[/]"
-        t.add_row(r["name"], r["params"], r["family"], ", ".join(r["drafts"]) or "[dim]-[/]", str(r["budget"]),
-                  r["quant"], local, r["hub"] or "[dim]local only[/]")
+        local = ("[green]yes[/]" + (f" {r['local_path']}" if wide else "")) if r["local_path"] else "[dim]no[/]"
+        row = [r["name"], r["params"], r["family"], ", ".join(r["drafts"]) or "[dim]-[/]", str(r["budget"]),
+               r["quant"], local]
+        t.add_row(*row, *([r["hub"] or "[dim]local only[/]"] if hub else []))
     return t
 
 
@@ -84,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     out = Console(soft_wrap=True)
     if not out.is_terminal:                    # a file or a pipe: wide enough that no cell is cut
         out.width = max(out.width, 200)
-    out.print(table(found, catalog.source))
+    out.print(table(found, catalog.source, out.width))
     out.print("supported families (config.json architectures): " + "; ".join(
         f"{f['family']} ({', '.join(f['architectures'])})" for f in families), highlight=False)
     present = sum(r["local_path"] is not None for r in found)
