@@ -194,56 +194,58 @@ class Relaxation:
             return torch.zeros_like(self.nb, dtype=torch.bool)
         key = self.parent[:, None] * self.vocab + self.nb                       # (node, token) pairs
         sibling = torch.isin(key, self.parent * self.vocab + self.tok)
-        col = self.rank[:, None] * self.k + torch.arange(self.k, device=key.device)
-        uniq, inv = torch.unique(key.reshape(-1), return_inverse=True)
-        first = torch.full((uniq.numel(),), key.numel() * 2, dtype=torch.long, device=key.device)
-        first = first.scatter_reduce(0, inv, col.reshape(-1), "amin")
-        return ~sibling & (first[inv].view_as(col) == col)
+        col = (self.rank[:, None] * self.k + torch.arange(self.k, device=key.device)).reshape(-1)
+        order = torch.argsort(key.reshape(-1) * (col.numel() + 1) + col)   # by pair, then walk order
+        pair = key.reshape(-1)[order]
+        lead = torch.ones_like(pair, dtype=torch.bool)
+        lead[1:] = pair[1:] != pair[:-1]                                    # the pair's first listing
+        first = torch.empty_like(lead).scatter_(0, order, lead)            # (sorted, not unique(): no host sync)
+        return ~sibling & first.view_as(key)
 
-    def _claims(self, p: Tensor, start: int) -> tuple[slice, Tensor, Tensor]:
-        """p [R, V] at nodes start..start+R-1 -> (the children of those nodes as a slice of the groups, the mass
-        each moves onto itself fp64 [m], which neighbours it claimed bool [m, k])."""
-        lo, hi = torch.searchsorted(self.parent, torch.tensor([start, start + p.shape[0]],
-                                                              device=self.parent.device)).tolist()
-        s = slice(lo, hi)
-        rows, nb = self.parent[s] - start, self.nb[s]
-        mass = p[rows[:, None], nb].double()
-        mass = torch.where(self.ok[s] & (mass > 0), mass, 0.0)
-        cols = self.rank[s, None] * self.k + torch.arange(self.k, device=p.device)
-        walk = torch.zeros(p.shape[0], max(self.width, 1) * self.k, dtype=torch.float64, device=p.device)
-        walk[rows[:, None], cols] = mass
+    def _claims(self, p: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        """p [R, V] at nodes start..start+R-1 -> (the node row of every child [c], clamped into the chunk, the
+        mass each moves onto itself fp64 [c], which neighbours it claimed bool [c, k]); a child whose parent is
+        outside the chunk moves and claims nothing. No host sync: every child is kept, masked, not sliced."""
+        R = p.shape[0]
+        inside = (self.parent >= start) & (self.parent < start + R)
+        rows = torch.where(inside, self.parent - start, R)                # outside: a spare walk row R
+        mass = p[rows.clamp(max=R - 1)[:, None], self.nb].double()
+        mass = torch.where(self.ok & inside[:, None] & (mass > 0), mass, 0.0)
+        cols = self.rank[:, None] * self.k + torch.arange(self.k, device=p.device)
+        walk = torch.zeros(R + 1, max(self.width, 1) * self.k, dtype=torch.float64, device=p.device)
+        walk[rows[:, None], cols] = mass                                  # (row R: zeros only)
         running = walk.cumsum(1)[rows[:, None], cols]                     # claimed so far at the node, in walk order
         took = (mass > 0) & (running <= self.delta)
-        return s, (mass * took).sum(1), took
+        return rows.clamp(max=R - 1), (mass * took).sum(1), took
 
     def choose(self, start: int, logp: Tensor, exact: Tensor) -> Tensor:
         """The relaxed choice at nodes start.. [R] from their processed log-probabilities [R, V] and the exact
         choice there (the argmax at T = 0, one target sample per node at T > 0); the exact choice is kept."""
         self.exact.append(exact)
         p = logp.exp()
-        s, moved, took = self._claims(p, start)
-        if s.stop == s.start:
+        if not self.parent.numel():
             return exact
-        rows, tok, rel = self.parent[s] - start, self.tok[s], exact.clone()
+        rows, moved, took = self._claims(p, start)       # a child outside the chunk: moved 0, took nothing
+        tok, nb, m, none = self.tok, self.nb, rows.numel(), torch.zeros_like(exact)
         if not self.greedy:                          # the sample's claimer replaces it (at most one per node)
-            hit = (took & (self.nb[s] == exact[rows][:, None])).any(1)
-            rel[rows[hit]] = tok[hit]
-            return rel
+            hit = (took & (nb == exact[rows][:, None])).any(1)
+            who = torch.full_like(exact, -1).scatter_reduce(0, rows, torch.where(hit, torch.arange(
+                m, device=rows.device), -1), "amax")                    # no boolean-mask indexing: no host sync
+            return torch.where(who >= 0, tok[who.clamp(min=0)].to(exact.dtype), exact)
         p = p.double()
         lifted = torch.where(moved > 0, p[rows, tok] + moved, -1.0)         # p~ of each child that claimed
         y = exact[rows]
-        y_gone = (took & (self.nb[s] == y[:, None])).any(1)             # the exact argmax was claimed
+        y_gone = (took & (nb == y[:, None])).any(1)                     # the exact argmax was claimed
         p_y = p.gather(1, exact[:, None])[:, 0]
-        p_y = p_y.index_put((rows[y_gone],), torch.zeros_like(rows[y_gone], dtype=torch.float64))
-        y_up = (moved > 0) & (tok == y)
-        p_y = p_y.index_put((rows[y_up],), lifted[y_up])
+        p_y = torch.where(none.scatter_reduce(0, rows, y_gone.long(), "amax") > 0, 0.0, p_y)
+        y_up = (moved > 0) & (tok == y)                                 # (at most one child per node: y itself)
+        up = torch.full_like(p_y, -1.0).scatter_reduce(0, rows, torch.where(y_up, lifted, -1.0), "amax")
+        p_y = torch.where(none.scatter_reduce(0, rows, y_up.long(), "amax") > 0, up, p_y)
         best = torch.full_like(p_y, -1.0).scatter_reduce(0, rows, lifted, "amax")
         wins = (lifted == best[rows]) & (lifted > p_y[rows])
-        pos = torch.where(wins, torch.arange(rows.numel(), device=rows.device), rows.numel())
-        first = torch.full_like(exact, rows.numel()).scatter_reduce(0, rows, pos, "amin")   # earliest winner
-        take = first < rows.numel()
-        rel[take] = tok[first[take]]
-        return rel
+        pos = torch.where(wins, torch.arange(m, device=rows.device), m)
+        first = torch.full_like(exact, m).scatter_reduce(0, rows, pos, "amin")   # earliest winner
+        return torch.where(first < m, tok[first.clamp(max=m - 1)].to(exact.dtype), exact)
 
     def accept(self, tree: TokenTree, choices: Tensor) -> Accepted:
         """accept_greedy on the relaxed choices [N+1], with `relaxed`: per emitted token whether it differs from

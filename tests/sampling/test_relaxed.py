@@ -19,6 +19,7 @@ from specexec.options import ConfigError
 from specexec.acceptance.relaxed import Neighbours, Relaxation
 from specexec.tree import TokenTree
 from specexec.tuning.acceptance import position_log_probs
+from tests.sync_count import SyncCounter
 from tests.tiny_models import prompt
 
 BUILDERS = ["specexec", "chain", "static", "dynamic", "rsd", "recycling"]
@@ -223,3 +224,25 @@ def test_what_relaxed_cannot_take_is_refused(pair) -> None:
     auto = Engine(target, draft, EngineConfig(builder="rsd"), make_builder("rsd"))
     assert auto.rule_for(SamplingParams(temperature=1.0), Acceptance("relaxed", 0.1, 4)).name == "sample_match"
     assert auto.rule_for(SamplingParams(temperature=1.0)).name == "rrs_wor"
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_relaxed_verification_syncs_three_times_whatever_its_chunks(greedy: bool) -> None:
+    """Budget per verification (issue 62, finding 4; counted the CUDA way, tests/sync_count.py): 1 when built (the
+    widest sibling group sizes the claim walk), 0 per chunk of target rows (no slice bounds read back, no
+    unique(), no boolean-mask indexing), 2 at the accept (the rule's read of the path and the relaxed flags).
+    Before: 2 + 8 per chunk greedy (4 sampling) + 2."""
+    vocab, k = 40, 6
+    gen = torch.Generator().manual_seed(5)
+    neighbours = Neighbours(torch.randn(vocab, 8, generator=gen), "cpu")
+    neighbours.lookup(torch.arange(vocab), k)                            # the table filled (its own cost)
+    tree = _random_tree(gen, 24, vocab)
+    logp = torch.log_softmax(torch.randn(24, vocab, generator=gen) * 2, -1)
+    exact = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+    with SyncCounter() as built:
+        relax = Relaxation(tree, neighbours, Acceptance("relaxed", 0.5, k), greedy)
+    with SyncCounter() as chunks:
+        choices = torch.cat([relax.choose(s, logp[s:s + 7], exact[s:s + 7]) for s in range(0, 24, 7)])
+    with SyncCounter() as accepted:
+        relax.accept(tree, choices)
+    assert (built.total, chunks.total, accepted.total) == (1, 0, 2), (built.ops, chunks.ops, accepted.ops)
