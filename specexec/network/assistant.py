@@ -34,6 +34,15 @@ from specexec.network.model import Transformer, on_meta
 from specexec.network.rope import apply_rope
 
 
+GATHER_BYTES = 256 << 20       # the centroid head's gathered embedding rows [rows, k * per, D] per step, at most
+
+
+def gather_rows(picked: int, dim: int, elem: int) -> int:
+    """Rows of the centroid head computed together so that their gathered rows [rows, picked, dim] (elem bytes)
+    stay within GATHER_BYTES (at least 1 row)."""
+    return max(1, GATHER_BYTES // max(1, picked * dim * elem))
+
+
 class Assistant(Drafter):
     """`args`: the assistant's decoder (its own width D, layer kinds, heads); `shape.target_dim`: D_t;
     `sources` {layer kind's window (None: full): the target layer whose K/V that kind reads}; `centroids`:
@@ -109,9 +118,12 @@ class Assistant(Drafter):
         B, T, _ = x.shape
         q = attn.q_norm(attn.q_proj(block.input_layernorm(x)).view(B, T, attn.n_heads, attn.head_dim))
         q = apply_rope(q.transpose(1, 2), cos, sin)
+        # No mask: the queries folded per KV head [B, H_kv, G*T, hd], as attend() does (enable_gqa has no fused
+        # CUDA kernel at head size 512: the math one repeats K/V per query head and builds H x T x S scores).
         if k.shape[2]:
-            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=1.0,
-                                                 enable_gqa=attn.n_heads != k.shape[1])
+            qf = q.reshape(B, k.shape[1], -1, attn.head_dim)
+            out = F.scaled_dot_product_attention(qf, k.to(q.dtype), v.to(q.dtype), scale=1.0)
+            out = out.reshape(B, attn.n_heads, T, attn.head_dim)
         else:
             out = torch.zeros_like(q)
         x = x + block.post_attention_layernorm(attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)))
@@ -129,8 +141,11 @@ class Assistant(Drafter):
         per = self.args.vocab_size // self.centroids.out_features
         top = self.centroids(h).topk(self.top_k, dim=-1).indices                    # [R, k]
         ids = self.token_ordering.view(-1, per)[top].reshape(h.shape[0], -1)        # [R, k * per]
-        picked = (h.unsqueeze(1) @ w[ids].transpose(1, 2)).squeeze(1)              # [R, k * per]
-        out = picked.new_full((h.shape[0], self.args.vocab_size), float(picked.min()) - 1.0)
+        step = gather_rows(ids.shape[1], w.shape[1], w.element_size())
+        picked = torch.cat([(h[i:i + step, None] @ w[ids[i:i + step]].transpose(1, 2))[:, 0]
+                            for i in range(0, h.shape[0], step)])                   # [R, k * per]
+        floor = picked.amin() - 1.0                        # on the device: no host sync per draft pass
+        out = floor.expand(h.shape[0], self.args.vocab_size).clone()
         return out.scatter_(1, ids, picked).float()
 
     def new_cache(self, capacity: int, quant: str = "none", tail: int = 0) -> KVCache:

@@ -115,3 +115,33 @@ def test_plan_counts_its_layers_and_no_cache_of_its_own(capsys, gemma4, assistan
                  "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "gemma4-assistant: 3 decoder layer(s)" in out and "none: it attends to the target's K/V" in out, out
+
+
+@torch.no_grad()
+def test_a_draft_pass_makes_no_host_sync_and_bounds_its_gather(gemma4: Path, assistant: Path, monkeypatch) -> None:
+    """Issue 62, finding 2. Budget: 0 host syncs per draft pass and its logits (the centroid head's floor stays
+    on the device; it was float(picked.min()), one per pass), counted the CUDA way (tests/sync_count.py). The
+    head's gathered rows [rows, k * per, D] come in steps of at most GATHER_BYTES: one row a step gives the
+    same logits. (The attention, now folding queries per KV head, is held to transformers' by the test above.)"""
+    from specexec.network import assistant as module
+    from tests.sync_count import SyncCounter
+
+    target = load_model(gemma4, "cpu", "float32")
+    ours, _ = load_drafter(choose(parse_draft(str(assistant)), gemma4, target.args), target, torch.float32,
+                           torch.device("cpu"))
+    ids = torch.tensor(prompt(15))
+    n = ids.numel()
+    cache = target.new_cache(n + 4)
+    hidden = target(ids[None], torch.arange(n)[None], TreeMask(0), cache)
+    cache.advance(n)
+    ours.attend_to(cache)
+    state = ours.read_target(hidden[0, -3:], None)[None]                      # 3 rows
+    tokens, pos = ids[None, -3:], torch.full((1, 3), n)
+    with SyncCounter() as c:
+        state = ours(tokens, pos, states=state)
+        logits = ours.logits(state)
+    assert c.total == 0, c.ops
+    monkeypatch.setattr(module, "GATHER_BYTES", 1)
+    assert module.gather_rows(64, 48, 4) == 1
+    torch.testing.assert_close(ours.logits(state), logits, rtol=0, atol=1e-6)
+
