@@ -15,8 +15,16 @@ from cli.main import main
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
 
 
+def _private_rates(monkeypatch, tmp_path: Path) -> None:
+    """doctor keeps the disk's measured rate for `plan`; here in tmp_path, so no plan of the session reads it."""
+    monkeypatch.setattr("specexec.tuning.disk_rate.store_path", lambda kind, fp: tmp_path / "rates" / f"{fp}.json")
+
+
 @cpu_only
-def test_cpu_report_and_json_shape(capsys, tmp_path: Path) -> None:
+def test_cpu_report_and_json_shape(capsys, tmp_path: Path, monkeypatch) -> None:
+    from specexec.tuning.disk_rate import measured_read_gbps
+
+    _private_rates(monkeypatch, tmp_path)
     disk = tmp_path / "cache"
     assert main(["doctor", "--json", "--io-mb", "4", "--cache-dir", str(disk)]) == 0
     out = capsys.readouterr().out.strip()
@@ -26,6 +34,8 @@ def test_cpu_report_and_json_shape(capsys, tmp_path: Path) -> None:
     assert r["cuda"]["cuda_available"] is False and r["cuda"]["gpus"] == [] and r["cuda"]["torch"] == torch.__version__
     assert r["disk"]["ok"] and r["disk"]["read_gbps"] > 0 and r["disk"]["dir"] == str(disk)
     assert list(disk.iterdir()) == []                                  # the probe's file is gone
+    kept = measured_read_gbps(disk)                                    # what `specexec plan` prices the SSD with
+    assert kept is not None and kept.gbps == pytest.approx(r["disk"]["read_gbps"], abs=0.006)
     assert r["bitsandbytes"]["cuda_kernels"] is None and r["ram"]["available_bytes"] > 0
     t = r["tiny_model"]
     assert t["device"] == "cpu" and t["tokens"] > 0 and t["equal"] == {"cpu resident": True, "cpu streamed (ssd)": True}
@@ -36,6 +46,7 @@ def test_cpu_report_and_json_shape(capsys, tmp_path: Path) -> None:
 
 @cpu_only
 def test_text_report_and_a_mismatch_fails(capsys, tmp_path: Path, monkeypatch) -> None:
+    _private_rates(monkeypatch, tmp_path)
     real = doctor._tokens
     monkeypatch.setattr(doctor, "_tokens", lambda t, d, dev, cache, offload: real(t, d, dev, cache, offload)
                         + ([0] if offload == "ssd" else []))
