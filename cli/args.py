@@ -264,12 +264,9 @@ def apply_catalog_defaults(args: argparse.Namespace, console: Console | None = N
     cli/fetch.py), then for a models.yaml name use its recommended draft (unless --draft/--no-draft), default
     budget and quantization (unless given), then bring the draft. A directory path is never looked up."""
     from specexec.checkpoints.catalog import find
-    from specexec.checkpoints.loading import check_model_path
 
     entry = find(args.model)
     fetch_model(args, "model", target_reserve(args))
-    if args.model:                                # a wrong path is said first, before any flag that needs it
-        check_model_path(args.model)
     if entry is not None:
         _entry_defaults(args, entry, console)
     if not getattr(args, "no_draft", False) and not is_self_draft(getattr(args, "draft", None)):
@@ -292,6 +289,16 @@ def _entry_defaults(args: argparse.Namespace, entry, console: Console | None) ->
                       highlight=False)
 
 
+def check_target(args: argparse.Namespace) -> None:
+    """--model names a checkpoint on this machine (checkpoints/loading.check_model_path), checked after every
+    flag's value (a bad value is reported even with a wrong path) and before the draft the builder needs (a
+    mistyped path is reported as such, not as a missing draft)."""
+    from specexec.checkpoints.loading import check_model_path
+
+    if args.model:
+        check_model_path(args.model)
+
+
 def check_draft(args: argparse.Namespace, config: EngineConfig, default_self: bool = False) -> bool:
     """--draft/--no-draft against the builder. default_self (chat): no draft named and none recommended means
     a drafter the model's own checkpoint carries when it has one (drafters/registry.offered_kind: its MTP layer,
@@ -300,11 +307,13 @@ def check_draft(args: argparse.Namespace, config: EngineConfig, default_self: bo
     from specexec.drafters.registry import offered_kind
     from specexec.runtime.self_draft import SELF
 
-    chosen = default_self and not args.draft and not args.no_draft and builder_needs_draft(config.builder)
+    needs = builder_needs_draft(config.builder)          # an unknown --builder is said before the path
+    check_target(args)
+    chosen = default_self and not args.draft and not args.no_draft and needs
     if chosen:
         kind = offered_kind(args.model)
         args.draft = kind.name if kind is not None else SELF
-    check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
+    check_draft_choice(args.draft, args.no_draft, config.builder, needs)
     return chosen
 
 

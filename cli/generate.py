@@ -25,7 +25,7 @@ from rich.markup import escape
 
 from cli import threads
 from cli.args import (add_engine_args, add_model_args, add_offload_args, add_sampling_args, apply_catalog_defaults,
-                      engine_config, offload_config, print_plan, sampling_params)
+                      check_target, engine_config, offload_config, print_plan, sampling_params)
 from offload.formats.bounded_read import MAX_BYTES, read_bytes, read_stream, too_large
 from specexec.config import EngineConfig, SamplingParams
 from cli.prefill_bar import prefill_bar
@@ -77,7 +77,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
                            draft_vocab=parse_draft_vocab(args.draft_vocab))
     sampling = sampling_params(args)
     check_number("--n", args.n, low=1, high=10_000)
-    check_draft_choice(args.draft, args.no_draft, config.builder, builder_needs_draft(config.builder))
+    needs = builder_needs_draft(config.builder)          # an unknown --builder is said before the path
+    check_target(args)
+    check_draft_choice(args.draft, args.no_draft, config.builder, needs)
     check_chat_options(args.chat, args.system)
     if args.system is not None:
         check_prompt_text(args.system, "--system", allow_empty=True)
@@ -222,8 +224,8 @@ def relaxed_note(stats: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
     apply_catalog_defaults(args, console)
-    config, sampling = _configs(args)
     offload = offload_config(args)
+    config, sampling = _configs(args)
     prompt = read_prompt(args)
     from specexec.runtime.assembly import Runtime
 

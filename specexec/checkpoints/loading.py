@@ -99,7 +99,7 @@ def check_model_path(spec: str) -> Path:
     or a directory with config.json; else one ConfigError naming the path. The commands call it before any
     other check, so a mistyped path is reported as such (not as a missing draft)."""
     path = resolve_model_path(spec)
-    if not is_gguf(path) and not (path / "config.json").exists():
+    if not is_gguf(path) and not os.path.lexists(path / "config.json"):    # a broken link: the reader says why
         raise ConfigError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
     return path
 

@@ -80,7 +80,7 @@ def test_first_chat_downloads_plans_converts_then_prompts(hub: LocalHub, tiny_pa
              rf"memory ledger: target 4 layers {FORMAT}",                    # the plan before any conversion
              r"offload plan \(ssd, 4 target layers",
              r"SSD tier +4 layers",
-             rf"quantizing to {FORMAT} .* 4/4 layers \d:\d\d:\d\d \d:\d\d:\d\d",  # elapsed, then the ETA column
+             rf"quantizing to {FORMAT} .* 4/4 layers [\d.]+ MB/s \d:\d\d:\d\d ETA \d:\d\d:\d\d",  # MB/s of input, elapsed, then the ETA
              r"^>>> Hello"]
     at = []
     for step in steps:

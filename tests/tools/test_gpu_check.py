@@ -62,7 +62,7 @@ def test_the_driver_runs_each_step_apart_under_the_deadline(tmp_path: Path, monk
 def test_what_travels_and_what_a_dry_run_hides() -> None:
     required, optional = image.missing()
     assert required == ["bitsandbytes"]                     # NF4 on CUDA: the one wheel the image lacks
-    assert {"uvicorn", "starlette", "openai", "gguf", "pexpect", "pydantic", "llguidance",
+    assert {"uvicorn", "starlette", "openai", "anthropic", "gguf", "pexpect", "pydantic", "llguidance",
             "openai-agents"} == set(optional)
     assert {"torch", "transformers", "safetensors", "pytest-xdist", "hypothesis"} <= image.IMAGE
     env = dict(os.environ, SPECEXEC_HIDE_PACKAGES="json_hidden_probe,uvicorn",
