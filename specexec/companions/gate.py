@@ -276,23 +276,6 @@ class StepGate(Protocol):
 
     def observe(self, speculative: bool, tokens: int, seconds: float) -> Switch | None: ...
 
-    def _decide_early(self) -> None:
-        """Drafting stops as soon as what is known (the verdict: this machine's measured draft and target costs
-        and the acceptance, its prior at first) predicts the target alone more than `margin` faster: a short
-        answer is over before the measured rates could say so (cold + least + confirm steps). Asked once it
-        answers, and no more once the measured rates judge (`least` speculative steps heard). Then it is probed
-        back after `recheck` plain steps, as a switch decided on few steps is, and judged on measurements."""
-        predicted = self.verdict() if self._since_on < self.least and self.drafting else None
-        if self._since_on >= self.least or not self.drafting:
-            self._verdict_open = False
-        if predicted is None:
-            return
-        self._verdict_open = False
-        spec, plain = predicted
-        if spec > 0 and plain > (1 + self.margin) * spec:
-            self.drafting, self._switched_off, self._gap, self._plain_run = False, True, self.recheck, 0
-            self.initial = Switch(False, plain, spec, 0)
-
     def charge(self, seconds: float) -> None: ...
 
 
