@@ -61,7 +61,7 @@ def clean(tiny_pair, tiny_perturbed_draft, tmp_path_factory) -> dict:
 def assert_nothing_kept(root: Path) -> None:
     seen = entries(root)
     assert seen["final"] == [] and seen["temp"] == [], seen
-    assert all(lock_is_free(root / lock) for lock in seen["lock"])
+    assert all(lock_is_free(root / ".locks" / lock) for lock in seen["lock"])
 
 
 def test_disk_full_mid_write_keeps_nothing_and_a_rerun_matches_a_clean_run(

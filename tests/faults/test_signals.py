@@ -118,7 +118,7 @@ def test_signal_while_writing_the_cache_leaves_it_complete_or_absent(tiny_pair, 
         seen = entries(root)
         # no cache; the interrupted build's directory is kept for the next build to resume (one layer written)
         assert seen["final"] == [] and seen["temp"] == [f".{seen['lock'][0][:-5]}.tmp-{proc.pid}"], (sig, seen)
-        assert len(seen["lock"]) == 1 and lock_is_free(root / seen["lock"][0])
+        assert len(seen["lock"]) == 1 and lock_is_free(root / ".locks" / seen["lock"][0])
 
         assert main([*CONVERT, "--model", str(tiny_pair[0]), "--out", str(root)]) == 0      # a rerun resumes
         out, err = capsys.readouterr()

@@ -12,7 +12,7 @@ import torch
 
 from offload.cache import journal
 from offload.cache import store as C
-from offload.cache.store import LayerCache
+from offload.cache.store import LOCKS, LayerCache
 from specexec.checkpoints.loading import read_args
 from specexec.checkpoints.naming import layer_names
 
@@ -63,7 +63,7 @@ def test_an_interrupted_build_resumes_with_the_layers_it_lacks(model: Path, tmp_
         stop_at(m, 2, exc)
         with pytest.raises(type(exc)):
             build(model, tmp_path / "c")
-    temps = [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".")]
+    temps = [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".") and p.name != LOCKS]
     assert len(temps) == 1 and len(journal.read_entries(temps[0], {})) == 0          # keyed: another build reads none
     calls, log = count_quantized(monkeypatch), []
     again = build(model, tmp_path / "c", log=log.append)
@@ -72,7 +72,7 @@ def test_an_interrupted_build_resumes_with_the_layers_it_lacks(model: Path, tmp_
     assert digests(again) == digests(reference)
     assert (again.file.stat().st_size == reference.file.stat().st_size
             and not (again.path / journal.JOURNAL).exists())
-    assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".") and p.name != LOCKS] == []
 
 
 def test_a_layer_whose_bytes_changed_is_converted_again(model: Path, tmp_path: Path,
@@ -84,7 +84,7 @@ def test_a_layer_whose_bytes_changed_is_converted_again(model: Path, tmp_path: P
         stop_at(m, 2, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             build(model, tmp_path / "c")
-    (tmp,) = [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".")]
+    (tmp,) = [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".") and p.name != LOCKS]
     second = json.loads((tmp / journal.JOURNAL).read_text().splitlines()[2])
     with open(tmp / "layers.bin", "r+b") as f:
         f.seek(second["offset"] + 100)
@@ -125,7 +125,7 @@ def test_convert_quality_threads_and_the_bar(model: Path, tmp_path: Path, capsys
         torch.set_num_threads(threads)
     out, err = capsys.readouterr()
     assert "(built): 4 layers, int4" in out and "B/s" in err and "ETA" in err and "4/4 layers" in err
-    (cache,) = [p for p in root.iterdir() if p.is_dir()]
+    (cache,) = [p for p in root.iterdir() if p.is_dir() and p.name != LOCKS]
     assert json.loads((cache / "manifest.json").read_text())["search"] == "quality"
     assert main(["convert", "--model", str(model), "--quant", "int4", "--out", str(root), "--threads", "0"]) == 2
     err = capsys.readouterr().err
