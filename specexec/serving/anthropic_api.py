@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,16 +77,20 @@ def _text_blocks(content: Any, param: str) -> str:
     return "".join(parts)
 
 
+def _blocks(content: Any, i: int) -> Iterator[tuple[Any, str, Any]]:
+    """messages[i]'s content blocks as (type, where it is for errors, the block); not an array: a 400."""
+    if not isinstance(content, list):
+        raise _bad(f"messages[{i}].content must be a string or an array of content blocks")
+    for j, block in enumerate(content):
+        yield (block.get("type") if isinstance(block, dict) else None), f"messages[{i}].content[{j}]", block
+
+
 def _user(content: Any, i: int) -> list[dict]:
     """A user turn: a tool message per tool_result block, then a user message with its text (if any)."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    if not isinstance(content, list):
-        raise _bad(f"messages[{i}].content must be a string or an array of content blocks")
     out, text = [], []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        where = f"messages[{i}].content[{j}]"
+    for kind, where, block in _blocks(content, i):
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
         elif kind == "tool_result":
@@ -105,12 +109,8 @@ def _assistant(content: Any, i: int) -> dict:
     """An assistant turn: its text blocks as content, its tool_use blocks as tool_calls."""
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    if not isinstance(content, list):
-        raise _bad(f"messages[{i}].content must be a string or an array of content blocks")
     text, calls = [], []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        where = f"messages[{i}].content[{j}]"
+    for kind, where, block in _blocks(content, i):
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
         elif kind == "tool_use":
